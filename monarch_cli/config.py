@@ -1,0 +1,65 @@
+"""Runtime settings, set once per process with :func:`configure`.
+
+Settings travel to every proc a process spawns (inside the bootstrap message), so a
+controller's choice of timeouts holds across the whole mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+
+@dataclasses.dataclass
+class Settings:
+    #: Default timeout (seconds) for ``Future.get()`` when none is given; ``None`` waits forever.
+    call_timeout: Optional[float] = None
+    #: How long ``spawn_procs``/``spawn`` may take before they fail.
+    spawn_timeout: float = 60.0
+    #: Interval of the liveness heartbeat between a process and the agents it uses.
+    heartbeat_interval: float = 0.5
+    #: Silence after which an agent (or a client, seen from the agent) counts as gone.
+    heartbeat_timeout: float = 5.0
+    #: ``"tcp"`` (CURVE-encrypted, works across hosts) or ``"ipc"`` (unix sockets, one host).
+    transport: str = "tcp"
+    #: Address other hosts use to reach this process; default: ``$MONARCH_HOST`` or this host's IP.
+    host: Optional[str] = None
+    #: Grace period between SIGTERM and SIGKILL when a proc mesh stops.
+    stop_grace: float = 5.0
+
+
+_settings = Settings()
+_FIELDS = {f.name for f in dataclasses.fields(Settings)}
+
+
+def configure(**kwargs: Any) -> Settings:
+    """Change runtime settings for this process (and the procs it spawns from now on)."""
+    unknown = set(kwargs) - _FIELDS
+    if unknown:
+        raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(_FIELDS))}")
+    if "transport" in kwargs and kwargs["transport"] not in ("tcp", "ipc"):
+        raise ValueError(f"transport must be 'tcp' or 'ipc', not {kwargs['transport']!r}")
+    for name, value in kwargs.items():
+        setattr(_settings, name, value)
+    return _settings
+
+
+def settings() -> Settings:
+    return _settings
+
+
+def advertised_host() -> str:
+    """The address peers should use to reach sockets bound by this process."""
+    if _settings.host:
+        return _settings.host
+    env = os.environ.get("MONARCH_HOST")
+    if env:
+        return env
+    import socket
+
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+    return addr or "127.0.0.1"

@@ -1,0 +1,342 @@
+"""The host agent: one long-lived process per host that spawns and supervises procs.
+
+Start it from any scheduler as ``python -m monarch_cli.runtime.agent --address-file F``
+with the reservation keys in ``$MONARCH_KEYS``/``$MONARCH_KEY_FILE`` or on stdin. It binds
+a free port, writes its address, and then:
+
+* forks procs from its zygote on request and reports each proc's exit (code or signal) to
+  the process that owns it at once;
+* kills a client's procs when the client says it exits or stops heartbeating, so no mesh
+  outlives its owner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import zmq
+
+from ..config import configure, settings
+from . import wire
+from .errors import Failure
+from .keys import Keys, keys_from_environment
+from .transport import Transport
+
+READY_PREFIX = "MONARCH_AGENT_READY "
+
+
+@dataclasses.dataclass
+class _Proc:
+    proc_id: str
+    owner: str
+    pid: int
+    stopping: bool = False
+    kill_at: Optional[float] = None
+
+
+@dataclasses.dataclass
+class _Client:
+    last_seen: float
+    timeout: float
+
+
+class _Zygote:
+    """The agent's handle on its fork server."""
+
+    def __init__(self) -> None:
+        self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno())],
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+
+    def fork(self, req_id: int, boot: Dict[str, Any], fds: Tuple[int, ...] = ()) -> None:
+        socket.send_fds(self.sock, [pickle.dumps(("fork", req_id, boot))], list(fds))
+
+    def receive(self) -> Optional[Tuple[Any, ...]]:
+        data = self.sock.recv(1 << 16)
+        return pickle.loads(data) if data else None
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+        except ProcessLookupError:
+            pass
+
+
+class HostAgent:
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+        self.transport = Transport(keys)
+        self.inbox, self.address = self.transport.bind_router()
+        self.host = socket.gethostname()
+        self.zygote = _Zygote()
+        self.procs: Dict[int, _Proc] = {}  # by pid
+        self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
+        self.clients: Dict[str, _Client] = {}
+        self.stops: List[Tuple[int, str, Set[str]]] = []  # (call id, reply to, proc ids left)
+        self._socks: Dict[str, zmq.Socket] = {}
+        self._next_req = 0
+        self.running = True
+
+    # ------------------------------------------------------------------ sending
+    def send(self, address: str, header: Tuple[Any, ...], body: List[Any] = ()) -> None:  # type: ignore[assignment]
+        sock = self._socks.get(address)
+        if sock is None:
+            sock = self._socks[address] = self.transport.dealer(address)
+        sock.send_multipart([pickle.dumps(header, 5), *body], copy=False)
+
+    def reply(self, address: str, cid: int, ok: bool, value: Any) -> None:
+        self.send(address, ("result", cid, ok), wire.dumps(value if ok else (value, "", None)))
+
+    # --------------------------------------------------------------------- loop
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.transport.zap, zmq.POLLIN)
+        poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
+        while self.running:
+            events = dict(poller.poll(200))
+            if self.transport.zap in events:
+                self.transport.serve_zap()
+            if self.zygote.sock.fileno() in events:
+                self._from_zygote()
+            if self.inbox in events:
+                while True:
+                    try:
+                        frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(frames)
+                    except Exception as e:  # noqa: BLE001 - keep serving the other clients
+                        print(f"monarch agent: bad request: {type(e).__name__}: {e}", file=sys.stderr)
+            self._check_clients()
+            self._check_stops()
+        self._kill_all()
+        self.zygote.kill()
+
+    def _handle(self, frames: List[zmq.Frame]) -> None:
+        header = pickle.loads(frames[1].buffer)
+        kind = header[0]
+        if kind == "heartbeat":
+            client = self.clients.get(header[1])
+            if client is not None:
+                client.last_seen = time.monotonic()
+            self.send(header[1], ("hb", self.address))
+        elif kind == "ping":
+            _, cid, reply_to = header
+            self.reply(reply_to, cid, True, {"host": self.host, "pid": os.getpid(), "procs": len(self.procs)})
+        elif kind == "spawn_procs":
+            _, cid, reply_to = header
+            specs, client_settings = wire.loads(frames[2:])
+            self._spawn(reply_to, specs, client_settings)
+            self.reply(reply_to, cid, True, None)
+        elif kind == "stop_procs":
+            _, cid, reply_to, proc_ids, grace = header
+            self._stop(cid, reply_to, set(proc_ids), grace)
+        elif kind == "client_exit":
+            self._reap_client(header[1], "client exited")
+        elif kind == "shutdown":
+            _, cid, reply_to = header
+            self.reply(reply_to, cid, True, None)
+            self.running = False
+
+    def _spawn(self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any]) -> None:
+        self.clients[owner] = _Client(time.monotonic(), float(client_settings.get("heartbeat_timeout", 5.0)))
+        for proc_id, ready_cid in specs:
+            self._next_req += 1
+            boot = {
+                "keys": self.keys.encode(),
+                "proc_id": proc_id,
+                "ready_call_id": ready_cid,
+                "owner": owner,
+                "agent": self.address,
+                "host": self.host,
+                "settings": client_settings,
+            }
+            self.forking[self._next_req] = (proc_id, owner)
+            self.zygote.fork(self._next_req, boot)
+
+    def _from_zygote(self) -> None:
+        msg = self.zygote.receive()
+        if msg is None:
+            print("monarch agent: the zygote died; exiting", file=sys.stderr)
+            self.running = False
+            return
+        if msg[0] == "forked":
+            _, req, pid = msg
+            proc_id, owner = self.forking.pop(req)
+            self.procs[pid] = _Proc(proc_id, owner, pid)
+        elif msg[0] == "exit":
+            _, pid, status = msg
+            proc = self.procs.pop(pid, None)
+            if proc is None:
+                return
+            failure = Failure(
+                proc=proc.proc_id,
+                host=self.host,
+                pid=pid,
+                exitcode=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                reason="stopped" if proc.stopping else "",
+            )
+            self.send(proc.owner, ("event", "proc_exit", proc.proc_id, failure, proc.stopping))
+            for _, _, left in self.stops:
+                left.discard(proc.proc_id)
+
+    # ----------------------------------------------------------------- stopping
+    def _stop(self, cid: int, reply_to: str, proc_ids: Set[str], grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            if p.proc_id in proc_ids and not p.stopping:
+                p.stopping = True
+                p.kill_at = deadline
+                _signal(p.pid, signal.SIGTERM)
+        live = {p.proc_id for p in self.procs.values()}
+        self.stops.append((cid, reply_to, proc_ids & live))
+
+    def _check_stops(self) -> None:
+        now = time.monotonic()
+        for p in self.procs.values():
+            if p.kill_at is not None and now >= p.kill_at:
+                _signal(p.pid, signal.SIGKILL)
+                p.kill_at = None
+        done = [s for s in self.stops if not s[2]]
+        for cid, reply_to, _ in done:
+            self.reply(reply_to, cid, True, None)
+        self.stops = [s for s in self.stops if s[2]]
+
+    def _check_clients(self) -> None:
+        now = time.monotonic()
+        for addr, client in list(self.clients.items()):
+            if now - client.last_seen > client.timeout:
+                self._reap_client(addr, f"no heartbeat for {now - client.last_seen:.1f} s")
+
+    def _reap_client(self, addr: str, why: str) -> None:
+        self.clients.pop(addr, None)
+        victims = [p for p in self.procs.values() if p.owner == addr]
+        if victims:
+            print(f"monarch agent: {why}; killing its {len(victims)} proc(s)", file=sys.stderr, flush=True)
+        for p in victims:
+            p.stopping = True
+            _signal(p.pid, signal.SIGKILL)
+        sock = self._socks.pop(addr, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _kill_all(self) -> None:
+        for p in self.procs.values():
+            _signal(p.pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+# --------------------------------------------------------------------- launching
+_private: List[subprocess.Popen] = []
+
+
+def start_private_agent(keys: Keys, timeout: float = 30.0) -> str:
+    """Start an agent that lives exactly as long as this process (its stdin is our pipe)."""
+    r, w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monarch_cli.runtime.agent", "--ready-fd", str(w), "--keys-stdin", "--exit-with-stdin"],
+        stdin=subprocess.PIPE,
+        pass_fds=[w],
+    )
+    os.close(w)
+    assert proc.stdin is not None
+    proc.stdin.write(keys.encode().encode() + b"\n")
+    proc.stdin.flush()
+    _private.append(proc)
+    try:
+        return _read_ready(r, proc, timeout)
+    finally:
+        os.close(r)
+
+
+def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            proc.kill()
+            raise TimeoutError(f"host agent did not start within {timeout} s")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                code = proc.wait()
+                raise RuntimeError(f"host agent exited during start-up with code {code}")
+            buf += chunk
+    return buf.split(b"\n", 1)[0].decode().removeprefix(READY_PREFIX).strip()
+
+
+def _watch_stdin(agent: HostAgent) -> None:
+    while sys.stdin.buffer.read(4096):
+        pass
+    agent.zygote.kill()  # its procs follow (PDEATHSIG)
+    os._exit(0)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m monarch_cli.runtime.agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--address-file", type=Path, help="write the agent's address here once it listens")
+    parser.add_argument("--ready-fd", type=int, help="write the address to this inherited fd")
+    parser.add_argument("--keys-stdin", action="store_true", help="read the reservation keys from stdin's first line")
+    parser.add_argument("--exit-with-stdin", action="store_true", help="exit (killing all procs) when stdin closes")
+    parser.add_argument("--host", help="address to advertise to peers (default: $MONARCH_HOST or this host's IP)")
+    args = parser.parse_args(argv)
+    if args.host:
+        configure(host=args.host)
+    try:
+        if args.keys_stdin:
+            keys: Optional[Keys] = Keys.decode(sys.stdin.readline())
+        else:
+            keys = keys_from_environment()
+    except (ValueError, OSError) as e:
+        print(f"monarch agent: cannot read the reservation keys: {e}", file=sys.stderr)
+        return 2
+    if keys is None:
+        print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
+    agent = HostAgent(keys)
+    if args.exit_with_stdin:
+        threading.Thread(target=_watch_stdin, args=(agent,), daemon=True).start()
+    line = f"{READY_PREFIX}{agent.address}\n"
+    if args.address_file:
+        tmp = args.address_file.with_name(args.address_file.name + ".tmp")
+        tmp.write_text(line)
+        os.replace(tmp, args.address_file)
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, line.encode())
+        os.close(args.ready_fd)
+    if not args.address_file and args.ready_fd is None:
+        print(line, end="", flush=True)
+    agent.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Exceptions a caller of the runtime sees."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+class MonarchError(Exception):
+    """Base of every error raised by the runtime."""
+
+
+class ActorError(MonarchError):
+    """An endpoint raised. ``remote_traceback`` is the traceback in the actor's process."""
+
+    def __init__(self, message: str, remote_traceback: str = "", exception: Optional[BaseException] = None):
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+        self.exception = exception
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if self.remote_traceback:
+            return f"{base}\n\nRemote traceback:\n{self.remote_traceback.rstrip()}"
+        return base
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What died and how: handed to ``__supervise__`` and carried by :class:`SupervisionError`."""
+
+    proc: str
+    host: str
+    pid: Optional[int]
+    exitcode: Optional[int] = None
+    signal: Optional[int] = None
+    reason: str = ""
+    mesh: Optional[str] = None
+
+    def describe(self) -> str:
+        if self.signal is not None:
+            import signal as _signal
+
+            try:
+                how = f"killed by signal {self.signal} ({_signal.Signals(self.signal).name})"
+            except ValueError:
+                how = f"killed by signal {self.signal}"
+        elif self.exitcode is not None:
+            how = f"exited with code {self.exitcode}"
+        else:
+            how = self.reason or "was lost"
+        where = f"proc {self.proc} (pid {self.pid}) on host {self.host}"
+        if self.reason and (self.signal is not None or self.exitcode is not None):
+            how = f"{how}: {self.reason}"
+        return f"{where} {how}"
+
+
+class SupervisionError(ActorError):
+    """The proc hosting an actor died or became unreachable."""
+
+    def __init__(self, failure: Failure, actor: Optional[str] = None):
+        self.failure = failure
+        self.actor = actor
+        who = f"actor {actor!r}: " if actor else ""
+        super().__init__(f"{who}{failure.describe()}")
+
+
+class CallTimeout(MonarchError, TimeoutError):
+    """A future was not resolved within the requested timeout."""

@@ -1,0 +1,81 @@
+"""Futures returned by every adverb: ``.get(timeout=)`` from threads, ``await`` from coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Callable, Generic, List, Optional, TypeVar
+
+from ..config import settings
+from .errors import CallTimeout
+
+T = TypeVar("T")
+_DEFAULT: Any = object()
+
+
+class Future(concurrent.futures.Future, Generic[T]):
+    def get(self, timeout: Optional[float] = _DEFAULT) -> T:
+        """Block until resolved; raises the remote failure, or :class:`CallTimeout`."""
+        if timeout is _DEFAULT:
+            timeout = settings().call_timeout
+        try:
+            return self.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise CallTimeout(f"no result within {timeout} s") from None
+
+    def __await__(self):  # type: ignore[override]
+        return asyncio.wrap_future(self).__await__()
+
+    def then(self, fn: Callable[[Any], Any]) -> "Future[Any]":
+        """A future of ``fn(result)``; failures pass through unchanged."""
+        out: Future[Any] = Future()
+
+        def _done(f: concurrent.futures.Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            try:
+                out.set_result(fn(f.result()))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                out.set_exception(e)
+
+        self.add_done_callback(_done)
+        return out
+
+
+def gather(futures: List[Future[Any]]) -> Future[List[Any]]:
+    """One future for all of ``futures``: their results in order, or the first failure."""
+    out: Future[List[Any]] = Future()
+    n = len(futures)
+    if n == 0:
+        out.set_result([])
+        return out
+    results: List[Any] = [None] * n
+    state = {"left": n, "failed": False}
+    lock = threading.Lock()
+
+    def _make(i: int) -> Callable[[concurrent.futures.Future], None]:
+        def _done(f: concurrent.futures.Future) -> None:
+            exc = f.exception()
+            with lock:
+                if state["failed"]:
+                    return
+                if exc is not None:
+                    state["failed"] = True
+                else:
+                    results[i] = f.result()
+                    state["left"] -= 1
+                    if state["left"]:
+                        return
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(results)
+
+        return _done
+
+    for i, f in enumerate(futures):
+        f.add_done_callback(_make(i))
+    return out

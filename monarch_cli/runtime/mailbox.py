@@ -1,0 +1,344 @@
+"""The per-process messaging endpoint: one authenticated reply socket, one I/O thread.
+
+Every process of the runtime (controller, proc) has exactly one :class:`Mailbox`. Outgoing
+messages leave on a DEALER socket owned by the sending thread, so a send never waits for
+another thread. Replies, agent events and heartbeat answers arrive on the mailbox's ROUTER
+and are handled by its I/O thread, which also answers ZAP handshakes and sends heartbeats,
+so a blocked caller never stops results from arriving.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import zmq
+
+from ..config import settings
+from . import wire
+from .errors import ActorError, Failure, SupervisionError
+from .future import Future
+from .keys import Keys, keys_from_environment
+
+Header = Tuple[Any, ...]
+
+
+@dataclasses.dataclass
+class _OwnedProc:
+    agent: str
+    host: str
+    mesh: "weakref.ReferenceType[Any] | None"
+    owner_actor: Optional[str]  # actor (in this process) that spawned it, if any
+
+
+class Mailbox:
+    _instance: Optional["Mailbox"] = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self, keys: Keys, owner: Optional[str] = None, proc_id: Optional[str] = None) -> None:
+        from .transport import Transport
+
+        self.keys = keys
+        self.owner = owner  # reply address of whoever spawned this process
+        self.proc_id = proc_id
+        self.transport = Transport(keys)
+        self._reply, self.address = self.transport.bind_router()
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: Dict[int, Tuple[Future[Any], Optional[str], Optional[str]]] = {}
+        self._by_proc: Dict[str, Set[int]] = {}
+        self._dead: Dict[str, Failure] = {}
+        self._procs: Dict[str, _OwnedProc] = {}
+        self._agents: Dict[str, float] = {}
+        self.unhandled: List[Failure] = []
+        #: Set inside procs: called (from the I/O thread) to run an owner's ``__supervise__``.
+        self.supervisor: Optional[Callable[[Failure, str], None]] = None
+        self._closing = False
+        self._wake_addr = f"inproc://mailbox-wake-{id(self)}"
+        self._wake_rx = self.transport.ctx.socket(zmq.PULL)
+        self._wake_rx.bind(self._wake_addr)
+        self._thread = threading.Thread(target=self._io_loop, name="monarch-mailbox", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- lifecycle
+    @classmethod
+    def get(cls, keys: Optional[Keys] = None) -> "Mailbox":
+        """This process's mailbox, created on first use (keys from the environment or new)."""
+        inst = cls._instance
+        if inst is not None:
+            if keys is not None and keys != inst.keys:
+                raise RuntimeError(
+                    "this process is already connected with other reservation keys; "
+                    "one process can drive one reservation"
+                )
+            return inst
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = Mailbox(keys or keys_from_environment() or Keys.generate())
+                atexit.register(cls._instance.close)
+            return cls._instance
+
+    @classmethod
+    def install(cls, mailbox: "Mailbox") -> None:
+        cls._instance = mailbox
+
+    @classmethod
+    def current(cls) -> Optional["Mailbox"]:
+        return cls._instance
+
+    def close(self) -> None:
+        """Tell agents this client is gone (so they reap its procs now), then stop."""
+        if self._closing:
+            return
+        for agent in list(self._agents):
+            try:
+                self.send(agent, ("client_exit", self.address))
+            except zmq.ZMQError:
+                pass
+        self._closing = True
+        try:
+            self._send_wake()
+            self._thread.join(timeout=2.0)
+        except zmq.ZMQError:
+            pass
+        for sock in getattr(self._tls, "socks", {}).values():
+            sock.close(linger=500)
+
+    def _send_wake(self) -> None:
+        sock = getattr(self._tls, "wake", None)
+        if sock is None:
+            sock = self._tls.wake = self.transport.ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.connect(self._wake_addr)
+        sock.send(b"")
+
+    # ------------------------------------------------------------------- sending
+    def send(self, address: str, header: Header, body: Sequence[Any] = ()) -> None:
+        socks: Optional[Dict[str, zmq.Socket]] = getattr(self._tls, "socks", None)
+        if socks is None:
+            socks = self._tls.socks = {}
+        sock = socks.get(address)
+        if sock is None:
+            sock = socks[address] = self.transport.dealer(address)
+        sock.send_multipart([pickle.dumps(header, 5), *body], copy=False)
+
+    def request(
+        self,
+        address: str,
+        make_header: Callable[[int], Header],
+        body: Sequence[Any] = (),
+        proc_id: Optional[str] = None,
+        actor: Optional[str] = None,
+    ) -> Future[Any]:
+        """Send a message that expects one ``result``; the future fails if ``proc_id`` dies."""
+        fut: Future[Any] = Future()
+        cid = next(self._ids)
+        with self._lock:
+            failure = self._dead.get(proc_id) if proc_id else None
+            if failure is None:
+                self._pending[cid] = (fut, proc_id, actor)
+                if proc_id is not None:
+                    ids = self._by_proc.get(proc_id)
+                    if ids is None:
+                        ids = self._by_proc[proc_id] = set()
+                    ids.add(cid)
+        if failure is not None:
+            fut.set_exception(SupervisionError(failure, actor))
+            return fut
+        self.send(address, make_header(cid), body)
+        return fut
+
+    def expect(self, proc_id: Optional[str] = None, actor: Optional[str] = None) -> Tuple[int, Future[Any]]:
+        """Reserve a call id whose result someone else (a new proc) will send."""
+        fut: Future[Any] = Future()
+        cid = next(self._ids)
+        with self._lock:
+            self._pending[cid] = (fut, proc_id, actor)
+            if proc_id is not None:
+                self._by_proc.setdefault(proc_id, set()).add(cid)
+        return cid, fut
+
+    def reply(self, address: str, call_id: int, ok: bool, value: Any) -> None:
+        """Send a call's outcome; an unpicklable value becomes an error, never a lost reply."""
+        try:
+            body = wire.dumps(value)
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            body = wire.dumps(
+                (f"result could not be pickled: {type(e).__name__}: {e}", traceback.format_exc(), None)
+            )
+        self.send(address, ("result", call_id, ok), body)
+
+    # ------------------------------------------------------------- supervision
+    def track_proc(self, proc_id: str, agent: str, host: str, mesh: Any, owner_actor: Optional[str]) -> None:
+        self._procs[proc_id] = _OwnedProc(agent, host, weakref.ref(mesh) if mesh is not None else None, owner_actor)
+        self._agents.setdefault(agent, time.monotonic())
+
+    def watch_agent(self, agent: str) -> None:
+        self._agents.setdefault(agent, time.monotonic())
+
+    def failure_of(self, proc_id: str) -> Optional[Failure]:
+        return self._dead.get(proc_id)
+
+    def proc_failed(self, proc_id: str, failure: Failure, expected: bool = False) -> None:
+        """Fail every pending call to ``proc_id``; supervise the failure unless it was asked for."""
+        with self._lock:
+            if proc_id in self._dead:
+                return
+            self._dead[proc_id] = failure
+            ids = self._by_proc.pop(proc_id, ())
+            entries = [self._pending.pop(i) for i in ids if i in self._pending]
+        for fut, _, actor in entries:
+            if not fut.done():
+                fut.set_exception(SupervisionError(failure, actor))
+        rec = self._procs.pop(proc_id, None)
+        if expected or rec is None:
+            return
+        mesh = rec.mesh() if rec.mesh is not None else None
+        if mesh is not None:
+            mesh._record_failure(failure)
+        if self.supervisor is not None and rec.owner_actor is not None:
+            self.supervisor(failure, rec.owner_actor)
+        else:
+            self.unhandled_failure(failure)
+
+    def unhandled_failure(self, failure: Failure) -> None:
+        """No owner handled ``failure``: hand it up, or (at the controller) report it."""
+        if self.owner is not None and self.proc_id is not None:
+            self.send(self.owner, ("event", "unhandled", self.proc_id, failure))
+            return
+        self.unhandled.append(failure)
+        print(f"monarch: unhandled failure: {failure.describe()}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ I/O loop
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._reply, zmq.POLLIN)
+        poller.register(self.transport.zap, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        next_beat = 0.0
+        while not self._closing:
+            timeout = max(0.0, next_beat - time.monotonic())
+            events = dict(poller.poll(timeout * 1000 if self._agents else 1000))
+            if self.transport.zap in events:
+                self.transport.serve_zap()
+            if self._reply in events:
+                while True:
+                    try:
+                        frames = self._reply.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(frames)
+                    except Exception:  # noqa: BLE001 - one bad message must not stop the loop
+                        traceback.print_exc()
+            if self._agents and time.monotonic() >= next_beat:
+                self._heartbeat()
+                next_beat = time.monotonic() + settings().heartbeat_interval
+
+    def _handle(self, frames: List[zmq.Frame]) -> None:
+        header = pickle.loads(frames[1].buffer)
+        kind = header[0]
+        if kind == "result":
+            _, cid, ok = header
+            with self._lock:
+                entry = self._pending.pop(cid, None)
+                if entry is not None and entry[1] is not None:
+                    ids = self._by_proc.get(entry[1])
+                    if ids is not None:
+                        ids.discard(cid)
+            if entry is None:
+                return  # the call already failed (its proc died); a late answer is dropped
+            fut = entry[0]
+            try:
+                value = wire.loads(frames[2:])
+            except BaseException as e:  # noqa: BLE001
+                fut.set_exception(ActorError(f"could not decode the result: {type(e).__name__}: {e}"))
+                return
+            if ok:
+                fut.set_result(value)
+            else:
+                message, tb, exc = value
+                fut.set_exception(ActorError(message, tb, exc))
+        elif kind == "hb":
+            if header[1] in self._agents:
+                self._agents[header[1]] = time.monotonic()
+        elif kind == "event":
+            self._handle_event(header)
+
+    def _handle_event(self, header: Header) -> None:
+        what = header[1]
+        if what == "proc_exit":
+            _, _, proc_id, failure, expected = header
+            self.proc_failed(proc_id, failure, expected)
+        elif what == "unhandled":
+            _, _, child_proc, failure = header
+            wrapped = dataclasses.replace(
+                failure,
+                reason=f"owner proc {child_proc} did not handle a failure in a mesh it owns: {failure.describe()}",
+            )
+            if child_proc in self._procs:
+                rec = self._procs[child_proc]
+                self.proc_failed(
+                    child_proc,
+                    Failure(proc=child_proc, host=rec.host, pid=None, reason=wrapped.reason),
+                )
+            else:
+                self.unhandled_failure(wrapped)
+        elif what == "endpoint_error":
+            _, _, message = header
+            print(f"monarch: {message}", file=sys.stderr, flush=True)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        limit = settings().heartbeat_timeout
+        for agent, last in list(self._agents.items()):
+            if now - last > limit:
+                self._agent_lost(agent, now - last)
+                continue
+            try:
+                self.send(agent, ("heartbeat", self.address))
+            except zmq.ZMQError:
+                pass
+        live_agents = {rec.agent for rec in self._procs.values()}
+        for agent in list(self._agents):
+            if agent not in live_agents:
+                del self._agents[agent]
+
+    def _agent_lost(self, agent: str, silent_for: float) -> None:
+        self._agents.pop(agent, None)
+        for proc_id, rec in list(self._procs.items()):
+            if rec.agent == agent:
+                self.proc_failed(
+                    proc_id,
+                    Failure(
+                        proc=proc_id,
+                        host=rec.host,
+                        pid=None,
+                        reason=f"its host agent {agent} stopped answering ({silent_for:.1f} s without a heartbeat)",
+                    ),
+                )
+
+
+def mailbox() -> Mailbox:
+    return Mailbox.get()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

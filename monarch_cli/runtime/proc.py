@@ -1,0 +1,246 @@
+"""A proc: the process that hosts actors and runs their endpoints.
+
+The proc's main thread runs an asyncio loop that reads the inbox socket directly, so a
+synchronous endpoint runs with no thread hand-off at all. Messages to one actor are
+handled one at a time, in order; an ``async`` endpoint holds its actor's later messages
+until it returns, while other actors of the proc keep running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import os
+import pickle
+import sys
+import traceback
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import cloudpickle
+import zmq
+
+from ..config import configure
+from . import wire
+from .actor import Context, _enter, _leave
+from .errors import Failure
+from .keys import Keys
+from .mailbox import Mailbox
+from .shape import Point
+
+_boot: Optional[Dict[str, Any]] = None
+_server: Optional["ProcServer"] = None
+_DRAIN_BATCH = 256
+
+
+def current_bootstrap() -> Optional[Dict[str, Any]]:
+    return _boot
+
+
+def current_inbox() -> str:
+    assert _server is not None
+    return _server.inbox_addr
+
+
+class _Slot:
+    """One actor in this proc and the messages waiting for it."""
+
+    __slots__ = ("instance", "ctx", "name", "queue", "busy", "methods")
+
+    def __init__(self, instance: Any, ctx: Context, name: str) -> None:
+        self.instance = instance
+        self.ctx = ctx
+        self.name = name
+        self.queue: Deque[Tuple[Any, ...]] = collections.deque()
+        self.busy = False
+        self.methods: Dict[str, Tuple[Any, bool]] = {}
+
+
+class ProcServer:
+    def __init__(self, mailbox: Mailbox, boot: Dict[str, Any]) -> None:
+        self.mb = mailbox
+        self.boot = boot
+        self.inbox, self.inbox_addr = mailbox.transport.bind_router()
+        self.loop = asyncio.new_event_loop()
+        self.slots: Dict[str, _Slot] = {}
+        mailbox.supervisor = self._schedule_supervise
+
+    def run(self) -> int:
+        asyncio.set_event_loop(self.loop)
+        self.loop.add_reader(self.inbox.getsockopt(zmq.FD), self._drain)
+        self.mb.reply(self.boot["owner"], self.boot["ready_call_id"], True, (self.inbox_addr, os.getpid()))
+        self.loop.call_soon(self._drain)
+        self.loop.run_forever()
+        self.inbox.close(linger=0)
+        self.mb.close()
+        return 0
+
+    # ---------------------------------------------------------------- dispatch
+    def _drain(self) -> None:
+        inbox = self.inbox
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._dispatch(frames)
+            except Exception:  # noqa: BLE001 - a malformed message must not kill the proc
+                traceback.print_exc()
+        self.loop.call_soon(self._drain)  # more may be queued; the fd will not fire again
+
+    def _dispatch(self, frames: List[zmq.Frame]) -> None:
+        header = pickle.loads(frames[1].buffer)
+        kind = header[0]
+        if kind == "call":
+            slot = self.slots.get(header[3])
+            if slot is None:
+                self._no_actor(header)
+            elif slot.busy or slot.queue:
+                slot.queue.append((header, frames))
+            else:
+                self._run_call(slot, header, frames)
+        elif kind == "spawn":
+            _, cid, reply_to, key, name, point = header
+            try:
+                cls, args, kwargs = wire.loads(frames[2:])
+                self.spawn_local(key, name, point, cls, args, kwargs)
+            except BaseException as e:  # noqa: BLE001
+                self._reply_error(reply_to, cid, f"constructing actor {name!r} at {point} failed", e)
+            else:
+                self.mb.reply(reply_to, cid, True, None)
+        elif kind == "stop_actor":
+            slot = self.slots.get(header[3])
+            if slot is not None and (slot.busy or slot.queue):
+                slot.queue.append((header, frames))
+            else:
+                self._stop_actor(header)
+        elif kind == "stop":
+            self.mb.reply(header[2], header[1], True, None)
+            self.loop.call_soon(self.loop.stop)
+        elif kind == "ping":
+            self.mb.reply(header[2], header[1], True, os.getpid())
+
+    def spawn_local(self, key: str, name: str, point: Point, cls: type, args: Any, kwargs: Any) -> None:
+        ctx = Context(actor=None, actor_name=name, point=point, proc_id=self.boot["proc_id"], _key=key)
+        token = _enter(ctx)
+        try:
+            instance = cls.__new__(cls)
+            ctx.actor = instance
+            instance.__init__(*args, **kwargs)
+        finally:
+            _leave(token)
+        self.slots[key] = _Slot(instance, ctx, name)
+
+    def _no_actor(self, header: Tuple[Any, ...]) -> None:
+        _, cid, reply_to, key, method = header
+        msg = f"no actor {key.split('#')[0]!r} on proc {self.boot['proc_id']} (it was stopped or never spawned)"
+        if cid is None:
+            self.mb.send(reply_to, ("event", "endpoint_error", msg))
+        else:
+            self.mb.reply(reply_to, cid, False, (msg, "", None))
+
+    def _stop_actor(self, header: Tuple[Any, ...]) -> None:
+        _, cid, reply_to, key = header
+        self.slots.pop(key, None)
+        self.mb.reply(reply_to, cid, True, None)
+
+    def _method(self, slot: _Slot, name: str) -> Tuple[Any, bool]:
+        entry = slot.methods.get(name)
+        if entry is None:
+            fn = getattr(slot.instance, name, None)
+            if fn is None or not getattr(fn, "_monarch_endpoint", False):
+                raise AttributeError(f"{type(slot.instance).__name__} has no endpoint {name!r}")
+            entry = slot.methods[name] = (fn, inspect.iscoroutinefunction(fn))
+        return entry
+
+    def _run_call(self, slot: _Slot, header: Tuple[Any, ...], frames: List[zmq.Frame]) -> None:
+        _, cid, reply_to, _key, method = header
+        token = _enter(slot.ctx)
+        try:
+            fn, is_async = self._method(slot, method)
+            args, kwargs = wire.loads(frames[2:])
+            if is_async:
+                slot.busy = True
+                task = self.loop.create_task(fn(*args, **kwargs))
+                task.add_done_callback(lambda t: self._async_done(slot, cid, reply_to, method, t))
+                return
+            result = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            self._endpoint_failed(slot, cid, reply_to, method, e)
+        else:
+            if cid is not None:
+                self.mb.reply(reply_to, cid, True, result)
+        finally:
+            _leave(token)
+
+    def _async_done(self, slot: _Slot, cid: Optional[int], reply_to: str, method: str, task: "asyncio.Task[Any]") -> None:
+        slot.busy = False
+        if task.cancelled():
+            self._endpoint_failed(slot, cid, reply_to, method, asyncio.CancelledError())
+        elif task.exception() is not None:
+            self._endpoint_failed(slot, cid, reply_to, method, task.exception())
+        elif cid is not None:
+            self.mb.reply(reply_to, cid, True, task.result())
+        while slot.queue and not slot.busy:
+            header, frames = slot.queue.popleft()
+            if header[0] == "stop_actor":
+                self._stop_actor(header)
+            else:
+                self._run_call(slot, header, frames)
+
+    def _endpoint_failed(self, slot: _Slot, cid: Optional[int], reply_to: str, method: str, e: BaseException) -> None:
+        where = f"{slot.name}.{method} at {slot.ctx.point} on proc {self.boot['proc_id']} ({self.boot['host']})"
+        if cid is None:
+            print(f"monarch: broadcast to {where} raised:", file=sys.stderr)
+            traceback.print_exception(type(e), e, e.__traceback__)
+            self.mb.send(reply_to, ("event", "endpoint_error", f"broadcast to {where} raised {type(e).__name__}: {e}"))
+        else:
+            self._reply_error(reply_to, cid, f"{where} raised", e)
+
+    def _reply_error(self, reply_to: str, cid: int, what: str, e: BaseException) -> None:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        try:
+            cloudpickle.dumps(e)
+            exc: Optional[BaseException] = e
+        except Exception:  # noqa: BLE001
+            exc = None
+        self.mb.reply(reply_to, cid, False, (f"{what} {type(e).__name__}: {e}", tb, exc))
+
+    # -------------------------------------------------------------- supervision
+    def _schedule_supervise(self, failure: Failure, owner_key: str) -> None:
+        self.loop.call_soon_threadsafe(self._supervise, failure, owner_key)
+
+    def _supervise(self, failure: Failure, owner_key: str) -> None:
+        slot = self.slots.get(owner_key)
+        handler = getattr(slot.instance, "__supervise__", None) if slot else None
+        if handler is None:
+            self.mb.unhandled_failure(failure)
+            return
+        token = _enter(slot.ctx)  # type: ignore[union-attr]
+        try:
+            handled = handler(failure)
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+            handled = False
+        finally:
+            _leave(token)
+        if inspect.isawaitable(handled):
+            task = asyncio.ensure_future(handled, loop=self.loop)
+            task.add_done_callback(
+                lambda t: None if (not t.cancelled() and not t.exception() and t.result()) else self.mb.unhandled_failure(failure)
+            )
+        elif not handled:
+            self.mb.unhandled_failure(failure)
+
+
+def main(boot: Dict[str, Any]) -> int:
+    """Run a proc until it is told to stop (called in the child forked by the zygote)."""
+    global _boot, _server
+    boot["pid"] = os.getpid()
+    _boot = boot
+    configure(**boot["settings"])
+    mb = Mailbox(Keys.decode(boot["keys"]), owner=boot["owner"], proc_id=boot["proc_id"])
+    Mailbox.install(mb)
+    _server = ProcServer(mb, boot)
+    return _server.run()

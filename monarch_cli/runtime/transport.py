@@ -1,0 +1,86 @@
+"""ZeroMQ sockets with CURVE authentication for every TCP (and IPC) endpoint.
+
+Every process of a reservation holds one CURVE key pair (:class:`~.keys.Keys`). Servers
+(ROUTER sockets) accept a connection only when a ZAP check proves the client holds that
+same pair, so a process without the keys cannot deliver a single frame, let alone a
+pickle. The ZAP check runs in a thread the caller already has (``serve_zap``), so it costs
+no extra thread per process.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import tempfile
+import uuid
+from typing import Tuple
+
+import zmq
+from zmq.utils import z85
+
+from ..config import advertised_host, settings
+from .keys import Keys
+
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_DOMAIN = b"monarch"
+
+
+class Transport:
+    """Socket factory bound to one ZeroMQ context and one set of reservation keys."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+        self.ctx = zmq.Context()
+        self._client_key = z85.decode(keys.public)
+        # The ZAP handler must exist before any server socket binds, or libzmq lets
+        # CURVE clients in without asking.
+        self.zap = self.ctx.socket(zmq.REP)
+        self.zap.linger = 0
+        self.zap.bind(_ZAP_ENDPOINT)
+
+    def serve_zap(self) -> None:
+        """Answer one pending ZAP request (call when ``self.zap`` is readable)."""
+        msg = self.zap.recv_multipart()
+        version, request_id, _domain, _address, _identity, mechanism = msg[:6]
+        creds = msg[6:]
+        ok = mechanism == b"CURVE" and len(creds) == 1 and hmac.compare_digest(creds[0], self._client_key)
+        status = (b"200", b"OK") if ok else (b"400", b"unknown key")
+        self.zap.send_multipart([version, request_id, *status, b"", b""])
+
+    def bind_router(self) -> Tuple[zmq.Socket, str]:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.rcvhwm = 0
+        sock.sndhwm = 0
+        sock.curve_server = True
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.zap_domain = _DOMAIN
+        if settings().transport == "ipc":
+            sock.bind(f"ipc://{_ipc_dir()}/{uuid.uuid4().hex[:16]}")
+            return sock, sock.last_endpoint.decode()
+        host = advertised_host()
+        sock.bind(f"tcp://{host}:*")
+        return sock, sock.last_endpoint.decode()
+
+    def dealer(self, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.linger = 2000  # flush what is queued when the socket closes
+        sock.sndhwm = 0
+        sock.rcvhwm = 0
+        sock.curve_serverkey = self.keys.public
+        sock.curve_publickey = self.keys.public
+        sock.curve_secretkey = self.keys.secret
+        sock.connect(address)
+        return sock
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def _ipc_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"monarch-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
