@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from typing import Any, Callable, Generic, List, Optional, TypeVar
 
 from ..config import settings
@@ -15,6 +16,9 @@ _DEFAULT: Any = object()
 
 
 class Future(concurrent.futures.Future, Generic[T]):
+    #: The mailbox whose replies resolve this future; a waiter reads them itself.
+    _mailbox: Any = None
+
     def get(self, timeout: Optional[float] = _DEFAULT) -> T:
         """Block until resolved; raises the remote failure, or :class:`CallTimeout`."""
         if timeout is _DEFAULT:
@@ -24,12 +28,31 @@ class Future(concurrent.futures.Future, Generic[T]):
         except concurrent.futures.TimeoutError:
             raise CallTimeout(f"no result within {timeout} s") from None
 
+    def result(self, timeout: Optional[float] = None) -> T:
+        mb = self._mailbox
+        if mb is not None and not self.done():
+            deadline = None if timeout is None else time.monotonic() + timeout
+            # Read replies ourselves when no other thread is; otherwise wait briefly and retry.
+            while not self.done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise concurrent.futures.TimeoutError()
+                if not mb.pump(self, left):
+                    self._wait(0.005 if left is None else min(0.005, left))
+        return super().result(timeout)
+
+    def _wait(self, seconds: float) -> None:
+        with self._condition:
+            if not self.done():
+                self._condition.wait(seconds)
+
     def __await__(self):  # type: ignore[override]
         return asyncio.wrap_future(self).__await__()
 
     def then(self, fn: Callable[[Any], Any]) -> "Future[Any]":
         """A future of ``fn(result)``; failures pass through unchanged."""
         out: Future[Any] = Future()
+        out._mailbox = self._mailbox
 
         def _done(f: concurrent.futures.Future) -> None:
             exc = f.exception()
@@ -49,6 +72,7 @@ def gather(futures: List[Future[Any]]) -> Future[List[Any]]:
     """One future for all of ``futures``: their results in order, or the first failure."""
     out: Future[List[Any]] = Future()
     n = len(futures)
+    out._mailbox = futures[0]._mailbox if futures else None
     if n == 0:
         out.set_result([])
         return out

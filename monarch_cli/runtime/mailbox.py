@@ -2,9 +2,13 @@
 
 Every process of the runtime (controller, proc) has exactly one :class:`Mailbox`. Outgoing
 messages leave on a DEALER socket owned by the sending thread, so a send never waits for
-another thread. Replies, agent events and heartbeat answers arrive on the mailbox's ROUTER
-and are handled by its I/O thread, which also answers ZAP handshakes and sends heartbeats,
-so a blocked caller never stops results from arriving.
+another thread. Replies, agent events and heartbeat answers arrive on the mailbox's ROUTER.
+
+Who reads that ROUTER: a thread blocked in ``Future.get()`` reads it itself (``pump``), so a
+round trip costs no hand-off between threads; whenever nobody is waiting that way, the I/O
+thread reads it. A lock decides who may touch the socket; the I/O thread only ever tries
+it, backing off for a couple of milliseconds when a waiter holds it, so it never blocks
+heartbeats or ZAP handshakes behind a long wait.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class Mailbox:
         #: Set inside procs: called (from the I/O thread) to run an owner's ``__supervise__``.
         self.supervisor: Optional[Callable[[Failure, str], None]] = None
         self._closing = False
+        self._reader = threading.Lock()  # held by whoever is reading self._reply
+        self._backoff_until = 0.0
         self._wake_addr = f"inproc://mailbox-wake-{id(self)}"
         self._wake_rx = self.transport.ctx.socket(zmq.PULL)
         self._wake_rx.bind(self._wake_addr)
@@ -142,6 +148,7 @@ class Mailbox:
     ) -> Future[Any]:
         """Send a message that expects one ``result``; the future fails if ``proc_id`` dies."""
         fut: Future[Any] = Future()
+        fut._mailbox = self
         cid = next(self._ids)
         with self._lock:
             failure = self._dead.get(proc_id) if proc_id else None
@@ -161,6 +168,7 @@ class Mailbox:
     def expect(self, proc_id: Optional[str] = None, actor: Optional[str] = None) -> Tuple[int, Future[Any]]:
         """Reserve a call id whose result someone else (a new proc) will send."""
         fut: Future[Any] = Future()
+        fut._mailbox = self
         cid = next(self._ids)
         with self._lock:
             self._pending[cid] = (fut, proc_id, actor)
@@ -221,27 +229,75 @@ class Mailbox:
         print(f"monarch: unhandled failure: {failure.describe()}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ I/O loop
+    def pump(self, fut: Future[Any], timeout: Optional[float]) -> bool:
+        """Read replies in the calling thread until ``fut`` is done or ``timeout`` passes.
+
+        Returns False at once if another thread is reading; the caller then waits on the
+        future itself and that reader (or the I/O thread) resolves it.
+        """
+        if not self._reader.acquire(blocking=False):
+            return False
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            sock = self._reply
+            while not fut.done():
+                if self._drain_reply():
+                    continue
+                wait_ms = 100
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    wait_ms = min(wait_ms, max(1, int(left * 1000)))
+                sock.poll(wait_ms)
+        finally:
+            self._reader.release()
+        return True
+
+    def _drain_reply(self) -> bool:
+        got = False
+        sock = self._reply
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than ending on zmq.Again
+            frames = sock.recv_multipart(copy=False)
+            got = True
+            try:
+                self._handle(frames)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+                traceback.print_exc()
+        return got
+
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._reply, zmq.POLLIN)
-        poller.register(self.transport.zap, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        reply_fd = self._reply.getsockopt(zmq.FD)
+        watching = zmq.Poller()
+        backing_off = zmq.Poller()
+        for p in (watching, backing_off):
+            p.register(self.transport.zap, zmq.POLLIN)
+            p.register(self._wake_rx, zmq.POLLIN)
+        watching.register(reply_fd, zmq.POLLIN)
         next_beat = 0.0
         while not self._closing:
-            timeout = max(0.0, next_beat - time.monotonic())
-            events = dict(poller.poll(timeout * 1000 if self._agents else 1000))
+            now = time.monotonic()
+            timeout = next_beat - now if self._agents else 1.0
+            if now < self._backoff_until:
+                poller = backing_off
+                timeout = min(timeout, self._backoff_until - now)
+            else:
+                poller = watching
+            events = dict(poller.poll(max(0.0, timeout) * 1000))
             if self.transport.zap in events:
-                self.transport.serve_zap()
-            if self._reply in events:
-                while True:
+                while self.transport.zap.poll(0):
+                    self.transport.serve_zap()
+            if self._wake_rx in events:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+            if poller is watching and (reply_fd in events or not events):
+                if self._reader.acquire(blocking=False):
                     try:
-                        frames = self._reply.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._handle(frames)
-                    except Exception:  # noqa: BLE001 - one bad message must not stop the loop
-                        traceback.print_exc()
+                        self._drain_reply()
+                    finally:
+                        self._reader.release()
+                else:  # a waiter is reading; look again shortly
+                    self._backoff_until = time.monotonic() + 0.002
             if self._agents and time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + settings().heartbeat_interval

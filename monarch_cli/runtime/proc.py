@@ -79,10 +79,9 @@ class ProcServer:
     def _drain(self) -> None:
         inbox = self.inbox
         for _ in range(_DRAIN_BATCH):
-            try:
-                frames = inbox.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than ending on zmq.Again
                 return
+            frames = inbox.recv_multipart(copy=False)
             try:
                 self._dispatch(frames)
             except Exception:  # noqa: BLE001 - a malformed message must not kill the proc
