@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import zmq
 
-from ..config import configure, settings
+from ..config import configure
 from . import wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
@@ -79,11 +79,11 @@ class _Zygote:
 
 
 class HostAgent:
-    def __init__(self, keys: Keys) -> None:
+    def __init__(self, keys: Keys, name: Optional[str] = None) -> None:
         self.keys = keys
         self.transport = Transport(keys)
         self.inbox, self.address = self.transport.bind_router()
-        self.host = socket.gethostname()
+        self.host = name or socket.gethostname()
         self.zygote = _Zygote()
         self.procs: Dict[int, _Proc] = {}  # by pid
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
@@ -143,8 +143,8 @@ class HostAgent:
             self.reply(reply_to, cid, True, {"host": self.host, "pid": os.getpid(), "procs": len(self.procs)})
         elif kind == "spawn_procs":
             _, cid, reply_to = header
-            specs, client_settings = wire.loads(frames[2:])
-            self._spawn(reply_to, specs, client_settings)
+            specs, client_settings, import_context = wire.loads(frames[2:])
+            self._spawn(reply_to, specs, client_settings, import_context)
             self.reply(reply_to, cid, True, None)
         elif kind == "stop_procs":
             _, cid, reply_to, proc_ids, grace = header
@@ -156,7 +156,9 @@ class HostAgent:
             self.reply(reply_to, cid, True, None)
             self.running = False
 
-    def _spawn(self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any]) -> None:
+    def _spawn(
+        self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any], import_context: Dict[str, Any]
+    ) -> None:
         self.clients[owner] = _Client(time.monotonic(), float(client_settings.get("heartbeat_timeout", 5.0)))
         for proc_id, ready_cid in specs:
             self._next_req += 1
@@ -168,6 +170,7 @@ class HostAgent:
                 "agent": self.address,
                 "host": self.host,
                 "settings": client_settings,
+                "import": import_context,
             }
             self.forking[self._next_req] = (proc_id, owner)
             self.zygote.fork(self._next_req, boot)
@@ -230,7 +233,7 @@ class HostAgent:
     def _reap_client(self, addr: str, why: str) -> None:
         self.clients.pop(addr, None)
         victims = [p for p in self.procs.values() if p.owner == addr]
-        if victims:
+        if victims and why != "client exited":
             print(f"monarch agent: {why}; killing its {len(victims)} proc(s)", file=sys.stderr, flush=True)
         for p in victims:
             p.stopping = True
@@ -255,23 +258,54 @@ def _signal(pid: int, sig: int) -> None:
 _private: List[subprocess.Popen] = []
 
 
-def start_private_agent(keys: Keys, timeout: float = 30.0) -> str:
-    """Start an agent that lives exactly as long as this process (its stdin is our pipe)."""
+def launch_agent(
+    keys: Keys,
+    *,
+    name: Optional[str] = None,
+    exit_with_parent: bool = True,
+    detach: bool = False,
+    env: Optional[Dict[str, str]] = None,
+    stdout: Any = None,
+    timeout: float = 30.0,
+) -> Tuple[subprocess.Popen, str]:
+    """Start a host agent on this machine and return it with its address once it listens.
+
+    The keys go through the agent's stdin, never its command line. With
+    ``exit_with_parent`` the agent (and every proc it runs) exits when this process does;
+    ``detach`` puts it in its own session so it outlives the terminal that started it.
+    """
     r, w = os.pipe()
+    cmd = [sys.executable, "-m", "monarch_cli.runtime.agent", "--ready-fd", str(w), "--keys-stdin"]
+    if exit_with_parent:
+        cmd.append("--exit-with-stdin")
+    if name:
+        cmd += ["--name", name]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monarch_cli.runtime.agent", "--ready-fd", str(w), "--keys-stdin", "--exit-with-stdin"],
+        cmd,
         stdin=subprocess.PIPE,
+        stdout=stdout,
+        stderr=stdout,
         pass_fds=[w],
+        env=env,
+        start_new_session=detach,
     )
     os.close(w)
     assert proc.stdin is not None
     proc.stdin.write(keys.encode().encode() + b"\n")
     proc.stdin.flush()
-    _private.append(proc)
+    if not exit_with_parent:
+        proc.stdin.close()
     try:
-        return _read_ready(r, proc, timeout)
+        return proc, _read_ready(r, proc, timeout)
     finally:
         os.close(r)
+
+
+def start_private_agent(keys: Keys, timeout: float = 30.0) -> str:
+    """Start an agent that lives exactly as long as this process (its stdin is our pipe)."""
+    proc, address = launch_agent(keys, timeout=timeout)
+    _private.append(proc)
+    return address
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
@@ -306,6 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--keys-stdin", action="store_true", help="read the reservation keys from stdin's first line")
     parser.add_argument("--exit-with-stdin", action="store_true", help="exit (killing all procs) when stdin closes")
     parser.add_argument("--host", help="address to advertise to peers (default: $MONARCH_HOST or this host's IP)")
+    parser.add_argument("--name", help="host name to report (default: the hostname); lets several agents on one machine act as separate hosts")
     args = parser.parse_args(argv)
     if args.host:
         configure(host=args.host)
@@ -321,7 +356,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
-    agent = HostAgent(keys)
+    agent = HostAgent(keys, name=args.name)
     if args.exit_with_stdin:
         threading.Thread(target=_watch_stdin, args=(agent,), daemon=True).start()
     line = f"{READY_PREFIX}{agent.address}\n"

@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable, Generic, List, Optional, TypeVar
 
 from ..config import settings
-from .errors import CallTimeout
+from .errors import CallTimeout, MonarchError
 
 T = TypeVar("T")
 _DEFAULT: Any = object()
@@ -18,6 +18,8 @@ _DEFAULT: Any = object()
 class Future(concurrent.futures.Future, Generic[T]):
     #: The mailbox whose replies resolve this future; a waiter reads them itself.
     _mailbox: Any = None
+    #: Set when an actor calls an actor of its own proc: blocking on it would deadlock.
+    _same_proc: bool = False
 
     def get(self, timeout: Optional[float] = _DEFAULT) -> T:
         """Block until resolved; raises the remote failure, or :class:`CallTimeout`."""
@@ -30,6 +32,14 @@ class Future(concurrent.futures.Future, Generic[T]):
 
     def result(self, timeout: Optional[float] = None) -> T:
         mb = self._mailbox
+        if self._same_proc and not self.done():
+            from .proc import on_loop_thread
+
+            if on_loop_thread():
+                raise MonarchError(
+                    "an endpoint cannot block on a call to an actor in its own proc (it would wait "
+                    "forever behind itself): make the endpoint `async def` and `await` the call"
+                )
         if mb is not None and not self.done():
             deadline = None if timeout is None else time.monotonic() + timeout
             # Read replies ourselves when no other thread is; otherwise wait briefly and retry.

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import queue
+import sys
 import uuid
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -119,7 +121,7 @@ class HostMesh(_Mesh):
                 ready.append(fut)
                 mb.track_proc(proc_id, host.agent, host.host, mesh, ctx._key)
                 specs.append((proc_id, cid))
-            body = wire.dumps((specs, dataclasses.asdict(settings())))
+            body = wire.dumps((specs, dataclasses.asdict(settings()), _import_context()))
             acks.append(mb.request(host.agent, lambda cid: ("spawn_procs", cid, mb.address), body))
         timeout = settings().spawn_timeout
         for fut in acks:
@@ -137,6 +139,11 @@ class HostMesh(_Mesh):
         return f"HostMesh({self.extent}, hosts={[h.host for h in self._members]})"
 
 
+def _import_context() -> Dict[str, Any]:
+    """What a proc needs to import what the spawner can: its ``sys.path`` and cwd."""
+    return {"sys_path": [os.path.abspath(p or ".") for p in sys.path], "cwd": os.getcwd()}
+
+
 class ProcMesh(_Mesh):
     """Processes that host actors; one actor of each spawned mesh per proc."""
 
@@ -147,11 +154,19 @@ class ProcMesh(_Mesh):
         """One ``actor_class(*args, **kwargs)`` per proc; raises :class:`ActorError` if any constructor fails."""
         if not isinstance(actor_class, type):
             raise TypeError(f"spawn needs an Actor class, not {actor_class!r}")
+        from . import proc as _proc
+
         mb = Mailbox.get()
         key = f"{name}#{uuid.uuid4().hex[:8]}"
         body = wire.dumps((actor_class, args, kwargs))
+        here = _proc.current_bootstrap()
         futs = []
         for point, proc in zip(self._shape.points(), self._members):
+            if here is not None and proc.proc_id == here["proc_id"]:
+                # Spawning beside ourselves: construct in place (a message to our own
+                # inbox would wait behind the endpoint that is running now).
+                _proc.spawn_here(key, name, point, actor_class, args, kwargs)
+                continue
             futs.append(
                 mb.request(
                     proc.inbox,
@@ -246,13 +261,16 @@ class EndpointRef:
 
     def _send(self, ref: ActorRef, body: List[Any], mb: Mailbox) -> Future[Any]:
         method = self._method
-        return mb.request(
+        fut = mb.request(
             ref.proc.inbox,
             lambda cid: ("call", cid, mb.address, ref.key, method),
             body,
             proc_id=ref.proc.proc_id,
             actor=self._mesh._name,
         )
+        if mb.proc_id is not None and ref.proc.proc_id == mb.proc_id:
+            fut._same_proc = True
+        return fut
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
         """Call every actor; a future of their results as a :class:`ValueMesh`."""

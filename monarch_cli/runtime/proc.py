@@ -14,6 +14,7 @@ import inspect
 import os
 import pickle
 import sys
+import threading
 import traceback
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -23,7 +24,7 @@ import zmq
 from ..config import configure
 from . import wire
 from .actor import Context, _enter, _leave
-from .errors import Failure
+from .errors import ActorError, Failure
 from .keys import Keys
 from .mailbox import Mailbox
 from .shape import Point
@@ -40,6 +41,21 @@ def current_bootstrap() -> Optional[Dict[str, Any]]:
 def current_inbox() -> str:
     assert _server is not None
     return _server.inbox_addr
+
+
+def spawn_here(key: str, name: str, point: Point, cls: type, args: Any, kwargs: Any) -> None:
+    assert _server is not None
+    try:
+        _server.spawn_local(key, name, point, cls, args, kwargs)
+    except BaseException as e:  # noqa: BLE001
+        raise ActorError(
+            f"constructing actor {name!r} at {point} failed {type(e).__name__}: {e}", traceback.format_exc(), e
+        ) from None
+
+
+def on_loop_thread() -> bool:
+    """True in a proc's main thread, where endpoints run (and must not block on their own proc)."""
+    return _server is not None and threading.current_thread() is threading.main_thread()
 
 
 class _Slot:
@@ -233,12 +249,22 @@ class ProcServer:
             self.mb.unhandled_failure(failure)
 
 
+def _adopt_import_context(ctx: Dict[str, Any]) -> None:
+    """Import what the spawner imports: its sys.path entries (those that exist here) and cwd."""
+    cwd = ctx.get("cwd")
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+    ours = [p for p in sys.path if p not in ctx.get("sys_path", [])]
+    sys.path[:] = [p for p in ctx.get("sys_path", []) if os.path.exists(p)] + ours
+
+
 def main(boot: Dict[str, Any]) -> int:
     """Run a proc until it is told to stop (called in the child forked by the zygote)."""
     global _boot, _server
     boot["pid"] = os.getpid()
     _boot = boot
     configure(**boot["settings"])
+    _adopt_import_context(boot.get("import") or {})
     mb = Mailbox(Keys.decode(boot["keys"]), owner=boot["owner"], proc_id=boot["proc_id"])
     Mailbox.install(mb)
     _server = ProcServer(mb, boot)

@@ -1,0 +1,82 @@
+"""Shared fixtures: real agents, real procs, real sockets; nothing of the runtime is mocked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, List
+
+import psutil
+import pytest
+
+from monarch_cli.runtime.agent import launch_agent
+from monarch_cli.runtime.keys import Keys
+from monarch_cli.runtime.mailbox import Mailbox
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def keys() -> Keys:
+    return Mailbox.get().keys
+
+
+@pytest.fixture(scope="session")
+def agents(keys: Keys) -> Iterator[List[str]]:
+    """Two host agents on this machine, reporting themselves as host0 and host1."""
+    procs, addrs = [], []
+    for i in range(2):
+        proc, addr = launch_agent(keys, name=f"host{i}")
+        procs.append(proc)
+        addrs.append(addr)
+    yield addrs
+    for proc in procs:
+        proc.stdin.close()
+        proc.wait(10)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def all_gone(pids: Iterable[int]) -> bool:
+    return not any(alive(p) for p in pids)
+
+
+def run_python(code: str, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        **kwargs,
+    )
+
+
+def spawn_python(code: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-u", "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        **kwargs,
+    )
