@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import psutil
 import pytest
@@ -70,13 +70,13 @@ def run_python(code: str, *args: str, timeout: float = 120, **kwargs) -> subproc
     )
 
 
-def spawn_python(code: str, **kwargs) -> subprocess.Popen:
+def spawn_python(code: str, *args: str, env: Optional[Dict[str, str]] = None, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-u", "-c", textwrap.dedent(code)],
+        [sys.executable, "-u", "-c", textwrap.dedent(code), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)},
         **kwargs,
     )

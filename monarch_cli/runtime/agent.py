@@ -83,6 +83,10 @@ class HostAgent:
         self.keys = keys
         self.transport = Transport(keys)
         self.inbox, self.address = self.transport.bind_router()
+        # Heartbeats get their own context (its own I/O thread), so a multi-GiB transfer
+        # on the inbox cannot delay them past the timeout.
+        self.hb_transport = Transport(keys)
+        self.hb, self.heartbeat_address = self.hb_transport.bind_router()
         self.host = name or socket.gethostname()
         self.zygote = _Zygote()
         self.procs: Dict[int, _Proc] = {}  # by pid
@@ -109,10 +113,16 @@ class HostAgent:
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.transport.zap, zmq.POLLIN)
         poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
+        poller.register(self.hb, zmq.POLLIN)
+        poller.register(self.hb_transport.zap, zmq.POLLIN)
         while self.running:
             events = dict(poller.poll(200))
             if self.transport.zap in events:
                 self.transport.serve_zap()
+            if self.hb_transport.zap in events:
+                self.hb_transport.serve_zap()
+            if self.hb in events:
+                self._heartbeats()
             if self.zygote.sock.fileno() in events:
                 self._from_zygote()
             if self.inbox in events:
@@ -133,14 +143,10 @@ class HostAgent:
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header = pickle.loads(frames[1].buffer)
         kind = header[0]
-        if kind == "heartbeat":
-            client = self.clients.get(header[1])
-            if client is not None:
-                client.last_seen = time.monotonic()
-            self.send(header[1], ("hb", self.address))
-        elif kind == "ping":
+        if kind == "ping":
             _, cid, reply_to = header
-            self.reply(reply_to, cid, True, {"host": self.host, "pid": os.getpid(), "procs": len(self.procs)})
+            info = {"host": self.host, "pid": os.getpid(), "procs": len(self.procs), "heartbeat": self.heartbeat_address}
+            self.reply(reply_to, cid, True, info)
         elif kind == "spawn_procs":
             _, cid, reply_to = header
             specs, client_settings, import_context = wire.loads(frames[2:])
@@ -156,6 +162,14 @@ class HostAgent:
             self.reply(reply_to, cid, True, None)
             self.running = False
 
+    def _heartbeats(self) -> None:
+        while self.hb.poll(0):
+            identity, client_addr = self.hb.recv_multipart()
+            client = self.clients.get(client_addr.decode())
+            if client is not None:
+                client.last_seen = time.monotonic()
+            self.hb.send_multipart([identity, b"ack"])
+
     def _spawn(
         self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any], import_context: Dict[str, Any]
     ) -> None:
@@ -168,6 +182,7 @@ class HostAgent:
                 "ready_call_id": ready_cid,
                 "owner": owner,
                 "agent": self.address,
+                "agent_heartbeat": self.heartbeat_address,
                 "host": self.host,
                 "settings": client_settings,
                 "import": import_context,

@@ -37,6 +37,13 @@ Header = Tuple[Any, ...]
 
 
 @dataclasses.dataclass
+class _AgentWatch:
+    heartbeat: str  # the agent's heartbeat address
+    last_ack: float
+    sock: Optional[zmq.Socket] = None
+
+
+@dataclasses.dataclass
 class _OwnedProc:
     agent: str
     host: str
@@ -63,7 +70,8 @@ class Mailbox:
         self._by_proc: Dict[str, Set[int]] = {}
         self._dead: Dict[str, Failure] = {}
         self._procs: Dict[str, _OwnedProc] = {}
-        self._agents: Dict[str, float] = {}
+        self._agents: Dict[str, _AgentWatch] = {}
+        self._hb_transport: Optional[Any] = None  # own context: big transfers cannot delay heartbeats
         self.unhandled: List[Failure] = []
         #: Set inside procs: called (from the I/O thread) to run an owner's ``__supervise__``.
         self.supervisor: Optional[Callable[[Failure, str], None]] = None
@@ -188,12 +196,13 @@ class Mailbox:
         self.send(address, ("result", call_id, ok), body)
 
     # ------------------------------------------------------------- supervision
-    def track_proc(self, proc_id: str, agent: str, host: str, mesh: Any, owner_actor: Optional[str]) -> None:
+    def track_proc(
+        self, proc_id: str, agent: str, heartbeat: str, host: str, mesh: Any, owner_actor: Optional[str]
+    ) -> None:
+        """Own ``proc_id``: its exit is supervised here, and its agent is heartbeated."""
         self._procs[proc_id] = _OwnedProc(agent, host, weakref.ref(mesh) if mesh is not None else None, owner_actor)
-        self._agents.setdefault(agent, time.monotonic())
-
-    def watch_agent(self, agent: str) -> None:
-        self._agents.setdefault(agent, time.monotonic())
+        if agent not in self._agents:
+            self._agents[agent] = _AgentWatch(heartbeat, time.monotonic())
 
     def failure_of(self, proc_id: str) -> Optional[Failure]:
         return self._dead.get(proc_id)
@@ -274,6 +283,7 @@ class Mailbox:
             p.register(self.transport.zap, zmq.POLLIN)
             p.register(self._wake_rx, zmq.POLLIN)
         watching.register(reply_fd, zmq.POLLIN)
+        self._pollers = (watching, backing_off)
         next_beat = 0.0
         while not self._closing:
             now = time.monotonic()
@@ -290,6 +300,11 @@ class Mailbox:
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
+            for watch in list(self._agents.values()):
+                if watch.sock is not None and watch.sock in events:
+                    while watch.sock.poll(0):
+                        watch.sock.recv()
+                        watch.last_ack = time.monotonic()
             if poller is watching and (reply_fd in events or not events):
                 if self._reader.acquire(blocking=False):
                     try:
@@ -326,9 +341,6 @@ class Mailbox:
             else:
                 message, tb, exc = value
                 fut.set_exception(ActorError(message, tb, exc))
-        elif kind == "hb":
-            if header[1] in self._agents:
-                self._agents[header[1]] = time.monotonic()
         elif kind == "event":
             self._handle_event(header)
 
@@ -356,23 +368,34 @@ class Mailbox:
             print(f"monarch: {message}", file=sys.stderr, flush=True)
 
     def _heartbeat(self) -> None:
+        if self._hb_transport is None:
+            from .transport import Transport
+
+            self._hb_transport = Transport(self.keys, zap=False)
         now = time.monotonic()
         limit = settings().heartbeat_timeout
-        for agent, last in list(self._agents.items()):
-            if now - last > limit:
-                self._agent_lost(agent, now - last)
-                continue
-            try:
-                self.send(agent, ("heartbeat", self.address))
-            except zmq.ZMQError:
-                pass
         live_agents = {rec.agent for rec in self._procs.values()}
-        for agent in list(self._agents):
+        for agent, watch in list(self._agents.items()):
             if agent not in live_agents:
-                del self._agents[agent]
+                self._unwatch(agent)
+            elif now - watch.last_ack > limit:
+                self._agent_lost(agent, now - watch.last_ack)
+            else:
+                if watch.sock is None:
+                    watch.sock = self._hb_transport.dealer(watch.heartbeat)
+                    for poller in self._pollers:
+                        poller.register(watch.sock, zmq.POLLIN)
+                watch.sock.send(self.address.encode(), zmq.NOBLOCK)
+
+    def _unwatch(self, agent: str) -> None:
+        watch = self._agents.pop(agent, None)
+        if watch is not None and watch.sock is not None:
+            for poller in self._pollers:
+                poller.unregister(watch.sock)
+            watch.sock.close(linger=0)
 
     def _agent_lost(self, agent: str, silent_for: float) -> None:
-        self._agents.pop(agent, None)
+        self._unwatch(agent)
         for proc_id, rec in list(self._procs.items()):
             if rec.agent == agent:
                 self.proc_failed(

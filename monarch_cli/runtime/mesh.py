@@ -27,6 +27,7 @@ from .shape import Index, Shape, ValueMesh
 class HostRef:
     agent: str  # the host agent's address
     host: str
+    heartbeat: str  # the agent's heartbeat address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +96,7 @@ class HostMesh(_Mesh):
                 info = fut.get(timeout=settings().spawn_timeout)
             except MonarchError as e:
                 raise MonarchError(f"host agent {agent} did not answer: {e}") from None
-            refs.append(HostRef(agent, info["host"]))
+            refs.append(HostRef(agent, info["host"], info["heartbeat"]))
         return cls(Shape({dim: len(refs)}), refs)
 
     def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, name: str = "procs") -> "ProcMesh":
@@ -119,7 +120,7 @@ class HostMesh(_Mesh):
                 proc_id = f"{uid}.{h * local + i}"
                 cid, fut = mb.expect(proc_id)
                 ready.append(fut)
-                mb.track_proc(proc_id, host.agent, host.host, mesh, ctx._key)
+                mb.track_proc(proc_id, host.agent, host.heartbeat, host.host, mesh, ctx._key)
                 specs.append((proc_id, cid))
             body = wire.dumps((specs, dataclasses.asdict(settings()), _import_context()))
             acks.append(mb.request(host.agent, lambda cid: ("spawn_procs", cid, mb.address), body))
@@ -341,7 +342,7 @@ def this_host() -> HostMesh:
 
         boot = _proc.current_bootstrap()
         if boot is not None:
-            _local_host = HostMesh(Shape({}), [HostRef(boot["agent"], boot["host"])])
+            _local_host = HostMesh(Shape({}), [HostRef(boot["agent"], boot["host"], boot["agent_heartbeat"])])
         else:
             from .agent import start_private_agent
 

@@ -13,7 +13,7 @@ import hmac
 import os
 import tempfile
 import uuid
-from typing import Tuple
+from typing import Optional, Tuple
 
 import zmq
 from zmq.utils import z85
@@ -28,18 +28,21 @@ _DOMAIN = b"monarch"
 class Transport:
     """Socket factory bound to one ZeroMQ context and one set of reservation keys."""
 
-    def __init__(self, keys: Keys) -> None:
+    def __init__(self, keys: Keys, zap: bool = True) -> None:
         self.keys = keys
         self.ctx = zmq.Context()
         self._client_key = z85.decode(keys.public)
         # The ZAP handler must exist before any server socket binds, or libzmq lets
-        # CURVE clients in without asking.
-        self.zap = self.ctx.socket(zmq.REP)
-        self.zap.linger = 0
-        self.zap.bind(_ZAP_ENDPOINT)
+        # CURVE clients in without asking. A client-only context needs none.
+        self.zap: Optional[zmq.Socket] = None
+        if zap:
+            self.zap = self.ctx.socket(zmq.REP)
+            self.zap.linger = 0
+            self.zap.bind(_ZAP_ENDPOINT)
 
     def serve_zap(self) -> None:
         """Answer one pending ZAP request (call when ``self.zap`` is readable)."""
+        assert self.zap is not None
         msg = self.zap.recv_multipart()
         version, request_id, _domain, _address, _identity, mechanism = msg[:6]
         creds = msg[6:]
@@ -48,6 +51,8 @@ class Transport:
         self.zap.send_multipart([version, request_id, *status, b"", b""])
 
     def bind_router(self) -> Tuple[zmq.Socket, str]:
+        if self.zap is None:
+            raise RuntimeError("a client-only transport cannot bind a server socket")
         sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.rcvhwm = 0

@@ -1,10 +1,10 @@
 """Message encoding: a small header frame, a cloudpickled body, and out-of-band buffers.
 
-Large buffers (bytearray, memoryview, numpy arrays, torch tensors) leave the pickle through protocol 5's
-``buffer_callback`` and travel as their own ZeroMQ frames without being copied; on the
-receiving side they are rebuilt directly on the frame's memory. Plain ``bytes`` are
-pickled in-band (CPython's pickler never offers them to a reducer): use ``bytearray``
-for large binary payloads.
+Large buffers (numpy arrays, torch tensors, ``pickle.PickleBuffer``) leave the pickle
+through protocol 5's ``buffer_callback`` and travel as their own ZeroMQ frames without
+being copied; on the receiving side they are rebuilt directly on the frame's (writable)
+memory. ``bytes`` and ``bytearray`` are pickled in-band, one copy (CPython's pickler
+never offers them to a reducer): wrap big binary payloads in ``np.frombuffer``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def dumps(obj: Any) -> List[Any]:
     frames: List[Any] = [f.getvalue()]
     for b in buffers:
         raw = b.raw()
-        frames.append(raw if raw.nbytes >= _OOB_MIN else raw.tobytes())
+        frames.append(raw if raw.nbytes >= _OOB_MIN else bytearray(raw))  # bytearray: stays writable
     return frames
 
 

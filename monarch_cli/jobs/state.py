@@ -1,0 +1,305 @@
+"""The job state cache: what ``monarch serve`` reserved, so later commands can reuse it.
+
+The file holds the reservation's key pair, so it is written atomically (a crash never
+leaves a half-written file) and always with mode 0600.  It is a pickle of builtins only
+and is read with an unpickler that resolves no globals at all: loading a state file must
+never be a way to run code, even if someone else managed to write it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import JobError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DEFAULT_STATE_PATH",
+    "STATE_ENV",
+    "HostRecord",
+    "JobState",
+    "StateError",
+    "NoReservation",
+    "state_path",
+    "save_state",
+    "load_state",
+    "clear_state",
+]
+
+SCHEMA_VERSION = 1
+DEFAULT_STATE_PATH = Path(".monarch/job_state.pkl")
+STATE_ENV = "MONARCH_STATE"
+
+_MAGIC = "monarch-cli-job-state"
+_PROTOCOL = 4  # every builtin we store has a native opcode, so no globals are ever needed
+_MAX_BYTES = 16 * 1024 * 1024  # far above any real state; refuses to slurp a wrong, huge file
+_PLAIN = (dict, list, tuple, set, frozenset, str, bytes, int, float, bool, type(None))
+
+
+class StateError(JobError):
+    """The state file exists but cannot be used (corrupt, foreign, too new, unreadable)."""
+
+
+class NoReservation(StateError):
+    """There is no state file: nothing has been reserved yet (or it was cleared)."""
+
+
+@dataclass
+class HostRecord:
+    """One reserved host: where its agent listens and which node rank it plays."""
+
+    name: str
+    agent: str
+    pid: int | None
+    node_rank: int
+
+
+@dataclass
+class JobState:
+    """Everything later commands need to reach a reservation without asking the scheduler."""
+
+    scheduler: str
+    reservation_id: str
+    hosts: list[HostRecord]
+    keys: str
+    default_command: list[str]
+    created_at: float
+    scheduler_data: dict = field(default_factory=dict)
+    last_run: dict | None = None
+    schema_version: int = SCHEMA_VERSION
+
+
+class _NoGlobals(pickle.Unpickler):
+    """Refuses every global, so a state file can only ever produce plain builtin data."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _ForeignObject(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _ForeignObject("a persistent id")
+
+
+class _ForeignObject(pickle.UnpicklingError):
+    """Raised inside unpickling when the file references something other than builtins."""
+
+
+def state_path(path: str | Path | None = None) -> Path:
+    """Where the state lives: explicit path, else ``$MONARCH_STATE``, else the default."""
+    if path is not None and str(path) != "":
+        return Path(path).expanduser()
+    from_env = os.environ.get(STATE_ENV)
+    if from_env:
+        return Path(from_env).expanduser()
+    return DEFAULT_STATE_PATH
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse to save anything the restricted loader could not read back."""
+    if type(value) not in _PLAIN:
+        raise TypeError(
+            f"job state field {where} holds a {type(value).__name__}; only builtin "
+            "containers, str, bytes, numbers, bool and None can be saved"
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, f"{where} key")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+
+
+def _encode(state: JobState) -> bytes:
+    body = dataclasses.asdict(state)
+    body["schema_version"] = SCHEMA_VERSION
+    payload = {"magic": _MAGIC, "schema_version": SCHEMA_VERSION, "state": body}
+    _check_plain(payload, "state")
+    return pickle.dumps(payload, protocol=_PROTOCOL)
+
+
+def save_state(state: JobState, path: Path | None = None) -> Path:
+    """Write ``state`` atomically with mode 0600 and return the path written."""
+    target = state_path(path)
+    data = _encode(state)
+    parent = target.parent
+    tmp_name: str | None = None
+    try:
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # mkstemp opens with O_CREAT|O_EXCL and mode 0600 via os.open: the key pair is
+        # never readable by others, not even for the moment before the rename.
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "wb", closefd=False) as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp_name, target)
+        tmp_name = None
+        _fsync_dir(parent)
+    except OSError as err:
+        raise StateError(
+            f"cannot write job state to {target}: {err.strerror or err}; "
+            "check that the directory is writable, or set $MONARCH_STATE to another path"
+        ) from err
+    finally:
+        if tmp_name is not None:
+            try:
+                os.unlink(tmp_name)
+            except OSError:
+                pass
+    return target
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable; best effort, since some filesystems refuse it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _corrupt(target: Path, why: str) -> StateError:
+    return StateError(
+        f"job state file {target} is corrupt ({why}); run `monarch stop --force` "
+        "or delete the file, then start a new reservation with `monarch serve`"
+    )
+
+
+def _read(target: Path) -> bytes:
+    try:
+        with open(target, "rb") as handle:
+            data = handle.read(_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise NoReservation(
+            f"no reservation at {target}; start one with `monarch serve`"
+        ) from None
+    except IsADirectoryError:
+        raise StateError(
+            f"job state path {target} is a directory; point $MONARCH_STATE at a file"
+        ) from None
+    except OSError as err:
+        raise StateError(
+            f"cannot read job state file {target}: {err.strerror or err}; check its permissions"
+        ) from err
+    if len(data) > _MAX_BYTES:
+        raise _corrupt(target, f"larger than {_MAX_BYTES} bytes")
+    return data
+
+
+def load_state(path: Path | None = None) -> JobState:
+    """Read the state file; any bad content raises :class:`StateError`, never anything else."""
+    target = state_path(path)
+    data = _read(target)
+    if not data:
+        raise _corrupt(target, "empty file")
+    stream = io.BytesIO(data)
+    try:
+        payload = _NoGlobals(stream).load()
+    except _ForeignObject as err:
+        raise StateError(
+            f"{target} is not a monarch job state file (it references {err}); "
+            "pass the right path or delete it"
+        ) from None
+    except Exception as err:  # any decoding failure at all means the bytes are damaged
+        raise _corrupt(target, f"{type(err).__name__}") from None
+    if stream.tell() != len(data):
+        raise _corrupt(target, "trailing bytes after the pickle")
+    if not isinstance(payload, dict) or payload.get("magic") != _MAGIC:
+        raise StateError(
+            f"{target} is not a monarch job state file; pass the right path or delete it"
+        )
+    version = payload.get("schema_version")
+    if type(version) is not int or version < 1:
+        raise _corrupt(target, f"bad schema_version {version!r}")
+    if version > SCHEMA_VERSION:
+        raise StateError(
+            f"job state file {target} was written by a newer monarch-cli "
+            f"(schema {version} > {SCHEMA_VERSION}); upgrade monarch-cli"
+        )
+    try:
+        return _decode(payload.get("state"))
+    except _Malformed as err:
+        raise _corrupt(target, str(err)) from None
+
+
+class _Malformed(Exception):
+    """The pickle decoded, but its content does not have the JobState shape."""
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = ...) -> Any:
+    if name not in body:
+        if default is ...:
+            raise _Malformed(f"missing field {name}")
+        return default
+    value = body[name]
+    # bool is an int subclass; it is never a valid count, pid or timestamp here.
+    if type(value) not in kinds:
+        raise _Malformed(f"field {name} is a {type(value).__name__}")
+    return value
+
+
+def _decode(body: Any) -> JobState:
+    """Rebuild a JobState from the plain dict, checking every field's type."""
+    if not isinstance(body, dict):
+        raise _Malformed("no state record")
+    known = {f.name for f in dataclasses.fields(JobState)}
+    extra = sorted(str(key) for key in body if key not in known)
+    if extra:
+        raise _Malformed(f"unknown fields {', '.join(extra)}")
+    hosts = []
+    for index, host in enumerate(_field(body, "hosts", (list,))):
+        if not isinstance(host, dict) or set(host) != {"name", "agent", "pid", "node_rank"}:
+            raise _Malformed(f"host record {index} is malformed")
+        hosts.append(
+            HostRecord(
+                name=_field(host, "name", (str,)),
+                agent=_field(host, "agent", (str,)),
+                pid=_field(host, "pid", (int, type(None))),
+                node_rank=_field(host, "node_rank", (int,)),
+            )
+        )
+    command = _field(body, "default_command", (list,))
+    if any(type(word) is not str for word in command):
+        raise _Malformed("default_command holds a non-string")
+    return JobState(
+        scheduler=_field(body, "scheduler", (str,)),
+        reservation_id=_field(body, "reservation_id", (str,)),
+        hosts=hosts,
+        keys=_field(body, "keys", (str,)),
+        default_command=command,
+        created_at=float(_field(body, "created_at", (float, int))),
+        scheduler_data=_field(body, "scheduler_data", (dict,), {}),
+        last_run=_field(body, "last_run", (dict, type(None)), None),
+        schema_version=SCHEMA_VERSION,
+    )
+
+
+def clear_state(path: Path | None = None) -> None:
+    """Delete the state file; a missing file is fine so `stop --force` always succeeds."""
+    target = state_path(path)
+    try:
+        target.unlink()
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:
+        raise StateError(f"job state path {target} is a directory; remove it by hand") from None
+    except OSError as err:
+        raise StateError(
+            f"cannot delete job state file {target}: {err.strerror or err}; check its permissions"
+        ) from err
