@@ -12,6 +12,7 @@ import dataclasses
 import io
 import os
 import pickle
+import pickletools
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,42 @@ class JobState:
     schema_version: int = SCHEMA_VERSION
 
 
+class _ForeignObject(pickle.UnpicklingError):
+    """Raised inside unpickling when the file references something other than builtins."""
+
+
+# Opcodes that can only build plain builtin data (any protocol).  Everything else --
+# GLOBAL, REDUCE, BUILD, NEWOBJ, EXT*, PERSID, out-of-band buffers -- can reach code.
+_SAFE_OPS = frozenset(
+    "PROTO FRAME STOP MARK POP POP_MARK DUP NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 "
+    "LONG LONG1 LONG4 FLOAT BINFLOAT STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE "
+    "SHORT_BINUNICODE BINUNICODE8 BINBYTES SHORT_BINBYTES BINBYTES8 EMPTY_LIST APPEND APPENDS "
+    "LIST EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 EMPTY_DICT DICT SETITEM SETITEMS EMPTY_SET "
+    "ADDITEMS FROZENSET PUT BINPUT LONG_BINPUT MEMOIZE GET BINGET LONG_BINGET".split()
+)
+_MEMO_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+
+
+def _scan(data: bytes) -> None:
+    """Vet every opcode before unpickling.
+
+    pickletools checks each length field against the bytes actually present, and a memo
+    index can be no larger than the number of opcodes so far; without this a few corrupt
+    bytes can make the C unpickler allocate gigabytes before it notices the damage.
+    """
+    end = 0
+    for count, (opcode, arg, pos) in enumerate(pickletools.genops(data)):
+        if opcode.name not in _SAFE_OPS:
+            raise _ForeignObject(f"opcode {opcode.name}")
+        if opcode.name in _MEMO_OPS and not 0 <= int(arg) <= count:
+            raise ValueError(f"memo index {arg} out of range")
+        if opcode.name == "FRAME" and int(arg) > len(data):
+            raise ValueError("frame longer than the file")
+        end = pos + 1  # genops stops after STOP, a one-byte opcode
+    if end != len(data):
+        raise ValueError("trailing bytes after the pickle")
+
+
 class _NoGlobals(pickle.Unpickler):
     """Refuses every global, so a state file can only ever produce plain builtin data."""
 
@@ -84,10 +121,6 @@ class _NoGlobals(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise _ForeignObject("a persistent id")
-
-
-class _ForeignObject(pickle.UnpicklingError):
-    """Raised inside unpickling when the file references something other than builtins."""
 
 
 def state_path(path: str | Path | None = None) -> Path:
@@ -208,18 +241,16 @@ def load_state(path: Path | None = None) -> JobState:
     data = _read(target)
     if not data:
         raise _corrupt(target, "empty file")
-    stream = io.BytesIO(data)
     try:
-        payload = _NoGlobals(stream).load()
+        _scan(data)
+        payload = _NoGlobals(io.BytesIO(data)).load()
     except _ForeignObject as err:
         raise StateError(
-            f"{target} is not a monarch job state file (it references {err}); "
-            "pass the right path or delete it"
+            f"{target} is not a monarch job state file (it holds Python objects, not plain "
+            f"data: {err}); pass the right path or delete it"
         ) from None
     except Exception as err:  # any decoding failure at all means the bytes are damaged
-        raise _corrupt(target, f"{type(err).__name__}") from None
-    if stream.tell() != len(data):
-        raise _corrupt(target, "trailing bytes after the pickle")
+        raise _corrupt(target, f"{type(err).__name__}: {err}") from None
     if not isinstance(payload, dict) or payload.get("magic") != _MAGIC:
         raise StateError(
             f"{target} is not a monarch job state file; pass the right path or delete it"

@@ -333,6 +333,11 @@ def parse_command(argv: list[str]) -> SpmdSpec:
         raise JobError("empty command; give one, e.g. `torchrun --nproc-per-node=2 train.py`")
     args = [str(arg) for arg in argv]
     head = os.path.basename(args[0])
+    first_word = os.path.basename(args[0].split()[0]) if args[0].strip() else ""
+    if " " in args[0] and (first_word == "torchrun" or _PYTHON_RE.match(first_word)):
+        raise JobError(
+            f"{args[0]!r} looks like a whole command in one argument; split it into words"
+        )
     if head == "torchrun":
         return _parse_torchrun(args[1:])
     if _PYTHON_RE.match(head):
@@ -344,11 +349,8 @@ def parse_command(argv: list[str]) -> SpmdSpec:
             f"environment assignment {head!r} before the command is not supported; "
             "export the variable instead"
         )
-    hint = ""
-    if " " in args[0]:
-        hint = " (it looks like a whole command in one argument; split it into words)"
     raise JobError(
-        f"cannot tell how to run {args[0]!r}{hint}; start the command with torchrun, python "
+        f"cannot tell how to run {args[0]!r}; start the command with torchrun, python "
         "or a .py script, or use `torchrun --no-python PROGRAM` for other executables"
     )
 

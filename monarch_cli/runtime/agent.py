@@ -32,6 +32,7 @@ from ..config import configure
 from . import wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
+from .ranks import RankHost
 from .transport import Transport
 
 READY_PREFIX = "MONARCH_AGENT_READY "
@@ -53,19 +54,21 @@ class _Client:
 
 
 class _Zygote:
-    """The agent's handle on its fork server."""
+    """The agent's handle on a fork server (``preload``: modules it imports up front)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: str = "") -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, "MONARCH_PRELOAD": preload}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno())],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
+            env=env,
         )
         child.close()
 
-    def fork(self, req_id: int, boot: Dict[str, Any], fds: Tuple[int, ...] = ()) -> None:
-        socket.send_fds(self.sock, [pickle.dumps(("fork", req_id, boot))], list(fds))
+    def fork(self, req_id: int, boot: Dict[str, Any], fds: List[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
+        socket.send_fds(self.sock, [pickle.dumps(("fork", req_id, kind, boot))], list(fds))
 
     def receive(self) -> Optional[Tuple[Any, ...]]:
         data = self.sock.recv(1 << 16)
@@ -79,7 +82,7 @@ class _Zygote:
 
 
 class HostAgent:
-    def __init__(self, keys: Keys, name: Optional[str] = None) -> None:
+    def __init__(self, keys: Keys, name: Optional[str] = None, preload: Optional[str] = None) -> None:
         self.keys = keys
         self.transport = Transport(keys)
         self.inbox, self.address = self.transport.bind_router()
@@ -89,6 +92,10 @@ class HostAgent:
         self.hb, self.heartbeat_address = self.hb_transport.bind_router()
         self.host = name or socket.gethostname()
         self.zygote = _Zygote()
+        self.preload = _default_preload() if preload is None else preload
+        self._rank_zygote: Optional[_Zygote] = None
+        self.ranks = RankHost(self)
+        self.poller = zmq.Poller()
         self.procs: Dict[int, _Proc] = {}  # by pid
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
         self.clients: Dict[str, _Client] = {}
@@ -108,8 +115,25 @@ class HostAgent:
         self.send(address, ("result", cid, ok), wire.dumps(value if ok else (value, "", None)))
 
     # --------------------------------------------------------------------- loop
+    def next_request(self) -> int:
+        self._next_req += 1
+        return self._next_req
+
+    def rank_zygote(self) -> _Zygote:
+        """The fork server for warm ranks (started on first use, or eagerly by ``warm_up``)."""
+        if self._rank_zygote is None or self._rank_zygote.process.poll() is not None:
+            self._rank_zygote = _Zygote(self.preload)
+            self.poller.register(self._rank_zygote.sock.fileno(), zmq.POLLIN)
+        return self._rank_zygote
+
+    def watch_fd(self, fd: int) -> None:
+        self.poller.register(fd, zmq.POLLIN)
+
+    def unwatch_fd(self, fd: int) -> None:
+        self.poller.unregister(fd)
+
     def serve(self) -> None:
-        poller = zmq.Poller()
+        poller = self.poller
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.transport.zap, zmq.POLLIN)
         poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
@@ -124,7 +148,12 @@ class HostAgent:
             if self.hb in events:
                 self._heartbeats()
             if self.zygote.sock.fileno() in events:
-                self._from_zygote()
+                self._from_zygote(self.zygote)
+            rz = self._rank_zygote
+            if rz is not None and rz.sock.fileno() in events:
+                self._from_zygote(rz)
+            for fd in self.ranks.live_fds() & events.keys():
+                self.ranks.readable(fd)
             if self.inbox in events:
                 while True:
                     try:
@@ -137,16 +166,30 @@ class HostAgent:
                         print(f"monarch agent: bad request: {type(e).__name__}: {e}", file=sys.stderr)
             self._check_clients()
             self._check_stops()
+            self.ranks.tick()
         self._kill_all()
+        self.ranks.kill_all()
         self.zygote.kill()
+        if self._rank_zygote is not None:
+            self._rank_zygote.kill()
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header = pickle.loads(frames[1].buffer)
         kind = header[0]
         if kind == "ping":
             _, cid, reply_to = header
-            info = {"host": self.host, "pid": os.getpid(), "procs": len(self.procs), "heartbeat": self.heartbeat_address}
-            self.reply(reply_to, cid, True, info)
+            self.reply(reply_to, cid, True, self.info())
+        elif kind == "reserve_port":
+            _, cid, reply_to, run_id = header
+            self.reply(reply_to, cid, True, self.ranks.reserve_port(run_id))
+        elif kind == "run_ranks":
+            _, cid, reply_to, run_id, heartbeat_timeout = header
+            self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
+            self.ranks.start(reply_to, run_id, wire.loads(frames[2:]))
+            self.reply(reply_to, cid, True, None)
+        elif kind == "signal_ranks":
+            _, cid, reply_to, run_id, sig = header
+            self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
         elif kind == "spawn_procs":
             _, cid, reply_to = header
             specs, client_settings, import_context = wire.loads(frames[2:])
@@ -162,6 +205,21 @@ class HostAgent:
             self.reply(reply_to, cid, True, None)
             self.running = False
 
+    def info(self) -> Dict[str, Any]:
+        from ..config import advertised_host
+
+        return {
+            "host": self.host,
+            "addr": advertised_host(),
+            "pid": os.getpid(),
+            "procs": len(self.procs),
+            "ranks": len(self.ranks.by_pid),
+            "heartbeat": self.heartbeat_address,
+            "cpus": os.cpu_count() or 1,
+            "gpus": _count_gpus(),
+            "preload": self.preload,
+        }
+
     def _heartbeats(self) -> None:
         while self.hb.poll(0):
             identity, client_addr = self.hb.recv_multipart()
@@ -175,7 +233,7 @@ class HostAgent:
     ) -> None:
         self.clients[owner] = _Client(time.monotonic(), float(client_settings.get("heartbeat_timeout", 5.0)))
         for proc_id, ready_cid in specs:
-            self._next_req += 1
+            req = self.next_request()
             boot = {
                 "keys": self.keys.encode(),
                 "proc_id": proc_id,
@@ -187,21 +245,29 @@ class HostAgent:
                 "settings": client_settings,
                 "import": import_context,
             }
-            self.forking[self._next_req] = (proc_id, owner)
-            self.zygote.fork(self._next_req, boot)
+            self.forking[req] = (proc_id, owner)
+            self.zygote.fork(req, boot)
 
-    def _from_zygote(self) -> None:
-        msg = self.zygote.receive()
+    def _from_zygote(self, zygote: _Zygote) -> None:
+        msg = zygote.receive()
         if msg is None:
-            print("monarch agent: the zygote died; exiting", file=sys.stderr)
-            self.running = False
+            if zygote is self.zygote:
+                print("monarch agent: the zygote died; exiting", file=sys.stderr)
+                self.running = False
+            else:  # the warm-rank zygote: the next warm run starts a new one
+                self.poller.unregister(zygote.sock.fileno())
+                self._rank_zygote = None
             return
         if msg[0] == "forked":
             _, req, pid = msg
+            if self.ranks.forked(req, pid):
+                return
             proc_id, owner = self.forking.pop(req)
             self.procs[pid] = _Proc(proc_id, owner, pid)
         elif msg[0] == "exit":
             _, pid, status = msg
+            if self.ranks.exited(pid, status):
+                return
             proc = self.procs.pop(pid, None)
             if proc is None:
                 return
@@ -253,6 +319,7 @@ class HostAgent:
         for p in victims:
             p.stopping = True
             _signal(p.pid, signal.SIGKILL)
+        self.ranks.reap_owner(addr)
         sock = self._socks.pop(addr, None)
         if sock is not None:
             sock.close(linger=0)
@@ -260,6 +327,24 @@ class HostAgent:
     def _kill_all(self) -> None:
         for p in self.procs.values():
             _signal(p.pid, signal.SIGKILL)
+
+
+def _default_preload() -> str:
+    """Preload torch into warm ranks when it is installed (checked without importing it)."""
+    import importlib.util
+
+    return "torch" if importlib.util.find_spec("torch") is not None else ""
+
+
+def _count_gpus() -> int:
+    """NVIDIA devices visible to this host (no torch import: the agent stays light)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len([n for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit()])
+    except OSError:
+        return 0
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -277,6 +362,8 @@ def launch_agent(
     keys: Keys,
     *,
     name: Optional[str] = None,
+    preload: Optional[str] = None,
+    warm_up: bool = False,
     exit_with_parent: bool = True,
     detach: bool = False,
     env: Optional[Dict[str, str]] = None,
@@ -295,6 +382,10 @@ def launch_agent(
         cmd.append("--exit-with-stdin")
     if name:
         cmd += ["--name", name]
+    if preload is not None:
+        cmd += ["--preload", preload]
+    if warm_up:
+        cmd.append("--warm-up")
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,
@@ -355,6 +446,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--keys-stdin", action="store_true", help="read the reservation keys from stdin's first line")
     parser.add_argument("--exit-with-stdin", action="store_true", help="exit (killing all procs) when stdin closes")
     parser.add_argument("--host", help="address to advertise to peers (default: $MONARCH_HOST or this host's IP)")
+    parser.add_argument("--preload", help="comma-separated modules warm ranks import up front (default: torch if installed)")
+    parser.add_argument("--warm-up", action="store_true", help="start the warm-rank zygote now, not at the first run")
     parser.add_argument("--name", help="host name to report (default: the hostname); lets several agents on one machine act as separate hosts")
     args = parser.parse_args(argv)
     if args.host:
@@ -371,7 +464,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
-    agent = HostAgent(keys, name=args.name)
+    agent = HostAgent(keys, name=args.name, preload=args.preload)
+    if args.warm_up:
+        agent.rank_zygote()
     if args.exit_with_stdin:
         threading.Thread(target=_watch_stdin, args=(agent,), daemon=True).start()
     line = f"{READY_PREFIX}{agent.address}\n"

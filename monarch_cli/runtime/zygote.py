@@ -33,7 +33,7 @@ def die_with_parent() -> None:
         pass
 
 
-def _child(sock: socket.socket, wake_r: int, wake_w: int, boot: Dict[str, Any], fds: List[int]) -> None:
+def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[str, Any], fds: List[int]) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -45,13 +45,22 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, boot: Dict[str, Any], 
         sock.close()
         os.close(wake_r)
         os.close(wake_w)
-        for target, fd in zip((1, 2), fds):
+        listen_fd = fds[3] if len(fds) > 3 else None
+        for target, fd in zip((0, 1, 2), fds[:3]):
             os.dup2(fd, target)
-        for fd in fds:
             os.close(fd)
-        from . import proc
+        if kind == "proc":
+            from . import proc
 
-        code = proc.main(boot)
+            code = proc.main(boot)
+        elif kind == "rank":
+            from . import launcher
+
+            code = launcher.become_rank(boot, listen_fd)
+        elif kind == "cold":
+            from . import launcher
+
+            launcher.exec_cold(boot, listen_fd)  # only returns by raising
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
@@ -114,13 +123,13 @@ def serve(fd: int) -> None:
                     except ProcessLookupError:
                         pass
                 os._exit(0)
-            _, req_id, boot = pickle.loads(data)
+            _, req_id, kind, boot = pickle.loads(data)
             boot["_zygote_pid"] = os.getpid()
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(sock, wake_r, wake_w, boot, fds)
+                _child(sock, wake_r, wake_w, kind, boot, fds)
             for f in fds:
                 os.close(f)
             children.add(pid)

@@ -93,6 +93,7 @@ OK_CASES: list[tuple[list[str], dict[str, Any]]] = [
     # Bare script.
     (["train.py", "--lr", "1"], {"program": ["train.py", "--lr", "1"]}),
     (["./scripts/train.py"], {"program": ["./scripts/train.py"]}),
+    (["/my dir/train.py", "a b"], {"program": ["/my dir/train.py", "a b"]}),
 ]
 
 
@@ -163,6 +164,9 @@ ERROR_CASES: list[tuple[list[str], list[str]]] = [
     (["bash", "run.sh"], ["cannot tell how to run 'bash'", "--no-python"]),
     (["FOO=1", "python", "t.py"], ["environment assignment 'FOO=1'", "export"]),
     (["torchrun --standalone train.py"], ["split it into words"]),
+    (["python3 -u train.py"], ["split it into words"]),
+    ([T, "--nnode=2", "t.py"], ["unknown torchrun flag --nnode", "did you mean --nnodes?"]),
+    ([T, "--master-adr=h", "t.py"], ["unknown torchrun flag --master-adr", "did you mean --master-addr?"]),
 ]
 
 

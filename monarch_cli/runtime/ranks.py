@@ -1,0 +1,186 @@
+"""The agent's side of SPMD runs: start ranks, forward their output, report their exits.
+
+Ranks are forked from a zygote that has already imported the preloaded modules (torch by
+default), or, for cold runs, forked from the plain zygote and ``exec``'d into a fresh
+interpreter. Output travels as raw bytes, in order; a rank's exit is reported only after
+both of its pipes reach EOF (or a short grace if a grandchild keeps them open), so no line
+can arrive after the exit that ended it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+if TYPE_CHECKING:
+    from .agent import HostAgent
+
+_READ = 1 << 16
+_EOF_GRACE = 2.0  # seconds to wait for pipes after a rank exits
+
+
+@dataclasses.dataclass
+class _Rank:
+    run_id: str
+    rank: int
+    owner: str
+    started: float
+    fds: Dict[int, int]  # read fd -> stream (1 stdout, 2 stderr)
+    pid: Optional[int] = None
+    status: Optional[int] = None
+    exited_at: Optional[float] = None
+
+
+class RankHost:
+    def __init__(self, agent: "HostAgent") -> None:
+        self.agent = agent
+        self.pending: Dict[int, _Rank] = {}  # fork request -> rank
+        self.by_pid: Dict[int, _Rank] = {}
+        self.by_fd: Dict[int, _Rank] = {}
+        self.ports: Dict[str, socket.socket] = {}  # run id -> held listening socket
+
+    # ---------------------------------------------------------------- requests
+    def reserve_port(self, run_id: str) -> int:
+        """Bind and listen now, keep it open, hand the socket to rank 0 later: no race."""
+        from ..config import advertised_host
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((advertised_host(), 0))
+        sock.listen(128)
+        self.ports[run_id] = sock
+        return sock.getsockname()[1]
+
+    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> None:
+        held = self.ports.pop(run_id, None)
+        for spec in specs:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            fds = [devnull, out_w, err_w]
+            if held is not None and spec.get("host_store"):
+                fds.append(held.fileno())
+            rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2})
+            req = self.agent.next_request()
+            self.pending[req] = rank
+            zygote = self.agent.rank_zygote() if spec["warm"] else self.agent.zygote
+            zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
+            for fd in (devnull, out_w, err_w):
+                os.close(fd)
+            for fd in (out_r, err_r):
+                os.set_blocking(fd, False)
+                self.by_fd[fd] = rank
+                self.agent.watch_fd(fd)
+        if held is not None:
+            held.close()
+
+    def signal_run(self, run_id: str, sig: int) -> int:
+        hit = 0
+        for rank in self.by_pid.values():
+            if rank.run_id == run_id and rank.status is None:
+                _killpg(rank.pid, sig)
+                hit += 1
+        return hit
+
+    def reap_owner(self, owner: str) -> None:
+        for rank in self.by_pid.values():
+            if rank.owner == owner and rank.status is None:
+                _killpg(rank.pid, signal.SIGKILL)
+
+    def kill_all(self) -> None:
+        for rank in self.by_pid.values():
+            if rank.status is None:
+                _killpg(rank.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------------ events
+    def forked(self, req: int, pid: int) -> bool:
+        rank = self.pending.pop(req, None)
+        if rank is None:
+            return False
+        rank.pid = pid
+        self.by_pid[pid] = rank
+        return True
+
+    def exited(self, pid: int, status: int) -> bool:
+        rank = self.by_pid.get(pid)
+        if rank is None:
+            return False
+        rank.status = status
+        rank.exited_at = time.monotonic()
+        self._maybe_report(rank)
+        return True
+
+    def readable(self, fd: int) -> bool:
+        rank = self.by_fd.get(fd)
+        if rank is None:
+            return False
+        try:
+            data = os.read(fd, _READ)
+        except BlockingIOError:
+            return True
+        if data:
+            self.agent.send(rank.owner, ("event", "output", rank.run_id, rank.rank, rank.fds[fd]), [data])
+        else:
+            self._close(fd)
+            self._maybe_report(rank)
+        return True
+
+    def tick(self) -> None:
+        """Report ranks whose pipes a grandchild still holds open after the grace period."""
+        now = time.monotonic()
+        for rank in list(self.by_pid.values()):
+            if rank.exited_at is not None and rank.fds and now - rank.exited_at > _EOF_GRACE:
+                for fd in list(rank.fds):
+                    self.readable(fd)  # whatever is buffered still goes out first
+                    self._close(fd)
+                self._maybe_report(rank)
+
+    def _close(self, fd: int) -> None:
+        rank = self.by_fd.pop(fd, None)
+        if rank is not None:
+            rank.fds.pop(fd, None)
+        self.agent.unwatch_fd(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+    def _maybe_report(self, rank: _Rank) -> None:
+        if rank.status is None or rank.fds or rank.pid is None:
+            return
+        self.by_pid.pop(rank.pid, None)
+        status = rank.status
+        exitcode = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        duration = (rank.exited_at or time.monotonic()) - rank.started
+        self.agent.send(rank.owner, ("event", "rank_exit", rank.run_id, rank.rank, exitcode, sig, duration, rank.pid))
+
+    def live_fds(self) -> Set[int]:
+        return set(self.by_fd)
+
+
+def _killpg(pid: Optional[int], sig: int) -> None:
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def describe_status(exitcode: Optional[int], sig: Optional[int]) -> Tuple[str, int]:
+    """A human description and the shell-style status (128+N for a signal)."""
+    if sig is not None:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"killed by {name}", 128 + sig
+    return f"exit {exitcode}", int(exitcode or 0)
