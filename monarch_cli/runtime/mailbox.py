@@ -73,6 +73,9 @@ class Mailbox:
         self._agents: Dict[str, _AgentWatch] = {}
         self._hb_transport: Optional[Any] = None  # own context: big transfers cannot delay heartbeats
         self.unhandled: List[Failure] = []
+        #: Handlers for agent events other than proc exits (SPMD output and exits), by kind.
+        self.event_handlers: Dict[str, Callable[[Header, List[zmq.Frame]], None]] = {}
+        self._watchers: Dict[str, Callable[[str, float], None]] = {}
         #: Set inside procs: called (from the I/O thread) to run an owner's ``__supervise__``.
         self.supervisor: Optional[Callable[[Failure, str], None]] = None
         self._closing = False
@@ -101,6 +104,27 @@ class Mailbox:
                 cls._instance = Mailbox(keys or keys_from_environment() or Keys.generate())
                 atexit.register(cls._instance.close)
             return cls._instance
+
+    _by_keys: Dict[Keys, "Mailbox"] = {}
+
+    @classmethod
+    def for_keys(cls, keys: Keys) -> "Mailbox":
+        """A mailbox holding ``keys``: the process's own if it matches, else one kept per key pair.
+
+        Lets one process talk to several reservations (``monarch serve --replace`` checks
+        the old one, then reserves with new keys); actor meshes use :meth:`get`.
+        """
+        primary = cls._instance
+        if primary is not None and primary.keys == keys:
+            return primary
+        if primary is None:
+            return cls.get(keys)
+        with cls._instance_lock:
+            box = cls._by_keys.get(keys)
+            if box is None:
+                box = cls._by_keys[keys] = Mailbox(keys)
+                atexit.register(box.close)
+            return box
 
     @classmethod
     def install(cls, mailbox: "Mailbox") -> None:
@@ -203,6 +227,16 @@ class Mailbox:
         self._procs[proc_id] = _OwnedProc(agent, host, weakref.ref(mesh) if mesh is not None else None, owner_actor)
         if agent not in self._agents:
             self._agents[agent] = _AgentWatch(heartbeat, time.monotonic())
+
+    def watch_agent(self, agent: str, heartbeat: str, on_lost: Callable[[str, float], None]) -> None:
+        """Heartbeat ``agent`` until :meth:`unwatch_agent`; call ``on_lost(agent, silence)`` if it goes quiet."""
+        self._watchers[agent] = on_lost
+        if agent not in self._agents:
+            self._agents[agent] = _AgentWatch(heartbeat, time.monotonic())
+        self._send_wake()  # start heartbeating now, not at the next tick
+
+    def unwatch_agent(self, agent: str) -> None:
+        self._watchers.pop(agent, None)
 
     def failure_of(self, proc_id: str) -> Optional[Failure]:
         return self._dead.get(proc_id)
@@ -342,11 +376,14 @@ class Mailbox:
                 message, tb, exc = value
                 fut.set_exception(ActorError(message, tb, exc))
         elif kind == "event":
-            self._handle_event(header)
+            self._handle_event(header, frames)
 
-    def _handle_event(self, header: Header) -> None:
+    def _handle_event(self, header: Header, frames: List[zmq.Frame]) -> None:
         what = header[1]
-        if what == "proc_exit":
+        handler = self.event_handlers.get(what)
+        if handler is not None:
+            handler(header, frames)
+        elif what == "proc_exit":
             _, _, proc_id, failure, expected = header
             self.proc_failed(proc_id, failure, expected)
         elif what == "unhandled":
@@ -374,7 +411,7 @@ class Mailbox:
             self._hb_transport = Transport(self.keys, zap=False)
         now = time.monotonic()
         limit = settings().heartbeat_timeout
-        live_agents = {rec.agent for rec in self._procs.values()}
+        live_agents = {rec.agent for rec in self._procs.values()} | set(self._watchers)
         for agent, watch in list(self._agents.items()):
             if agent not in live_agents:
                 self._unwatch(agent)
@@ -396,6 +433,9 @@ class Mailbox:
 
     def _agent_lost(self, agent: str, silent_for: float) -> None:
         self._unwatch(agent)
+        watcher = self._watchers.pop(agent, None)
+        if watcher is not None:
+            watcher(agent, silent_for)
         for proc_id, rec in list(self._procs.items()):
             if rec.agent == agent:
                 self.proc_failed(

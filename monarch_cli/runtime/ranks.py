@@ -57,7 +57,11 @@ class RankHost:
 
     def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> None:
         held = self.ports.pop(run_id, None)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
         for spec in specs:
+            spec["env"] = {**base, **spec["env"]}  # the controller's view wins over this host's
+            if not os.path.isdir(spec["cwd"]):
+                spec["cwd"] = os.getcwd()
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             devnull = os.open(os.devnull, os.O_RDONLY)
