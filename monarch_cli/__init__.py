@@ -6,28 +6,42 @@ whole reservation::
     from monarch_cli import Actor, endpoint, this_host
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .config import configure
-from .runtime import (
-    Actor,
-    ActorError,
-    ActorMesh,
-    CallTimeout,
-    Context,
-    Failure,
-    Future,
-    HostMesh,
-    MonarchError,
-    Point,
-    ProcMesh,
-    SupervisionError,
-    ValueMesh,
-    context,
-    current_rank,
-    current_size,
-    endpoint,
-    this_host,
-    this_proc,
-)
+
+if TYPE_CHECKING:
+    from .runtime import (
+        Actor,
+        ActorError,
+        ActorMesh,
+        CallTimeout,
+        Context,
+        Failure,
+        Future,
+        HostMesh,
+        MonarchError,
+        Point,
+        ProcMesh,
+        SupervisionError,
+        ValueMesh,
+        context,
+        current_rank,
+        current_size,
+        endpoint,
+        this_host,
+        this_proc,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    """Import the runtime on first use, so `monarch --help` does not pay for it."""
+    if name in __all__ and name != "configure":
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'monarch_cli' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -1,11 +1,25 @@
 """The actor runtime: host agents, procs, actors and meshes over authenticated ZeroMQ."""
 
-from .actor import Actor, Context, context, current_rank, current_size, endpoint
-from .errors import ActorError, CallTimeout, Failure, MonarchError, SupervisionError
-from .future import Future
-from .keys import Keys
-from .mesh import ActorMesh, HostMesh, ProcMesh, this_host, this_proc
-from .shape import Point, Shape, ValueMesh
+import importlib
+from typing import Any
+
+_HOME = {
+    "Actor": "actor", "Context": "actor", "context": "actor", "current_rank": "actor",
+    "current_size": "actor", "endpoint": "actor",
+    "ActorError": "errors", "CallTimeout": "errors", "Failure": "errors", "MonarchError": "errors",
+    "SupervisionError": "errors",
+    "Future": "future", "Keys": "keys",
+    "ActorMesh": "mesh", "HostMesh": "mesh", "ProcMesh": "mesh", "this_host": "mesh", "this_proc": "mesh",
+    "Point": "shape", "Shape": "shape", "ValueMesh": "shape",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load submodules on first use: the CLI needs a few of them, not all."""
+    if name in _HOME:
+        return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Actor",

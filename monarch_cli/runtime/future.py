@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import time
@@ -57,6 +56,8 @@ class Future(concurrent.futures.Future, Generic[T]):
                 self._condition.wait(seconds)
 
     def __await__(self):  # type: ignore[override]
+        import asyncio
+
         return asyncio.wrap_future(self).__await__()
 
     def then(self, fn: Callable[[Any], Any]) -> "Future[Any]":

@@ -1,0 +1,1 @@
+../monarch_cli/templates/train_ddp.py

@@ -1,0 +1,353 @@
+"""The ``monarch`` command: parse, call the library, render with rich. Nothing else lives here."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Set, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .jobs import Job, JobError, RunResult, StaleReservation, dryrun, job_load, serve
+from .jobs.output import list_runs
+from .jobs.state import NoReservation, StateError, clear_state, state_path
+from .runtime.errors import MonarchError
+
+app = typer.Typer(
+    name="monarch",
+    help="Reserve hosts once, then run torchrun-style SPMD jobs on them in a fraction of a second.",
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE or .monarch/job_state.pkl).")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts and agents.")
+CmdArg = typer.Argument(None, help="The command, after `--`.", show_default=False)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]monarch: error:[/] {escape(message)}")
+    raise typer.Exit(code)
+
+
+def friendly(fn: F) -> F:
+    """Expected failures become one clear line and a non-zero exit, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (JobError, MonarchError, ValueError, PermissionError, FileNotFoundError) as e:
+            _fail(str(e))
+        except KeyboardInterrupt:
+            err.print("[yellow]interrupted[/]")
+            raise typer.Exit(130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _parse_ranks(text: Optional[str]) -> Optional[Set[int]]:
+    if text is None:
+        return None
+    ranks: Set[int] = set()
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                ranks.update(range(int(lo), int(hi) + 1))
+            elif part.strip():
+                ranks.add(int(part))
+    except ValueError:
+        raise JobError(f"--ranks takes numbers and ranges like 0,2-3, not {text!r}") from None
+    return ranks
+
+
+# ------------------------------------------------------------------- commands
+@app.command("serve")
+@friendly
+def serve_cmd(
+    command: Optional[List[str]] = CmdArg,
+    scheduler: str = typer.Option("local", "--scheduler", "-s", help="local (alias: local_cwd)."),
+    hosts: int = typer.Option(1, "--hosts", "-n", min=1, help="Hosts to reserve."),
+    state: Optional[Path] = StateOpt,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be started, start nothing."),
+    replace: bool = typer.Option(False, "--replace", help="Release an existing reservation that cannot serve this."),
+    preload: Optional[str] = typer.Option(None, "--preload", help="Modules warm ranks import up front (default: torch)."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Reserve hosts and leave them up; reuse a reservation that can serve the request."""
+    if dry_run:
+        plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload)
+        if as_json:
+            _emit_json(plan.to_json())
+            return
+        out.print(f"[bold]{plan.scheduler}[/]: {escape(plan.summary)}")
+        for name, text in plan.artifacts.items():
+            out.print(f"\n[bold]# {name}[/]")
+            out.print(escape(text), soft_wrap=True)
+        return
+    started = time.monotonic()
+    with err.status("reserving...") as spinner:
+        job = serve(command, scheduler, hosts=hosts, state=state, replace=replace, preload=preload,
+                    progress=lambda msg: spinner.update(escape(msg)))
+    if as_json:
+        _emit_json(job.status())
+        return
+    s = job.state
+    err.print(
+        f"[green]✓[/] reservation [bold]{s.reservation_id}[/] ({s.scheduler}, {len(s.hosts)} host(s)) "
+        f"ready in {time.monotonic() - started:.2f} s; state in {job.path}"
+    )
+    if s.default_command:
+        err.print(f"  run it with: [bold]monarch run-spmd[/]   ({escape(shlex.join(s.default_command))})")
+    else:
+        err.print("  run something with: [bold]monarch run-spmd -- torchrun --nproc-per-node=2 train.py[/]")
+
+
+@app.command("run-spmd", context_settings={"allow_interspersed_args": False})
+@friendly
+def run_spmd_cmd(
+    command: Optional[List[str]] = CmdArg,
+    state: Optional[Path] = StateOpt,
+    ranks: Optional[str] = typer.Option(None, "--ranks", help="Only print these ranks (e.g. 0,2-3); all are logged."),
+    cold: bool = typer.Option(False, "--cold", help="Start ranks in fresh interpreters (skip the warm start)."),
+    color: Optional[bool] = typer.Option(None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Run the served command (or the one after `--`) on every host of the reservation."""
+    job = job_load(state)
+    rank_set = _parse_ranks(ranks)
+    stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
+    result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
+                          on_event=lambda msg: err.print(f"[yellow]monarch:[/] {escape(msg)}"))
+    if as_json:
+        _emit_json(result.to_json())
+    else:
+        _render_result(result)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+@friendly
+def exec_cmd(
+    command: Optional[List[str]] = CmdArg,
+    state: Optional[Path] = StateOpt,
+    color: Optional[bool] = typer.Option(None, "--color/--no-color"),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Run a shell command on every host, with host-prefixed output and per-host exit codes."""
+    if not command:
+        _fail("give the command after `--`, e.g. monarch exec -- nvidia-smi")
+    job = job_load(state)
+    result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None)
+    if as_json:
+        _emit_json(result.to_json())
+    else:
+        table = Table(box=None, show_header=True, header_style="bold")
+        for col in ("host", "status", "time"):
+            table.add_column(col)
+        for r in result.ranks:
+            mark = "[green]exit 0[/]" if r.ok else f"[red]{escape(r.how)}[/]"
+            table.add_row(r.label, mark, f"{r.duration:.2f}s")
+        err.print(table)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command("status")
+@friendly
+def status_cmd(state: Optional[Path] = StateOpt, as_json: bool = JsonOpt) -> None:
+    """The reservation: scheduler, hosts and agent liveness, age, last run."""
+    try:
+        job = job_load(state)
+    except NoReservation as e:
+        if as_json:
+            _emit_json({"reservation": None, "message": str(e)})
+            raise typer.Exit(1)
+        raise
+    info = job.status()
+    if as_json:
+        _emit_json(info)
+        raise typer.Exit(0 if info["alive"] else 1)
+    health = "[green]up[/]" if info["alive"] else "[red]gone[/]"
+    out.print(f"[bold]{info['reservation_id']}[/] ({info['scheduler']}) {health}, "
+              f"made {_age(info['age_seconds'])} ago; state: {info['state_file']}")
+    if info["stale"]:
+        out.print(f"[red]{escape(info['stale'])}[/]")
+    table = Table(box=None, header_style="bold")
+    for col in ("host", "agent", "alive", "ranks running"):
+        table.add_column(col)
+    for h in info["hosts"]:
+        table.add_row(h["name"], h["agent"], "[green]yes[/]" if h["alive"] else "[red]no[/]",
+                      "-" if h["ranks_running"] is None else str(h["ranks_running"]))
+    out.print(table)
+    if info["default_command"]:
+        out.print(f"default command: {escape(shlex.join(info['default_command']))}")
+    last = info["last_run"]
+    if last:
+        outcome = "[green]ok[/]" if last["exit_code"] == 0 else f"[red]exit {last['exit_code']}[/]"
+        out.print(f"last run: {last['run_id']} {outcome} in {last['duration']:.2f} s, "
+                  f"{_age(time.time() - last['finished_at'])} ago")
+    raise typer.Exit(0 if info["alive"] else 1)
+
+
+@app.command("stop")
+@friendly
+def stop_cmd(
+    state: Optional[Path] = StateOpt,
+    force: bool = typer.Option(False, "--force", help="Also clear an unreadable state file."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Release the reservation; none of its processes is left."""
+    try:
+        job = job_load(state)
+    except StateError as e:
+        if not force or isinstance(e, NoReservation):
+            raise
+        clear_state(state_path(state))
+        _done_msg(as_json, {"stopped": None, "cleared": str(state_path(state))}, "cleared the unreadable state file")
+        return
+    rid = job.state.reservation_id
+    job.stop()
+    _done_msg(as_json, {"stopped": rid}, f"released reservation {rid}")
+
+
+@app.command("logs")
+@friendly
+def logs_cmd(
+    run: Optional[str] = typer.Argument(None, help="Run id (default: the latest)."),
+    rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Only this rank, raw."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the run ends."),
+    state: Optional[Path] = StateOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Print a run's per-rank logs (kept under .monarch/logs/<run-id>/)."""
+    root = state_path(state).parent / "logs"
+    runs = list_runs(root)
+    if not runs:
+        _fail(f"no runs logged under {root}")
+    run_dir = (root / run) if run else runs[-1]
+    if not run_dir.is_dir():
+        _fail(f"no run {run!r} under {root}; latest runs: {', '.join(p.name for p in runs[-5:])}")
+    files = sorted(run_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
+    if rank is not None:
+        files = [f for f in files if f.stem == f"rank{rank}"]
+        if not files:
+            _fail(f"run {run_dir.name} has no rank {rank}")
+    if as_json:
+        result = run_dir / "result.json"
+        _emit_json({
+            "run_id": run_dir.name,
+            "logs": {f.stem: str(f) for f in files},
+            "result": json.loads(result.read_text()) if result.exists() else None,
+        })
+        return
+    _print_logs(run_dir, files, raw=rank is not None, follow=follow)
+
+
+@app.command("demo")
+@friendly
+def demo_cmd(
+    hosts: int = typer.Option(2, "--hosts", min=1),
+    runs: int = typer.Option(2, "--runs", min=1),
+) -> None:
+    """Serve local hosts, run the bundled DDP example a few times (timed), stop. No cluster needed."""
+    script = Path(__file__).parent / "templates" / "train_ddp.py"
+    with tempfile.TemporaryDirectory(prefix="monarch-demo-") as tmp:
+        state = Path(tmp) / ".monarch" / "job_state.pkl"
+        cmd = ["torchrun", "--nproc-per-node=2", str(script), "--epochs", "2"]
+        err.print(f"[bold]1.[/] monarch serve --hosts {hosts} -- {escape(shlex.join(cmd))}")
+        t = time.monotonic()
+        job = serve(cmd, hosts=hosts, state=state)
+        err.print(f"   reserved {hosts} local host(s) in {time.monotonic() - t:.2f} s")
+        code = 0
+        try:
+            for i in range(runs):
+                err.print(f"[bold]{i + 2}.[/] monarch run-spmd   (run {i + 1} of {runs})")
+                result = job.run_spmd()
+                _render_result(result)
+                code = code or result.exit_code
+        finally:
+            err.print(f"[bold]{runs + 2}.[/] monarch stop")
+            job.stop()
+    raise typer.Exit(code)
+
+
+# -------------------------------------------------------------------- rendering
+def _render_result(result: RunResult) -> None:
+    n = len(result.ranks)
+    if result.exit_code == 0:
+        err.print(f"[green]✓[/] {n} rank(s) finished in [bold]{result.duration:.2f} s[/] (run {result.run_id})")
+        return
+    headline = "interrupted" if result.interrupted else f"rank {result.first_failure.rank} failed first"
+    err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
+    table = Table(header_style="bold", show_lines=False)
+    for col in ("rank", "host", "status", "time", "last output"):
+        table.add_column(col, overflow="fold")
+    for r in result.ranks:
+        status = "[green]exit 0[/]" if r.ok else f"[red]{escape(r.how)}[/]"
+        table.add_row(str(r.rank), r.host, status, f"{r.duration:.2f}s", escape("\n".join(r.tail[-3:])))
+    err.print(table)
+    err.print(f"full logs: {result.log_dir}  (monarch logs {result.run_id} --rank N)")
+
+
+def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> None:
+    offsets = {f: 0 for f in files}
+    sink = sys.stdout.buffer
+    while True:
+        for f in files:
+            with open(f, "rb") as fh:
+                fh.seek(offsets[f])
+                data = fh.read()
+            if not data:
+                continue
+            complete = data if not follow else data[: data.rfind(b"\n") + 1]
+            offsets[f] += len(complete)
+            if raw:
+                sink.write(complete)
+            else:
+                prefix = f"[{f.stem}] ".encode()
+                sink.write(b"".join(prefix + line for line in complete.splitlines(keepends=True)))
+            sink.flush()
+        if not follow or (run_dir / "result.json").exists():
+            return
+        time.sleep(0.2)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _done_msg(as_json: bool, data: Any, text: str) -> None:
+    if as_json:
+        _emit_json(data)
+    else:
+        err.print(f"[green]✓[/] {escape(text)}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
