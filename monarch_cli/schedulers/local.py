@@ -34,6 +34,7 @@ class LocalScheduler(Scheduler):
         return cmd
 
     def dryrun(self, request: ReserveRequest, workdir: Path) -> DryRun:
+        _no_options(request)
         commands = "\n".join(
             f"MONARCH_HOST=127.0.0.1 {shlex.join(self._agent_command(i, request))}  "
             f"# keys on stdin; log: {workdir / 'agents' / f'local{i}.log'}"
@@ -47,8 +48,7 @@ class LocalScheduler(Scheduler):
         return DryRun(self.name, summary, {"commands": commands})
 
     def reserve(self, request: ReserveRequest, keys: Keys, workdir: Path, progress: Progress) -> Reservation:
-        if request.options:
-            raise ValueError(f"the local scheduler takes no options (got {', '.join(sorted(request.options))})")
+        _no_options(request)
         logs = workdir / "agents"
         logs.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "MONARCH_HOST": "127.0.0.1"}
@@ -81,6 +81,12 @@ class LocalScheduler(Scheduler):
     def gone(self, state: JobState) -> Optional[str]:
         dead = [h.name for h in state.hosts if not (h.pid and _is_agent(h.pid))]
         return f"agent process of {', '.join(dead)} is not running" if dead else None
+
+
+def _no_options(request: ReserveRequest) -> None:
+    if request.options:
+        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(request.options))
+        raise ValueError(f"the local scheduler takes no cluster options (got {flags}); use --scheduler slurm")
 
 
 def _is_agent(pid: int) -> bool:

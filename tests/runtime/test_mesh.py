@@ -288,3 +288,25 @@ def test_connect_to_a_dead_address_fails_clearly():
             HostMesh.connect(["tcp://127.0.0.1:1"])
     finally:
         configure(spawn_timeout=old)
+
+
+def test_ipc_transport_works_end_to_end():
+    from ..conftest import run_python
+
+    proc = run_python(
+        """
+        from monarch_cli import Actor, configure, endpoint, this_host
+        configure(transport="ipc")
+        class Echo(Actor):
+            @endpoint
+            def echo(self, x):
+                return x
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        mesh = procs.spawn("echo", Echo)
+        print(mesh.echo.call("hi").get(timeout=20).values())
+        print(procs._members[0].inbox.split(":")[0])
+        procs.stop()
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["['hi',", "'hi']", "ipc"]

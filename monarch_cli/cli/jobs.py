@@ -1,82 +1,24 @@
-"""The ``monarch`` command: parse, call the library, render with rich. Nothing else lives here."""
+"""Commands for reservations and runs: serve, run-spmd, exec, status, stop, logs, demo."""
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Set, TypeVar
+from typing import Any, List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .jobs import Job, JobError, RunResult, StaleReservation, dryrun, job_load, serve
-from .jobs.output import list_runs
-from .jobs.state import NoReservation, StateError, clear_state, state_path
-from .runtime.errors import MonarchError
+from ..jobs import RunResult, dryrun, job_load, serve
+from ..jobs.output import list_runs
+from ..jobs.state import NoReservation, StateError, clear_state, state_path
 
-app = typer.Typer(
-    name="monarch",
-    help="Reserve hosts once, then run torchrun-style SPMD jobs on them in a fraction of a second.",
-    no_args_is_help=True,
-    add_completion=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False, soft_wrap=True)
-F = TypeVar("F", bound=Callable[..., Any])
-
-StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE or .monarch/job_state.pkl).")
-JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts and agents.")
-CmdArg = typer.Argument(None, help="The command, after `--`.", show_default=False)
-
-
-def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]monarch: error:[/] {escape(message)}")
-    raise typer.Exit(code)
-
-
-def friendly(fn: F) -> F:
-    """Expected failures become one clear line and a non-zero exit, never a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (JobError, MonarchError, ValueError, PermissionError, FileNotFoundError) as e:
-            _fail(str(e))
-        except KeyboardInterrupt:
-            err.print("[yellow]interrupted[/]")
-            raise typer.Exit(130)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _emit_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-
-
-def _parse_ranks(text: Optional[str]) -> Optional[Set[int]]:
-    if text is None:
-        return None
-    ranks: Set[int] = set()
-    try:
-        for part in text.split(","):
-            if "-" in part:
-                lo, hi = part.split("-")
-                ranks.update(range(int(lo), int(hi) + 1))
-            elif part.strip():
-                ranks.add(int(part))
-    except ValueError:
-        raise JobError(f"--ranks takes numbers and ranges like 0,2-3, not {text!r}") from None
-    return ranks
+from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out, parse_ranks
 
 
 # ------------------------------------------------------------------- commands
@@ -90,13 +32,30 @@ def serve_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be started, start nothing."),
     replace: bool = typer.Option(False, "--replace", help="Release an existing reservation that cannot serve this."),
     preload: Optional[str] = typer.Option(None, "--preload", help="Modules warm ranks import up front (default: torch)."),
+    partition: Optional[str] = typer.Option(None, "--partition", "-p", help="Slurm partition.", rich_help_panel="Cluster"),
+    time_limit: Optional[str] = typer.Option(None, "--time", "-t", help="Slurm time limit.", rich_help_panel="Cluster"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", rich_help_panel="Cluster"),
+    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", rich_help_panel="Cluster"),
+    mem: Optional[str] = typer.Option(None, "--mem", rich_help_panel="Cluster"),
+    account: Optional[str] = typer.Option(None, "--account", "-A", rich_help_panel="Cluster"),
+    qos: Optional[str] = typer.Option(None, "--qos", rich_help_panel="Cluster"),
+    constraint: Optional[str] = typer.Option(None, "--constraint", "-C", rich_help_panel="Cluster"),
+    exclusive: bool = typer.Option(False, "--exclusive", rich_help_panel="Cluster"),
+    sbatch_arg: Optional[List[str]] = typer.Option(None, "--sbatch-arg", help="Extra sbatch argument (repeatable).",
+                                                   rich_help_panel="Cluster"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts.", rich_help_panel="Cluster"),
     as_json: bool = JsonOpt,
 ) -> None:
     """Reserve hosts and leave them up; reuse a reservation that can serve the request."""
+    hosts = nodes or hosts
+    options = {k: v for k, v in dict(
+        partition=partition, time=time_limit, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, mem=mem,
+        account=account, qos=qos, constraint=constraint, exclusive=exclusive or None, sbatch_args=sbatch_arg or None,
+    ).items() if v is not None}
     if dry_run:
-        plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload)
+        plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload, **options)
         if as_json:
-            _emit_json(plan.to_json())
+            emit_json(plan.to_json())
             return
         out.print(f"[bold]{plan.scheduler}[/]: {escape(plan.summary)}")
         for name, text in plan.artifacts.items():
@@ -106,9 +65,9 @@ def serve_cmd(
     started = time.monotonic()
     with err.status("reserving...") as spinner:
         job = serve(command, scheduler, hosts=hosts, state=state, replace=replace, preload=preload,
-                    progress=lambda msg: spinner.update(escape(msg)))
+                    progress=lambda msg: spinner.update(escape(msg)), **options)
     if as_json:
-        _emit_json(job.status())
+        emit_json(job.status())
         return
     s = job.state
     err.print(
@@ -133,12 +92,12 @@ def run_spmd_cmd(
 ) -> None:
     """Run the served command (or the one after `--`) on every host of the reservation."""
     job = job_load(state)
-    rank_set = _parse_ranks(ranks)
+    rank_set = parse_ranks(ranks)
     stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
                           on_event=lambda msg: err.print(f"[yellow]monarch:[/] {escape(msg)}"))
     if as_json:
-        _emit_json(result.to_json())
+        emit_json(result.to_json())
     else:
         _render_result(result)
     raise typer.Exit(result.exit_code)
@@ -154,11 +113,11 @@ def exec_cmd(
 ) -> None:
     """Run a shell command on every host, with host-prefixed output and per-host exit codes."""
     if not command:
-        _fail("give the command after `--`, e.g. monarch exec -- nvidia-smi")
+        fail("give the command after `--`, e.g. monarch exec -- nvidia-smi")
     job = job_load(state)
     result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None)
     if as_json:
-        _emit_json(result.to_json())
+        emit_json(result.to_json())
     else:
         table = Table(box=None, show_header=True, header_style="bold")
         for col in ("host", "status", "time"):
@@ -178,12 +137,12 @@ def status_cmd(state: Optional[Path] = StateOpt, as_json: bool = JsonOpt) -> Non
         job = job_load(state)
     except NoReservation as e:
         if as_json:
-            _emit_json({"reservation": None, "message": str(e)})
+            emit_json({"reservation": None, "message": str(e)})
             raise typer.Exit(1)
         raise
     info = job.status()
     if as_json:
-        _emit_json(info)
+        emit_json(info)
         raise typer.Exit(0 if info["alive"] else 1)
     health = "[green]up[/]" if info["alive"] else "[red]gone[/]"
     out.print(f"[bold]{info['reservation_id']}[/] ({info['scheduler']}) {health}, "
@@ -241,18 +200,18 @@ def logs_cmd(
     root = state_path(state).parent / "logs"
     runs = list_runs(root)
     if not runs:
-        _fail(f"no runs logged under {root}")
+        fail(f"no runs logged under {root}")
     run_dir = (root / run) if run else runs[-1]
     if not run_dir.is_dir():
-        _fail(f"no run {run!r} under {root}; latest runs: {', '.join(p.name for p in runs[-5:])}")
+        fail(f"no run {run!r} under {root}; latest runs: {', '.join(p.name for p in runs[-5:])}")
     files = sorted(run_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
     if rank is not None:
         files = [f for f in files if f.stem == f"rank{rank}"]
         if not files:
-            _fail(f"run {run_dir.name} has no rank {rank}")
+            fail(f"run {run_dir.name} has no rank {rank}")
     if as_json:
         result = run_dir / "result.json"
-        _emit_json({
+        emit_json({
             "run_id": run_dir.name,
             "logs": {f.stem: str(f) for f in files},
             "result": json.loads(result.read_text()) if result.exists() else None,
@@ -340,14 +299,6 @@ def _age(seconds: float) -> str:
 
 def _done_msg(as_json: bool, data: Any, text: str) -> None:
     if as_json:
-        _emit_json(data)
+        emit_json(data)
     else:
         err.print(f"[green]✓[/] {escape(text)}")
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,141 @@
+"""The `monarch` command as a user runs it: real processes, real agents, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TRAIN = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} sum {t.item():.0f} group {os.environ['GROUP_RANK']}")
+dist.destroy_process_group()
+"""
+
+
+def monarch(*args: str, cwd: Path, state: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ}
+    if state is not None:
+        env["MONARCH_STATE"] = str(state)
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("monarch: error:")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_help_lists_the_commands(tmp_path):
+    proc = monarch("--help", cwd=tmp_path)
+    assert proc.returncode == 0
+    for command in ("serve", "run-spmd", "exec", "status", "stop", "logs", "demo"):
+        assert command in proc.stdout
+
+
+def test_dry_run_starts_nothing_and_says_what_it_would_do(tmp_path):
+    state = tmp_path / "s" / "job_state.pkl"
+    proc = monarch("serve", "--hosts", "2", "--dry-run", "--json", "--", "torchrun", "--nproc-per-node=2", "t.py",
+                   cwd=tmp_path, state=state)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["scheduler"] == "local"
+    assert plan["artifacts"]["commands"].count("monarch_cli.runtime.agent") == 2
+    assert not state.exists()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("run-spmd",), "no reservation"),
+        (("status",), "no reservation"),
+        (("stop",), "no reservation"),
+        (("serve", "--scheduler", "pbs", "--", "python", "t.py"), "unknown scheduler 'pbs'"),
+        (("serve", "--", "torchrun", "--bogus-flag", "t.py"), "--bogus-flag"),
+        (("logs",), "no runs logged"),
+        (("exec",), "give the command after"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_a_non_zero_exit(tmp_path, args, needle):
+    proc = monarch(*args, cwd=tmp_path, state=tmp_path / "none" / "job_state.pkl")
+    assert_clean_error(proc, needle)
+
+
+def test_corrupt_state_is_reported_and_stop_force_clears_it(tmp_path):
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    state.parent.mkdir()
+    state.write_bytes(b"\x80\x05garbage")
+    assert_clean_error(monarch("status", cwd=tmp_path, state=state), "corrupt")
+    assert_clean_error(monarch("run-spmd", cwd=tmp_path, state=state), "corrupt")
+    proc = monarch("stop", "--force", cwd=tmp_path, state=state)
+    assert proc.returncode == 0 and not state.exists()
+
+
+@pytest.mark.slow
+def test_serve_run_status_exec_logs_stop(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    served = monarch("serve", "--hosts", "2", "--json", "--", "torchrun", "--nproc-per-node=2", "train.py",
+                     cwd=tmp_path, state=state)
+    assert served.returncode == 0, served.stderr
+    try:
+        assert oct(state.stat().st_mode & 0o777) == "0o600"
+        first = monarch("run-spmd", "--no-color", cwd=tmp_path, state=state)
+        assert first.returncode == 0, first.stderr
+        lines = sorted(l for l in first.stdout.splitlines() if l.startswith("[rank"))
+        assert lines == [f"[rank{r}] rank {r} sum 4 group {r // 2}" for r in range(4)]
+        assert "4 rank(s) finished" in first.stderr
+
+        again = monarch("run-spmd", "--json", cwd=tmp_path, state=state)
+        result = json.loads(again.stdout)
+        assert again.returncode == 0 and result["exit_code"] == 0 and len(result["ranks"]) == 4
+
+        failing = monarch("run-spmd", "--", "torchrun", "--nproc-per-node=1", "fail.py", cwd=tmp_path, state=state)
+        assert failing.returncode != 0  # fail.py does not exist: python exits 2 on every rank
+        assert "failed first" in failing.stderr and "exit status" in failing.stderr
+
+        status = json.loads(monarch("status", "--json", cwd=tmp_path, state=state).stdout)
+        assert status["alive"] and [h["name"] for h in status["hosts"]] == ["local0", "local1"]
+        assert status["last_run"]["exit_code"] == failing.returncode
+
+        ex = monarch("exec", "--no-color", "--", "echo host $GROUP_RANK-ish; exit 0", cwd=tmp_path, state=state)
+        assert ex.returncode == 0
+        assert sorted(l.split()[0] for l in ex.stdout.splitlines()) == ["[local0]", "[local1]"]
+
+        logs = monarch("logs", "--json", cwd=tmp_path, state=state)
+        assert logs.returncode == 0 and json.loads(logs.stdout)["run_id"].startswith("exec-")
+        run_id = result["run_id"]
+        rank3 = monarch("logs", run_id, "--rank", "3", cwd=tmp_path, state=state)
+        assert rank3.stdout == "rank 3 sum 4 group 1\n"
+
+        refuse = monarch("serve", "--hosts", "1", cwd=tmp_path, state=state)
+        assert_clean_error(refuse, "--replace")
+    finally:
+        stopped = monarch("stop", "--json", cwd=tmp_path, state=state)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not state.exists()
+    gone = monarch("status", cwd=tmp_path, state=state)
+    assert_clean_error(gone, "no reservation")
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path):
+    proc = monarch("demo", "--hosts", "2", "--runs", "2", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("replicas in sync") == 2
+    assert proc.stderr.count("rank(s) finished in") == 2
+    assert "monarch stop" in proc.stderr
