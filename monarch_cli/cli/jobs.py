@@ -227,7 +227,7 @@ def demo_cmd(
     runs: int = typer.Option(2, "--runs", min=1),
 ) -> None:
     """Serve local hosts, run the bundled DDP example a few times (timed), stop. No cluster needed."""
-    script = Path(__file__).parent / "templates" / "train_ddp.py"
+    script = Path(__file__).resolve().parents[1] / "templates" / "train_ddp.py"
     with tempfile.TemporaryDirectory(prefix="monarch-demo-") as tmp:
         state = Path(tmp) / ".monarch" / "job_state.pkl"
         cmd = ["torchrun", "--nproc-per-node=2", str(script), "--epochs", "2"]
