@@ -3,7 +3,7 @@
 One module per group of commands; each registers itself on the shared Typer app.
 """
 
-from . import jobs  # noqa: F401 - registers serve, run-spmd, exec, status, stop, logs, demo
+from . import debug, jobs  # noqa: F401 - register their commands on the app
 from .common import app
 
 

@@ -88,6 +88,7 @@ def run_spmd_cmd(
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Only print these ranks (e.g. 0,2-3); all are logged."),
     cold: bool = typer.Option(False, "--cold", help="Start ranks in fresh interpreters (skip the warm start)."),
     color: Optional[bool] = typer.Option(None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."),
+    post_mortem: bool = typer.Option(False, "--post-mortem", help="Keep a rank that raises paused in pdb at the failing frame."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Run the served command (or the one after `--`) on every host of the reservation."""
@@ -95,6 +96,7 @@ def run_spmd_cmd(
     rank_set = parse_ranks(ranks)
     stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
+                          post_mortem=post_mortem,
                           on_event=lambda msg: err.print(f"[yellow]monarch:[/] {escape(msg)}"))
     if as_json:
         emit_json(result.to_json())

@@ -75,11 +75,14 @@ class Job:
         stderr: Optional[BinaryIO] = None,
         grace: float = 3.0,
         on_event: Optional[Callable[[str], None]] = None,
+        post_mortem: bool = False,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
         Every rank's output streams to ``stdout``/``stderr`` with a ``[rankN]`` prefix and is
-        kept in ``logs_root/<run-id>/rank<N>.log``.
+        kept in ``logs_root/<run-id>/rank<N>.log``. A rank that calls ``breakpoint()`` pauses
+        and is announced through ``on_event``; ``monarch debug`` attaches to it. With
+        ``post_mortem``, a rank that raises stays paused at the failing frame.
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         if not argv:
@@ -95,10 +98,11 @@ class Job:
         runner = SpmdRunner(hostset, log_dir, grace=grace)
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
-            launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt)
+            launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
+                                 post_mortem=post_mortem)
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt)
             try:
-                exits = runner.run(launches, run_id, sink)
+                exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)))
             finally:
                 sink.close()
             failed = [e for e in exits if not e.ok]
@@ -199,6 +203,12 @@ class Job:
 
     def runs(self) -> List[Path]:
         return list_runs(self.logs_root)
+
+
+def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
+    what = "stopped after an uncaught exception" if where.get("reason") == "post-mortem" else "paused"
+    return (f"rank {rank} {what} at {where.get('file')}:{where.get('line')} in {where.get('function')}() "
+            f"on {host}; attach with: monarch debug attach {rank}")
 
 
 def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:

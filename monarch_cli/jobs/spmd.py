@@ -154,6 +154,7 @@ class SpmdRunner:
         *,
         master_node_port: Optional[int] = None,
         on_interrupt: Optional[Callable[[int], None]] = None,
+        on_pause: Optional[Callable[[int, str, Dict[str, Any]], None]] = None,
     ) -> List[RankExit]:
         mb = self.mb
         by_rank = {l.rank: l for l in launches}
@@ -196,8 +197,14 @@ class SpmdRunner:
                     finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
                                             time.monotonic() - started, lost=why))
 
+        def on_paused(header: Any, frames: List[Any]) -> None:
+            _, _, rid, rank, host, where = header
+            if rid == run_id and on_pause is not None:
+                on_pause(rank, host, where)
+
         mb.event_handlers["output"] = on_output
         mb.event_handlers["rank_exit"] = on_exit
+        mb.event_handlers["rank_paused"] = on_paused
         for n in nodes:
             info = self.hs.infos[n]
             mb.watch_agent(self.hs.hosts[n].agent, info["heartbeat"], on_lost)
@@ -241,8 +248,8 @@ class SpmdRunner:
             interrupts.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
-            mb.event_handlers.pop("output", None)
-            mb.event_handlers.pop("rank_exit", None)
+            for kind in ("output", "rank_exit", "rank_paused"):
+                mb.event_handlers.pop(kind, None)
         ordered = [exits[r] for r in sorted(exits)]
         if first_failure:
             ordered.sort(key=lambda e: (e.rank != first_failure[0], e.rank))
@@ -304,6 +311,7 @@ def plan_spmd(
     master_port: Optional[int],
     restart_count: int = 0,
     environ: Optional[Dict[str, str]] = None,
+    post_mortem: bool = False,
 ) -> List[Launch]:
     """Place ranks on hosts and build each one's environment and program."""
     hosts = hostset.hosts
@@ -355,6 +363,7 @@ def plan_spmd(
                 "python_args": spec.python_args,
                 "warm": not cold and warm_capable(spec),
                 "host_store": host_store and rank == 0,
+                "post_mortem": post_mortem,
             }
             launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
     return launches

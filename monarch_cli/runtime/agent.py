@@ -32,6 +32,7 @@ from ..config import configure
 from . import wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
+from .debug_host import DebugHost
 from .ranks import RankHost
 from .transport import Transport
 
@@ -95,6 +96,7 @@ class HostAgent:
         self.preload = _default_preload() if preload is None else preload
         self._rank_zygote: Optional[_Zygote] = None
         self.ranks = RankHost(self)
+        self.debug = DebugHost(self)
         self.poller = zmq.Poller()
         self.procs: Dict[int, _Proc] = {}  # by pid
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
@@ -154,6 +156,8 @@ class HostAgent:
                 self._from_zygote(rz)
             for fd in self.ranks.live_fds() & events.keys():
                 self.ranks.readable(fd)
+            for fd in set(self.debug.by_fd) & events.keys():
+                self.debug.readable(fd)
             if self.inbox in events:
                 while True:
                     try:
@@ -176,6 +180,8 @@ class HostAgent:
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header = pickle.loads(frames[1].buffer)
         kind = header[0]
+        if self.debug.handle(header):
+            return
         if kind == "ping":
             _, cid, reply_to = header
             self.reply(reply_to, cid, True, self.info())
@@ -204,6 +210,10 @@ class HostAgent:
             _, cid, reply_to = header
             self.reply(reply_to, cid, True, None)
             self.running = False
+
+    def register_client(self, addr: str, heartbeat_timeout: float) -> None:
+        """Track ``addr``'s heartbeats; when they stop, it is reaped (its holds released)."""
+        self.clients.setdefault(addr, _Client(time.monotonic(), heartbeat_timeout))
 
     def info(self) -> Dict[str, Any]:
         from ..config import advertised_host
@@ -320,6 +330,7 @@ class HostAgent:
             p.stopping = True
             _signal(p.pid, signal.SIGKILL)
         self.ranks.reap_owner(addr)
+        self.debug.client_gone(addr)
         sock = self._socks.pop(addr, None)
         if sock is not None:
             sock.close(linger=0)

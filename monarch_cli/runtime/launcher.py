@@ -98,7 +98,11 @@ def _exit_code(e: SystemExit) -> int:
 
 
 def run_program(spec: Dict[str, Any]) -> int:
-    """Run the user's program in this (already prepared) process; returns its exit status."""
+    """Run the user's program in this (already prepared) process; returns its exit status.
+
+    With ``post_mortem``, an uncaught exception leaves the rank in pdb at the failing frame
+    (reachable with ``monarch debug``) before it exits.
+    """
     mode, program = spec["mode"], list(spec["program"])
     try:
         if mode == "script":
@@ -123,12 +127,21 @@ def run_program(spec: Dict[str, Any]) -> int:
         import traceback
 
         traceback.print_exc()
+        if spec.get("post_mortem") and "monarch_cli.runtime.debugger" in sys.modules:
+            from . import debugger
+
+            sys.stderr.flush()
+            debugger.post_mortem(sys.exc_info()[2])
         return _finish(1)
     return _finish(0)
 
 
-def become_rank(spec: Dict[str, Any], listen_fd: Optional[int]) -> int:
-    """Warm path: reset this forked child to a fresh interpreter's state, then run."""
+def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
+    """Warm path: reset this forked child to a fresh interpreter's state, then run.
+
+    ``extra`` holds inherited fds by role: ``listen`` (rank 0's store socket), ``debug``.
+    """
+    listen_fd = extra.get("listen")
     os.setsid()  # own process group: signals reach the rank and its children together
     env: Dict[str, str] = spec["env"]
     os.environ.clear()
@@ -139,10 +152,18 @@ def become_rank(spec: Dict[str, Any], listen_fd: Optional[int]) -> int:
     _reset_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
     _apply_threads(env)
     if spec["mode"] == "no_python":
-        _exec(spec, listen_fd)
+        _exec(spec, extra)
+    _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, env)
     return run_program(spec)
+
+
+def _install_debugger(fd: Optional[int]) -> None:
+    if fd is not None:
+        from . import debugger
+
+        debugger.install(fd)
 
 
 def cold_command(spec: Dict[str, Any]) -> List[str]:
@@ -152,22 +173,22 @@ def cold_command(spec: Dict[str, Any]) -> List[str]:
     return [sys.executable, *spec.get("python_args", []), "-m", "monarch_cli.runtime.launcher"]
 
 
-def exec_cold(spec: Dict[str, Any], listen_fd: Optional[int]) -> None:
+def exec_cold(spec: Dict[str, Any], extra: Dict[str, int]) -> None:
     """Cold path, in a forked child: replace this process with a fresh interpreter."""
     os.setsid()
     os.chdir(spec["cwd"])
     env = dict(spec["env"])
     if spec["mode"] == "no_python":
-        _exec(spec, listen_fd)
-    if listen_fd is not None:
-        os.set_inheritable(listen_fd, True)
-    env[SPEC_ENV] = json.dumps({**spec, "listen_fd": listen_fd})
+        _exec(spec, extra)
+    for fd in extra.values():
+        os.set_inheritable(fd, True)
+    env[SPEC_ENV] = json.dumps({**spec, "extra_fds": extra})
     os.execve(sys.executable, cold_command(spec), env)
 
 
-def _exec(spec: Dict[str, Any], listen_fd: Optional[int]) -> None:
-    if listen_fd is not None:
-        os.close(listen_fd)
+def _exec(spec: Dict[str, Any], extra: Dict[str, int]) -> None:
+    for fd in extra.values():
+        os.close(fd)
     program = spec["program"]
     try:
         os.execvpe(program[0], program, spec["env"])
@@ -178,8 +199,10 @@ def _exec(spec: Dict[str, Any], listen_fd: Optional[int]) -> None:
 
 def main() -> int:
     spec = json.loads(os.environ.pop(SPEC_ENV))
-    listen_fd = spec.pop("listen_fd", None)
+    extra = spec.pop("extra_fds", {})
+    listen_fd = extra.get("listen")
     _apply_threads(spec["env"])
+    _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, spec["env"])
     return run_program(spec)

@@ -66,8 +66,16 @@ class RankHost:
             err_r, err_w = os.pipe()
             devnull = os.open(os.devnull, os.O_RDONLY)
             fds = [devnull, out_w, err_w]
+            roles: Dict[str, int] = {}
             if held is not None and spec.get("host_store"):
+                roles["listen"] = len(fds)
                 fds.append(held.fileno())
+            debug_ours: Optional[socket.socket] = None
+            if spec["mode"] != "no_python":
+                debug_ours, debug_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                roles["debug"] = len(fds)
+                fds.append(debug_theirs.fileno())
+            spec["_fd_roles"] = roles
             rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2})
             req = self.agent.next_request()
             self.pending[req] = rank
@@ -75,6 +83,10 @@ class RankHost:
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
             for fd in (devnull, out_w, err_w):
                 os.close(fd)
+            if debug_ours is not None:
+                debug_theirs.close()
+                coords = {"hosts": int(spec["env"].get("GROUP_RANK", 0)), "gpus": int(spec["env"].get("LOCAL_RANK", 0))}
+                self.agent.debug.add(run_id, spec["rank"], owner, debug_ours, coords)
             for fd in (out_r, err_r):
                 os.set_blocking(fd, False)
                 self.by_fd[fd] = rank
@@ -107,6 +119,7 @@ class RankHost:
             return False
         rank.pid = pid
         self.by_pid[pid] = rank
+        self.agent.debug.set_pid(rank.run_id, rank.rank, pid)
         return True
 
     def exited(self, pid: int, status: int) -> bool:
@@ -161,6 +174,7 @@ class RankHost:
         exitcode = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         duration = (rank.exited_at or time.monotonic()) - rank.started
+        self.agent.debug.rank_exited(rank.run_id, rank.rank, describe_status(exitcode, sig)[0])
         self.agent.send(rank.owner, ("event", "rank_exit", rank.run_id, rank.rank, exitcode, sig, duration, rank.pid))
 
     def live_fds(self) -> Set[int]:

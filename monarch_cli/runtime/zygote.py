@@ -45,7 +45,7 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[
         sock.close()
         os.close(wake_r)
         os.close(wake_w)
-        listen_fd = fds[3] if len(fds) > 3 else None
+        extra = {role: fds[i] for role, i in boot.pop("_fd_roles", {}).items()}  # listen, debug
         for target, fd in zip((0, 1, 2), fds[:3]):
             os.dup2(fd, target)
             os.close(fd)
@@ -56,11 +56,11 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[
         elif kind == "rank":
             from . import launcher
 
-            code = launcher.become_rank(boot, listen_fd)
+            code = launcher.become_rank(boot, extra)
         elif kind == "cold":
             from . import launcher
 
-            launcher.exec_cold(boot, listen_fd)  # only returns by raising
+            launcher.exec_cold(boot, extra)  # only returns by raising
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
@@ -111,7 +111,7 @@ def serve(fd: int) -> None:
                 sock.send(pickle.dumps(("exit", pid, status)))
         if sock in ready:
             try:
-                data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+                data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
             except OSError as e:
                 if e.errno == errno.EINTR:
                     continue

@@ -1,0 +1,192 @@
+"""The rank's side of remote debugging: ``breakpoint()`` becomes a pdb served over a socket.
+
+Each rank gets one end of a socketpair from its agent. ``breakpoint()``, ``pdb.set_trace()``
+and post-mortem open a :class:`RemotePdb` whose stdin and stdout are messages on that
+socket; the agent relays them to whichever ``monarch debug`` client is attached and keeps
+what nobody has seen yet. A daemon thread reads the socket, so a DAP (debugpy) request is
+served whether or not the rank is paused. With no client attached, a paused rank simply
+waits for input.
+"""
+
+from __future__ import annotations
+
+import code
+import contextlib
+import json
+import os
+import pdb
+import queue
+import socket
+import sys
+import threading
+from types import FrameType, TracebackType
+from typing import Any, Dict, Optional
+
+_chan: Optional[socket.socket] = None
+_send_lock = threading.Lock()
+_lines: "queue.Queue[Optional[str]]" = queue.Queue()
+_DAP_HANDOFF = "\x00monarch-dap\x00"
+_CHUNK = 16000  # characters per output message (JSON-escaped, under the packet limit)
+
+
+def _send(msg: Dict[str, Any]) -> None:
+    """One JSON message per packet; long output is split into several output messages."""
+    if _chan is None:
+        return
+    if msg["type"] == "output" and len(msg["data"]) > _CHUNK:
+        for i in range(0, len(msg["data"]), _CHUNK):
+            _send({"type": "output", "data": msg["data"][i : i + _CHUNK]})
+        return
+    with _send_lock:
+        try:
+            _chan.send(json.dumps(msg).encode())
+        except OSError:
+            pass
+
+
+class _Input:
+    """pdb's stdin: lines from the attached client (blocks while nobody types)."""
+
+    def readline(self) -> str:
+        line = _lines.get()
+        return "" if line is None else line
+
+
+class _Output:
+    """pdb's stdout: every write is an output message."""
+
+    encoding = "utf-8"
+
+    def write(self, text: str) -> int:
+        if text:
+            _send({"type": "output", "data": text})
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+class RemotePdb(pdb.Pdb):
+    def __init__(self, reason: str = "breakpoint") -> None:
+        super().__init__(stdin=_Input(), stdout=_Output(), nosigint=True, readrc=False)
+        self.use_rawinput = False
+        self.reason = reason
+        self._handoff = False
+
+    def interaction(self, frame: Optional[FrameType], tb: Optional[TracebackType]) -> None:
+        where = frame if frame is not None else _last_frame(tb)
+        _send({
+            "type": "paused",
+            "file": where.f_code.co_filename if where else "?",
+            "line": where.f_lineno if where else 0,
+            "function": where.f_code.co_name if where else "?",
+            "reason": self.reason,
+        })
+        try:
+            super().interaction(frame, tb)
+        finally:
+            if self._handoff:
+                self._hand_over_to_dap()
+            _send({"type": "resumed"})
+
+    def precmd(self, line: str) -> str:
+        if line.strip() == _DAP_HANDOFF:
+            self._handoff = True
+            return "continue"
+        return super().precmd(line)
+
+    def do_interact(self, arg: str) -> None:
+        """Like pdb's ``interact``, but over the remote session."""
+        ns = {**self.curframe.f_globals, **self.curframe_locals}
+        console = code.InteractiveConsole(ns)
+
+        def raw_input(prompt: str = "") -> str:
+            self.stdout.write(prompt)
+            line = _lines.get()
+            if line is None or line == "\x04\n":
+                raise EOFError
+            return line.rstrip("\n")
+
+        console.raw_input = raw_input  # type: ignore[method-assign]
+        console.write = self.stdout.write  # type: ignore[method-assign]
+        with contextlib.redirect_stdout(self.stdout), contextlib.redirect_stderr(self.stdout):  # type: ignore[type-var]
+            console.interact("*interactive*", exitmsg="")
+
+    def _hand_over_to_dap(self) -> None:
+        """Stop pdb tracing for good and wait for the IDE, which takes over from here."""
+        self.clear_all_breaks()
+        sys.settrace(None)
+        frame = sys._getframe()
+        while frame is not None:
+            frame.f_trace = None
+            frame = frame.f_back
+        import debugpy
+
+        debugpy.wait_for_client()
+
+
+def _last_frame(tb: Optional[TracebackType]) -> Optional[FrameType]:
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame if tb is not None else None
+
+
+def _breakpointhook(*args: Any, **kwargs: Any) -> None:
+    hook = os.environ.get("PYTHONBREAKPOINT")
+    if hook == "0":
+        return
+    RemotePdb().set_trace(sys._getframe().f_back)
+
+
+def _set_trace(*, header: Optional[str] = None) -> None:
+    debugger = RemotePdb()
+    if header is not None:
+        debugger.message(header)
+    debugger.set_trace(sys._getframe().f_back)
+
+
+def post_mortem(tb: Optional[TracebackType]) -> None:
+    """Keep the rank in pdb at the failing frame until the user lets it go."""
+    debugger = RemotePdb(reason="post-mortem")
+    debugger.reset()
+    debugger.interaction(None, tb)
+
+
+def _serve_dap(msg: Dict[str, Any]) -> None:
+    try:
+        import debugpy
+
+        host, port = debugpy.listen((msg.get("host") or "127.0.0.1", 0))
+    except Exception as e:  # noqa: BLE001 - reported to the user who asked
+        _send({"type": "dap_error", "error": f"{type(e).__name__}: {e}"})
+        return
+    _send({"type": "dap_ready", "host": host, "port": port, "cwd": os.getcwd()})
+    if msg.get("handoff"):
+        _lines.put(_DAP_HANDOFF + "\n")
+
+
+def _service() -> None:
+    assert _chan is not None
+    while True:
+        try:
+            data = _chan.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:  # the agent is gone: unblock a waiting pdb (it reads EOF and quits)
+            _lines.put(None)
+            return
+        msg = json.loads(data)
+        if msg["type"] == "input":
+            _lines.put(msg["line"])
+        elif msg["type"] == "dap":
+            _serve_dap(msg)
+
+
+def install(fd: int) -> None:
+    """Route this rank's breakpoints to the agent over ``fd`` (one end of a socketpair)."""
+    global _chan
+    _chan = socket.socket(fileno=fd)
+    os.set_inheritable(fd, False)  # the user's subprocesses must not hold the session open
+    sys.breakpointhook = _breakpointhook
+    pdb.set_trace = _set_trace  # type: ignore[assignment]
+    threading.Thread(target=_service, name="monarch-debug", daemon=True).start()
