@@ -34,7 +34,8 @@ class _Session:
     state: str = "running"  # running | paused | exited
     where: Dict[str, Any] = dataclasses.field(default_factory=dict)
     transcript: str = ""
-    seen: int = 0  # transcript offset already shown to a user
+    seen: int = 0  # transcript offset already sent to a user
+    confirmed: int = 0  # offset a user surely saw (typed after it, or detached cleanly)
     holder: Optional[str] = None
     holder_name: str = ""
     casts: List[Tuple[int, str, int]] = dataclasses.field(default_factory=list)  # (cid, reply_to, offset)
@@ -113,6 +114,7 @@ class DebugHost:
             if len(s.transcript) > _TRANSCRIPT_CHARS:
                 cut = len(s.transcript) - _TRANSCRIPT_CHARS
                 s.transcript, s.seen = s.transcript[cut:], max(0, s.seen - cut)
+                s.confirmed = max(0, s.confirmed - cut)
                 s.casts = [(c, r, max(0, o - cut)) for c, r, o in s.casts]
             if s.holder:
                 self.agent.send(s.holder, ("event", "debug_output", s.run_id, s.rank, msg["data"]))
@@ -131,8 +133,8 @@ class DebugHost:
             s.state = "running"
             if s.last_input.split(" ")[0] not in _STEPS:  # a step pauses again at once: wait for that
                 self._finish_casts(s)
-            if s.holder:
-                self.agent.send(s.holder, ("event", "debug_state", s.run_id, s.rank, "running", ""))
+                if s.holder:
+                    self.agent.send(s.holder, ("event", "debug_state", s.run_id, s.rank, "running", ""))
         elif kind in ("dap_ready", "dap_error"):
             ok = kind == "dap_ready"
             value = {k: msg[k] for k in ("host", "port", "cwd")} if ok else msg["error"]
@@ -149,7 +151,7 @@ class DebugHost:
                     break
             self.agent.reply(reply_to, cid, True, {"output": text, "state": s.state, "where": dict(s.where)})
         if s.casts and not s.holder:
-            s.seen = len(s.transcript)
+            s.seen = s.confirmed = len(s.transcript)
         s.casts.clear()
 
     def _close(self, s: _Session) -> None:
@@ -205,14 +207,16 @@ class DebugHost:
             s.holder, s.holder_name = reply_to, header[5]
             self.agent.register_client(reply_to, header[6])
             unseen = s.transcript[s.seen:] or (s.transcript.rsplit("\n", 1)[-1] if s.state == "paused" else "")
-            s.seen = len(s.transcript)
+            s.seen = s.confirmed = len(s.transcript)
             self.agent.reply(reply_to, cid, True, {"unseen": unseen, "state": s.state, "where": dict(s.where)})
         elif kind == "debug_detach":
             if s.holder == reply_to:
                 s.holder, s.holder_name = None, ""
+                s.confirmed = s.seen
             self.agent.reply(reply_to, cid, True, None)
         elif kind == "debug_input":
             s.last_input = header[5].strip()
+            s.confirmed = s.seen
             self._to_rank(s, {"type": "input", "line": header[5]})
             self.agent.reply(reply_to, cid, True, None)
         elif kind == "debug_cast":
@@ -241,7 +245,9 @@ class DebugHost:
         return None
 
     def client_gone(self, client: str) -> None:
+        """A holder vanished: release its ranks, and show its undelivered output to the next one."""
         for s in self.sessions.values():
             if s.holder == client:
                 s.holder, s.holder_name = None, ""
+                s.seen = s.confirmed
             s.casts = [c for c in s.casts if c[1] != client]

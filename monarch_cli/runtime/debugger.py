@@ -72,6 +72,15 @@ class RemotePdb(pdb.Pdb):
         self.use_rawinput = False
         self.reason = reason
         self._handoff = False
+        self._handed_over = False
+
+    def trace_dispatch(self, frame: FrameType, event: str, arg: Any) -> Any:
+        result = super().trace_dispatch(frame, event, arg)
+        if self._handed_over:
+            # CPython makes this return value the frame's tracer: keep debugpy's, not ours.
+            tracer = frame.f_trace
+            return tracer if tracer is not None and tracer != self.trace_dispatch else None
+        return result
 
     def interaction(self, frame: Optional[FrameType], tb: Optional[TracebackType]) -> None:
         where = frame if frame is not None else _last_frame(tb)
@@ -89,11 +98,15 @@ class RemotePdb(pdb.Pdb):
                 self._hand_over_to_dap()
             _send({"type": "resumed"})
 
-    def precmd(self, line: str) -> str:
+    def onecmd(self, line: str) -> bool:
         if line.strip() == _DAP_HANDOFF:
+            # Leave the command loop without pdb's set_continue, whose sys.settrace(None)
+            # would pull tracing from under debugpy.
             self._handoff = True
-            return "continue"
-        return super().precmd(line)
+            self.clear_all_breaks()
+            self.stopframe, self.returnframe, self.quitting = self.botframe, None, False
+            return True
+        return super().onecmd(line)
 
     def do_interact(self, arg: str) -> None:
         """Like pdb's ``interact``, but over the remote session."""
@@ -113,16 +126,16 @@ class RemotePdb(pdb.Pdb):
             console.interact("*interactive*", exitmsg="")
 
     def _hand_over_to_dap(self) -> None:
-        """Stop pdb tracing for good and wait for the IDE, which takes over from here."""
-        self.clear_all_breaks()
-        sys.settrace(None)
-        frame = sys._getframe()
+        """Wait for the IDE, then let debugpy trace this thread in pdb's place."""
+        import debugpy
+
+        frame: Optional[FrameType] = sys._getframe()
         while frame is not None:
             frame.f_trace = None
             frame = frame.f_back
-        import debugpy
-
         debugpy.wait_for_client()
+        debugpy.debug_this_thread()  # installs its tracer on this thread's frames
+        self._handed_over = True
 
 
 def _last_frame(tb: Optional[TracebackType]) -> Optional[FrameType]:
@@ -154,6 +167,7 @@ def post_mortem(tb: Optional[TracebackType]) -> None:
 
 def _serve_dap(msg: Dict[str, Any]) -> None:
     try:
+        os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # no frozen-modules nag in the rank's output
         import debugpy
 
         host, port = debugpy.listen((msg.get("host") or "127.0.0.1", 0))

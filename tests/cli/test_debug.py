@@ -1,0 +1,344 @@
+"""`monarch debug` driven as a user drives it: a real terminal (pexpect), real ranks, real pdb.
+
+One local reservation of two hosts; each test starts `monarch run-spmd` in the background
+with 4 ranks that stop in breakpoint(), then debugs them from other processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import pexpect
+import pytest
+
+from monarch_cli.jobs import job_load, serve
+from monarch_cli.jobs.debug import DebugClient
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """\
+import os, sys, time
+rank = int(os.environ["RANK"])
+secret = f"s{rank}"
+
+def step(x):
+    y = x * 2
+    return y
+
+breakpoint()
+total = step(rank + 1)
+print(f"rank {rank} total {total}", flush=True)
+if os.environ.get("CRASH") == str(rank):
+    bad = {"rank": rank}
+    raise ValueError(f"boom on {rank}")
+"""
+
+DAP_SCRIPT = """\
+import os
+rank = int(os.environ["RANK"])
+breakpoint()
+value = 40 + rank
+print(f"value {value}", flush=True)   # line 5: the IDE's breakpoint
+"""
+
+
+@pytest.fixture(scope="module")
+def reservation(tmp_path_factory) -> Iterator[Path]:
+    work = tmp_path_factory.mktemp("debug")
+    (work / "dbg.py").write_text(SCRIPT)
+    (work / "dap.py").write_text(DAP_SCRIPT)
+    state = work / ".monarch" / "job_state.pkl"
+    job = serve(["torchrun", "--nproc-per-node=2", "dbg.py"], hosts=2, state=state)
+    yield state
+    job.stop()
+
+
+def _env(state: Path, **extra: str) -> Dict[str, str]:
+    return {**os.environ, "MONARCH_STATE": str(state), "MONARCH_DEBUG_HISTORY": str(state.parent / "history"),
+            "TERM": "dumb", "NO_COLOR": "1", **extra}
+
+
+class Run:
+    """`monarch run-spmd` in the background."""
+
+    def __init__(self, state: Path, *args: str, **env: str) -> None:
+        self.out = open(state.parent / f"run-{time.time_ns()}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli", "run-spmd", "--no-color", *args],
+            cwd=state.parent.parent, env=_env(state, **env), stdout=self.out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        self.out.seek(0)
+        return self.out.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Optional[str] = None) -> List[Any]:
+    client = DebugClient(job_load(state))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            rows = [r for r in client.list() if r.state == "paused" and (reason is None or r.reason == reason)]
+            if len(rows) >= ranks:
+                return rows
+            time.sleep(0.2)
+    finally:
+        client.close()
+    raise AssertionError(f"only {len(rows)} rank(s) paused after {timeout} s")
+
+
+def monarch_debug(state: Path, *args: str) -> pexpect.spawn:
+    child = pexpect.spawn(sys.executable, ["-m", "monarch_cli", "debug", *args], env=_env(state),
+                          encoding="utf-8", timeout=30, dimensions=(50, 200))
+    child.logfile_read = open(state.parent / f"pexpect-{time.time_ns()}.log", "w")  # kept for post-mortems of failures
+    return child
+
+
+def debug_cmd(state: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "monarch_cli", "debug", *args], env=_env(state),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_list_attach_print_step_cast_continue(reservation):
+    run = Run(reservation)
+    try:
+        paused = wait_paused(reservation)
+        assert [(r.rank, r.host, r.line) for r in paused] == [(0, "local0", 10), (1, "local0", 10), (2, "local1", 10),
+                                                               (3, "local1", 10)]
+        shell = monarch_debug(reservation)
+        shell.expect("4 rank\\(s\\) paused")
+        shell.expect("monarch_dbg> ")
+        shell.sendline("list")
+        for rank in range(4):
+            shell.expect(f"{rank} +local{rank // 2} +\\d+ +[^\\n]*dbg.py:10 +<module> +paused")
+        shell.expect("monarch_dbg> ")
+
+        shell.sendline("attach 1")
+        shell.expect("attached to rank 1")
+        shell.expect_exact("(Pdb) ")
+        shell.sendline("p secret")
+        shell.expect_exact("'s1'")
+        shell.expect_exact("(Pdb) ")
+        shell.sendline("s")  # into step()
+        shell.expect_exact("(Pdb) ")
+        shell.sendline("s")
+        shell.expect_exact("(Pdb) ")
+        shell.sendline("n")
+        shell.expect_exact("-> return y")
+        shell.sendline("p y")
+        shell.expect_exact("4")  # (rank 1 + 1) * 2
+        shell.sendline("w")
+        shell.expect("step\\(\\)")
+        shell.sendline("u")
+        shell.expect("<module>\\(\\)")
+        shell.sendline("d")
+        shell.expect("step\\(\\)")
+        shell.sendline("ll")
+        shell.expect_exact("def step(x):")
+        shell.sendline("b 12")
+        shell.expect("Breakpoint 1 at .*dbg.py:12")
+        shell.sendline("interact")
+        shell.expect_exact(">>> ")
+        shell.sendline("print(secret * 2, x)")
+        shell.expect_exact("s1s1 2")
+        shell.sendeof()  # leaves `interact`, back in pdb
+        shell.expect_exact("(Pdb) ")
+        shell.sendline("detach")
+        shell.expect("monarch_dbg> ")
+
+        shell.sendline("cast hosts=1 p secret")
+        shell.expect_exact("[rank2] 's2'")
+        shell.expect_exact("[rank3] 's3'")
+        shell.expect("monarch_dbg> ")
+        shell.sendline("cast 0:2 p rank + 100")
+        shell.expect_exact("[rank0] 100")
+        shell.expect_exact("[rank1] 101")  # rank 1 is inside step(); `rank` is a global there
+        shell.expect("monarch_dbg> ")
+
+        shell.sendline("continue")
+        for rank in range(4):
+            shell.expect_exact(f"[rank{rank}] continued")
+        shell.expect("monarch_dbg> ")
+        # rank 1 stops again at the breakpoint set at line 12
+        paused = wait_paused(reservation, ranks=1)
+        assert (paused[0].rank, paused[0].line) == (1, 12)
+        shell.sendline("continue 1")
+        shell.expect_exact("[rank1] continued")
+        shell.sendline("quit")
+        shell.expect(pexpect.EOF)
+        assert run.wait() == 0
+        out = run.output()
+        for rank in range(4):
+            assert f"[rank{rank}] rank {rank} total {(rank + 1) * 2}" in out
+            assert f"rank {rank} paused at" in out and f"monarch debug attach {rank}" in out
+        finished = debug_cmd(reservation, "continue", "2")
+        assert finished.returncode == 0 and "already finished (exit 0); nothing to continue" in finished.stdout
+    finally:
+        run.kill()
+
+
+def test_scripted_json_two_clients_replay_and_client_death(reservation):
+    run = Run(reservation)
+    try:
+        wait_paused(reservation)
+        listed = json.loads(debug_cmd(reservation, "list", "--json").stdout)
+        assert [r["rank"] for r in listed] == [0, 1, 2, 3] and all(r["state"] == "paused" for r in listed)
+        assert listed[3]["coords"] == {"hosts": 1, "gpus": 1}
+
+        cast = json.loads(debug_cmd(reservation, "cast", "*", "p secret", "--json").stdout)
+        assert {r: v["output"].strip() for r, v in cast.items()} == {str(r): f"'s{r}'" for r in range(4)}
+
+        # Client A holds rank 0 and asks for slow output, then is killed before it arrives.
+        a = monarch_debug(reservation, "attach", "0")
+        a.expect_exact("(Pdb) ")
+        b = debug_cmd(reservation, "cast", "0", "p 1", "--json")
+        assert b.returncode == 1 and "is attached by" in json.loads(b.stdout)["0"]["error"]
+        a.sendline("p __import__('time').sleep(1.5) or 'late answer'")
+        time.sleep(0.3)
+        a.kill(signal.SIGKILL)
+        # The rank is unharmed; once A's heartbeats stop, B can attach and sees what A missed.
+        time.sleep(7)
+        b = monarch_debug(reservation, "attach", "0")
+        b.expect_exact("'late answer'")
+        b.expect_exact("(Pdb) ")
+        b.sendline("p secret")
+        b.expect_exact("'s0'")
+        b.sendcontrol("c")  # Ctrl-C detaches; the rank stays paused
+        b.expect(pexpect.EOF)
+        assert [r.state for r in wait_paused(reservation)] == ["paused"] * 4
+
+        done = debug_cmd(reservation, "continue", "--json")
+        assert json.loads(done.stdout) == {str(r): "continued" for r in range(4)}
+        assert run.wait() == 0
+    finally:
+        run.kill()
+
+
+def test_rank_dying_while_attached_ends_the_session_clearly(reservation):
+    run = Run(reservation)
+    try:
+        wait_paused(reservation)
+        shell = monarch_debug(reservation, "attach", "2")
+        shell.expect_exact("(Pdb) ")
+        shell.sendline("import os; os._exit(9)")
+        shell.expect("rank 2 exited \\(exit 9\\); session ended")
+        shell.expect(pexpect.EOF)
+        debug_cmd(reservation, "continue")
+        assert run.wait() == 9  # the first failure is rank 2's
+    finally:
+        run.kill()
+
+
+def test_post_mortem_keeps_the_failing_frame(reservation):
+    run = Run(reservation, "--post-mortem", CRASH="3")
+    try:
+        wait_paused(reservation)
+        debug_cmd(reservation, "continue")
+        rows = wait_paused(reservation, ranks=1, reason="post-mortem")
+        assert rows[0].rank == 3 and rows[0].line == 14
+        shell = monarch_debug(reservation, "attach", "3")
+        shell.expect_exact("(Pdb) ")
+        shell.sendline("p bad")
+        shell.expect_exact("{'rank': 3}")
+        shell.sendline("continue")
+        shell.expect("rank 3 (is running again|exited)")
+        assert run.wait() == 1
+        assert "stopped after an uncaught exception" in run.output()
+        assert "ValueError: boom on 3" in run.output()
+    finally:
+        run.kill()
+
+
+class DapClient:
+    """Just enough of the Debug Adapter Protocol to drive debugpy."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.create_connection((host, port), timeout=30)
+        self.seq = 0
+        self.buf = b""
+        self.seen: List[Dict[str, Any]] = []
+
+    def send(self, command: str, **arguments: Any) -> int:
+        self.seq += 1
+        body = json.dumps({"seq": self.seq, "type": "request", "command": command, "arguments": arguments}).encode()
+        self.sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        return self.seq
+
+    def _read(self) -> Dict[str, Any]:
+        while b"\r\n\r\n" not in self.buf:
+            self.buf += self.sock.recv(65536)
+        head, _, rest = self.buf.partition(b"\r\n\r\n")
+        length = int(head.split(b":")[1])
+        while len(rest) < length:
+            rest += self.sock.recv(65536)
+        self.buf = rest[length:]
+        return json.loads(rest[:length])
+
+    def wait(self, predicate, timeout: float = 30) -> Dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        for msg in self.seen:
+            if predicate(msg):
+                self.seen.remove(msg)
+                return msg
+        while time.monotonic() < deadline:
+            msg = self._read()
+            if predicate(msg):
+                return msg
+            self.seen.append(msg)
+        raise AssertionError("no such DAP message")
+
+    def request(self, command: str, **arguments: Any) -> Dict[str, Any]:
+        seq = self.send(command, **arguments)
+        response = self.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == seq)
+        assert response["success"], response
+        return response.get("body", {})
+
+
+def test_dap_attach_breakpoint_continue_and_variables(reservation):
+    run = Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py")
+    try:
+        wait_paused(reservation, ranks=1)
+        proc = debug_cmd(reservation, "--dap", "0", "--json")
+        assert proc.returncode == 0, proc.stderr
+        info = json.loads(proc.stdout)
+        assert info["vscode"]["request"] == "attach" and info["vscode"]["connect"]["port"] == info["port"]
+        assert info["vscode"]["pathMappings"][0]["remoteRoot"] == str(reservation.parent.parent)
+        dap = DapClient(info["host"], info["port"])
+        dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
+                    columnsStartAt1=True, pathFormat="path")
+        attach_seq = dap.send("attach", justMyCode=False)
+        dap.wait(lambda m: m.get("event") == "initialized")
+        path = str(reservation.parent.parent / "dap.py")
+        bps = dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
+        assert bps["breakpoints"][0]["verified"]
+        dap.request("configurationDone")
+        dap.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == attach_seq)
+        stopped = dap.wait(lambda m: m.get("event") == "stopped", timeout=60)
+        frames = dap.request("stackTrace", threadId=stopped["body"]["threadId"])["stackFrames"]
+        assert frames[0]["line"] == 5 and frames[0]["source"]["path"].endswith("dap.py")
+        scopes = dap.request("scopes", frameId=frames[0]["id"])["scopes"]
+        local = next(s for s in scopes if s["name"].lower().startswith(("locals", "globals")))
+        variables = dap.request("variables", variablesReference=local["variablesReference"])["variables"]
+        assert {v["name"]: v["value"] for v in variables}["value"] == "40"
+        dap.request("continue", threadId=stopped["body"]["threadId"])
+        assert run.wait() == 0
+        assert "[rank0] value 40" in run.output()
+    finally:
+        run.kill()
