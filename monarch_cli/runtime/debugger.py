@@ -74,6 +74,27 @@ class RemotePdb(pdb.Pdb):
         self._handoff = False
         self._handed_over = False
 
+    def set_trace(self, frame: Optional[FrameType] = None) -> None:
+        """bdb's set_trace, but tracing (and the visible stack) stops at the user's outermost frame."""
+        if frame is None:
+            frame = sys._getframe().f_back
+        bottom = _user_bottom(frame)
+        self.reset()
+        while frame is not None:
+            frame.f_trace = self.trace_dispatch
+            self.botframe = frame
+            if frame is bottom:
+                break
+            frame = frame.f_back
+        self.set_step()
+        sys.settrace(self.trace_dispatch)
+
+    def dispatch_return(self, frame: FrameType, arg: Any) -> Any:
+        result = super().dispatch_return(frame, arg)
+        if frame is self.botframe and not self._handed_over:
+            self.set_continue()  # the user's program is over: nothing of it is left to step into
+        return result
+
     def trace_dispatch(self, frame: FrameType, event: str, arg: Any) -> Any:
         result = super().trace_dispatch(frame, event, arg)
         if self._handed_over:
@@ -138,6 +159,28 @@ class RemotePdb(pdb.Pdb):
         self._handed_over = True
 
 
+_OURS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_ours(frame: FrameType) -> bool:
+    name = frame.f_code.co_filename
+    return name.startswith(_OURS) or name.startswith("<frozen runpy")
+
+
+def _user_bottom(frame: Optional[FrameType]) -> Optional[FrameType]:
+    """The user's outermost frame: pdb's stack (``w``, ``u``) stops there, as under ``python script.py``."""
+    bottom = frame
+    while frame is not None and not _is_ours(frame):
+        bottom, frame = frame, frame.f_back
+    return bottom
+
+
+def _user_traceback(tb: Optional[TracebackType]) -> Optional[TracebackType]:
+    while tb is not None and tb.tb_next is not None and _is_ours(tb.tb_frame):
+        tb = tb.tb_next
+    return tb
+
+
 def _last_frame(tb: Optional[TracebackType]) -> Optional[FrameType]:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
@@ -162,7 +205,7 @@ def post_mortem(tb: Optional[TracebackType]) -> None:
     """Keep the rank in pdb at the failing frame until the user lets it go."""
     debugger = RemotePdb(reason="post-mortem")
     debugger.reset()
-    debugger.interaction(None, tb)
+    debugger.interaction(None, _user_traceback(tb))
 
 
 def _serve_dap(msg: Dict[str, Any]) -> None:
