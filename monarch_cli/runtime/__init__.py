@@ -21,26 +21,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "Actor",
-    "ActorError",
-    "ActorMesh",
-    "CallTimeout",
-    "Context",
-    "Failure",
-    "Future",
-    "HostMesh",
-    "Keys",
-    "MonarchError",
-    "Point",
-    "ProcMesh",
-    "Shape",
-    "SupervisionError",
-    "ValueMesh",
-    "context",
-    "current_rank",
-    "current_size",
-    "endpoint",
-    "this_host",
-    "this_proc",
-]
+__all__ = sorted(_HOME)
