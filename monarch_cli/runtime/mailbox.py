@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import zmq
 
@@ -70,6 +70,7 @@ class Mailbox:
         self._by_proc: Dict[str, Set[int]] = {}
         self._dead: Dict[str, Failure] = {}
         self._procs: Dict[str, _OwnedProc] = {}
+        self._stopping: Set[str] = set()
         self._agents: Dict[str, _AgentWatch] = {}
         self._hb_transport: Optional[Any] = None  # own context: big transfers cannot delay heartbeats
         self.unhandled: List[Failure] = []
@@ -238,11 +239,19 @@ class Mailbox:
     def unwatch_agent(self, agent: str) -> None:
         self._watchers.pop(agent, None)
 
+    def expect_exit(self, proc_ids: Iterable[str]) -> None:
+        """These procs are being stopped on purpose: their exits are not failures."""
+        self._stopping.update(proc_ids)
+
     def failure_of(self, proc_id: str) -> Optional[Failure]:
         return self._dead.get(proc_id)
 
     def proc_failed(self, proc_id: str, failure: Failure, expected: bool = False) -> None:
         """Fail every pending call to ``proc_id``; supervise the failure unless it was asked for."""
+        if proc_id in self._stopping:
+            self._stopping.discard(proc_id)
+            expected = True
+            failure = dataclasses.replace(failure, reason="stopped")
         with self._lock:
             if proc_id in self._dead:
                 return

@@ -182,8 +182,22 @@ class ProcMesh(_Mesh):
         return ActorMesh(self._shape, members, name, endpoints_of(actor_class), actor_class.__name__)
 
     def stop(self) -> None:
-        """Stop every proc (SIGTERM, then SIGKILL after ``stop_grace``) and wait for it."""
+        """Stop every proc once it has handled what was already sent to it, and wait for it.
+
+        Procs that do not stop within ``stop_grace`` get SIGTERM, then SIGKILL.
+        """
         mb = Mailbox.get()
+        mb.expect_exit(p.proc_id for p in self._members)
+        drained = [
+            mb.request(p.inbox, lambda cid: ("stop", cid, mb.address), proc_id=p.proc_id)
+            for p in self._members
+            if mb.failure_of(p.proc_id) is None
+        ]
+        for fut in drained:
+            try:
+                fut.get(timeout=settings().stop_grace)
+            except MonarchError:
+                pass  # it died or hung: the agent below deals with it
         by_agent: Dict[str, List[str]] = {}
         for p in self._members:
             by_agent.setdefault(p.agent, []).append(p.proc_id)

@@ -310,3 +310,16 @@ def test_ipc_transport_works_end_to_end():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["['hi',", "'hi']", "ipc"]
+
+
+def test_stopping_a_proc_mesh_drains_what_was_sent_first(capfd):
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    mesh = procs.spawn("counter", Counter)
+    for i in range(50):
+        mesh.record.broadcast(i)
+    mesh.sleep.broadcast(0.3)  # still queued when stop() is called
+    t = time.monotonic()
+    procs.stop()
+    assert time.monotonic() - t >= 0.3  # it waited for the queued work instead of killing it
+    assert not procs.failures  # a requested stop is not a failure
+    assert "unhandled failure" not in capfd.readouterr().err
