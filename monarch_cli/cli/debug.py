@@ -29,6 +29,16 @@ def _client(state: Optional[Path], run: Optional[str]) -> DebugClient:
     return DebugClient(job_load(state), run)
 
 
+def _where(row: PausedRank) -> str:
+    """file:line, relative to here when the file is under the current directory (short columns)."""
+    if not row.file:
+        return "-"
+    path = row.file
+    if os.path.isabs(path) and path.startswith(os.getcwd() + os.sep):
+        path = os.path.relpath(path)
+    return f"{path}:{row.line}"
+
+
 def _table(rows: List[PausedRank]) -> Table:
     table = Table(header_style="bold", box=None)
     for col in ("rank", "host", "pid", "where", "function", "state", "held by"):
@@ -37,7 +47,7 @@ def _table(rows: List[PausedRank]) -> Table:
         state = r.state if r.state != "exited" else f"exited ({r.exit})"
         if r.reason == "post-mortem" and r.state == "paused":
             state = "post-mortem"
-        table.add_row(str(r.rank), r.host, str(r.pid or "-"), escape(r.where), escape(r.function or "-"), state,
+        table.add_row(str(r.rank), r.host, str(r.pid or "-"), escape(_where(r)), escape(r.function or "-"), state,
                       escape(r.holder or "-"))
     return table
 

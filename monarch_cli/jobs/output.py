@@ -2,7 +2,9 @@
 
 The console gets one ``[rankN]``-prefixed segment per line (a ``\\r`` ends a segment too,
 so progress bars redraw in place); bytes are written as they came, so invalid UTF-8 is
-kept. Log files get exactly what the rank wrote, nothing added.
+kept. Log files get exactly what the rank wrote, nothing added, a segment at a time: stdout
+and stderr arrive through separate pipes, so an unfinished line of one stream is held back
+until it ends rather than having the other stream's lines written into its middle.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ class OutputSink:
             log = self.logs.get(rank)
             if log is None:
                 return
-            log.write(data)
             extra = self.extra.get((rank, stream))
             if extra is not None:
                 extra.write(data)
@@ -75,6 +76,8 @@ class OutputSink:
                 end = m.end()
             if end < len(buf):
                 self.partial[(rank, stream)] = buf[end:]
+            if end:
+                log.write(buf[:end] if end < len(buf) else buf)
             self._emit(rank, stream, segments)
 
     def end_of_rank(self, rank: int) -> None:
@@ -83,6 +86,8 @@ class OutputSink:
             for stream in (1, 2):
                 rest = self.partial.pop((rank, stream), b"")
                 if rest:
+                    if rank in self.logs:
+                        self.logs[rank].write(rest)  # as written: no line end added to the log
                     self._emit(rank, stream, [rest + b"\n"])
             if rank in self.logs:
                 self.logs[rank].flush()
@@ -92,6 +97,10 @@ class OutputSink:
 
     def close(self) -> None:
         with self._lock:
+            for (rank, _), rest in self.partial.items():  # ranks that never reported an end
+                if rank in self.logs:
+                    self.logs[rank].write(rest)
+            self.partial.clear()
             for f in (*self.logs.values(), *self.extra.values()):
                 f.close()
             self.logs.clear()

@@ -28,18 +28,42 @@ SPEC_ENV = "MONARCH_RANK_SPEC"
 _store: Any = None  # keeps the rendezvous store alive for the whole run
 
 
-def _reset_stdio(unbuffered: bool) -> None:
+def _stdio_codec(env: Dict[str, str]) -> "tuple[str, str]":
+    """The encoding and error handler interpreter start-up picks for stdin/stdout (PEP 538/540)."""
+    import codecs
+    import locale
+
+    try:
+        locale.setlocale(locale.LC_CTYPE, "")  # start-up reads LC_CTYPE from the rank's environment
+    except locale.Error:
+        pass
+    name = locale.setlocale(locale.LC_CTYPE)
+    legacy = name in ("C", "POSIX")
+    encoding = "utf-8" if sys.flags.utf8_mode or legacy else locale.getpreferredencoding(False)
+    if codecs.lookup(encoding).name == "utf-8":
+        encoding = "utf-8"
+    lenient = sys.flags.utf8_mode or legacy or name in ("C.UTF-8", "C.utf8", "UTF-8")
+    errors = "surrogateescape" if lenient else "strict"
+    forced_encoding, _, forced_errors = env.get("PYTHONIOENCODING", "").partition(":")
+    return forced_encoding or encoding, forced_errors or errors
+
+
+def _reset_stdio(unbuffered: bool, env: Dict[str, str]) -> None:
     """Recreate sys.stdin/out/err on fds 0/1/2 the way interpreter start-up does."""
+    encoding, errors = _stdio_codec(env)
 
-    def make(fd: int, errors: str, line_buffering: bool) -> io.TextIOWrapper:
-        raw = io.FileIO(fd, "w", closefd=False)
-        if unbuffered:
-            return io.TextIOWrapper(raw, encoding="utf-8", errors=errors, write_through=True)
-        return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors=errors, line_buffering=line_buffering)
+    def make(fd: int, name: str, errors: str) -> io.TextIOWrapper:
+        write = fd != 0
+        raw = io.FileIO(fd, "wb" if write else "rb", closefd=False)
+        raw.name = name
+        buf: Any = raw if unbuffered and write else io.BufferedWriter(raw) if write else io.BufferedReader(raw)
+        line_buffering = not unbuffered and (raw.isatty() or fd == 2)
+        return io.TextIOWrapper(buf, encoding=encoding, errors=errors, newline="\n",
+                                line_buffering=line_buffering, write_through=unbuffered)
 
-    sys.stdout = sys.__stdout__ = make(1, "strict", os.isatty(1))
-    sys.stderr = sys.__stderr__ = make(2, "backslashreplace", True)
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
+    sys.stdin = sys.__stdin__ = make(0, "<stdin>", errors)
+    sys.stdout = sys.__stdout__ = make(1, "<stdout>", errors)
+    sys.stderr = sys.__stderr__ = make(2, "<stderr>", "backslashreplace")
 
 
 def _host_store(listen_fd: int, env: Dict[str, str]) -> None:
@@ -73,6 +97,13 @@ def _apply_threads(env: Dict[str, str]) -> None:
         torch.set_num_threads(int(value))
 
 
+def _reseed() -> None:
+    """A fresh interpreter seeds torch's default generator at random; the zygote did it once."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "default_generator"):
+        torch.default_generator.seed()
+
+
 def _finish(code: int) -> "int":
     """What interpreter shutdown does: join threads, run atexit, flush."""
     try:
@@ -97,6 +128,52 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
+def _run_script(path: str) -> None:
+    """What ``python path`` does: run the file as a ``__main__`` module that stays in sys.modules
+    (so atexit handlers and threads still find it).
+
+    ``__file__`` and the code's file name are absolute, as python >= 3.9 makes them.
+    """
+    import builtins
+    import types
+    import zipfile
+    from importlib.machinery import SourceFileLoader
+
+    if os.path.isdir(path) or zipfile.is_zipfile(path):  # a directory or zip with __main__.py
+        runpy.run_path(path, run_name="__main__")
+        return
+    path = os.path.abspath(path)
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
+                         __loader__=SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+def _run_module(name: str) -> None:
+    """What ``python -m name`` does, in a fresh ``__main__`` module that stays in sys.modules."""
+    import builtins
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+    runpy._run_module_as_main(name, alter_argv=True)  # type: ignore[attr-defined]
+
+
+def _print_traceback() -> None:
+    """The uncaught exception's traceback from the user's first frame on, as python prints it."""
+    import traceback
+
+    etype, value, tb = sys.exc_info()
+    ours = {_run_script.__code__.co_filename, runpy.__file__, "<frozen runpy>"}
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next  # none left: a syntax error in the script, printed without a stack
+    traceback.print_exception(etype, value, tb)
+
+
 def run_program(spec: Dict[str, Any]) -> int:
     """Run the user's program in this (already prepared) process; returns its exit status.
 
@@ -109,24 +186,24 @@ def run_program(spec: Dict[str, Any]) -> int:
             path = program[0]
             sys.argv = program
             sys.path[0] = os.path.dirname(os.path.abspath(path))
-            runpy.run_path(path, run_name="__main__")
+            if not os.path.exists(path):
+                print(f"{sys.executable}: can't open file {os.path.abspath(path)!r}: "
+                      f"[Errno 2] No such file or directory", file=sys.stderr)
+                return _finish(2)
+            _run_script(path)
         elif mode == "module":
             sys.argv = [program[0], *program[1:]]
             sys.path[0] = os.getcwd()
-            runpy.run_module(program[0], run_name="__main__", alter_sys=True)
+            _run_module(program[0])
         else:
             raise ValueError(f"unknown mode {mode!r}")
     except SystemExit as e:
         return _finish(_exit_code(e))
     except KeyboardInterrupt:
-        import traceback
-
-        traceback.print_exc()
+        _print_traceback()
         return _finish(128 + signal.SIGINT)
     except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: traceback, status 1
-        import traceback
-
-        traceback.print_exc()
+        _print_traceback()
         if spec.get("post_mortem") and "monarch_cli.runtime.debugger" in sys.modules:
             from . import debugger
 
@@ -147,10 +224,11 @@ def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(spec["cwd"])
+    _default_signals()
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _reset_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
+    _reset_stdio(bool(env.get("PYTHONUNBUFFERED")) or "-u" in spec.get("python_args", ()), env)
     _apply_threads(env)
+    _reseed()
     if spec["mode"] == "no_python":
         _exec(spec, extra)
     _install_debugger(extra.get("debug"))
@@ -173,9 +251,17 @@ def cold_command(spec: Dict[str, Any]) -> List[str]:
     return [sys.executable, *spec.get("python_args", []), "-m", "monarch_cli.runtime.launcher"]
 
 
+def _default_signals() -> None:
+    """Dispositions as a fresh process has them: the agent ignores SIGUSR1/2 (Slurm signals
+    every step), and an ignored signal would be inherited across fork and exec."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def exec_cold(spec: Dict[str, Any], extra: Dict[str, int]) -> None:
     """Cold path, in a forked child: replace this process with a fresh interpreter."""
     os.setsid()
+    _default_signals()
     os.chdir(spec["cwd"])
     env = dict(spec["env"])
     if spec["mode"] == "no_python":

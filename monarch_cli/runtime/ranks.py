@@ -21,6 +21,16 @@ if TYPE_CHECKING:
 
 _READ = 1 << 16
 _EOF_GRACE = 2.0  # seconds to wait for pipes after a rank exits
+#: Read once, at interpreter start-up: a warm rank inherits the zygote's values, so when the
+#: rank's environment asks for others it must start cold to get them (e.g. a PYTHONPATH or
+#: PYTHONHASHSEED exported after `monarch serve`).
+_START_UP_ENV = (
+    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONDEBUG", "PYTHONVERBOSE",
+    "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONSAFEPATH", "PYTHONWARNINGS",
+    "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONCOERCECLOCALE", "PYTHONMALLOC", "PYTHONTRACEMALLOC",
+    "PYTHONFAULTHANDLER", "PYTHONINTMAXSTRDIGITS", "PYTHONPLATLIBDIR", "PYTHONPYCACHEPREFIX",
+    "PYTHONWARNDEFAULTENCODING", "PYTHONNODEBUGRANGES", "PYTHONPROFILEIMPORTTIME",
+)
 
 
 @dataclasses.dataclass
@@ -42,6 +52,8 @@ class RankHost:
         self.by_pid: Dict[int, _Rank] = {}
         self.by_fd: Dict[int, _Rank] = {}
         self.ports: Dict[str, socket.socket] = {}  # run id -> held listening socket
+        self.groups: Dict[str, List[int]] = {}  # run id -> its ranks' process groups here (pgid == pid)
+        self.reaping: Dict[int, float] = {}  # process group left behind by a run -> when to SIGKILL it
 
     # ---------------------------------------------------------------- requests
     def reserve_port(self, run_id: str) -> int:
@@ -60,6 +72,8 @@ class RankHost:
         base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
         for spec in specs:
             spec["env"] = {**base, **spec["env"]}  # the controller's view wins over this host's
+            if spec["warm"] and any(spec["env"].get(k) != os.environ.get(k) for k in _START_UP_ENV):
+                spec["warm"] = False  # the zygote's interpreter was started with other settings
             if not os.path.isdir(spec["cwd"]):
                 spec["cwd"] = os.getcwd()
             out_r, out_w = os.pipe()
@@ -111,6 +125,8 @@ class RankHost:
         for rank in self.by_pid.values():
             if rank.status is None:
                 _killpg(rank.pid, signal.SIGKILL)
+        for pgid in [*self.reaping, *(g for groups in self.groups.values() for g in groups)]:
+            _signal_group(pgid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ events
     def forked(self, req: int, pid: int) -> bool:
@@ -119,6 +135,7 @@ class RankHost:
             return False
         rank.pid = pid
         self.by_pid[pid] = rank
+        self.groups.setdefault(rank.run_id, []).append(pid)
         self.agent.debug.set_pid(rank.run_id, rank.rank, pid)
         return True
 
@@ -147,8 +164,14 @@ class RankHost:
         return True
 
     def tick(self) -> None:
-        """Report ranks whose pipes a grandchild still holds open after the grace period."""
+        """Report ranks whose pipes a grandchild still holds open after the grace period;
+        SIGKILL what is left of finished runs' process groups."""
         now = time.monotonic()
+        for pgid, kill_at in list(self.reaping.items()):
+            if now >= kill_at:
+                del self.reaping[pgid]
+                if pgid not in self.by_pid:  # never a new rank that got the same pid
+                    _signal_group(pgid, signal.SIGKILL)
         for rank in list(self.by_pid.values()):
             if rank.exited_at is not None and rank.fds and now - rank.exited_at > _EOF_GRACE:
                 for fd in list(rank.fds):
@@ -176,6 +199,17 @@ class RankHost:
         duration = (rank.exited_at or time.monotonic()) - rank.started
         self.agent.debug.rank_exited(rank.run_id, rank.rank, describe_status(exitcode, sig)[0])
         self.agent.send(rank.owner, ("event", "rank_exit", rank.run_id, rank.rank, exitcode, sig, duration, rank.pid))
+        self._end_run(rank.run_id)
+
+    def _end_run(self, run_id: str) -> None:
+        """Once every rank of a run here has ended, end what they left running, as torchrun
+        does: SIGTERM to each rank's process group, SIGKILL to what is left a grace later."""
+        if any(r.run_id == run_id for r in (*self.by_pid.values(), *self.pending.values())):
+            return
+        kill_at = time.monotonic() + _EOF_GRACE
+        for pgid in self.groups.pop(run_id, ()):
+            if _signal_group(pgid, signal.SIGTERM):
+                self.reaping[pgid] = kill_at
 
     def live_fds(self) -> Set[int]:
         return set(self.by_fd)
@@ -191,6 +225,15 @@ def _killpg(pid: Optional[int], sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Signal a process group only (never a lone pid that may have been reused); False if empty."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def describe_status(exitcode: Optional[int], sig: Optional[int]) -> Tuple[str, int]:

@@ -105,14 +105,14 @@ def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Option
 
 
 def monarch_debug(state: Path, *args: str) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "monarch_cli", "debug", *args], env=_env(state),
+    child = pexpect.spawn(sys.executable, ["-m", "monarch_cli", "debug", *args], env=_env(state), cwd=str(state.parent.parent),
                           encoding="utf-8", timeout=30, dimensions=(50, 200))
     child.logfile_read = open(state.parent / f"pexpect-{time.time_ns()}.log", "w")  # kept for post-mortems of failures
     return child
 
 
 def debug_cmd(state: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "monarch_cli", "debug", *args], env=_env(state),
+    return subprocess.run([sys.executable, "-m", "monarch_cli", "debug", *args], env=_env(state), cwd=state.parent.parent,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -158,6 +158,7 @@ def test_list_attach_print_step_cast_continue(reservation):
         shell.expect_exact(">>> ")
         shell.sendline("print(secret * 2, x)")
         shell.expect_exact("s1s1 2")
+        shell.expect_exact(">>> ")
         shell.sendeof()  # leaves `interact`, back in pdb
         shell.expect_exact("(Pdb) ")
         shell.sendline("detach")

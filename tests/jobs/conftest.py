@@ -1,0 +1,112 @@
+"""Fixtures for SPMD tests: one real local reservation (2 host agents) per test module.
+
+Nothing is mocked: ranks are real processes forked from the agents' zygotes (warm) or
+fresh interpreters (cold), running real torch with gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import textwrap
+import time
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set
+
+import psutil
+import pytest
+
+from monarch_cli.jobs import Job, RunResult, serve
+
+PREFIX = re.compile(rb"^\[(rank\d+|local\d+)\] ")  # labels of equal width: one space
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("job")
+
+
+@pytest.fixture(scope="module")
+def job(job_dir: Path) -> Iterator[Job]:
+    """One 2-host local reservation shared by every test of a module, released at the end."""
+    j = serve(None, hosts=2, state=job_dir / ".monarch" / "job_state.pkl")
+    yield j
+    j.stop()
+
+
+def write_script(directory: Path, name: str, code: str) -> Path:
+    path = directory / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(code).lstrip())
+    return path
+
+
+@dataclasses.dataclass
+class Run:
+    result: RunResult
+    out: bytes
+    err: bytes
+    elapsed: float
+
+    def log(self, rank: int) -> bytes:
+        return (self.result.log_dir / f"rank{rank}.log").read_bytes()
+
+    def lines(self, stream: str = "out") -> List[bytes]:
+        return (self.out if stream == "out" else self.err).splitlines()
+
+    def text(self) -> str:
+        return (self.out + self.err).decode("utf-8", "backslashreplace")
+
+    def by_rank(self, stream: str = "out") -> Dict[str, List[bytes]]:
+        """Console lines grouped by their [label] prefix, prefix removed (order kept)."""
+        grouped: Dict[str, List[bytes]] = {}
+        for line in self.lines(stream):
+            m = PREFIX.match(line)
+            assert m, f"console line without a rank prefix: {line!r}"
+            grouped.setdefault(m.group(1).decode(), []).append(line[m.end():])
+        return grouped
+
+
+def spmd(
+    job: Job,
+    script: Path,
+    *args: str,
+    nproc: int = 2,
+    flags: Sequence[str] = (),
+    cold: bool = False,
+    ranks: Optional[Set[int]] = None,
+    grace: float = 3.0,
+) -> Run:
+    """``torchrun --nproc-per-node=N [flags] script args`` on the reservation, console captured."""
+    out, err = io.BytesIO(), io.BytesIO()
+    command = ["torchrun", f"--nproc-per-node={nproc}", *flags, str(script), *args]
+    started = time.monotonic()
+    result = job.run_spmd(command, cold=cold, ranks=ranks, stdout=out, stderr=err, grace=grace)
+    return Run(result, out.getvalue(), err.getvalue(), time.monotonic() - started)
+
+
+def reservation_pids(job: Job) -> Set[int]:
+    """The agents of a reservation and every process under them right now."""
+    pids: Set[int] = set()
+    for host in job.state.hosts:
+        try:
+            agent = psutil.Process(host.pid)
+        except psutil.NoSuchProcess:
+            continue
+        pids.add(agent.pid)
+        pids.update(p.pid for p in agent.children(recursive=True))
+    return pids
+
+
+def living(pids: Iterable[int]) -> List[str]:
+    """Descriptions of the processes among ``pids`` still alive (zombies count as gone)."""
+    left = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{pid}: {' '.join(p.cmdline())}")
+        except psutil.NoSuchProcess:
+            pass
+    return left

@@ -1,0 +1,173 @@
+"""Rank output as a user sees it: ``[rankN]``-prefixed whole lines on the console, exactly
+the bytes written in ``<state dir>/logs/<run-id>/rank<N>.log``; plus ``Job.exec``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, List
+
+from monarch_cli.jobs import Job
+
+from .conftest import PREFIX, spmd, write_script
+
+_SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
+
+
+def console_by_rank(console: bytes) -> Dict[str, bytes]:
+    """Reassemble each rank's bytes from the console: every segment must carry its prefix."""
+    segments = _SEGMENT.findall(console)
+    assert b"".join(segments) == console, "console output does not end with a line end"
+    per_rank: Dict[str, bytes] = {}
+    for seg in segments:
+        m = PREFIX.match(seg)
+        assert m, f"segment without a rank prefix: {seg!r}"
+        label = m.group(1).decode()
+        per_rank[label] = per_rank.get(label, b"") + seg[m.end():]
+    return per_rank
+
+
+def expected_lines(rank: int) -> bytes:
+    return b"".join(f"rank {rank} line {i:05d} {'x' * (i % 70)}\n".encode() for i in range(10_000))
+
+
+def test_ten_thousand_lines_are_kept_byte_for_byte(job: Job, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "many.py", """
+        import os, sys
+        rank = int(os.environ["RANK"])
+        for i in range(10_000):
+            sys.stdout.write(f"rank {rank} line {i:05d} {'x' * (i % 70)}\\n")
+        sys.stdout.write("last words without a newline")
+    """)
+    run = spmd(job, script)
+    assert run.result.exit_code == 0, run.err
+    assert run.err == b""
+    console = console_by_rank(run.out)
+    assert sorted(console) == ["rank0", "rank1", "rank2", "rank3"]
+    for rank in range(4):
+        written = expected_lines(rank) + b"last words without a newline"
+        assert run.log(rank) == written  # the log has exactly what the rank wrote
+        # The console has every line once, in order; the unterminated last line is shown whole.
+        assert console[f"rank{rank}"] == written + b"\n"
+        assert run.result.ranks[rank].tail[-1] == "last words without a newline"
+    assert len(run.lines()) == 4 * 10_001
+
+
+def test_progress_bars_split_characters_and_invalid_utf8(job: Job, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "bytes.py", """
+        import sys, time
+        out = sys.stdout.buffer
+        for pct in (0, 25, 50, 75, 100):
+            out.write(b"\\rprogress %d%%" % pct)
+            out.flush()
+            time.sleep(0.02)
+        out.write(b"\\n")
+        out.write(b"invalid \\xff\\xfe\\x80 utf-8\\n")
+        word = "h\\u00e9llo w\\u00f6rld\\n".encode()
+        out.write(word[:2])  # an utf-8 character split across two writes (and two reads)
+        out.flush()
+        time.sleep(0.05)
+        out.write(word[2:])
+        out.write(b"crlf line\\r\\n")
+        out.flush()
+    """)
+    run = spmd(job, script)
+    assert run.result.exit_code == 0, run.err
+    written = (b"\rprogress 0%\rprogress 25%\rprogress 50%\rprogress 75%\rprogress 100%\n"
+               b"invalid \xff\xfe\x80 utf-8\n" + "h\u00e9llo w\u00f6rld\n".encode() + b"crlf line\r\n")
+    console = console_by_rank(run.out)
+    for rank in range(4):
+        assert run.log(rank) == written
+        assert console[f"rank{rank}"] == written
+    segments = [seg for seg in _SEGMENT.findall(run.out) if seg.startswith(b"[rank0] ")]
+    # Each redraw of the bar starts with the prefix, so it redraws in place on a terminal;
+    # the character split across writes and the invalid bytes arrive whole, in one line.
+    assert segments == [
+        b"[rank0] \r", b"[rank0] progress 0%\r", b"[rank0] progress 25%\r", b"[rank0] progress 50%\r",
+        b"[rank0] progress 75%\r", b"[rank0] progress 100%\n", b"[rank0] invalid \xff\xfe\x80 utf-8\n",
+        "[rank0] h\u00e9llo w\u00f6rld\n".encode(), b"[rank0] crlf line\r\n",
+    ]
+    # The tail (shown in failure tables) is text; invalid bytes are escaped, not lost.
+    assert run.result.ranks[0].tail[-3:] == ["invalid \\xff\\xfe\\x80 utf-8", "h\u00e9llo w\u00f6rld", "crlf line"]
+
+
+def test_interleaved_stdout_and_stderr(job: Job, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "both.py", """
+        import os, sys
+        rank = os.environ["RANK"]
+        for i in range(2000):
+            stream = sys.stdout if i % 2 == 0 else sys.stderr
+            stream.write(f"{'out' if i % 2 == 0 else 'err'} {rank} {i}\\n")
+        sys.stderr.write(f"err {rank} unterminated")
+    """)
+    run = spmd(job, script)
+    assert run.result.exit_code == 0, run.text()
+    out, err = console_by_rank(run.out), console_by_rank(run.err)
+    for rank in range(4):
+        want_out = [f"out {rank} {i}".encode() for i in range(0, 2000, 2)]
+        want_err = [f"err {rank} {i}".encode() for i in range(1, 2000, 2)] + [f"err {rank} unterminated".encode()]
+        assert out[f"rank{rank}"].splitlines() == want_out
+        assert err[f"rank{rank}"].splitlines() == want_err
+        # The log holds both streams, every line whole and once, each stream in its order.
+        logged: List[bytes] = run.log(rank).split(b"\n")
+        assert sorted(logged) == sorted(want_out + want_err)
+        assert [l for l in logged if l.startswith(b"out")] == want_out
+        assert [l for l in logged if l.startswith(b"err")] == want_err
+        assert run.log(rank).endswith(f"err {rank} unterminated".encode())
+
+
+def test_ranks_filter_shows_rank_0_but_logs_every_rank(job: Job, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "hello.py", """
+        import os, sys
+        print("hello from", os.environ["RANK"])
+        print("problem on", os.environ["RANK"], file=sys.stderr)
+    """)
+    run = spmd(job, script, ranks={0})
+    assert run.result.exit_code == 0
+    assert run.out == b"[rank0] hello from 0\n"
+    assert run.err == b"[rank0] problem on 0\n"
+    for rank in range(4):
+        log = run.log(rank)
+        assert f"hello from {rank}\n".encode() in log and f"problem on {rank}\n".encode() in log
+    assert sorted(p.name for p in run.result.log_dir.glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
+    assert all(r.tail for r in run.result.ranks)  # tails are kept for hidden ranks too
+
+
+def test_logs_live_under_the_state_directory(job: Job, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "ok.py", "print('ok')\n")
+    run = spmd(job, script)
+    assert run.result.log_dir == job.path.parent / "logs" / run.result.run_id
+    assert run.result.log_dir in job.runs()
+    assert job.status()["last_run"]["run_id"] == run.result.run_id
+    assert (run.result.log_dir / "result.json").is_file()
+
+
+# ---------------------------------------------------------------------------- exec
+def test_exec_runs_a_shell_command_on_every_host(job: Job) -> None:
+    from io import BytesIO
+
+    out, err = BytesIO(), BytesIO()
+    result = job.exec("echo host $GROUP_RANK of $(hostname); echo oops $GROUP_RANK >&2; exit $((3 + GROUP_RANK))",
+                      stdout=out, stderr=err)
+    assert [(r.label, r.exitcode) for r in result.ranks] == [("local0", 3), ("local1", 4)]
+    assert result.exit_code == 3  # the first failing host's status
+    import socket
+
+    hostname = socket.gethostname()
+    assert sorted(out.getvalue().splitlines()) == [
+        f"[local0] host 0 of {hostname}".encode(), f"[local1] host 1 of {hostname}".encode()
+    ]
+    assert sorted(err.getvalue().splitlines()) == [b"[local0] oops 0", b"[local1] oops 1"]
+    assert (result.log_dir / "rank0.log").read_bytes() == f"host 0 of {hostname}\noops 0\n".encode()
+
+
+def test_exec_argv_and_a_missing_program(job: Job) -> None:
+    from io import BytesIO
+
+    ok = job.exec(["sh", "-c", "echo fine"], stdout=BytesIO(), stderr=BytesIO())
+    assert ok.exit_code == 0 and [r.ok for r in ok.ranks] == [True, True]
+    err = BytesIO()
+    missing = job.exec(["no-such-program-anywhere", "--x"], stdout=BytesIO(), stderr=err)
+    assert missing.exit_code == 127
+    assert err.getvalue().count(b"cannot execute no-such-program-anywhere") == 2

@@ -1,0 +1,402 @@
+"""SPMD runs on a real 2-host local reservation: torchrun's environment contract, gloo
+collectives across hosts, warm/cold equivalence (and both against a plain interpreter),
+and user code edits being picked up by every warm run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pprint
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import psutil
+import pytest
+
+from monarch_cli.jobs import Job, JobError
+
+from .conftest import Run, spmd, write_script
+
+CONTRACT = [
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
+]
+
+DUMP_ENV = """
+import json, os, sys
+keys = json.loads(sys.argv[2])
+info = {k: os.environ.get(k) for k in keys}
+info["ppid"] = os.getppid()
+info["user_var"] = os.environ.get("MONARCH_TEST_USER_VAR")
+with open(os.path.join(sys.argv[1], "env-%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump(info, f)
+"""
+
+ALL_REDUCE = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"sum={t.item():g} world={dist.get_world_size()} rank={dist.get_rank()}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def read_dumps(directory: Path, pattern: str) -> Dict[int, Dict[str, Any]]:
+    found = {}
+    for path in directory.glob(pattern):
+        data = json.loads(path.read_text())
+        found[int(path.name.split("-")[1].split(".")[0])] = data
+    return found
+
+
+# ------------------------------------------------------------------ environment contract
+def test_environment_contract_on_two_hosts(job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MONARCH_TEST_USER_VAR", "from-the-controller")  # set after serve: still seen
+    script = write_script(tmp_path, "dump_env.py", DUMP_ENV)
+    run = spmd(job, script, str(tmp_path), json.dumps(CONTRACT))
+    assert run.result.exit_code == 0, run.text()
+
+    envs = read_dumps(tmp_path, "env-*.json")
+    assert sorted(envs) == [0, 1, 2, 3]
+    agents = {h.pid: h.node_rank for h in job.state.hosts}
+    for rank, env in envs.items():
+        node, local = divmod(rank, 2)
+        assert env["RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == str(local)
+        assert env["WORLD_SIZE"] == "4"
+        assert env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == env["NODE_RANK"] == str(node)
+        assert env["GROUP_WORLD_SIZE"] == "2"
+        assert env["ROLE_RANK"] == str(rank)
+        assert env["ROLE_WORLD_SIZE"] == "4"
+        assert env["ROLE_NAME"] == "default"
+        assert env["TORCHELASTIC_RUN_ID"] == run.result.run_id
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert env["OMP_NUM_THREADS"] == "1"  # torchrun's default with >1 rank per node
+        assert env["user_var"] == "from-the-controller"
+        # The rank really runs under the agent of host GROUP_RANK: rank -> zygote -> agent.
+        agent_pid = psutil.Process(env["ppid"]).ppid()
+        assert agents[agent_pid] == node, f"rank {rank} runs under agent {agent_pid}, not host {node}"
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs.values()}) == 1
+    assert 0 < int(envs[0]["MASTER_PORT"]) < 65536
+    # The controller's view of placement agrees.
+    assert {r.rank: r.host for r in run.result.ranks} == {0: "local0", 1: "local0", 2: "local1", 3: "local1"}
+
+
+# ------------------------------------------------------------------- collectives
+def test_gloo_all_reduce_across_two_hosts(job: Job, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "allreduce.py", ALL_REDUCE)
+    run = spmd(job, script)
+    assert run.result.exit_code == 0, run.text()
+    lines = run.by_rank()
+    assert sorted(lines) == ["rank0", "rank1", "rank2", "rank3"]
+    for rank in range(4):
+        assert lines[f"rank{rank}"] == [f"sum=10 world=4 rank={rank}".encode()]
+
+
+def test_all_reduce_with_an_explicit_master_port(job: Job, tmp_path: Path) -> None:
+    """--master-port given: rank 0 binds the store itself (no port reserved by the agent)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = write_script(tmp_path, "allreduce.py", ALL_REDUCE)
+    run = spmd(job, script, flags=["--master-addr=127.0.0.1", f"--master-port={port}"])
+    assert run.result.exit_code == 0, run.text()
+    assert sorted(run.lines()) == sorted(f"[rank{r}] sum=10 world=4 rank={r}".encode() for r in range(4))
+
+
+def test_nnodes_1_uses_only_the_first_host(job: Job, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "allreduce.py", ALL_REDUCE)
+    run = spmd(job, script, flags=["--nnodes=1"])
+    assert run.result.exit_code == 0, run.text()
+    assert [(r.rank, r.host) for r in run.result.ranks] == [(0, "local0"), (1, "local0")]
+    assert sorted(run.lines()) == [b"[rank0] sum=3 world=2 rank=0", b"[rank1] sum=3 world=2 rank=1"]
+
+
+def test_nnodes_above_the_reservation_is_a_clear_error(job: Job, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "allreduce.py", ALL_REDUCE)
+    with pytest.raises(JobError) as info:
+        spmd(job, script, flags=["--nnodes=3"])
+    message = str(info.value)
+    assert "--nnodes 3" in message and "2 reserved" in message and "\n" not in message
+    # Nothing was started: the reservation still runs the next command.
+    assert spmd(job, script).result.exit_code == 0
+
+
+# ------------------------------------------------------------------- warm vs cold
+PROBE = r'''
+import os, sys
+PRELOADED = "torch" in sys.modules  # a warm rank's zygote imported torch; a fresh interpreter did not
+import atexit, json, pickle, signal, warnings
+import torch
+
+
+class Thing:
+    def __init__(self):
+        self.value = 42
+
+
+def stream(f):
+    return {"line_buffering": f.line_buffering, "write_through": f.write_through, "encoding": f.encoding,
+            "errors": f.errors, "buffer": type(f.buffer).__name__, "name": str(f.name), "fileno": f.fileno()}
+
+
+def handlers():
+    found = {}
+    for sig in signal.Signals:
+        try:
+            h = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        found[sig.name] = h if isinstance(h, int) else getattr(h, "__qualname__", repr(h))
+    return found
+
+
+def pickles():
+    try:
+        return type(pickle.loads(pickle.dumps(Thing()))).__name__ == "Thing"
+    except Exception as e:
+        return repr(e)
+
+
+main = sys.modules["__main__"]
+out = os.path.join(os.environ["PROBE_OUT"], "probe-%s.json" % os.environ.get("RANK", "plain"))
+info = {
+    "preloaded": PRELOADED,
+    "env": dict(os.environ),
+    "argv": sys.argv,
+    "name": __name__,
+    "main_file": getattr(main, "__file__", None),
+    "file": __file__,
+    "main_is_this_module": main.__dict__ is globals(),
+    "cwd": os.getcwd(),
+    "path0": sys.path[0],
+    "path": sys.path,
+    "torch_threads": torch.get_num_threads(),
+    "flags": {k: getattr(sys.flags, k) for k in dir(sys.flags) if not k.startswith("_") and k not in ("count", "index", "n_fields", "n_sequence_fields", "n_unnamed_fields")},
+    "dont_write_bytecode": sys.dont_write_bytecode,
+    "stdout": stream(sys.stdout),
+    "stderr": stream(sys.stderr),
+    "stdin": stream(sys.stdin),
+    "stdin_reads": sys.stdin.read(),
+    "pickles": pickles(),
+    "handlers": handlers(),
+    "sigint_is_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sigterm_is_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "recursion_limit": sys.getrecursionlimit(),
+    "warnings": [repr(f) for f in warnings.filters],
+    "exc_info": repr(sys.exc_info()),
+    "spec": repr(getattr(main, "__spec__", None)),
+    "torch_seed": torch.initial_seed(),
+    "hash": hash("monarch"),
+    "session_leader": os.getsid(0) == os.getpid(),
+}
+
+
+@atexit.register
+def at_exit():
+    with open(out + ".atexit", "w") as f:
+        json.dump({"ran": True, "pickles": pickles(), "main_file": getattr(sys.modules["__main__"], "__file__", None)}, f)
+
+
+with open(out, "w") as f:
+    json.dump(info, f, indent=1)
+print("probe done")
+sys.exit(7)
+'''
+
+# Inherently different between two runs / processes, however they start.
+RUN_SPECIFIC_ENV = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "PROBE_OUT"}
+PROCESS_SPECIFIC = {"preloaded", "torch_seed", "hash"}
+
+
+def load_probes(directory: Path) -> Dict[Any, Dict[str, Any]]:
+    found: Dict[Any, Dict[str, Any]] = {}
+    for path in directory.glob("probe-*.json"):
+        key = path.stem.split("-", 1)[1]
+        data = json.loads(path.read_text())
+        at_exit = path.with_name(path.name + ".atexit")
+        data["atexit"] = json.loads(at_exit.read_text()) if at_exit.exists() else None
+        found[int(key) if key.isdigit() else key] = data
+    return found
+
+
+def comparable(probe: Dict[str, Any]) -> Dict[str, Any]:
+    data = {k: v for k, v in probe.items() if k not in PROCESS_SPECIFIC}
+    data["env"] = {k: v for k, v in probe["env"].items() if k not in RUN_SPECIFIC_ENV}
+    return data
+
+
+def differences(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    diff: Dict[str, Any] = {}
+    for key in sorted(set(a) | set(b)):
+        if key == "env":
+            env_diff = {k: (a["env"].get(k), b["env"].get(k)) for k in set(a["env"]) | set(b["env"])
+                        if a["env"].get(k) != b["env"].get(k)}
+            if env_diff:
+                diff["env"] = env_diff
+        elif a.get(key) != b.get(key):
+            diff[key] = (a.get(key), b.get(key))
+    return diff
+
+
+@pytest.fixture(scope="module")
+def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """The probe run warm (twice), cold, and by a plain ``python -u`` with rank 1's environment.
+
+    The script is given by a relative path from its own directory, as users type it.
+    """
+    base = tmp_path_factory.mktemp("probe")
+    write_script(base, "probe.py", PROBE)
+    found: Dict[str, Any] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(base)
+        mp.delenv("OMP_NUM_THREADS", raising=False)
+        for mode in ("warm", "warm2", "cold"):
+            out = base / mode
+            out.mkdir()
+            mp.setenv("PROBE_OUT", str(out))
+            run = spmd(job, Path("probe.py"), "a b", "--flag", cold=mode == "cold")
+            found[mode] = {"run": run, "ranks": load_probes(out)}
+    plain_out = base / "plain"
+    plain_out.mkdir()
+    env = dict(found["warm"]["ranks"][1]["env"])
+    env["PROBE_OUT"] = str(plain_out)
+    env.pop("RANK")  # the plain probe names its dump probe-plain.json
+    proc = subprocess.run([sys.executable, "-u", "probe.py", "a b", "--flag"], cwd=base, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    plain = load_probes(plain_out)["plain"]
+    plain["env"]["RANK"] = "1"
+    found["plain"] = {"returncode": proc.returncode, "probe": plain, "stderr": proc.stderr}
+    found["dir"] = base
+    return found
+
+
+def test_probe_ran_warm_and_cold(probes: Dict[str, Any]) -> None:
+    for mode in ("warm", "warm2", "cold"):
+        run: Run = probes[mode]["run"]
+        assert run.result.exit_code == 7, run.text()
+        assert [r.exitcode for r in run.result.ranks] == [7, 7, 7, 7]
+        assert sorted(run.lines()) == [f"[rank{r}] probe done".encode() for r in range(4)]
+        assert sorted(probes[mode]["ranks"]) == [0, 1, 2, 3]
+    # Make sure the comparison is between the two start paths, not twice the same one.
+    assert all(p["preloaded"] for p in probes["warm"]["ranks"].values())
+    # (cold rank 0 imports torch.distributed itself, to serve the rendezvous store)
+    assert not any(p["preloaded"] for r, p in probes["cold"]["ranks"].items() if r != 0)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_warm_and_cold_ranks_see_the_same_process(probes: Dict[str, Any], rank: int) -> None:
+    warm = comparable(probes["warm"]["ranks"][rank])
+    cold = comparable(probes["cold"]["ranks"][rank])
+    diff = differences(warm, cold)
+    assert not diff, "warm | cold differ:\n" + pprint.pformat(diff)
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_ranks_match_a_plain_interpreter(probes: Dict[str, Any], mode: str) -> None:
+    """Rank 1 against ``python -u probe.py`` started with the same environment and cwd."""
+    assert probes["plain"]["returncode"] == 7, probes["plain"]["stderr"]
+    rank = comparable(probes[mode]["ranks"][1])
+    plain = comparable(probes["plain"]["probe"])
+    for probe in (rank, plain):
+        probe.pop("session_leader")  # ranks get their own session (killpg); a plain child does not
+        for key in ("file", "main_file"):  # see test_main_file_is_absolute_as_in_python
+            probe.pop(key)
+        probe["atexit"] = {k: v for k, v in probe["atexit"].items() if k != "main_file"}
+    diff = differences(rank, plain)
+    assert not diff, f"{mode} rank | plain python differ:\n" + pprint.pformat(diff)
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_what_the_probe_saw(probes: Dict[str, Any], mode: str) -> None:
+    base: Path = probes["dir"]
+    for rank, p in probes[mode]["ranks"].items():
+        assert p["argv"] == ["probe.py", "a b", "--flag"]
+        assert p["name"] == "__main__" and p["main_is_this_module"]
+        assert p["main_file"] == p["file"]
+        assert os.path.join(p["cwd"], p["file"]) == str(base / "probe.py")
+        assert p["cwd"] == str(base)
+        assert p["path0"] == str(base)
+        assert p["torch_threads"] == 1
+        assert p["stdout"]["write_through"] and not p["stdout"]["line_buffering"]  # `python -u`
+        assert p["stdout"]["fileno"] == 1 and p["stderr"]["fileno"] == 2
+        assert p["stdin_reads"] == ""
+        assert p["pickles"] is True
+        assert p["sigint_is_default"] and p["sigterm_is_default"]
+        assert p["blocked"] == []
+        assert p["exc_info"] == "(None, None, None)"
+        assert p["session_leader"]
+        assert p["atexit"] == {"ran": True, "pickles": True, "main_file": p["file"]}  # __main__ is still the script
+
+
+def test_main_file_is_absolute_as_in_python(probes: Dict[str, Any]) -> None:
+    plain = probes["plain"]["probe"]
+    assert plain["file"] == str(probes["dir"] / "probe.py")
+    for mode in ("warm", "cold"):
+        assert probes[mode]["ranks"][1]["file"] == plain["file"]
+
+
+def test_warm_ranks_get_their_own_torch_seed(probes: Dict[str, Any]) -> None:
+    """An unseeded torch draws differently in every process, as with torchrun, not once per zygote."""
+    seeds = [p["torch_seed"] for mode in ("warm", "warm2") for p in probes[mode]["ranks"].values()]
+    assert len(set(seeds)) == len(seeds) == 8
+
+
+def test_interpreter_start_up_variables_are_honoured(job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PYTHONPATH and PYTHONHASHSEED set after serve act as they do for a fresh interpreter."""
+    extra = tmp_path / "extra"
+    write_script(extra, "extra_mod.py", "VALUE = 'extra'\n")
+    script = write_script(tmp_path, "startup.py", """
+        import extra_mod
+        print(extra_mod.VALUE, hash("monarch"))
+    """)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(extra), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONHASHSEED", "123")
+    expected = subprocess.run([sys.executable, "-c", "print(hash('monarch'))"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    run = spmd(job, script)
+    assert run.result.exit_code == 0, run.text()
+    assert sorted(run.lines()) == [f"[rank{r}] extra {expected}".encode() for r in range(4)]
+
+
+# ------------------------------------------------------------------ code edits
+def test_edits_are_picked_up_by_every_warm_run(job: Job, tmp_path: Path) -> None:
+    write_script(tmp_path, "helper.py", "VALUE = 1\n")
+    script = write_script(tmp_path, "train.py", """
+        import helper
+        print(f"v1 helper={helper.VALUE}")
+    """)
+    first = spmd(job, script)
+    assert first.result.exit_code == 0, first.text()
+    assert sorted(first.lines()) == [f"[rank{r}] v1 helper=1".encode() for r in range(4)]
+
+    write_script(tmp_path, "helper.py", "VALUE = 'two, edited'\n")
+    write_script(tmp_path, "newmod.py", "NAME = 'brand new module'\n")
+    write_script(tmp_path, "train.py", """
+        import helper, newmod
+        print(f"second version helper={helper.VALUE} new={newmod.NAME}")
+    """)
+    second = spmd(job, script)
+    assert second.result.exit_code == 0, second.text()
+    assert sorted(second.lines()) == [
+        f"[rank{r}] second version helper=two, edited new=brand new module".encode() for r in range(4)
+    ]
+
+    write_script(tmp_path, "helper.py", "raise ImportError('helper now refuses to import')\n")
+    third = spmd(job, script, grace=0.5)
+    assert third.result.exit_code == 1
+    assert "ImportError: helper now refuses to import" in third.result.first_failure.tail[-1]
