@@ -3,7 +3,7 @@
 One module per group of commands; each registers itself on the shared Typer app.
 """
 
-from . import debug, jobs  # noqa: F401 - register their commands on the app
+from . import debug, jobs, slurm  # noqa: F401 - register their commands on the app
 from .common import app
 
 

@@ -26,8 +26,9 @@ from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friend
 @friendly
 def serve_cmd(
     command: Optional[List[str]] = CmdArg,
-    scheduler: str = typer.Option("local", "--scheduler", "-s", help="local (alias: local_cwd)."),
-    hosts: int = typer.Option(1, "--hosts", "-n", min=1, help="Hosts to reserve."),
+    scheduler: str = typer.Option("local", "--scheduler", "-s", help="local (alias: local_cwd) or slurm."),
+    hosts: Optional[int] = typer.Option(None, "--hosts", "-n", min=1,
+                                        help="Hosts to reserve (default 1; inside a Slurm allocation, all its nodes)."),
     state: Optional[Path] = StateOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be started, start nothing."),
     replace: bool = typer.Option(False, "--replace", help="Release an existing reservation that cannot serve this."),
@@ -133,8 +134,17 @@ def exec_cmd(
 
 @app.command("status")
 @friendly
-def status_cmd(state: Optional[Path] = StateOpt, as_json: bool = JsonOpt) -> None:
+def status_cmd(
+    state: Optional[Path] = StateOpt,
+    job_id: Optional[str] = typer.Option(None, "--job", help="A `monarch sbatch` job id: its Slurm state and run."),
+    as_json: bool = JsonOpt,
+) -> None:
     """The reservation: scheduler, hosts and agent liveness, age, last run."""
+    if job_id is not None:
+        from .slurm import batch_status_cmd  # Slurm batch jobs (monarch sbatch)
+
+        batch_status_cmd(job_id, state, as_json)
+        return
     try:
         job = job_load(state)
     except NoReservation as e:
@@ -151,6 +161,10 @@ def status_cmd(state: Optional[Path] = StateOpt, as_json: bool = JsonOpt) -> Non
               f"made {_age(info['age_seconds'])} ago; state: {info['state_file']}")
     if info["stale"]:
         out.print(f"[red]{escape(info['stale'])}[/]")
+    if info.get("slurm"):
+        from .slurm import slurm_line
+
+        out.print(slurm_line(info["slurm"]))
     table = Table(box=None, header_style="bold")
     for col in ("host", "agent", "alive", "ranks running"):
         table.add_column(col)
@@ -196,10 +210,16 @@ def logs_cmd(
     rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Only this rank, raw."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the run ends."),
     state: Optional[Path] = StateOpt,
+    job_id: Optional[str] = typer.Option(None, "--job", help="A `monarch sbatch` job id: that job's runs."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Print a run's per-rank logs (kept under .monarch/logs/<run-id>/)."""
-    root = state_path(state).parent / "logs"
+    if job_id is not None:
+        from ..jobs.slurm_batch import batch_dir
+
+        root = batch_dir(job_id, state) / "logs"
+    else:
+        root = state_path(state).parent / "logs"
     runs = list_runs(root)
     if not runs:
         fail(f"no runs logged under {root}")

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from ..runtime.keys import Keys
-from ..schedulers import DryRun, ReserveRequest, Scheduler, get_scheduler
+from ..config import configure
+from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
 from .errors import JobError
 from .output import OutputSink, list_runs
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
@@ -19,12 +20,16 @@ from .torchrun import SpmdSpec, parse_command
 Command = Union[str, Sequence[str], Any]  # a command line, an argv list, or a torchx AppDef
 
 
-def _command_and_hosts(cmd: Command, hosts: Optional[int]) -> "tuple[List[str], int]":
-    """Accept an argv list, a shell string, or a torchx AppDef (its first role)."""
+def _command_and_hosts(cmd: Command, hosts: Optional[int]) -> "tuple[List[str], Optional[int]]":
+    """Accept an argv list, a shell string, or a torchx AppDef (its first role).
+
+    The host count is ``hosts`` if given, else the AppDef's replicas, else None (the
+    scheduler decides).
+    """
     if cmd is None:
-        return [], hosts or 1
+        return [], hosts
     if isinstance(cmd, str):
-        return shlex.split(cmd), hosts or 1
+        return shlex.split(cmd), hosts
     roles = getattr(cmd, "roles", None)
     if roles is not None:  # torchx.specs.AppDef
         if len(roles) != 1:
@@ -32,7 +37,7 @@ def _command_and_hosts(cmd: Command, hosts: Optional[int]) -> "tuple[List[str], 
         role = roles[0]
         argv = [role.entrypoint, *role.args]
         return argv, hosts or int(role.num_replicas)
-    return [str(c) for c in cmd], hosts or 1
+    return [str(c) for c in cmd], hosts
 
 
 class Job:
@@ -61,6 +66,9 @@ class Job:
                 f"reservation {self.state.reservation_id} is gone ({why}); "
                 "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
             )
+        host = controller_host([h.agent for h in self.state.hosts])
+        if host is not None:  # agents on other hosts could not reach a loopback address
+            configure(host=host)
         return HostSet(self.state.hosts, self.keys)
 
     # ------------------------------------------------------------------ runs
@@ -76,6 +84,7 @@ class Job:
         grace: float = 3.0,
         on_event: Optional[Callable[[str], None]] = None,
         post_mortem: bool = False,
+        forward_signals: Sequence[int] = (),
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
@@ -83,6 +92,8 @@ class Job:
         kept in ``logs_root/<run-id>/rank<N>.log``. A rank that calls ``breakpoint()`` pauses
         and is announced through ``on_event``; ``monarch debug`` attaches to it. With
         ``post_mortem``, a rank that raises stays paused at the failing frame.
+        ``forward_signals`` (main thread only) are relayed to every rank while it runs, so a
+        batch job's time-limit warning reaches the training script.
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         if not argv:
@@ -102,7 +113,8 @@ class Job:
                                  post_mortem=post_mortem)
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt)
             try:
-                exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)))
+                exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
+                                   forward_signals=forward_signals)
             finally:
                 sink.close()
             failed = [e for e in exits if not e.ok]
@@ -117,8 +129,8 @@ class Job:
     def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
              stderr: Optional[BinaryIO] = None) -> RunResult:
         """Run a shell command on every host; output is prefixed with the host's name."""
-        argv = shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
-        if not argv:
+        argv = [command] if isinstance(command, str) else [str(c) for c in command]  # a string: for sh -c
+        if not argv or not "".join(argv).strip():
             raise JobError("no command given to exec")
         hostset = self._hostset()
         run_id = "exec-" + new_run_id()
@@ -241,12 +253,13 @@ def serve(
     **options: Any,
 ) -> Job:
     """Reserve hosts (or reuse a reservation that can serve this request) and return the job."""
+    backend = get_scheduler(scheduler)
     argv, nhosts = _command_and_hosts(command, hosts)
+    nhosts = nhosts or backend.default_hosts() or 1
     if nhosts < 1:
         raise JobError(f"--hosts must be at least 1, not {nhosts}")
     if argv:
         parse_command(argv)  # a bad default command is an error now, not at the first run
-    backend = get_scheduler(scheduler)
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     path = state_path(state)
     say = progress or (lambda _msg: None)
@@ -262,18 +275,18 @@ def serve(
         existing = None
     if existing is not None:
         why_not = backend.can_serve(existing.state, request)
-        if why_not is None:
-            try:
-                existing._hostset()
-            except StaleReservation:
-                why_not = "its agents are gone"
+        gone = False
+        try:
+            existing._hostset()
+        except StaleReservation:
+            why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
             if argv and argv != existing.state.default_command:
                 existing.state.default_command = argv
                 save_state(existing.state, path)
             return existing
-        if not replace:
+        if not replace and not gone:
             raise JobError(
                 f"a reservation already exists at {path} and cannot serve this request ({why_not}); "
                 "use --replace to release it and make a new one, or --state for a second one"
@@ -298,11 +311,13 @@ def serve(
 def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Optional[int] = None,
            state: Union[str, Path, None] = None, preload: Optional[str] = None, **options: Any) -> DryRun:
     """What :func:`serve` would start, without starting anything."""
+    backend = get_scheduler(scheduler)
     argv, nhosts = _command_and_hosts(command, hosts)
+    nhosts = nhosts or backend.default_hosts() or 1
     if argv:
         parse_command(argv)
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
-    return get_scheduler(scheduler).dryrun(request, state_path(state).parent)
+    return backend.dryrun(request, state_path(state).parent)
 
 
 def job_load(path: Union[str, Path, None] = None) -> Job:

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import settings
 from ..runtime import wire
@@ -155,6 +155,7 @@ class SpmdRunner:
         master_node_port: Optional[int] = None,
         on_interrupt: Optional[Callable[[int], None]] = None,
         on_pause: Optional[Callable[[int, str, Dict[str, Any]], None]] = None,
+        forward_signals: Sequence[int] = (),
     ) -> List[RankExit]:
         mb = self.mb
         by_rank = {l.rank: l for l in launches}
@@ -209,6 +210,7 @@ class SpmdRunner:
             info = self.hs.infos[n]
             mb.watch_agent(self.hs.hosts[n].agent, info["heartbeat"], on_lost)
         interrupts = _InterruptCounter()
+        relay = _SignalRelay(forward_signals)  # e.g. Slurm's warning before a time limit
         try:
             acks = []
             for n in nodes:
@@ -230,6 +232,8 @@ class SpmdRunner:
                 except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
                     pass
                 now = time.monotonic()
+                for sig in relay.take():
+                    self._signal(nodes, run_id, sig)
                 if interrupts.count > seen_interrupts:
                     seen_interrupts = interrupts.count
                     sig = signal.SIGINT if seen_interrupts == 1 else signal.SIGKILL
@@ -246,6 +250,7 @@ class SpmdRunner:
                     kill_at = float("inf")
         finally:
             interrupts.restore()
+            relay.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
             for kind in ("output", "rank_exit", "rank_paused"):
@@ -262,6 +267,31 @@ class SpmdRunner:
 
     def reserve_port(self, node: int, run_id: str) -> int:
         return self.mb.request(self.hs.hosts[node].agent, lambda cid: ("reserve_port", cid, self.mb.address, run_id)).get(timeout=10)
+
+
+class _SignalRelay:
+    """Catches ``signals`` while a run is in progress so the run loop can pass them to the ranks.
+
+    Handlers only record the signal; the loop sends it (no socket work inside a handler).
+    Only the main thread can install handlers; elsewhere this relays nothing.
+    """
+
+    def __init__(self, signals: Sequence[int]) -> None:
+        self._pending: List[int] = []
+        self._old: Dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                self._old[sig] = signal.signal(sig, lambda s, _f: self._pending.append(s))
+
+    def take(self) -> List[int]:
+        taken = []
+        while self._pending:  # pop, not copy-and-clear: a signal may land in between
+            taken.append(self._pending.pop(0))
+        return taken
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 class _InterruptCounter:
@@ -287,7 +317,7 @@ def warm_capable(spec: SpmdSpec) -> bool:
 
 
 def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, str]] = None) -> List[Launch]:
-    """One shell per host for ``monarch exec``."""
+    """One shell per host for ``monarch exec``; GROUP_RANK/NODE_RANK tell the hosts apart."""
     env = dict(environ if environ is not None else user_environment())
     shell = command if len(command) > 1 else ["/bin/sh", "-c", command[0]]
     return [
@@ -295,7 +325,8 @@ def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, 
             node,
             host.name,
             node,
-            {"rank": node, "env": env, "cwd": os.getcwd(), "mode": "no_python", "program": shell,
+            {"rank": node, "env": {**env, "GROUP_RANK": str(node), "NODE_RANK": str(node)},
+             "cwd": os.getcwd(), "mode": "no_python", "program": shell,
              "python_args": [], "warm": False, "host_store": False},
         )
         for node, host in enumerate(hostset.hosts)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Dict, Type
 
 from ..jobs.errors import JobError
-from .base import DryRun, HostStatus, Reservation, ReserveRequest, Scheduler
+from .base import DryRun, HostStatus, Reservation, ReserveRequest, Scheduler, controller_host
 from .local import LocalScheduler
+from .slurm import SlurmScheduler
 
-_BACKENDS: Dict[str, Type[Scheduler]] = {"local": LocalScheduler}
+_BACKENDS: Dict[str, Type[Scheduler]] = {"local": LocalScheduler, "slurm": SlurmScheduler}
 #: torchx scheduler names users already type, mapped to ours.
 ALIASES = {"local_cwd": "local"}
 
@@ -21,4 +22,5 @@ def get_scheduler(name: str) -> Scheduler:
     return _BACKENDS[key]()
 
 
-__all__ = ["DryRun", "HostStatus", "Reservation", "ReserveRequest", "Scheduler", "get_scheduler", "ALIASES"]
+__all__ = ["DryRun", "HostStatus", "Reservation", "ReserveRequest", "Scheduler", "controller_host", "get_scheduler",
+           "ALIASES"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -74,6 +75,10 @@ class Scheduler(abc.ABC):
             return f"it has {len(state.hosts)} host(s), not {request.hosts}"
         return None
 
+    def default_hosts(self) -> Optional[int]:
+        """How many hosts to reserve when the caller does not say (None: the usual 1)."""
+        return None
+
     def gone(self, state: JobState) -> Optional[str]:
         """A quick reason the reservation is certainly gone (no network round trip), or None."""
         return None
@@ -81,3 +86,30 @@ class Scheduler(abc.ABC):
     def describe(self, state: JobState) -> Dict[str, Any]:
         """Scheduler-specific facts for ``monarch status``."""
         return {}
+
+
+def controller_host(agents: List[str]) -> Optional[str]:
+    """An address of this machine that remote agents can reach, when the default would not do.
+
+    The controller's mailbox advertises ``$MONARCH_HOST`` or what this host's name resolves
+    to; on many login nodes that is a loopback address, useless to agents on other hosts.
+    Then the right address is the one the kernel routes towards the agents (a UDP
+    ``connect`` sends nothing). None when the default is fine or nothing better is known.
+    """
+    import socket
+
+    from ..config import advertised_host, settings
+
+    if settings().host or os.environ.get("MONARCH_HOST") or not advertised_host().startswith("127."):
+        return None
+    for address in agents:
+        host = address.rpartition("//")[2].rpartition(":")[0]
+        if not host or host.startswith("127.") or host in ("localhost", "*"):
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))
+                return probe.getsockname()[0]
+        except OSError:
+            continue
+    return None

@@ -1,0 +1,441 @@
+"""The Slurm backend: one host agent per node of a Slurm job, found through a shared directory.
+
+Outside an allocation, ``reserve`` renders an sbatch script (``templates/slurm_serve.sbatch``),
+submits it and waits: while the job pends it reports state and reason, then it waits for one
+address file per node. Inside an allocation (``salloc``, a batch script: ``$SLURM_JOB_ID``
+set) it starts the agents as a backgrounded ``srun --overlap`` step instead, which outlives
+the CLI. Agents bind ephemeral ports, so reservations on the same nodes never collide.
+
+Only the plain ``squeue -h -o`` / ``scontrol show hostnames`` outputs are read: they are
+the same in every Slurm version, unlike ``squeue --json``, and need no accounting (no sacct).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import string
+import subprocess
+import sys
+import time
+import uuid
+from importlib import resources
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import psutil
+
+from ..jobs.errors import JobError
+from ..jobs.state import HostRecord, JobState
+from ..runtime.agent import READY_PREFIX
+from ..runtime.keys import Keys
+from .base import DryRun, Progress, Reservation, ReserveRequest, Scheduler
+from .slurm_commands import SlurmError, allocation_id, find_step, hostnames, job_info, run, steps, submit
+
+#: serve's Slurm options (the ``**options`` of ``serve``) and the sbatch flag each becomes.
+OPTION_FLAGS = {
+    "partition": "--partition",
+    "time": "--time",
+    "gpus_per_node": "--gpus-per-node",
+    "cpus_per_task": "--cpus-per-task",
+    "mem": "--mem",
+    "account": "--account",
+    "qos": "--qos",
+    "constraint": "--constraint",
+    "exclusive": "--exclusive",
+    "sbatch_args": None,
+}
+#: How long agents may take to come up once the job runs (they import torch to warm up).
+AGENT_START_TIMEOUT = 180.0
+_TERMINAL_GRACE = 20.0
+
+
+class SlurmScheduler(Scheduler):
+    name = "slurm"
+
+    # ------------------------------------------------------------ planning
+    def default_hosts(self) -> Optional[int]:
+        """Inside an allocation, serve all of its nodes unless told otherwise."""
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+        return int(nodes) if allocation_id() and nodes and nodes.isdigit() else None
+
+    def dryrun(self, request: ReserveRequest, workdir: Path) -> DryRun:
+        options = _check_options(request.options)
+        rid = _new_id()
+        job_dir = _job_dir(workdir, rid)
+        if allocation_id():
+            _allocation_options(options)
+            nodes = _allocation_nodes(request.hosts)
+            cmd = _step_command(job_dir, len(nodes), nodes, request, options)
+            summary = (f"inside Slurm allocation {allocation_id()}: start {len(nodes)} host agent(s) on "
+                       f"{','.join(nodes)} as a background `srun --overlap` step; keys in {job_dir / 'keys'} (0600)")
+            return DryRun(self.name, summary, {"srun command": shlex.join(cmd)})
+        script = render_serve_script(request.hosts, f"monarch-{rid[6:]}", job_dir, sys.executable, options,
+                                     request.preload)
+        summary = (f"submit this script with `sbatch --parsable`: {request.hosts} node(s), one host agent each; "
+                   f"default command: {shlex.join(request.command) if request.command else '(none)'}")
+        return DryRun(self.name, summary, {"sbatch script": script})
+
+    # ----------------------------------------------------------- reserving
+    def reserve(self, request: ReserveRequest, keys: Keys, workdir: Path, progress: Progress) -> Reservation:
+        options = _check_options(request.options)
+        rid = _new_id()
+        job_dir = _job_dir(workdir, rid)
+        if allocation_id():
+            _allocation_options(options)
+            nodes = _allocation_nodes(request.hosts)  # errors before anything is written
+            _make_job_dir(job_dir, keys)
+            return self._reserve_in_allocation(rid, request, options, nodes, job_dir, progress)
+        script = render_serve_script(request.hosts, f"monarch-{rid[6:]}", job_dir, sys.executable, options,
+                                     request.preload)
+        _make_job_dir(job_dir, keys)
+        (job_dir / "serve.sbatch").write_text(script)
+        try:
+            job_id = submit(job_dir / "serve.sbatch")
+        except BaseException:
+            _forget_keys(job_dir)
+            raise
+        data = {"mode": "batch", "job_id": job_id, "dir": str(job_dir), "options": _plain(options),
+                "output": str(job_dir / f"slurm-{job_id}.out")}
+        try:
+            hosts = _wait_for_agents(job_id, None, job_dir, request.hosts, progress, data["output"])
+        except BaseException:
+            run(["scancel", job_id], check=False)
+            _forget_keys(job_dir)
+            raise
+        return Reservation(rid, hosts, data)
+
+    def _reserve_in_allocation(self, rid: str, request: ReserveRequest, options: Dict[str, Any], nodes: List[str],
+                               job_dir: Path, progress: Progress) -> Reservation:
+        job_id = allocation_id() or ""
+        cmd = _step_command(job_dir, len(nodes), nodes, request, options)
+        env = {k: v for k, v in os.environ.items() if k != "MONARCH_KEYS"}
+        env["MONARCH_KEY_FILE"] = str(job_dir / "keys")
+        log_path = job_dir / "agents.log"
+        progress(f"starting {len(nodes)} agent(s) in allocation {job_id} (srun --overlap)")
+        with open(log_path, "ab") as log:
+            try:
+                srun = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                        start_new_session=True)  # outlives this CLI, not the allocation
+            except FileNotFoundError:
+                _forget_keys(job_dir)
+                raise SlurmError("srun not found on PATH, though $SLURM_JOB_ID is set") from None
+        data: Dict[str, Any] = {"mode": "allocation", "job_id": job_id, "dir": str(job_dir), "srun_pid": srun.pid,
+                                "options": _plain(options), "output": str(log_path)}
+        try:
+            hosts = _wait_for_agents(job_id, srun, job_dir, len(nodes), progress, str(log_path), names=nodes)
+            data["step"] = find_step(job_id, f"monarch-agents-{rid[6:]}")
+        except BaseException:
+            _end_step(data)
+            _forget_keys(job_dir)
+            raise
+        return Reservation(rid, hosts, data)
+
+    # ------------------------------------------------------------ checking
+    def can_serve(self, state: JobState, request: ReserveRequest) -> Optional[str]:
+        why = super().can_serve(state, request)
+        if why is None and request.options and request.options != state.scheduler_data.get("options"):
+            why = "it was reserved with other Slurm options"
+        return why
+
+    def gone(self, state: JobState) -> Optional[str]:
+        data = state.scheduler_data
+        job_id = str(data.get("job_id", ""))
+        info = job_info(job_id)
+        if info is None:
+            return None  # Slurm did not answer: let the agents' ping decide
+        if not info:
+            return f"Slurm job {job_id} has ended and is no longer known to Slurm"
+        if info["state"] != "RUNNING":
+            reason = f", {info['reason']}" if info["reason"] not in ("", "None") else ""
+            return f"Slurm job {job_id} is {info['state']}{reason}"
+        step = data.get("step")
+        if data.get("mode") == "allocation" and step and step not in steps(job_id):
+            return f"agent step {step} of Slurm allocation {job_id} has ended"
+        return None
+
+    def describe(self, state: JobState) -> Dict[str, Any]:
+        data = state.scheduler_data
+        raw = job_info(str(data.get("job_id", "")))
+        info = raw or {}
+        known = "no longer known to Slurm" if raw == {} else "unknown (squeue did not answer)"
+        return {"slurm": {"job_id": data.get("job_id"), "mode": data.get("mode"), "step": data.get("step"),
+                          "state": info.get("state", known),
+                          "reason": info.get("reason"), "elapsed": info.get("elapsed"),
+                          "time_left": info.get("time_left"), "nodes": info.get("nodes"),
+                          "partition": info.get("partition"), "output": data.get("output"),
+                          "dir": data.get("dir")}}
+
+    # ----------------------------------------------------------- releasing
+    def release(self, state: JobState) -> None:
+        data = state.scheduler_data
+        if data.get("mode") == "allocation":
+            _end_step(data)
+        elif data.get("job_id"):
+            run(["scancel", str(data["job_id"])], check=False)
+            _wait_terminal(str(data["job_id"]))
+        if data.get("dir"):
+            _forget_keys(Path(data["dir"]))
+
+
+# ---------------------------------------------------------------------- rendering
+def render_serve_script(nodes: int, job_name: str, job_dir: Path, python: str, options: Dict[str, Any],
+                        preload: Optional[str] = None) -> str:
+    """The sbatch script of a reservation (``monarch serve --scheduler slurm``)."""
+    _no_whitespace(str(job_dir), "the state directory")
+    srun_extra = f" --gpus-per-node={options['gpus_per_node']}" if options.get("gpus_per_node") else ""
+    agent_args = f" --preload {shlex.quote(preload)}" if preload is not None else ""
+    return load_template("slurm_serve.sbatch").substitute(
+        job_name=job_name,
+        nodes=nodes,
+        job_dir=str(job_dir),
+        sbatch_lines=sbatch_lines(sbatch_option_args(options)),
+        key_file=shlex.quote(str(job_dir / "keys")),
+        python=shlex.quote(python),
+        srun_extra=srun_extra,
+        agent_args=agent_args,
+    )
+
+
+def sbatch_lines(args: Sequence[str]) -> str:
+    """``#SBATCH`` directives, one per option (each ends with a newline)."""
+    return "".join(f"#SBATCH {a}\n" for a in args)
+
+
+def sbatch_option_args(options: Dict[str, Any]) -> List[str]:
+    """serve's Slurm options as sbatch arguments, in a fixed order."""
+    args = []
+    for key, flag in OPTION_FLAGS.items():
+        value = options.get(key)
+        if value is None or value is False or flag is None:
+            continue
+        args.append(flag if value is True else f"{flag}={value}")
+    args.extend(options.get("sbatch_args") or [])
+    return args
+
+
+def load_template(name: str) -> string.Template:
+    return string.Template(resources.files("monarch_cli.templates").joinpath(name).read_text())
+
+
+def _check_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    unknown = sorted(set(options) - set(OPTION_FLAGS))
+    if unknown:
+        raise ValueError(f"unknown Slurm option(s): {', '.join(unknown)}; known: {', '.join(OPTION_FLAGS)}")
+    checked: Dict[str, Any] = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key == "sbatch_args":
+            value = [value] if isinstance(value, str) else list(value)
+            for arg in value:
+                if "\n" in str(arg) or not str(arg).startswith("-"):
+                    raise ValueError(f"--sbatch-arg takes one sbatch option such as --reservation=x, not {arg!r}")
+            checked[key] = [str(a) for a in value]
+        elif key == "exclusive":
+            checked[key] = bool(value)
+        else:
+            _no_whitespace(str(value), f"--{key.replace('_', '-')}")
+            checked[key] = value
+    return checked
+
+
+def _no_whitespace(value: str, what: str) -> None:
+    if not value or any(c.isspace() for c in value):
+        raise ValueError(f"{what} for Slurm must be non-empty and without spaces, not {value!r}")
+
+
+def _plain(options: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in options.items()}
+
+
+def _new_id() -> str:
+    return f"slurm-{uuid.uuid4().hex[:8]}"
+
+
+def _job_dir(workdir: Path, rid: str) -> Path:
+    return workdir.resolve() / "slurm" / rid
+
+
+def _make_job_dir(job_dir: Path, keys: Keys) -> None:
+    """The reservation's directory (0700) with its keys (0600) and an empty agents/."""
+    (job_dir / "agents").mkdir(parents=True, mode=0o700)
+    os.chmod(job_dir, 0o700)
+    keys.write(job_dir / "keys")
+
+
+def _allocation_options(options: Dict[str, Any]) -> None:
+    """Inside an allocation there is nothing to ask Slurm for: say so rather than ignore options."""
+    moot = sorted(k for k in options if k != "gpus_per_node")
+    if moot:
+        flags = ", ".join("--" + k.replace("_", "-") for k in moot)
+        raise ValueError(f"inside Slurm allocation {allocation_id()}, {flags} cannot apply (the allocation is "
+                         "already made); leave them out, or run `monarch serve` outside the allocation")
+
+
+def _allocation_nodes(count: int) -> List[str]:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise SlurmError(f"inside Slurm job {allocation_id()} but $SLURM_JOB_NODELIST is not set")
+    nodes = hostnames(nodelist)
+    if count > len(nodes):
+        raise JobError(f"--nodes {count} is more than the {len(nodes)} node(s) of allocation {allocation_id()} "
+                       f"({nodelist}); ask for at most {len(nodes)}")
+    return nodes[:count]
+
+
+def _step_command(job_dir: Path, count: int, nodes: List[str], request: ReserveRequest,
+                  options: Dict[str, Any]) -> List[str]:
+    """``srun`` for agents inside an existing allocation: overlapping, so the user's own steps still fit."""
+    cmd = ["srun", "--overlap", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
+           f"--nodelist={','.join(nodes)}", f"--job-name=monarch-agents-{job_dir.name[6:]}",
+           "--kill-on-bad-exit=0", "--cpu-bind=none"]
+    if options.get("gpus_per_node"):
+        cmd.append(f"--gpus-per-node={options['gpus_per_node']}")
+    cmd += [sys.executable, "-m", "monarch_cli.jobs.slurm_batch", "agent", "--dir", str(job_dir)]
+    if request.preload is not None:
+        cmd += ["--preload", request.preload]
+    return cmd
+
+
+# ------------------------------------------------------------------- waiting
+def _wait_for_agents(job_id: str, srun: Optional[subprocess.Popen], job_dir: Path, count: int,
+                     progress: Progress, output: str, names: Optional[List[str]] = None) -> List[HostRecord]:
+    """Report the job's progress until one agent per node has written its address."""
+    started = time.monotonic()
+    running_since: Optional[float] = None
+    last = ""
+    while True:
+        elapsed = time.monotonic() - started
+        if srun is not None and srun.poll() is not None:
+            raise SlurmError(f"the agent step (srun) exited with status {srun.returncode} before the agents "
+                             f"came up: {_tail(output)}")
+        if names is None:
+            info = job_info(job_id)
+            if info == {}:
+                raise SlurmError(f"Slurm job {job_id} ended before its agents came up: {_tail(output)}")
+            state = (info or {}).get("state", "UNKNOWN")
+            if state == "RUNNING" and info:
+                names = hostnames(info["nodes"])
+            elif state in ("PENDING", "CONFIGURING", "UNKNOWN", "REQUEUED", "RESIZING"):
+                reason = (info or {}).get("reason", "")
+                why = f" ({reason})" if reason not in ("", "None") else ""
+                msg = f"Slurm job {job_id} {state.lower()}{why} for {_clock(elapsed)}"
+                if msg != last:
+                    progress(msg)
+                    last = msg
+                time.sleep(0.5)
+                continue
+            else:
+                raise SlurmError(f"Slurm job {job_id} is {state} ({info.get('reason') if info else ''}) "
+                                 f"before its agents came up: {_tail(output)}")
+        if running_since is None:
+            running_since = time.monotonic()
+        ready = _read_addresses(job_dir, names)
+        msg = f"Slurm job {job_id} running on {','.join(names)}; agents up: {len(ready)}/{count}"
+        if msg != last:
+            progress(msg)
+            last = msg
+        if len(ready) == count:
+            return [HostRecord(name=n, agent=ready[n], pid=None, node_rank=i) for i, n in enumerate(names)]
+        if time.monotonic() - running_since > AGENT_START_TIMEOUT:
+            missing = ", ".join(n for n in names if n not in ready)
+            raise SlurmError(f"agents on {missing} did not come up within {AGENT_START_TIMEOUT:.0f} s of job "
+                             f"{job_id} starting: {_tail(output)}")
+        if srun is None:  # our own job: it may fail on the nodes (no Python there, a bad path...)
+            info = job_info(job_id)
+            if info == {} or (info and info["state"] != "RUNNING"):
+                how = f"is {info['state']}" if info else "ended"
+                raise SlurmError(f"Slurm job {job_id} {how} before its agents came up: {_tail(output)}")
+        time.sleep(0.3)
+
+
+def _read_addresses(job_dir: Path, names: List[str]) -> Dict[str, str]:
+    found = {}
+    for name in names:
+        try:
+            text = (job_dir / "agents" / f"{name}.addr").read_text()
+        except OSError:
+            continue
+        if text.startswith(READY_PREFIX) and text.endswith("\n"):
+            found[name] = text[len(READY_PREFIX):].strip()
+    return found
+
+
+def _tail(path: str, lines: int = 3) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return f"no output yet ({path})"
+    return " | ".join(text[-lines:]) + f" (full output: {path})" if text else f"no output ({path})"
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+# ------------------------------------------------------------------- ending
+def _end_step(data: Dict[str, Any]) -> None:
+    """End only our agent step of an allocation that is not ours to cancel."""
+    if data.get("step"):
+        run(["scancel", str(data["step"])], check=False)
+    pid = data.get("srun_pid")
+    if pid and _is_agent_srun(int(pid), Path(str(data.get("dir", "")))) and not _wait_gone(int(pid), _TERMINAL_GRACE):
+        _signal(int(pid), signal.SIGKILL)
+        _wait_gone(int(pid), 5)
+
+
+def _wait_terminal(job_id: str) -> None:
+    """Wait (briefly) until the job is no longer running, so no agent is left when stop returns."""
+    deadline = time.monotonic() + _TERMINAL_GRACE
+    while time.monotonic() < deadline:
+        info = job_info(job_id)
+        if info is None or info == {} or info["state"] not in ("RUNNING", "COMPLETING", "PENDING", "CONFIGURING"):
+            return
+        time.sleep(0.25)
+
+
+def _is_agent_srun(pid: int, job_dir: Path) -> bool:
+    """Is ``pid`` still our srun (not a process that reused the id since)?"""
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return bool(cmdline) and os.path.basename(cmdline[0]) == "srun" and str(job_dir) in cmdline
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass  # not our child: check it by its status instead
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _forget_keys(job_dir: Path) -> None:
+    """The keys are useless once the agents are gone; do not leave them lying around."""
+    try:
+        (job_dir / "keys").unlink()
+    except OSError:
+        pass
+
+
+__all__ = ["SlurmScheduler", "SlurmError", "render_serve_script", "sbatch_option_args", "sbatch_lines", "load_template",
+           "OPTION_FLAGS"]

@@ -1,0 +1,174 @@
+"""`monarch serve --scheduler slurm` on a real 2-node Slurm cluster: reserve, run, lose, re-serve, stop."""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from monarch_cli.config import settings
+from monarch_cli.jobs import serve
+from monarch_cli.runtime.keys import Keys
+
+from .conftest import ALLREDUCE, Served, clean_env, job_state, one_line_error, slurm, wait_for, write
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.timeout(1800)]
+
+
+def _agent_processes(job_dir: str):
+    """Processes whose command line names this reservation's directory (agents, srun, their children)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(job_dir in part for part in p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return [p for p in found if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _check_ranks(out: str, nodes: list) -> None:
+    lines = sorted(l for l in out.splitlines() if " sum " in l)
+    assert len(lines) == 4, out
+    for rank, line in enumerate(lines):
+        m = re.match(rf"\[rank{rank}\]\s+rank {rank}/4 node (\d) host (\S+) sum 10$", line)
+        assert m, line
+        assert m.group(2) == nodes[rank // 2] and int(m.group(1)) == rank // 2, line
+
+
+def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path):
+    script = write(tmp_path, "allreduce.py", ALLREDUCE)
+    job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
+    try:
+        served = job("serve", "--scheduler", "slurm", "--nodes", "2", "--time", "30", "--",
+                     "torchrun", "--nproc-per-node=2", str(script))
+        assert served.returncode == 0, served.stderr
+        info = job.status()
+        assert info["alive"] and info["slurm"]["state"] == "RUNNING"
+        assert [h["name"] for h in info["hosts"]] == slurm_cluster[:2]
+        job_id, job_dir = info["slurm"]["job_id"], info["slurm"]["dir"]
+        # Each agent on its own node, at its own address, on a port it chose.
+        assert len({h["agent"].rsplit(":", 1)[0] for h in info["hosts"]}) == 2
+
+        # The keys: a 0600 file, and on no process's command line.
+        key_file = Path(job_dir) / "keys"
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        secret = Keys.read(key_file).secret.decode()
+        for p in _agent_processes(job_dir):
+            assert secret not in " ".join(p.cmdline())
+
+        for _ in range(2):
+            run = job("run-spmd", "--no-color")
+            assert run.returncode == 0, run.stdout + run.stderr
+            _check_ranks(run.stdout, slurm_cluster)
+            assert "4 rank(s) finished" in run.stderr
+
+        # The allocation ends underneath: every command says so, clearly.
+        slurm("scancel", job_id)
+        wait_for(lambda: job_state(job_id) not in ("RUNNING", "COMPLETING"), 30, "the job to end")
+        status = job("status")
+        assert status.returncode == 1 and f"Slurm job {job_id} is CANCELLED" in status.stdout, status.stdout
+        one_line_error(job("run-spmd"), f"Slurm job {job_id} is CANCELLED", "monarch serve")
+        one_line_error(job("exec", "--", "true"), f"Slurm job {job_id} is CANCELLED")
+        wait_for(lambda: not _agent_processes(job_dir), 30, "Slurm to end the agents")
+
+        # serve makes a new one (the old one is gone: nothing to lose, no --replace needed).
+        again = job("serve", "--scheduler", "slurm", "--nodes", "2")
+        assert again.returncode == 0, again.stderr
+        info2 = job.status()
+        assert info2["alive"] and info2["slurm"]["job_id"] != job_id
+        hosts = job("exec", "--no-color", "--", "hostname")
+        assert hosts.returncode == 0 and sorted(l.split()[1] for l in hosts.stdout.splitlines()) == slurm_cluster[:2]
+
+        stopped = job("stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert job_state(info2["slurm"]["job_id"]) in ("CANCELLED", "")
+        assert not job.state.exists()
+        assert not (Path(info2["slurm"]["dir"]) / "keys").exists()
+        wait_for(lambda: not _agent_processes(info2["slurm"]["dir"]), 30, "every agent to exit")
+    finally:
+        job("stop")  # whatever failed, leave no job behind
+
+
+def test_bad_partition_and_account_are_one_line_errors_quoting_sbatch(slurm_cluster, tmp_path):
+    job = Served(tmp_path, tmp_path / "s.pkl")
+    bad_partition = job("serve", "--scheduler", "slurm", "--nodes", "1", "--partition", "nope")
+    one_line_error(bad_partition, "sbatch refused the job", "Invalid partition name specified")
+    bad_account = job("serve", "--scheduler", "slurm", "--nodes", "1", "--account", "bogus")
+    one_line_error(bad_account, "sbatch refused the job", "Invalid account")
+    assert not (tmp_path / "s.pkl").exists()
+    assert not list(tmp_path.glob("slurm/*/keys")), "a refused job left its keys behind"
+    batch = Served(tmp_path, tmp_path / "b.pkl")("sbatch", "-p", "nope", "--", "python", "x.py")
+    one_line_error(batch, "Invalid partition name specified")
+
+
+def test_two_reservations_on_the_same_nodes_do_not_collide(slurm_cluster, tmp_path):
+    a, b = Served(tmp_path, tmp_path / "a.pkl"), Served(tmp_path, tmp_path / "b.pkl")
+    try:
+        for job in (a, b):
+            done = job("serve", "--scheduler", "slurm", "--nodes", "2")
+            assert done.returncode == 0, done.stderr
+        sa, sb = a.status(), b.status()
+        assert [h["name"] for h in sa["hosts"]] == [h["name"] for h in sb["hosts"]] == slurm_cluster[:2]
+        assert {h["agent"] for h in sa["hosts"]}.isdisjoint({h["agent"] for h in sb["hosts"]})
+        procs = [subprocess.Popen([sys.executable, "-m", "monarch_cli", "exec", "--no-color", "--state",
+                                   str(j.state), "--", "echo $GROUP_RANK"], cwd=tmp_path, env=clean_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for j in (a, b)]
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            assert sorted(out.split()) == ["0", "1", f"[{slurm_cluster[0]}]", f"[{slurm_cluster[1]}]"]
+    finally:
+        for job in (a, b):
+            job("stop")
+
+
+def test_pending_job_reports_state_and_reason_then_agents(slurm_cluster, tmp_path, monkeypatch):
+    monkeypatch.setattr(settings(), "host", settings().host)  # this process may pick a routable address
+    events: list = []
+    job = serve(None, "slurm", hosts=2, state=tmp_path / "p.pkl", progress=events.append,
+                sbatch_args=["--begin=now+3"])
+    try:
+        assert any(re.search(r"Slurm job \d+ pending \(BeginTime\) for 0:0\d", e) for e in events), events
+        assert any("agents up: 2/2" in e for e in events), events
+        assert job.status()["alive"]
+    finally:
+        job.stop()
+
+
+def test_serve_inside_an_allocation_starts_an_overlapping_step_and_stop_ends_only_it(slurm_cluster, tmp_path):
+    script = write(tmp_path, "allreduce.py", ALLREDUCE)
+    inner = write(tmp_path, "inside.sh", f"""
+        set -u
+        m() {{ c=$1; shift; {sys.executable} -m monarch_cli "$c" --state {tmp_path}/in.pkl "$@"; }}
+        m serve --scheduler slurm -- torchrun --nproc-per-node=2 {script} || exit 11
+        m status --json > {tmp_path}/status.json
+        m run-spmd --no-color || exit 12
+        m stop || exit 13
+        squeue -h -s -j $SLURM_JOB_ID -o %j > {tmp_path}/steps-after-stop.txt
+        squeue -h -j $SLURM_JOB_ID -o %T > {tmp_path}/job-after-stop.txt
+    """)
+    done = subprocess.run(["salloc", "-N", "2", "--time=10", "bash", str(inner)], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _check_ranks(done.stdout, slurm_cluster)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["slurm"]["mode"] == "allocation" and re.fullmatch(r"\d+\.\d+", status["slurm"]["step"])
+    assert len(status["hosts"]) == 2  # all of the allocation's nodes by default
+    assert "monarch-agents" not in (tmp_path / "steps-after-stop.txt").read_text()
+    assert (tmp_path / "job-after-stop.txt").read_text().strip() == "RUNNING"  # only our step ended
+
+
+def test_allocation_options_that_cannot_apply_are_refused(slurm_cluster, tmp_path):
+    done = subprocess.run(["salloc", "-N", "1", "--time=5", sys.executable, "-m", "monarch_cli", "serve",
+                           "--scheduler", "slurm", "--partition", "debug", "--nodes", "2", "--state",
+                           str(tmp_path / "x.pkl")], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "cannot apply" in done.stderr and "--partition" in done.stderr
