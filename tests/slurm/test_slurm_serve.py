@@ -69,6 +69,10 @@ def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path
             _check_ranks(run.stdout, slurm_cluster)
             assert "4 rank(s) finished" in run.stderr
 
+        # Debugging works the same on Slurm: ranks on both nodes pause, a client on the
+        # login side lists them, casts to them, attaches to one on the second node.
+        _debug_a_paused_run(tmp_path, job, slurm_cluster)
+
         # The allocation ends underneath: every command says so, clearly.
         slurm("scancel", job_id)
         wait_for(lambda: job_state(job_id) not in ("RUNNING", "COMPLETING"), 30, "the job to end")
@@ -94,6 +98,54 @@ def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path
         wait_for(lambda: not _agent_processes(info2["slurm"]["dir"]), 30, "every agent to exit")
     finally:
         job("stop")  # whatever failed, leave no job behind
+
+
+BREAK = """
+    import os, socket
+    rank = int(os.environ["RANK"])
+    where = socket.gethostname()
+    breakpoint()
+    print(f"rank {rank} released on {where}", flush=True)
+"""
+
+
+def _debug_a_paused_run(tmp_path: Path, job: "Served", nodes: list) -> None:
+    import pexpect
+
+    script = write(tmp_path, "pause.py", BREAK)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "monarch_cli", "run-spmd", "--no-color", "--state", str(job.state), "--",
+         "torchrun", "--nproc-per-node=2", str(script)],
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        def paused() -> bool:
+            rows = json.loads(job("debug", "list", "--json").stdout or "[]")
+            return len([r for r in rows if r["state"] == "paused"]) == 4
+
+        wait_for(paused, 60, "4 ranks to pause in breakpoint()")
+        rows = json.loads(job("debug", "list", "--json").stdout)
+        assert [r["host"] for r in rows] == [nodes[0], nodes[0], nodes[1], nodes[1]]
+        cast = json.loads(job("debug", "cast", "*", "p where", "--json").stdout)
+        assert {r: v["output"].strip() for r, v in cast.items()} == {
+            str(r): repr(nodes[r // 2]) for r in range(4)}
+        shell = pexpect.spawn(sys.executable, ["-m", "monarch_cli", "debug", "--state", str(job.state), "attach", "3"],
+                              cwd=str(tmp_path), env={**clean_env(), "TERM": "dumb", "NO_COLOR": "1",
+                                                      "MONARCH_DEBUG_HISTORY": str(tmp_path / "hist")},
+                              encoding="utf-8", timeout=60)
+        shell.expect_exact("(Pdb) ")
+        shell.sendline("p rank, where")
+        shell.expect_exact(f"(3, {nodes[1]!r})")
+        shell.sendline("detach")
+        shell.expect(pexpect.EOF)
+        assert job("debug", "continue").returncode == 0
+        out, _ = run.communicate(timeout=60)
+        assert run.returncode == 0, out
+        for r in range(4):
+            assert f"[rank{r}] rank {r} released on {nodes[r // 2]}" in out
+    finally:
+        if run.poll() is None:
+            run.kill()
 
 
 def test_bad_partition_and_account_are_one_line_errors_quoting_sbatch(slurm_cluster, tmp_path):
