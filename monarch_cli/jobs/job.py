@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
 import time
 from pathlib import Path
@@ -35,9 +37,27 @@ def _command_and_hosts(cmd: Command, hosts: Optional[int]) -> "tuple[List[str], 
         if len(roles) != 1:
             raise JobError(f"AppDef {getattr(cmd, 'name', '')!r} has {len(roles)} roles; monarch runs exactly one SPMD role")
         role = roles[0]
-        argv = [role.entrypoint, *role.args]
+        argv = _unwrap_torchx_shell([role.entrypoint, *role.args])
         return argv, hosts or int(role.num_replicas)
     return [str(c) for c in cmd], hosts
+
+
+_TORCHX_MACRO = re.compile(r"\$\{(\w+)(?::=([^}]*))?\}")
+
+
+def _unwrap_torchx_shell(argv: List[str]) -> List[str]:
+    """torchx's dist.ddp wraps torchrun in ``bash -c "..."`` with ``${macros}``: unwrap it.
+
+    ``${app_id}`` becomes ``monarch`` (a run id is made per run anyway); ``${VAR:=default}``
+    takes its default, as the shell would when VAR is unset. Its rendezvous flags are then
+    served by the reservation itself.
+    """
+    if len(argv) == 3 and os.path.basename(argv[0]) in ("bash", "sh") and argv[1] == "-c":
+        text = _TORCHX_MACRO.sub(lambda m: "monarch" if m.group(1) == "app_id" else (m.group(2) or ""), argv[2])
+        inner = shlex.split(text)
+        if inner and os.path.basename(inner[0]) in ("torchrun", "python", "python3"):
+            return inner
+    return argv
 
 
 class Job:

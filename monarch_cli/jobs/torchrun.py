@@ -147,7 +147,7 @@ _VALUE_FLAGS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "--max-restarts": ("max_restarts", _int),
     "--monitor-interval": (None, _interval),
     "--start-method": (None, _start_method),
-    "--role": ("role", _nonempty),
+    "--role": ("role", _text),  # torchx passes --role ''; torchrun takes it
     "--log-dir": ("log_dir", _nonempty),
     "--redirects": ("redirects", _std),
     "--tee": ("tee", _std),

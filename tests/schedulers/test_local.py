@@ -268,9 +268,6 @@ def test_serve_an_appdef_and_run_its_command(tmp_path: Path, monkeypatch: pytest
         job.stop()
 
 
-@pytest.mark.xfail(strict=True, raises=JobError,
-                   reason="known gap: torchx.components.dist.ddp wraps torchrun in `bash -c` with torchx "
-                   "macros and `--role ''`; monarch only takes an AppDef whose entrypoint is torchrun/python")
 def test_appdef_shaped_like_torchx_dist_ddp(tmp_path: Path) -> None:
     # What torchx.components.dist.ddp(script="train.py", j="2x2") returns (torchx 0.7), as plain data.
     command = ("torchrun --rdzv_backend c10d --rdzv_endpoint ${TORCHX_RANK0_HOST:=localhost}:29500 "
@@ -278,3 +275,4 @@ def test_appdef_shaped_like_torchx_dist_ddp(tmp_path: Path) -> None:
     app = AppDef("train", [Role("train", "local", "bash", ["-c", command], num_replicas=2)])
     plan = dryrun(app, state=tmp_path / "job_state.pkl")
     assert "start 2 host agent(s)" in plan.summary
+    assert "default command: torchrun --rdzv_backend c10d --rdzv_endpoint localhost:29500 --rdzv_id monarch" in plan.summary
