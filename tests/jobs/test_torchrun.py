@@ -60,7 +60,7 @@ OK_CASES: list[tuple[list[str], dict[str, Any]]] = [
     ([T, "-t=0", "-r3", "t.py"], {"tee": "0", "redirects": "3", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--log-dir", "/tmp/logs", "t.py"], {"log_dir": "/tmp/logs", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--log_dir=/tmp/l", "t.py"], {"log_dir": "/tmp/l", "program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "--role", "", "t.py"], {"role": "", "program": ["t.py"]}),  # torchx's dist.ddp passes --role ''
+    ([T, "--role", "", "t.py"], {"role": "", "program": ["t.py"], "python_args": ["-u"]}),  # torchx's dist.ddp passes --role ''
     ([T, "--role", "trainer", "--max-restarts", "3", "t.py"],
      {"role": "trainer", "max_restarts": 3, "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--max_restarts=0", "t.py"], {"program": ["t.py"], "python_args": ["-u"]}),
