@@ -119,11 +119,19 @@ def _debug_a_paused_run(tmp_path: Path, job: "Served", nodes: list) -> None:
         cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
+        last: list = []
+
         def paused() -> bool:
-            rows = json.loads(job("debug", "list", "--json").stdout or "[]")
+            listed = job("debug", "list", "--json")
+            last[:] = [listed.stderr]
+            rows = json.loads(listed.stdout or "[]")
             return len([r for r in rows if r["state"] == "paused"]) == 4
 
-        wait_for(paused, 60, "4 ranks to pause in breakpoint()")
+        try:
+            wait_for(paused, 90, "4 ranks to pause in breakpoint()")
+        except AssertionError:
+            run.kill()
+            raise AssertionError(f"ranks did not pause; debug list said {last!r}; run said:\n{run.communicate()[0]}")
         rows = json.loads(job("debug", "list", "--json").stdout)
         assert [r["host"] for r in rows] == [nodes[0], nodes[0], nodes[1], nodes[1]]
         cast = json.loads(job("debug", "cast", "*", "p where", "--json").stdout)
