@@ -358,7 +358,7 @@ def this_host() -> HostMesh:
         if boot is not None:
             _local_host = HostMesh(Shape({}), [HostRef(boot["agent"], boot["host"], boot["agent_heartbeat"])])
         else:
-            from .agent import start_private_agent
+            from .agent_launch import start_private_agent
 
             mb = Mailbox.get()
             addr = start_private_agent(mb.keys)

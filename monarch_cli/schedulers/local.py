@@ -19,7 +19,7 @@ from typing import List, Optional
 import psutil
 
 from ..jobs.state import HostRecord, JobState
-from ..runtime.agent import launch_agent
+from ..runtime.agent_launch import launch_agent
 from ..runtime.keys import Keys
 from .base import DryRun, Progress, Reservation, ReserveRequest, Scheduler
 

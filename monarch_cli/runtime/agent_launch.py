@@ -1,0 +1,93 @@
+"""Starting host agents on this machine, with the keys on their stdin (never argv).
+
+Schedulers use :func:`launch_agent`; a controller's ``this_host()`` uses
+:func:`start_private_agent`, whose agent lives exactly as long as the controller.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from .agent import READY_PREFIX
+from .keys import Keys
+
+_private: List[subprocess.Popen] = []
+
+
+def launch_agent(
+    keys: Keys,
+    *,
+    name: Optional[str] = None,
+    preload: Optional[str] = None,
+    warm_up: bool = False,
+    exit_with_parent: bool = True,
+    detach: bool = False,
+    env: Optional[Dict[str, str]] = None,
+    stdout: Any = None,
+    timeout: float = 30.0,
+) -> Tuple[subprocess.Popen, str]:
+    """Start a host agent on this machine and return it with its address once it listens.
+
+    The keys go through the agent's stdin, never its command line. With
+    ``exit_with_parent`` the agent (and every proc it runs) exits when this process does;
+    ``detach`` puts it in its own session so it outlives the terminal that started it.
+    """
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "monarch_cli.runtime.agent", "--ready-fd", str(w), "--keys-stdin"]
+    if exit_with_parent:
+        cmd.append("--exit-with-stdin")
+    if name:
+        cmd += ["--name", name]
+    if preload is not None:
+        cmd += ["--preload", preload]
+    if warm_up:
+        cmd.append("--warm-up")
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=stdout,
+        stderr=stdout,
+        pass_fds=[w],
+        env=env,
+        start_new_session=detach,
+    )
+    os.close(w)
+    assert proc.stdin is not None
+    proc.stdin.write(keys.encode().encode() + b"\n")
+    proc.stdin.flush()
+    if not exit_with_parent:
+        proc.stdin.close()
+    try:
+        return proc, _read_ready(r, proc, timeout)
+    finally:
+        os.close(r)
+
+
+def start_private_agent(keys: Keys, timeout: float = 30.0) -> str:
+    """Start an agent that lives exactly as long as this process (its stdin is our pipe)."""
+    proc, address = launch_agent(keys, timeout=timeout)
+    _private.append(proc)
+    return address
+
+
+def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            proc.kill()
+            raise TimeoutError(f"host agent did not start within {timeout} s")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                code = proc.wait()
+                raise RuntimeError(f"host agent exited during start-up with code {code}")
+            buf += chunk
+    return buf.split(b"\n", 1)[0].decode().removeprefix(READY_PREFIX).strip()
