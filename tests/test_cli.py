@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,32 @@ def test_demo_runs_end_to_end(tmp_path):
     assert proc.stdout.count("replicas in sync") == 2
     assert proc.stderr.count("rank(s) finished in") == 2
     assert "monarch stop" in proc.stderr
+
+
+@pytest.mark.slow
+def test_logs_follow_prints_a_run_as_it_happens_and_stops_with_it(tmp_path):
+    (tmp_path / "slow.py").write_text(
+        "import os, time\n"
+        "for i in range(4):\n"
+        "    print(f'step {i} of rank {os.environ[\"RANK\"]}', flush=True)\n"
+        "    time.sleep(0.5)\n"
+    )
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    assert monarch("serve", "--", "python", "slow.py", cwd=tmp_path, state=state).returncode == 0
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "monarch_cli", "run-spmd"], cwd=tmp_path,
+                               env={**os.environ, "MONARCH_STATE": str(state)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        logs_root = state.parent / "logs"
+        deadline = time.monotonic() + 30
+        while not (logs_root.exists() and any(logs_root.iterdir())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        follow = subprocess.Popen([sys.executable, "-m", "monarch_cli", "logs", "-f"], cwd=tmp_path,
+                                  env={**os.environ, "MONARCH_STATE": str(state)}, stdout=subprocess.PIPE, text=True)
+        first = follow.stdout.readline()
+        assert first.startswith("[rank0] step 0") and run.poll() is None  # seen while the run goes on
+        rest = follow.stdout.read()  # (not communicate(): it would skip what readline buffered)
+        assert follow.wait(30) == 0 and run.wait(30) == 0  # it ends by itself when the run does
+        assert [l for l in (first + rest).splitlines()] == [f"[rank0] step {i} of rank 0" for i in range(4)]
+    finally:
+        monarch("stop", cwd=tmp_path, state=state)
