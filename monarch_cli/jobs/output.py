@@ -2,7 +2,8 @@
 
 The console gets one ``[rankN]``-prefixed segment per line (a ``\\r`` ends a segment too,
 so progress bars redraw in place); bytes are written as they came, so invalid UTF-8 is
-kept. Log files get exactly what the rank wrote, nothing added, a segment at a time: stdout
+kept. Log files are unbuffered (``monarch logs -f`` reads them while the run goes on) and
+get exactly what the rank wrote, nothing added, a segment at a time: stdout
 and stderr arrive through separate pipes, so an unfinished line of one stream is held back
 until it ends rather than having the other stream's lines written into its middle.
 """
@@ -53,11 +54,11 @@ class OutputSink:
             self.prefix[rank] = text.encode()
         self.partial: Dict[Tuple[int, int], bytes] = {}
         self.tails: Dict[int, Deque[str]] = {r: collections.deque(maxlen=_TAIL_LINES) for r in labels}
-        self.logs: Dict[int, BinaryIO] = {r: open(log_dir / f"rank{r}.log", "ab") for r in labels}  # noqa: SIM115
+        self.logs: Dict[int, BinaryIO] = {r: open(log_dir / f"rank{r}.log", "ab", buffering=0) for r in labels}  # noqa: SIM115
         self.extra: Dict[Tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.extra[key] = open(path, "ab")  # noqa: SIM115
+            self.extra[key] = open(path, "ab", buffering=0)  # noqa: SIM115
         self._lock = threading.Lock()
 
     def write(self, rank: int, stream: int, data: bytes) -> None:
