@@ -37,6 +37,7 @@ class PausedRank:
     holder: Optional[str]
     exit: Optional[str]
     coords: Dict[str, int]
+    started: float = 0.0
 
     @property
     def where(self) -> str:
@@ -100,7 +101,8 @@ class DebugClient:
         rows: List[PausedRank] = []
         for host, fut in zip(self.hs.hosts, futs):
             rows += [PausedRank(agent=host.agent, **row) for row in fut.get(timeout=10)]
-        run = self.run_id or max((r.run_id for r in rows), default=None)
+        newest = max(rows, key=lambda r: r.started, default=None)  # not by id: ids can tie within a second
+        run = self.run_id or (newest.run_id if newest else None)
         rows = sorted((r for r in rows if r.run_id == run), key=lambda r: r.rank)
         self._rows = {r.rank: r for r in rows}
         return rows

@@ -111,7 +111,9 @@ class Launch:
 
 
 def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
+    """Sortable to the millisecond, unique by its suffix."""
+    now = time.time()
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"{int(now * 1000) % 1000:03d}-" + uuid.uuid4().hex[:4]
 
 
 def user_environment() -> Dict[str, str]:

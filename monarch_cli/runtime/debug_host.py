@@ -30,6 +30,7 @@ class _Session:
     owner: str
     sock: Optional[socket.socket]
     coords: Dict[str, int] = dataclasses.field(default_factory=dict)  # hosts (node), gpus (local rank)
+    started: float = dataclasses.field(default_factory=time.time)  # orders runs (ids can tie in a second)
     pid: Optional[int] = None
     state: str = "running"  # running | paused | exited
     where: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -50,6 +51,7 @@ class _Session:
             "file": self.where.get("file"), "line": self.where.get("line"),
             "function": self.where.get("function"), "reason": self.where.get("reason"),
             "holder": self.holder_name or None, "exit": self.exit_how or None, "coords": dict(self.coords),
+            "started": self.started,
         }
 
 
