@@ -123,10 +123,6 @@ class OutputSink:
             target.flush()
 
 
-def run_log_dir(logs_root: Path, run_id: str) -> Path:
-    return logs_root / run_id
-
-
 def list_runs(logs_root: Path) -> List[Path]:
     """Runs under ``logs_root``, oldest first."""
     if not logs_root.is_dir():

@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
-import os
 import pickle
 import sys
 import threading
@@ -456,17 +455,3 @@ class Mailbox:
                         reason=f"its host agent {agent} stopped answering ({silent_for:.1f} s without a heartbeat)",
                     ),
                 )
-
-
-def mailbox() -> Mailbox:
-    return Mailbox.get()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
