@@ -211,8 +211,9 @@ class SpmdRunner:
         for n in nodes:
             info = self.hs.infos[n]
             mb.watch_agent(self.hs.hosts[n].agent, info["heartbeat"], on_lost)
-        interrupts = _InterruptCounter()
-        relay = _SignalRelay(forward_signals)  # e.g. Slurm's warning before a time limit
+        # Ctrl-C, plus what the caller forwards (e.g. Slurm's warning before a time limit).
+        relay = _SignalRelay([signal.SIGINT, *(s for s in forward_signals if s != signal.SIGINT)])
+        interrupts = 0
         try:
             acks = []
             for n in nodes:
@@ -227,7 +228,6 @@ class SpmdRunner:
             gather(acks).get(timeout=30)
             stop_at: Optional[float] = None
             kill_at: Optional[float] = None
-            seen_interrupts = 0
             while not done.done():
                 try:
                     done.get(timeout=0.2)
@@ -235,12 +235,11 @@ class SpmdRunner:
                     pass
                 now = time.monotonic()
                 for sig in relay.take():
-                    self._signal(nodes, run_id, sig)
-                if interrupts.count > seen_interrupts:
-                    seen_interrupts = interrupts.count
-                    sig = signal.SIGINT if seen_interrupts == 1 else signal.SIGKILL
-                    if on_interrupt is not None:
-                        on_interrupt(seen_interrupts)
+                    if sig == signal.SIGINT:  # the first Ctrl-C is passed on; a second kills
+                        interrupts += 1
+                        sig = signal.SIGINT if interrupts == 1 else signal.SIGKILL
+                        if on_interrupt is not None:
+                            on_interrupt(interrupts)
                     self._signal(nodes, run_id, sig)
                 if first_failure and stop_at is None:
                     stop_at = now + self.grace
@@ -251,7 +250,6 @@ class SpmdRunner:
                     self._signal(nodes, run_id, signal.SIGKILL)
                     kill_at = float("inf")
         finally:
-            interrupts.restore()
             relay.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
@@ -260,7 +258,7 @@ class SpmdRunner:
         ordered = [exits[r] for r in sorted(exits)]
         if first_failure:
             ordered.sort(key=lambda e: (e.rank != first_failure[0], e.rank))
-        self.interrupted = interrupts.count > 0
+        self.interrupted = interrupts > 0
         return ordered
 
     def _signal(self, nodes: List[int], run_id: str, sig: int) -> None:
@@ -294,23 +292,6 @@ class _SignalRelay:
     def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-class _InterruptCounter:
-    """Counts Ctrl-C while a run is in progress (only possible in the main thread)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._old: Any = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, *_: Any) -> None:
-        self.count += 1
-
-    def restore(self) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
 
 
 def warm_capable(spec: SpmdSpec) -> bool:
