@@ -80,3 +80,14 @@ def spawn_python(code: str, *args: str, env: Optional[Dict[str, str]] = None, **
         env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)},
         **kwargs,
     )
+
+
+def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> str:
+    """Assert a clean failure: non-zero, one `monarch: error:` line, no traceback; return it."""
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [l for l in done.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("monarch: error:"), done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]

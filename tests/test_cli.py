@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import one_line_error
+
 TRAIN = """
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -29,16 +31,6 @@ def monarch(*args: str, cwd: Path, state: Path | None = None, timeout: float = 1
         [sys.executable, "-m", "monarch_cli", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )
-
-
-def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("monarch: error:")
-    for needle in needles:
-        assert needle in lines[0]
 
 
 def test_help_lists_the_commands(tmp_path):
@@ -73,15 +65,15 @@ def test_dry_run_starts_nothing_and_says_what_it_would_do(tmp_path):
 )
 def test_bad_input_is_one_clear_line_and_a_non_zero_exit(tmp_path, args, needle):
     proc = monarch(*args, cwd=tmp_path, state=tmp_path / "none" / "job_state.pkl")
-    assert_clean_error(proc, needle)
+    one_line_error(proc, needle)
 
 
 def test_corrupt_state_is_reported_and_stop_force_clears_it(tmp_path):
     state = tmp_path / ".monarch" / "job_state.pkl"
     state.parent.mkdir()
     state.write_bytes(b"\x80\x05garbage")
-    assert_clean_error(monarch("status", cwd=tmp_path, state=state), "corrupt")
-    assert_clean_error(monarch("run-spmd", cwd=tmp_path, state=state), "corrupt")
+    one_line_error(monarch("status", cwd=tmp_path, state=state), "corrupt")
+    one_line_error(monarch("run-spmd", cwd=tmp_path, state=state), "corrupt")
     proc = monarch("stop", "--force", cwd=tmp_path, state=state)
     assert proc.returncode == 0 and not state.exists()
 
@@ -124,13 +116,13 @@ def test_serve_run_status_exec_logs_stop(tmp_path):
         assert rank3.stdout == "rank 3 sum 4 group 1\n"
 
         refuse = monarch("serve", "--hosts", "1", cwd=tmp_path, state=state)
-        assert_clean_error(refuse, "--replace")
+        one_line_error(refuse, "--replace")
     finally:
         stopped = monarch("stop", "--json", cwd=tmp_path, state=state)
     assert stopped.returncode == 0, stopped.stderr
     assert not state.exists()
     gone = monarch("status", cwd=tmp_path, state=state)
-    assert_clean_error(gone, "no reservation")
+    one_line_error(gone, "no reservation")
 
 
 @pytest.mark.slow

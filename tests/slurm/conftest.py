@@ -88,17 +88,6 @@ def write(directory: Path, name: str, code: str) -> Path:
     return path
 
 
-def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> str:
-    """Assert a clean failure: non-zero, one `monarch: error:` line, no traceback; return it."""
-    assert done.returncode != 0, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = [l for l in done.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("monarch: error:"), done.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
 @dataclasses.dataclass
 class Served:
     """A `monarch serve --scheduler slurm` reservation made through the CLI."""

@@ -16,7 +16,8 @@ from monarch_cli.config import settings
 from monarch_cli.jobs import serve
 from monarch_cli.runtime.keys import Keys
 
-from .conftest import ALLREDUCE, Served, clean_env, job_state, one_line_error, slurm, wait_for, write
+from ..conftest import one_line_error
+from .conftest import ALLREDUCE, Served, clean_env, job_state, slurm, wait_for, write
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.timeout(1800)]
 
