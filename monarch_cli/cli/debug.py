@@ -17,6 +17,7 @@ from rich.table import Table
 from ..jobs import JobError, job_load
 from ..jobs.debug import DebugClient, PausedRank, select_ranks, vscode_config
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out
+from .interrupts import reliable_ctrl_c
 
 debug_app = typer.Typer(help="Inspect ranks paused in breakpoint() / pdb, from any terminal.", no_args_is_help=False)
 app.add_typer(debug_app, name="debug")
@@ -218,7 +219,8 @@ def debug_main(
         if rows:
             out.print(_table(rows))
         try:
-            shell.cmdloop()
+            with reliable_ctrl_c():
+                shell.cmdloop()
         except KeyboardInterrupt:
             print()
         _save_history()
@@ -259,7 +261,8 @@ def attach_cmd(rank: int, state: Optional[Path] = StateOpt, run: Optional[str] =
     _load_history()
     client = _client(state, run)
     try:
-        attached_session(client, rank)
+        with reliable_ctrl_c():
+            attached_session(client, rank)
     finally:
         client.close()
         _save_history()
