@@ -137,6 +137,7 @@ class Job:
                                    forward_signals=forward_signals)
             finally:
                 sink.close()
+            self._explain_losses(exits)
             failed = [e for e in exits if not e.ok]
             if not failed or runner.interrupted or attempt >= spec.max_restarts:
                 break
@@ -164,7 +165,16 @@ class Job:
         finally:
             sink.close()
         exits.sort(key=lambda e: e.rank)
+        self._explain_losses(exits)
         return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.interrupted)
+
+    def _explain_losses(self, exits: List[RankExit]) -> None:
+        """A host stops answering most often because its allocation ended: ask the scheduler which."""
+        if any(e.lost for e in exits):
+            why = self.scheduler.gone(self.state)
+            for e in exits:
+                if why and e.lost:
+                    e.lost = f"{e.lost}: {why}"
 
     def _sink(self, spec: SpmdSpec, launches: List[Launch], log_dir: Path, ranks: Optional[Set[int]],
               color: Optional[bool], stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],

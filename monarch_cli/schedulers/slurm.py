@@ -49,6 +49,21 @@ OPTION_FLAGS = {
 #: How long agents may take to come up once the job runs (they import torch to warm up).
 AGENT_START_TIMEOUT = 180.0
 _TERMINAL_GRACE = 20.0
+_SETTLE_S = 10.0
+#: What a job state means for a reservation, in words (squeue's reason alone is often "None").
+_ENDINGS = {
+    "TIMEOUT": "its time limit was reached",
+    "NODE_FAIL": "a node failed",
+    "CANCELLED": "it was cancelled",
+    "PREEMPTED": "it was preempted",
+    "OUT_OF_MEMORY": "it ran out of memory",
+    "BOOT_FAIL": "a node failed to boot",
+    "DEADLINE": "its deadline passed",
+    "FAILED": "its agents exited with an error",
+    "COMPLETED": "its agents exited",
+    "PENDING": "it was requeued and waits to run again, with new agents",
+    "SUSPENDED": "it is suspended",
+}
 
 
 class SlurmScheduler(Scheduler):
@@ -143,13 +158,16 @@ class SlurmScheduler(Scheduler):
         data = state.scheduler_data
         job_id = str(data.get("job_id", ""))
         info = job_info(job_id)
+        settle = time.monotonic() + _SETTLE_S
+        while info and info["state"] == "COMPLETING" and time.monotonic() < settle:
+            time.sleep(0.5)  # ending now: wait for the state that says why (TIMEOUT, NODE_FAIL...)
+            info = job_info(job_id)
         if info is None:
             return None  # Slurm did not answer: let the agents' ping decide
         if not info:
             return f"Slurm job {job_id} has ended and is no longer known to Slurm"
         if info["state"] != "RUNNING":
-            reason = f", {info['reason']}" if info["reason"] not in ("", "None") else ""
-            return f"Slurm job {job_id} is {info['state']}{reason}"
+            return f"Slurm job {job_id} is {info['state']}{_explain(info['state'], info['reason'])}"
         step = data.get("step")
         if data.get("mode") == "allocation" and step and step not in steps(job_id):
             return f"agent step {step} of Slurm allocation {job_id} has ended"
@@ -180,6 +198,11 @@ class SlurmScheduler(Scheduler):
 
 
 # ---------------------------------------------------------------------- rendering
+def _explain(state: str, reason: str) -> str:
+    words = [w for w in (_ENDINGS.get(state.split()[0], ""), reason) if w and w not in ("None", "TimeLimit")]
+    return f" ({': '.join(words)})" if words else ""
+
+
 def render_serve_script(nodes: int, job_name: str, job_dir: Path, python: str, options: Dict[str, Any],
                         preload: Optional[str] = None) -> str:
     """The sbatch script of a reservation (``monarch serve --scheduler slurm``)."""

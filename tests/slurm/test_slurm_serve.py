@@ -233,3 +233,60 @@ def test_allocation_options_that_cannot_apply_are_refused(slurm_cluster, tmp_pat
                           timeout=300)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "cannot apply" in done.stderr and "--partition" in done.stderr
+
+
+def _node_state(node: str) -> str:
+    return slurm("sinfo", "-h", "-N", "-n", node, "-o", "%T", check=False).strip()
+
+
+def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp_path):
+    """Two reservations, one node each: one loses its node, the other reaches its time limit
+    (Slurm's smallest, one minute) while a run is going on it."""
+    limited, failing = Served(tmp_path, tmp_path / "limited.pkl"), Served(tmp_path, tmp_path / "failing.pkl")
+    sleeper = write(tmp_path, "sleeper.py", """
+        import time
+        print("started", flush=True)
+        time.sleep(600)
+    """)
+    failed_node = None
+    try:
+        # --exclusive: one node each, so that one node's failure ends only one of them.
+        done = limited("serve", "--scheduler", "slurm", "--nodes", "1", "--time", "1", "--exclusive")
+        assert done.returncode == 0, done.stderr
+        done = failing("serve", "--scheduler", "slurm", "--nodes", "1", "--exclusive")
+        assert done.returncode == 0, done.stderr
+        limited_id, failing_id = limited.status()["slurm"]["job_id"], failing.status()["slurm"]["job_id"]
+        failed_node = failing.status()["hosts"][0]["name"]
+        run = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli", "run-spmd", "--json", "--state", str(limited.state), "--",
+             "torchrun", "--nproc-per-node=2", str(sleeper)],
+            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        # Node failure: Slurm ends the job as NODE_FAIL (serve's jobs are --no-requeue, so it
+        # does not come back later with agents nobody knows about).
+        slurm("scontrol", "update", f"nodename={failed_node}", "state=down", "reason=monarch-test")
+        wait_for(lambda: job_state(failing_id) == "NODE_FAIL", 30, "the job to fail with its node")
+        status = failing("status")
+        assert status.returncode == 1 and f"Slurm job {failing_id} is NODE_FAIL (a node failed" in status.stdout
+        one_line_error(failing("run-spmd", "--", "python", str(sleeper)), f"Slurm job {failing_id} is NODE_FAIL (a node failed")
+        wait_for(lambda: _node_state(failed_node) == "idle", 60, f"{failed_node} to come back")
+        failed_node = None
+
+        # Time limit: the run going on is ended with the allocation and says why; then every
+        # command names the time limit.
+        out, err = run.communicate(timeout=240)
+        assert run.returncode == 255, err
+        ranks = json.loads(out)["ranks"]
+        assert all("started" in r["last_lines"] for r in ranks), ranks
+        for r in ranks:
+            assert r["how"].startswith(f"lost: host {r['host']} stopped answering"), r
+            assert r["how"].endswith(f"Slurm job {limited_id} is TIMEOUT (its time limit was reached)"), r
+        wait_for(lambda: job_state(limited_id) == "TIMEOUT", 60, "the job to reach its time limit")
+        status = limited("status")
+        assert status.returncode == 1 and f"Slurm job {limited_id} is TIMEOUT (its time limit was reached)" in status.stdout
+        one_line_error(limited("exec", "--", "true"), f"Slurm job {limited_id} is TIMEOUT (its time limit was reached)")
+    finally:
+        if failed_node is not None:
+            slurm("scontrol", "update", f"nodename={failed_node}", "state=resume", check=False)
+        for job in (limited, failing):
+            job("stop")
