@@ -169,10 +169,10 @@ class SpmdRunner:
         lock = threading.Lock()
         nodes = sorted({l.node for l in launches})
 
-        def on_output(header: Any, frames: List[Any]) -> None:
+        def on_output(header: Any, body: List[Any]) -> None:
             _, _, rid, rank, stream = header
             if rid == run_id:
-                sink.write(rank, stream, bytes(frames[2].buffer))
+                sink.write(rank, stream, bytes(body[0]))
 
         def finish(rank: int, exit_: RankExit) -> None:
             with lock:
@@ -186,7 +186,7 @@ class SpmdRunner:
                 if len(exits) == len(launches) and not done.done():
                     done.set_result(None)
 
-        def on_exit(header: Any, frames: List[Any]) -> None:
+        def on_exit(header: Any, body: List[Any]) -> None:
             _, _, rid, rank, exitcode, sig, duration, pid = header
             if rid != run_id or rank not in by_rank:
                 return
@@ -200,7 +200,7 @@ class SpmdRunner:
                     finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
                                             time.monotonic() - started, lost=why))
 
-        def on_paused(header: Any, frames: List[Any]) -> None:
+        def on_paused(header: Any, body: List[Any]) -> None:
             _, _, rid, rank, host, where = header
             if rid == run_id and on_pause is not None:
                 on_pause(rank, host, where)

@@ -110,7 +110,7 @@ class HostAgent:
         sock = self._socks.get(address)
         if sock is None:
             sock = self._socks[address] = self.transport.dealer(address)
-        sock.send_multipart([pickle.dumps(header, 5), *body], copy=False)
+        wire.send_message(sock, header, body)
 
     def reply(self, address: str, cid: int, ok: bool, value: Any) -> None:
         self.send(address, ("result", cid, ok), wire.dumps(value if ok else (value, "", None)))
@@ -177,7 +177,7 @@ class HostAgent:
             self._rank_zygote.kill()
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
-        header = pickle.loads(frames[1].buffer)
+        header, body = wire.parse(frames[1:])
         kind = header[0]
         if self.debug.handle(header):
             return
@@ -190,14 +190,14 @@ class HostAgent:
         elif kind == "run_ranks":
             _, cid, reply_to, run_id, heartbeat_timeout = header
             self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
-            self.ranks.start(reply_to, run_id, wire.loads(frames[2:]))
+            self.ranks.start(reply_to, run_id, wire.loads(body))
             self.reply(reply_to, cid, True, None)
         elif kind == "signal_ranks":
             _, cid, reply_to, run_id, sig = header
             self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
         elif kind == "spawn_procs":
             _, cid, reply_to = header
-            specs, client_settings, import_context = wire.loads(frames[2:])
+            specs, client_settings, import_context = wire.loads(body)
             self._spawn(reply_to, specs, client_settings, import_context)
             self.reply(reply_to, cid, True, None)
         elif kind == "stop_procs":

@@ -12,7 +12,6 @@ import asyncio
 import collections
 import inspect
 import os
-import pickle
 import sys
 import threading
 import traceback
@@ -26,7 +25,7 @@ from . import wire
 from .actor import Context, _enter, _leave
 from .errors import ActorError, Failure
 from .keys import Keys
-from .mailbox import Mailbox
+from .mailbox import EVENTS, POLLIN, Mailbox
 from .shape import Point
 
 _boot: Optional[Dict[str, Any]] = None
@@ -95,7 +94,7 @@ class ProcServer:
     def _drain(self) -> None:
         inbox = self.inbox
         for _ in range(_DRAIN_BATCH):
-            if not inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than ending on zmq.Again
+            if not inbox.getsockopt(EVENTS) & POLLIN:  # cheaper than ending on zmq.Again
                 return
             frames = inbox.recv_multipart(copy=False)
             try:
@@ -105,20 +104,20 @@ class ProcServer:
         self.loop.call_soon(self._drain)  # more may be queued; the fd will not fire again
 
     def _dispatch(self, frames: List[zmq.Frame]) -> None:
-        header = pickle.loads(frames[1].buffer)
+        header, body = wire.parse(frames[1:])
         kind = header[0]
         if kind == "call":
             slot = self.slots.get(header[3])
             if slot is None:
                 self._no_actor(header)
             elif slot.busy or slot.queue:
-                slot.queue.append((header, frames))
+                slot.queue.append((header, body))
             else:
-                self._run_call(slot, header, frames)
+                self._run_call(slot, header, body)
         elif kind == "spawn":
             _, cid, reply_to, key, name, point = header
             try:
-                cls, args, kwargs = wire.loads(frames[2:])
+                cls, args, kwargs = wire.loads(body)
                 self.spawn_local(key, name, point, cls, args, kwargs)
             except BaseException as e:  # noqa: BLE001
                 self._reply_error(reply_to, cid, f"constructing actor {name!r} at {point} failed", e)
@@ -127,7 +126,7 @@ class ProcServer:
         elif kind == "stop_actor":
             slot = self.slots.get(header[3])
             if slot is not None and (slot.busy or slot.queue):
-                slot.queue.append((header, frames))
+                slot.queue.append((header, body))
             else:
                 self._stop_actor(header)
         elif kind == "stop":
@@ -169,12 +168,12 @@ class ProcServer:
             entry = slot.methods[name] = (fn, inspect.iscoroutinefunction(fn))
         return entry
 
-    def _run_call(self, slot: _Slot, header: Tuple[Any, ...], frames: List[zmq.Frame]) -> None:
+    def _run_call(self, slot: _Slot, header: Tuple[Any, ...], body: List[Any]) -> None:
         _, cid, reply_to, _key, method = header
         token = _enter(slot.ctx)
         try:
             fn, is_async = self._method(slot, method)
-            args, kwargs = wire.loads(frames[2:])
+            args, kwargs = wire.loads(body)
             if is_async:
                 slot.busy = True
                 task = self.loop.create_task(fn(*args, **kwargs))
@@ -198,11 +197,11 @@ class ProcServer:
         elif cid is not None:
             self.mb.reply(reply_to, cid, True, task.result())
         while slot.queue and not slot.busy:
-            header, frames = slot.queue.popleft()
+            header, body = slot.queue.popleft()
             if header[0] == "stop_actor":
                 self._stop_actor(header)
             else:
-                self._run_call(slot, header, frames)
+                self._run_call(slot, header, body)
 
     def _endpoint_failed(self, slot: _Slot, cid: Optional[int], reply_to: str, method: str, e: BaseException) -> None:
         where = f"{slot.name}.{method} at {slot.ctx.point} on proc {self.boot['proc_id']} ({self.boot['host']})"

@@ -1,4 +1,9 @@
-"""Message encoding: a small header frame, a cloudpickled body, and out-of-band buffers.
+"""Message encoding: a small header, a cloudpickled body, and out-of-band buffers.
+
+A message is either one packed frame (``<header length><header pickle><body pickle>``), for
+the usual small message, or a header frame followed by the body's frames, when the body has
+out-of-band buffers or is large. One frame instead of two saves ~8 µs per round trip here:
+pyzmq's multipart send and receive cost far more per frame than the bytes do.
 
 Large buffers (numpy arrays, torch tensors, ``pickle.PickleBuffer``) leave the pickle
 through protocol 5's ``buffer_callback`` and travel as their own ZeroMQ frames without
@@ -11,13 +16,17 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 import sys
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import cloudpickle
 
 # Below this size an out-of-band frame costs more than it saves.
 _OOB_MIN = 4096
+# Up to this size a body is packed with its header into one frame (one small copy).
+_PACK_MAX = 64 * 1024
+_LEN = struct.Struct("<I")
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -81,3 +90,23 @@ def dumps(obj: Any) -> List[Any]:
 def loads(frames: Sequence[Any]) -> Any:
     """Decode frames made by :func:`dumps` (ZeroMQ frames are used in place, not copied)."""
     return pickle.loads(frames[0], buffers=frames[1:])
+
+
+def send_message(sock: Any, header: Tuple[Any, ...], body: Sequence[Any] = ()) -> None:
+    """Send ``header`` and ``body`` (frames from :func:`dumps`) as one message on a ZeroMQ socket."""
+    h = pickle.dumps(header, 5)
+    if not body:
+        sock.send(_LEN.pack(len(h)) + h)
+    elif len(body) == 1 and len(body[0]) <= _PACK_MAX:
+        sock.send(b"".join((_LEN.pack(len(h)), h, body[0])))  # send_multipart's Python loop costs ~1 µs more
+    else:
+        sock.send_multipart([h, *body], copy=False)
+
+
+def parse(frames: Sequence[Any]) -> Tuple[Tuple[Any, ...], List[Any]]:
+    """``(header, body frames)`` of a message sent by :func:`send_message` (its frames, no identity)."""
+    if len(frames) == 1:
+        buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
+        end = 4 + _LEN.unpack_from(buf)[0]
+        return pickle.loads(buf[4:end]), ([buf[end:]] if len(buf) > end else [])
+    return pickle.loads(frames[0].buffer), list(frames[1:])

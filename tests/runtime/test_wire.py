@@ -101,3 +101,35 @@ def test_order_is_kept_per_sender_and_nothing_is_lost_under_load(store):
     assert len(log) == senders * per_sender
     for sender in range(senders):
         assert [seq for s, seq in log if s == sender] == list(range(per_sender))
+
+
+@pytest.mark.parametrize("body, frames", [
+    (None, 1),                                    # header only
+    ({"loss": 0.5, "name": "x" * 48}, 1),         # the usual call: packed into one frame
+    (b"x" * 200_000, 2),                          # too big to pack: header frame + body frame
+    (np.arange(100_000, dtype=np.float32), 3),    # an out-of-band buffer travels as its own frame
+])
+def test_messages_are_one_frame_when_small_and_round_trip_either_way(body, frames):
+    import zmq
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://wire-test")
+        b.connect("inproc://wire-test")
+        header = ("result", 7, True)
+        wire.send_message(a, header, () if body is None else wire.dumps(body))
+        got = b.recv_multipart(copy=False)
+        assert len(got) == frames
+        got_header, got_body = wire.parse(got)
+        assert got_header == header
+        if body is None:
+            assert got_body == []
+        elif isinstance(body, np.ndarray):
+            assert np.array_equal(wire.loads(got_body), body)
+        else:
+            assert wire.loads(got_body) == body
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
