@@ -160,7 +160,7 @@ class HostAgent:
             if self.inbox in events:
                 while True:
                     try:
-                        frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = wire.recv_frames(self.inbox, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     try:

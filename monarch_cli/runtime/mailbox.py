@@ -315,7 +315,7 @@ class Mailbox:
         sock = self._reply
         while one or sock.getsockopt(EVENTS) & POLLIN:  # ints: cheaper than zmq.Again, or enum flags
             one = False
-            frames = sock.recv_multipart(copy=False)
+            frames = wire.recv_frames(sock)
             got = True
             try:
                 self._handle(frames)

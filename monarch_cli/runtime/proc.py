@@ -96,7 +96,7 @@ class ProcServer:
         for _ in range(_DRAIN_BATCH):
             if not inbox.getsockopt(EVENTS) & POLLIN:  # cheaper than ending on zmq.Again
                 return
-            frames = inbox.recv_multipart(copy=False)
+            frames = wire.recv_frames(inbox)
             try:
                 self._dispatch(frames)
             except Exception:  # noqa: BLE001 - a malformed message must not kill the proc
