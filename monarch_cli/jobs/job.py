@@ -134,7 +134,7 @@ class Job:
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
-                                   forward_signals=forward_signals)
+                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals)
             finally:
                 sink.close()
             self._explain_losses(exits)

@@ -157,6 +157,7 @@ class SpmdRunner:
         master_node_port: Optional[int] = None,
         on_interrupt: Optional[Callable[[int], None]] = None,
         on_pause: Optional[Callable[[int, str, Dict[str, Any]], None]] = None,
+        on_notice: Optional[Callable[[str], None]] = None,
         forward_signals: Sequence[int] = (),
     ) -> List[RankExit]:
         mb = self.mb
@@ -225,7 +226,9 @@ class SpmdRunner:
                         wire.dumps(specs),
                     )
                 )
-            gather(acks).get(timeout=30)
+            for n, made_cold in zip(nodes, gather(acks).get(timeout=30)):
+                if made_cold and on_notice is not None:
+                    on_notice(_cold_notice(self.hs.hosts[n].name, made_cold))
             stop_at: Optional[float] = None
             kill_at: Optional[float] = None
             while not done.done():
@@ -292,6 +295,12 @@ class _SignalRelay:
     def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def _cold_notice(host: str, names: List[str]) -> str:
+    return (f"ranks on {host} start cold (about 1 s each): {', '.join(names)} differ from when `monarch serve` "
+            "started its agents, and a warm rank keeps the interpreter's start-up settings; serve again "
+            "(--replace) with them set to start warm")
 
 
 def warm_capable(spec: SpmdSpec) -> bool:

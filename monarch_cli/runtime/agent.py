@@ -190,8 +190,7 @@ class HostAgent:
         elif kind == "run_ranks":
             _, cid, reply_to, run_id, heartbeat_timeout = header
             self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
-            self.ranks.start(reply_to, run_id, wire.loads(body))
-            self.reply(reply_to, cid, True, None)
+            self.reply(reply_to, cid, True, self.ranks.start(reply_to, run_id, wire.loads(body)))
         elif kind == "signal_ranks":
             _, cid, reply_to, run_id, sig = header
             self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))

@@ -67,13 +67,17 @@ class RankHost:
         self.ports[run_id] = sock
         return sock.getsockname()[1]
 
-    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> None:
+    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> List[str]:
+        """Start the ranks; returns the start-up variables that made warm ranks start cold."""
         held = self.ports.pop(run_id, None)
         base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
+        made_cold: Set[str] = set()
         for spec in specs:
             spec["env"] = {**base, **spec["env"]}  # the controller's view wins over this host's
-            if spec["warm"] and any(spec["env"].get(k) != os.environ.get(k) for k in _START_UP_ENV):
+            differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
+            if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings
+                made_cold.update(differ)
             if not os.path.isdir(spec["cwd"]):
                 spec["cwd"] = os.getcwd()
             out_r, out_w = os.pipe()
@@ -107,6 +111,7 @@ class RankHost:
                 self.agent.watch_fd(fd)
         if held is not None:
             held.close()
+        return sorted(made_cold)
 
     def signal_run(self, run_id: str, sig: int) -> int:
         hit = 0

@@ -77,12 +77,14 @@ def spmd(
     cold: bool = False,
     ranks: Optional[Set[int]] = None,
     grace: float = 3.0,
+    notices: Optional[List[str]] = None,
 ) -> Run:
     """``torchrun --nproc-per-node=N [flags] script args`` on the reservation, console captured."""
     out, err = io.BytesIO(), io.BytesIO()
     command = ["torchrun", f"--nproc-per-node={nproc}", *flags, str(script), *args]
     started = time.monotonic()
-    result = job.run_spmd(command, cold=cold, ranks=ranks, stdout=out, stderr=err, grace=grace)
+    result = job.run_spmd(command, cold=cold, ranks=ranks, stdout=out, stderr=err, grace=grace,
+                          on_event=None if notices is None else notices.append)
     return Run(result, out.getvalue(), err.getvalue(), time.monotonic() - started)
 
 

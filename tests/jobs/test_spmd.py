@@ -11,7 +11,7 @@ import pprint
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import psutil
 import pytest
@@ -368,9 +368,20 @@ def test_interpreter_start_up_variables_are_honoured(job: Job, tmp_path: Path, m
     monkeypatch.setenv("PYTHONHASHSEED", "123")
     expected = subprocess.run([sys.executable, "-c", "print(hash('monarch'))"], capture_output=True, text=True,
                               check=True).stdout.strip()
-    run = spmd(job, script)
+    notices: List[str] = []
+    run = spmd(job, script, notices=notices)
     assert run.result.exit_code == 0, run.text()
     assert sorted(run.lines()) == [f"[rank{r}] extra {expected}".encode() for r in range(4)]
+    # ...which costs a cold start, and the user is told why, once per host.
+    cold = [n for n in notices if "start cold" in n]
+    assert len(cold) == len(job.state.hosts) and all("PYTHONHASHSEED, PYTHONPATH differ" in n for n in cold), notices
+
+
+def test_a_plain_warm_run_gives_no_cold_start_notice(job: Job, tmp_path: Path) -> None:
+    notices: List[str] = []
+    run = spmd(job, write_script(tmp_path, "plain.py", "print('hi')\n"), notices=notices)
+    assert run.result.exit_code == 0, run.text()
+    assert not [n for n in notices if "start cold" in n], notices
 
 
 # ------------------------------------------------------------------ code edits
