@@ -82,6 +82,14 @@ def spawn_python(code: str, *args: str, env: Optional[Dict[str, str]] = None, **
     )
 
 
+def write_script(directory: Path, name: str, code: str) -> Path:
+    """Write dedented ``code`` to ``directory/name`` (parents made) and return the path."""
+    path = directory / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(code).lstrip())
+    return path
+
+
 def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> str:
     """Assert a clean failure: non-zero, one `monarch: error:` line, no traceback; return it."""
     assert done.returncode != 0, done.stdout + done.stderr

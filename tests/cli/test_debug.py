@@ -89,6 +89,14 @@ class Run:
             self.proc.kill()
             self.proc.wait()
 
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Whatever the test did, no run outlives it."""
+        self.kill()
+        self.out.close()
+
 
 def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Optional[str] = None) -> List[Any]:
     client = DebugClient(job_load(state))
@@ -117,8 +125,7 @@ def debug_cmd(state: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_list_attach_print_step_cast_continue(reservation):
-    run = Run(reservation)
-    try:
+    with Run(reservation) as run:
         paused = wait_paused(reservation)
         assert [(r.rank, r.host, r.line) for r in paused] == [(0, "local0", 10), (1, "local0", 10), (2, "local1", 10),
                                                                (3, "local1", 10)]
@@ -191,13 +198,10 @@ def test_list_attach_print_step_cast_continue(reservation):
             assert f"rank {rank} paused at" in out and f"monarch debug attach {rank}" in out
         finished = debug_cmd(reservation, "continue", "2")
         assert finished.returncode == 0 and "already finished (exit 0); nothing to continue" in finished.stdout
-    finally:
-        run.kill()
 
 
 def test_scripted_json_two_clients_replay_and_client_death(reservation):
-    run = Run(reservation)
-    try:
+    with Run(reservation) as run:
         wait_paused(reservation)
         listed = json.loads(debug_cmd(reservation, "list", "--json").stdout)
         assert [r["rank"] for r in listed] == [0, 1, 2, 3] and all(r["state"] == "paused" for r in listed)
@@ -228,13 +232,10 @@ def test_scripted_json_two_clients_replay_and_client_death(reservation):
         done = debug_cmd(reservation, "continue", "--json")
         assert json.loads(done.stdout) == {str(r): "continued" for r in range(4)}
         assert run.wait() == 0
-    finally:
-        run.kill()
 
 
 def test_rank_dying_while_attached_ends_the_session_clearly(reservation):
-    run = Run(reservation)
-    try:
+    with Run(reservation) as run:
         wait_paused(reservation)
         shell = monarch_debug(reservation, "attach", "2")
         shell.expect_exact("(Pdb) ")
@@ -243,13 +244,10 @@ def test_rank_dying_while_attached_ends_the_session_clearly(reservation):
         shell.expect(pexpect.EOF)
         debug_cmd(reservation, "continue")
         assert run.wait() == 9  # the first failure is rank 2's
-    finally:
-        run.kill()
 
 
 def test_post_mortem_keeps_the_failing_frame(reservation):
-    run = Run(reservation, "--post-mortem", CRASH="3")
-    try:
+    with Run(reservation, "--post-mortem", CRASH="3") as run:
         wait_paused(reservation)
         debug_cmd(reservation, "continue")
         rows = wait_paused(reservation, ranks=1, reason="post-mortem")
@@ -263,8 +261,6 @@ def test_post_mortem_keeps_the_failing_frame(reservation):
         assert run.wait() == 1
         assert "stopped after an uncaught exception" in run.output()
         assert "ValueError: boom on 3" in run.output()
-    finally:
-        run.kill()
 
 
 class DapClient:
@@ -313,8 +309,7 @@ class DapClient:
 
 
 def test_dap_attach_breakpoint_continue_and_variables(reservation):
-    run = Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py")
-    try:
+    with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py") as run:
         wait_paused(reservation, ranks=1)
         proc = debug_cmd(reservation, "--dap", "0", "--json")
         assert proc.returncode == 0, proc.stderr
@@ -341,5 +336,3 @@ def test_dap_attach_breakpoint_continue_and_variables(reservation):
         dap.request("continue", threadId=stopped["body"]["threadId"])
         assert run.wait() == 0
         assert "[rank0] value 40" in run.output()
-    finally:
-        run.kill()

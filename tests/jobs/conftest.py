@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import re
-import textwrap
 import time
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set
@@ -33,13 +32,6 @@ def job(job_dir: Path) -> Iterator[Job]:
     j = serve(None, hosts=2, state=job_dir / ".monarch" / "job_state.pkl")
     yield j
     j.stop()
-
-
-def write_script(directory: Path, name: str, code: str) -> Path:
-    path = directory / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(code).lstrip())
-    return path
 
 
 @dataclasses.dataclass

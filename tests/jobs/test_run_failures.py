@@ -19,8 +19,8 @@ import pytest
 
 from monarch_cli.jobs import Job
 
-from ..conftest import REPO, wait_until
-from .conftest import living, spmd, write_script
+from ..conftest import REPO, wait_until, write_script
+from .conftest import living, spmd
 
 OK = "import os\nprint('ok', os.environ['RANK'])\n"
 

@@ -10,7 +10,8 @@ from typing import Dict, List
 
 from monarch_cli.jobs import Job
 
-from .conftest import PREFIX, spmd, write_script
+from ..conftest import write_script
+from .conftest import PREFIX, spmd
 
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 

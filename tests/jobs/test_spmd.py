@@ -18,7 +18,8 @@ import pytest
 
 from monarch_cli.jobs import Job, JobError
 
-from .conftest import Run, spmd, write_script
+from ..conftest import write_script
+from .conftest import Run, spmd
 
 CONTRACT = [
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

@@ -19,8 +19,8 @@ import pytest
 from monarch_cli.jobs import Job, JobError, StaleReservation, dryrun, job_load, serve
 from monarch_cli.jobs.state import NoReservation, StateError
 
-from ..conftest import wait_until
-from ..jobs.conftest import living, reservation_pids, spmd, write_script
+from ..conftest import wait_until, write_script
+from ..jobs.conftest import living, reservation_pids, spmd
 
 OK = "import os\nprint('ok', os.environ['RANK'])\n"
 

@@ -14,14 +14,13 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from ..conftest import REPO, wait_until
+
 SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
 NODES = 2
 
@@ -74,18 +73,7 @@ def job_state(job_id: str) -> str:
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.25) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    assert predicate(), f"timed out after {timeout} s waiting for {what}"
-
-
-def write(directory: Path, name: str, code: str) -> Path:
-    path = directory / name
-    path.write_text(textwrap.dedent(code).lstrip())
-    return path
+    assert wait_until(predicate, timeout, interval), f"timed out after {timeout} s waiting for {what}"
 
 
 @dataclasses.dataclass

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ALLREDUCE, Served, job_state, slurm, wait_for, write
+from ..conftest import write_script
+from .conftest import ALLREDUCE, Served, job_state, slurm, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.timeout(1800)]
 
@@ -36,7 +37,7 @@ CHECKPOINT = """
 
 def test_batch_exit_status_is_the_runs_and_status_logs_find_the_job(slurm_cluster, tmp_path):
     job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
-    ok_script = write(tmp_path, "allreduce.py", ALLREDUCE)
+    ok_script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
     ok = job("sbatch", "-N", "2", "--time=10", "--wait", "--", "torchrun", "--nproc-per-node=2", str(ok_script),
              timeout=600)
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -47,7 +48,7 @@ def test_batch_exit_status_is_the_runs_and_status_logs_find_the_job(slurm_cluste
     assert [l.split()[0] for l in sums] == ["[rank0]", "[rank1]", "[rank2]", "[rank3]"], output
     assert all(l.endswith("sum 10") for l in sums) and {l.split()[6] for l in sums} == set(slurm_cluster[:2])
 
-    bad_script = write(tmp_path, "fail.py", FAILING)
+    bad_script = write_script(tmp_path, "fail.py", FAILING)
     bad = job("sbatch", "-N", "2", "--wait", "--", "torchrun", "--nproc-per-node=2", str(bad_script), timeout=600)
     assert bad.returncode == 3, bad.stdout + bad.stderr
     bad_id = bad.stdout.strip()
@@ -84,7 +85,7 @@ def _submit_and_wait_ready(job: Served, script: Path) -> str:
 def test_slurm_signal_reaches_every_rank(slurm_cluster, tmp_path, how):
     """`--signal=B:USR1@T` signals the batch shell (monarch relays it); without B:, Slurm signals the steps."""
     job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
-    job_id = _submit_and_wait_ready(job, write(tmp_path, "ckpt.py", CHECKPOINT))
+    job_id = _submit_and_wait_ready(job, write_script(tmp_path, "ckpt.py", CHECKPOINT))
     started = time.monotonic()
     slurm("scancel", "--signal=USR1", *(["--batch"] if how == "batch-shell" else []), job_id)
     wait_for(lambda: job_state(job_id) in ("COMPLETED", "FAILED"), 120, f"job {job_id} to end")

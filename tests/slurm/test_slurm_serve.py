@@ -16,8 +16,8 @@ from monarch_cli.config import settings
 from monarch_cli.jobs import serve
 from monarch_cli.runtime.keys import Keys
 
-from ..conftest import one_line_error
-from .conftest import ALLREDUCE, Served, clean_env, job_state, slurm, wait_for, write
+from ..conftest import one_line_error, write_script
+from .conftest import ALLREDUCE, Served, clean_env, job_state, slurm, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.timeout(1800)]
 
@@ -44,7 +44,7 @@ def _check_ranks(out: str, nodes: list) -> None:
 
 
 def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path):
-    script = write(tmp_path, "allreduce.py", ALLREDUCE)
+    script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
     job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
     try:
         served = job("serve", "--scheduler", "slurm", "--nodes", "2", "--time", "30", "--",
@@ -113,7 +113,7 @@ BREAK = """
 def _debug_a_paused_run(tmp_path: Path, job: "Served", nodes: list) -> None:
     import pexpect
 
-    script = write(tmp_path, "pause.py", BREAK)
+    script = write_script(tmp_path, "pause.py", BREAK)
     run = subprocess.Popen(
         [sys.executable, "-m", "monarch_cli", "run-spmd", "--no-color", "--state", str(job.state), "--",
          "torchrun", "--nproc-per-node=2", str(script)],
@@ -204,8 +204,8 @@ def test_pending_job_reports_state_and_reason_then_agents(slurm_cluster, tmp_pat
 
 
 def test_serve_inside_an_allocation_starts_an_overlapping_step_and_stop_ends_only_it(slurm_cluster, tmp_path):
-    script = write(tmp_path, "allreduce.py", ALLREDUCE)
-    inner = write(tmp_path, "inside.sh", f"""
+    script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
+    inner = write_script(tmp_path, "inside.sh", f"""
         set -u
         m() {{ c=$1; shift; {sys.executable} -m monarch_cli "$c" --state {tmp_path}/in.pkl "$@"; }}
         m serve --scheduler slurm -- torchrun --nproc-per-node=2 {script} || exit 11
@@ -243,7 +243,7 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
     """Two reservations, one node each: one loses its node, the other reaches its time limit
     (Slurm's smallest, one minute) while a run is going on it."""
     limited, failing = Served(tmp_path, tmp_path / "limited.pkl"), Served(tmp_path, tmp_path / "failing.pkl")
-    sleeper = write(tmp_path, "sleeper.py", """
+    sleeper = write_script(tmp_path, "sleeper.py", """
         import time
         print("started", flush=True)
         time.sleep(600)
