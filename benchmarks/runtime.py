@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import pickle
 import platform
 import statistics
 import sys
 import time
-from typing import Callable, List
+from typing import List
 
 import psutil
 import zmq
-from rich.console import Console
-from rich.table import Table
-
+from _common import print_table, timed
 from monarch_cli import Actor, endpoint, this_host
 
 PAYLOAD = {"step": 1, "loss": 0.125, "name": "x" * 48}
@@ -65,17 +62,6 @@ class Echo(Actor):
     @endpoint
     def echo(self, x):
         return x
-
-
-def timed(fn: Callable[[], object], n: int, warmup: int = 100) -> List[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def main() -> None:
@@ -132,12 +118,7 @@ def main() -> None:
         rows.append((f"call() on {size:>2} procs (median)", f"{lat * 1e6:.0f} µs", f"{lat / floor:.2f}x floor", "reported"))
         mesh.stop()
 
-    table = Table(title=f"monarch-cli runtime — {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}")
-    for col in ("measure", "result", "ratio", "target"):
-        table.add_column(col)
-    for row in rows:
-        table.add_row(*row)
-    Console().print(table)
+    print_table(f"runtime, Python {platform.python_version()}", ("measure", "result", "ratio", "target"), rows)
 
 
 if __name__ == "__main__":

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import List
 
-from rich.console import Console
-from rich.table import Table
+from _common import print_table, timed
 
 SCRIPT = """
 import torch, torch.distributed as dist
@@ -30,15 +28,6 @@ dist.all_reduce(t)
 assert t.item() == dist.get_world_size()
 dist.destroy_process_group()
 """
-
-
-def timed(fn: Callable[[], None], repeats: int) -> List[float]:
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def run(cmd: List[str], cwd: Path, env: dict) -> None:
@@ -91,13 +80,11 @@ def main() -> None:
         ("repeated monarch run-spmd --cold (CLI process)", cli_cold, ""),
         ("repeated job.run_spmd() from Python", api, ">= 8x"),
     ]
-    table = Table(title=f"monarch-cli SPMD — {platform.node()}, {os.cpu_count()} cores, 2 ranks gloo all-reduce")
-    for col in ("what", "median", "min", "speed-up vs torchrun", "target"):
-        table.add_column(col)
+    cells = []
     for name, times, target in rows:
         med = statistics.median(times)
-        table.add_row(name, f"{med:.3f} s", f"{min(times):.3f} s", f"{base / med:.1f}x", target)
-    Console().print(table)
+        cells.append((name, f"{med:.3f} s", f"{min(times):.3f} s", f"{base / med:.1f}x", target))
+    print_table("SPMD, 2 ranks gloo all-reduce", ("what", "median", "min", "speed-up vs torchrun", "target"), cells)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,32 @@
+"""What both benchmarks share: timing a callable, and printing the one table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Callable, List, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+
+def timed(fn: Callable[[], object], n: int, warmup: int = 0) -> List[float]:
+    """Seconds per call of ``fn``, ``n`` times, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def print_table(what: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    table = Table(title=f"monarch-cli {what} — {platform.node()}, {os.cpu_count()} cores")
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
