@@ -8,8 +8,11 @@ pyzmq's multipart send and receive cost far more per frame than the bytes do.
 Large buffers (numpy arrays, torch tensors, ``pickle.PickleBuffer``) leave the pickle
 through protocol 5's ``buffer_callback`` and travel as their own ZeroMQ frames without
 being copied; on the receiving side they are rebuilt directly on the frame's (writable)
-memory. ``bytes`` and ``bytearray`` are pickled in-band, one copy (CPython's pickler
-never offers them to a reducer): wrap big binary payloads in ``np.frombuffer``.
+memory. ``bytes`` and ``bytearray`` of 4 KiB and more leave the pickle too when a message
+would otherwise carry over 1 MiB in-band: CPython's pickler never offers them to
+``reducer_override``, so such a message is pickled a second time with ``persistent_id`` (which
+sees every object), and its first frame is tagged. They are sent without a copy; the receiver
+makes the one copy that building a ``bytes`` object needs. Small messages never take that path.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ _OOB_MIN = 4096
 # Up to this size a body is packed with its header into one frame (one small copy).
 _PACK_MAX = 64 * 1024
 _LEN = struct.Struct("<I")
+# A message with this much in-band data is pickled again with big bytes/bytearray lifted out.
+_LIFT_AT = 1 << 20
+_LIFTED = b"L"  # first byte of a lifted message's pickle frame (a plain pickle starts with PROTO)
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -75,20 +81,56 @@ def _rebuild_tensor(array: Any, dtype: str, device: str, requires_grad: bool, is
     return t
 
 
-def dumps(obj: Any) -> List[Any]:
-    """Encode ``obj`` into frames: ``[pickle, *buffers]``."""
+class _BytesLifter(_Pickler):
+    """The second pass: ``persistent_id`` sends big ``bytes``/``bytearray`` out of band.
+
+    A separate class because defining ``persistent_id`` at all costs a Python call per
+    pickled object, which the usual small message must not pay.
+    """
+
+    lifted = 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        kind = type(obj)
+        if (kind is bytes or kind is bytearray) and len(obj) >= _OOB_MIN:
+            self.lifted += 1
+            return (kind is bytearray, pickle.PickleBuffer(obj))
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        is_bytearray, buf = pid
+        return bytearray(buf) if is_bytearray else bytes(buf)
+
+
+def _dump(pickler: type, obj: Any) -> Tuple[List[Any], Any]:
     buffers: List[pickle.PickleBuffer] = []
     f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    p = pickler(f, protocol=5, buffer_callback=buffers.append)
+    p.dump(obj)
     frames: List[Any] = [f.getvalue()]
     for b in buffers:
         raw = b.raw()
         frames.append(raw if raw.nbytes >= _OOB_MIN else bytearray(raw))  # bytearray: stays writable
+    return frames, p
+
+
+def dumps(obj: Any) -> List[Any]:
+    """Encode ``obj`` into frames: ``[pickle, *buffers]``."""
+    frames, _ = _dump(_Pickler, obj)
+    if len(frames[0]) >= _LIFT_AT:
+        lifted, lifter = _dump(_BytesLifter, obj)
+        if lifter.lifted:
+            lifted[0] = _LIFTED + lifted[0]
+            return lifted
     return frames
 
 
 def loads(frames: Sequence[Any]) -> Any:
     """Decode frames made by :func:`dumps` (ZeroMQ frames are used in place, not copied)."""
+    if len(frames) > 1 and memoryview(frames[0])[:1] == _LIFTED:
+        return _Unpickler(io.BytesIO(memoryview(frames[0])[1:]), buffers=frames[1:]).load()
     return pickle.loads(frames[0], buffers=frames[1:])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -66,6 +67,32 @@ def test_torch_tensors_keep_dtype_shape_and_grad():
     assert out[0].dtype == torch.bfloat16 and torch.equal(out[0], t)
     assert isinstance(out[1], torch.nn.Parameter) and out[1].requires_grad
     assert torch.equal(out[2], t[:, 1])
+
+
+def test_torch_tensors_leave_the_pickle_out_of_band_without_a_copy():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(1_000_000, dtype=torch.float32)
+    frames = wire.dumps(t)
+    assert len(frames) == 2 and len(frames[0]) < 1000 and frames[1].nbytes == t.numel() * 4
+    sent = np.frombuffer(frames[1], dtype=np.float32)
+    assert sent.__array_interface__["data"][0] == t.data_ptr()  # the tensor's own memory
+    assert torch.equal(wire.loads(frames), t)
+
+
+def test_big_bytes_and_bytearray_leave_the_pickle_without_a_copy():
+    blob, buf = b"x" * (2 << 20), bytearray(b"y" * (2 << 20))
+    frames = wire.dumps({"blob": blob, "buf": buf, "small": b"tiny"})
+    assert len(frames) == 3 and len(frames[0]) < 1000  # the pickle holds only the structure
+    assert frames[1].obj is blob and frames[2].obj is buf  # the objects' own memory
+    out = wire.loads(frames)
+    assert type(out["blob"]) is bytes and out["blob"] == blob
+    assert type(out["buf"]) is bytearray and out["buf"] == buf and out["small"] == b"tiny"
+
+
+def test_big_bytes_round_trip_through_an_actor(store):
+    blob = os.urandom(3 << 20)
+    back = store.echo.call_one([blob, bytearray(blob[:8192])]).get(timeout=30)
+    assert type(back[0]) is bytes and back[0] == blob and back[1] == bytearray(blob[:8192])
 
 
 def test_arrays_round_trip_through_an_actor_writable(store):
