@@ -123,6 +123,9 @@ class Job:
         run_id = new_run_id()
         log_dir = self.logs_root / run_id
         say = on_event or (lambda _msg: None)
+        if spec.moot_flags():
+            say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
+                "rendezvous, on rank 0's host")
         started = time.monotonic()
         exits: List[RankExit] = []
         attempt = 0

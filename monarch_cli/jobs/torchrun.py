@@ -58,6 +58,15 @@ class SpmdSpec:
     node_rank: int | None = None
     python_args: list[str] = field(default_factory=list)
 
+    def moot_flags(self) -> list[str]:
+        """Flags given that the reservation makes moot: its agents do torchrun's rendezvous."""
+        return [flag for flag, attr in _MOOT if getattr(self, attr) is not None]
+
+
+# Accepted so that multi-node torchrun commands (torchx's dist.ddp among them) run as they are.
+_MOOT = (("--rdzv-backend", "rdzv_backend"), ("--rdzv-endpoint", "rdzv_endpoint"),
+         ("--rdzv-conf", "rdzv_conf"), ("--node-rank", "node_rank"))
+
 
 def _int(value: str, flag: str, minimum: int = 0) -> int:
     try:

@@ -383,6 +383,17 @@ def test_a_plain_warm_run_gives_no_cold_start_notice(job: Job, tmp_path: Path) -
     run = spmd(job, write_script(tmp_path, "plain.py", "print('hi')\n"), notices=notices)
     assert run.result.exit_code == 0, run.text()
     assert not [n for n in notices if "start cold" in n], notices
+    assert not [n for n in notices if "not used" in n], notices
+
+
+def test_rendezvous_flags_of_a_multi_node_command_run_and_are_said_to_be_unused(job: Job, tmp_path: Path) -> None:
+    notices: List[str] = []
+    flags = ["--rdzv-backend=c10d", "--rdzv-endpoint=elsewhere:29400", "--rdzv-conf=timeout=900", "--node-rank=0"]
+    run = spmd(job, write_script(tmp_path, "plain.py", "print('hi')\n"), flags=flags, notices=notices)
+    assert run.result.exit_code == 0, run.text()
+    assert [n for n in notices if "not used" in n] == [
+        "--rdzv-backend, --rdzv-endpoint, --rdzv-conf, --node-rank not used: the reservation's hosts and agents "
+        "do torchrun's rendezvous, on rank 0's host"]
 
 
 # ------------------------------------------------------------------ code edits
