@@ -108,6 +108,10 @@ def test_serve_run_status_exec_logs_stop(tmp_path):
         ex = monarch("exec", "--no-color", "--", "echo host $GROUP_RANK-ish; exit 0", cwd=tmp_path, state=state)
         assert ex.returncode == 0
         assert sorted(l.split()[0] for l in ex.stdout.splitlines()) == ["[local0]", "[local1]"]
+        ex_json = monarch("exec", "--json", "--", "exit $GROUP_RANK", cwd=tmp_path, state=state)
+        report = json.loads(ex_json.stdout)
+        assert ex_json.returncode == 1 and [(r["host"], r["exit_code"]) for r in report["ranks"]] == [
+            ("local0", 0), ("local1", 1)]
 
         logs = monarch("logs", "--json", cwd=tmp_path, state=state)
         assert logs.returncode == 0 and json.loads(logs.stdout)["run_id"].startswith("exec-")

@@ -41,6 +41,13 @@ if os.environ.get("CRASH") == str(rank):
     raise ValueError(f"boom on {rank}")
 """
 
+SET_TRACE_SCRIPT = """\
+import os, pdb
+rank = int(os.environ["RANK"])
+pdb.set_trace()
+print(f"rank {rank} after set_trace", flush=True)
+"""
+
 DAP_SCRIPT = """\
 import os
 rank = int(os.environ["RANK"])
@@ -55,6 +62,7 @@ def reservation(tmp_path_factory) -> Iterator[Path]:
     work = tmp_path_factory.mktemp("debug")
     (work / "dbg.py").write_text(SCRIPT)
     (work / "dap.py").write_text(DAP_SCRIPT)
+    (work / "settrace.py").write_text(SET_TRACE_SCRIPT)
     state = work / ".monarch" / "job_state.pkl"
     job = serve(["torchrun", "--nproc-per-node=2", "dbg.py"], hosts=2, state=state)
     yield state
@@ -232,6 +240,21 @@ def test_scripted_json_two_clients_replay_and_client_death(reservation):
         done = debug_cmd(reservation, "continue", "--json")
         assert json.loads(done.stdout) == {str(r): "continued" for r in range(4)}
         assert run.wait() == 0
+
+
+def test_pdb_set_trace_pauses_too_and_quit_leaves_the_ranks_paused(reservation):
+    with Run(reservation, "--", "torchrun", "--nproc-per-node=2", "settrace.py") as run:
+        rows = wait_paused(reservation)
+        assert [(r.rank, r.line) for r in rows] == [(rank, 4) for rank in range(4)]
+        shell = monarch_debug(reservation)
+        shell.expect_exact("monarch_dbg> ")
+        shell.sendline("quit")
+        shell.expect(pexpect.EOF)
+        assert [r.state for r in wait_paused(reservation)] == ["paused"] * 4
+        assert debug_cmd(reservation, "continue").returncode == 0
+        assert run.wait() == 0
+        for rank in range(4):
+            assert f"[rank{rank}] rank {rank} after set_trace" in run.output()
 
 
 def test_rank_dying_while_attached_ends_the_session_clearly(reservation):

@@ -276,3 +276,11 @@ def test_appdef_shaped_like_torchx_dist_ddp(tmp_path: Path) -> None:
     plan = dryrun(app, state=tmp_path / "job_state.pkl")
     assert "start 2 host agent(s)" in plan.summary
     assert "default command: torchrun --rdzv_backend c10d --rdzv_endpoint localhost:29500 --rdzv_id monarch" in plan.summary
+
+
+def test_torchx_scheduler_names_reach_the_local_backend() -> None:
+    from monarch_cli.schedulers import get_scheduler
+
+    assert get_scheduler("local_cwd").name == get_scheduler("local").name == "local"
+    with pytest.raises(JobError, match="unknown scheduler 'kubernetes'; available: .*local_cwd"):
+        get_scheduler("kubernetes")

@@ -69,6 +69,9 @@ def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path
             assert run.returncode == 0, run.stdout + run.stderr
             _check_ranks(run.stdout, slurm_cluster)
             assert "4 rank(s) finished" in run.stderr
+        logs = job("logs", "--rank", "3")  # the per-rank logs, as on the local scheduler
+        assert logs.returncode == 0, logs.stderr
+        assert logs.stdout.splitlines()[-1] == f"rank 3/4 node 1 host {slurm_cluster[1]} sum 10", logs.stdout
 
         # Debugging works the same on Slurm: ranks on both nodes pause, a client on the
         # login side lists them, casts to them, attaches to one on the second node.
