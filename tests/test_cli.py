@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import one_line_error
+from .conftest import REPO, one_line_error
 
 TRAIN = """
 import os, torch, torch.distributed as dist
@@ -165,3 +165,15 @@ def test_logs_follow_prints_a_run_as_it_happens_and_stops_with_it(tmp_path):
         assert [l for l in (first + rest).splitlines()] == [f"[rank0] step {i} of rank 0" for i in range(4)]
     finally:
         monarch("stop", cwd=tmp_path, state=state)
+
+
+def test_the_installed_monarch_command_runs() -> None:
+    """The console script (not only `python -m monarch_cli`), from the interpreter's own bin/."""
+    done = subprocess.run([str(Path(sys.executable).parent / "monarch"), "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "run-spmd" in done.stdout and "debug" in done.stdout
+
+
+def test_the_example_is_the_script_the_demo_runs() -> None:
+    assert (REPO / "examples" / "train_ddp.py").read_text() == (REPO / "monarch_cli" / "templates" / "train_ddp.py").read_text()

@@ -91,6 +91,14 @@ def test_call_returns_a_value_mesh_with_one_result_per_actor(counters):
     assert [dict(p) for p, _ in result.items()] == [{"gpus": i} for i in range(4)]
 
 
+def test_spawn_passes_keyword_arguments_to_the_constructor(procs):
+    mesh = procs.spawn("from_kwargs", Counter, start=100)
+    try:
+        assert mesh.incr.call(n=2).get(timeout=10).values() == [102] * 4
+    finally:
+        mesh.stop()
+
+
 def test_actors_live_in_separate_processes_and_know_their_rank(counters):
     who = counters.whoami.call().get(timeout=10)
     assert len({w["pid"] for w in who.values()}) == 4

@@ -116,3 +116,17 @@ def test_cli_refuses_a_bad_option_in_one_line(tmp_path: Path) -> None:
     )
     lines = [l for l in done.stderr.splitlines() if l.strip()]
     assert done.returncode == 2 and len(lines) == 1 and "without spaces" in lines[0], done.stderr
+
+
+def test_serve_dry_run_through_the_cli_prints_the_same_script(tmp_path: Path) -> None:
+    """The CLI's cluster flags map onto the same sbatch lines as the Python options."""
+    done = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", "serve", "--scheduler", "slurm", "--nodes", "4", "--dry-run",
+         "--preload", "torch,numpy", "--partition", "gpu", "--time", "2:00:00", "--gpus-per-node", "8",
+         "--cpus-per-task", "16", "--mem", "200G", "--account", "research", "--qos", "high", "--constraint", "a100",
+         "--exclusive", "--sbatch-arg=--reservation=big", "--sbatch-arg=--mail-type=END", "--", *TORCHRUN],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert (GOLDEN / "serve_all_options.sbatch").read_text() in _normalize(done.stdout, tmp_path), done.stdout
