@@ -331,31 +331,119 @@ class DapClient:
         return response.get("body", {})
 
 
-def test_dap_attach_breakpoint_continue_and_variables(reservation):
+# Run as `nobody` (system python, no access to this checkout): every port given on argv gets
+# a DAP session that would run os.system in the rank; prints what each port sent back.
+ATTACK = """
+import json, socket, sys, threading
+marker = sys.argv[1]
+def frame(seq, command, **arguments):
+    body = json.dumps({"seq": seq, "type": "request", "command": command, "arguments": arguments}).encode()
+    return b"Content-Length: %d\\r\\n\\r\\n" % len(body) + body
+payload = (frame(1, "initialize", adapterID="debugpy") + frame(2, "attach", justMyCode=False)
+           + frame(3, "configurationDone")
+           + frame(4, "evaluate", expression=f"__import__('os').system('touch {marker}')", context="repl"))
+got = {}
+def attack(port):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=3)
+        s.sendall(payload)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        got[port] = data.decode("latin-1")
+    except OSError as e:
+        got[port] = type(e).__name__
+threads = [threading.Thread(target=attack, args=(int(p),)) for p in sys.argv[2:]]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(got))
+"""
+
+
+def _tcp_listeners(pids: List[int]) -> Dict[int, List[int]]:
+    """Listening TCP ports of each pid."""
+    import psutil
+
+    ports: Dict[int, List[int]] = {}
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        ports[pid] = sorted(c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN)
+    return ports
+
+
+def _run_processes(rank_pid: int) -> List[int]:
+    """The rank, its agent and everything the agent started (zygotes, ranks)."""
+    import psutil
+
+    rank = psutil.Process(rank_pid)
+    agent = next(p for p in rank.parents() if "monarch_cli.runtime.agent" in " ".join(p.cmdline()))
+    return [agent.pid, *(c.pid for c in agent.children(recursive=True))]
+
+
+def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(reservation, tmp_path):
     with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py") as run:
-        wait_paused(reservation, ranks=1)
-        proc = debug_cmd(reservation, "--dap", "0", "--json")
-        assert proc.returncode == 0, proc.stderr
-        info = json.loads(proc.stdout)
-        assert info["vscode"]["request"] == "attach" and info["vscode"]["connect"]["port"] == info["port"]
-        assert info["vscode"]["pathMappings"][0]["remoteRoot"] == str(reservation.parent.parent)
-        dap = DapClient(info["host"], info["port"])
-        dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
-                    columnsStartAt1=True, pathFormat="path")
-        attach_seq = dap.send("attach", justMyCode=False)
-        dap.wait(lambda m: m.get("event") == "initialized")
-        path = str(reservation.parent.parent / "dap.py")
-        bps = dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
-        assert bps["breakpoints"][0]["verified"]
-        dap.request("configurationDone")
-        dap.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == attach_seq)
-        stopped = dap.wait(lambda m: m.get("event") == "stopped", timeout=60)
-        frames = dap.request("stackTrace", threadId=stopped["body"]["threadId"])["stackFrames"]
-        assert frames[0]["line"] == 5 and frames[0]["source"]["path"].endswith("dap.py")
-        scopes = dap.request("scopes", frameId=frames[0]["id"])["scopes"]
-        local = next(s for s in scopes if s["name"].lower().startswith(("locals", "globals")))
-        variables = dap.request("variables", variablesReference=local["variablesReference"])["variables"]
-        assert {v["name"]: v["value"] for v in variables}["value"] == "40"
-        dap.request("continue", threadId=stopped["body"]["threadId"])
-        assert run.wait() == 0
-        assert "[rank0] value 40" in run.output()
+        rank_pid = wait_paused(reservation, ranks=1)[0].pid
+        before = _tcp_listeners(_run_processes(rank_pid))
+        relay_err = open(tmp_path / "relay.err", "w+")
+        relay = subprocess.Popen([sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
+                                 env=_env(reservation), cwd=reservation.parent.parent, stdout=subprocess.PIPE,
+                                 stderr=relay_err, text=True)
+        try:
+            info = json.loads(relay.stdout.readline())
+            assert info["host"] == "127.0.0.1"
+            assert info["vscode"]["request"] == "attach" and info["vscode"]["connect"]["port"] == info["port"]
+            assert info["vscode"]["pathMappings"][0]["remoteRoot"] == str(reservation.parent.parent)
+
+            # Another local user tries the IDE port and every TCP port of the run's processes.
+            processes = _run_processes(rank_pid)
+            after = _tcp_listeners(processes)
+            assert after.get(rank_pid) == before.get(rank_pid), "the rank opened a port for DAP"
+            ports = {port for listed in after.values() for port in listed}
+            ports |= set(_tcp_listeners([relay.pid])[relay.pid])
+            assert info["port"] in ports
+            marker = tmp_path / "pwned"
+            os.chmod(tmp_path, 0o755)
+            attack = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", ATTACK, str(marker),
+                                     *map(str, sorted(ports))], capture_output=True, text=True, timeout=60, cwd="/")
+            assert attack.returncode == 0, attack.stderr
+            answers = json.loads(attack.stdout)
+            assert answers[str(info["port"])] == "", "the IDE port answered another user"
+            assert not any("Content-Length" in a for a in answers.values()), answers
+            time.sleep(0.5)
+            assert not marker.exists(), "another user ran code in the rank"
+            relay_err.seek(0)
+            assert "refused a debugger connection from uid 65534" in relay_err.read()
+
+            # The holder's IDE still attaches, stops at its breakpoint, reads a variable, continues.
+            dap = DapClient(info["host"], info["port"])
+            dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
+                        columnsStartAt1=True, pathFormat="path")
+            attach_seq = dap.send("attach", justMyCode=False)
+            dap.wait(lambda m: m.get("event") == "initialized")
+            path = str(reservation.parent.parent / "dap.py")
+            bps = dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
+            assert bps["breakpoints"][0]["verified"]
+            dap.request("configurationDone")
+            dap.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == attach_seq)
+            stopped = dap.wait(lambda m: m.get("event") == "stopped", timeout=60)
+            frames = dap.request("stackTrace", threadId=stopped["body"]["threadId"])["stackFrames"]
+            assert frames[0]["line"] == 5 and frames[0]["source"]["path"].endswith("dap.py")
+            scopes = dap.request("scopes", frameId=frames[0]["id"])["scopes"]
+            local = next(s for s in scopes if s["name"].lower().startswith(("locals", "globals")))
+            variables = dap.request("variables", variablesReference=local["variablesReference"])["variables"]
+            assert {v["name"]: v["value"] for v in variables}["value"] == "40"
+            dap.request("continue", threadId=stopped["body"]["threadId"])
+            assert run.wait() == 0
+            assert "[rank0] value 40" in run.output()
+            assert relay.wait(30) == 0  # the rank is gone: so is the relay
+            assert not marker.exists()
+        finally:
+            if relay.poll() is None:
+                relay.kill()
+            relay.wait()
