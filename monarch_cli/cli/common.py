@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import threading
 from typing import Any, Callable, Optional, Set, TypeVar
 
 import typer
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..jobs import JobError
+from ..jobs.console import CLOSED_PIPE_EXIT, silence
 from ..runtime.errors import MonarchError
 
 app = typer.Typer(
@@ -21,8 +23,18 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False, soft_wrap=True)
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """Its reader left (`| head`): quiet from now on; the main thread exits as a closed pipe says."""
+        silence(sys.stdout)
+        silence(sys.stderr)
+        self.quiet = True
+        if threading.current_thread() is threading.main_thread():
+            raise SystemExit(CLOSED_PIPE_EXIT)
+
+
+err = _Console(stderr=True, highlight=False, soft_wrap=True)
+out = _Console(highlight=False, soft_wrap=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE or .monarch/job_state.pkl).")
@@ -41,12 +53,19 @@ def friendly(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.stdout.flush()  # a closed pipe shows here, while we can still exit quietly
         except (JobError, MonarchError, ValueError, PermissionError, FileNotFoundError) as e:
             fail(str(e))
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]")
             raise typer.Exit(130)
+        except BrokenPipeError:  # `monarch ... | head`: the reader left; stop quietly, as Unix tools do
+            silence(sys.stdout)
+            silence(sys.stderr)
+            raise typer.Exit(CLOSED_PIPE_EXIT) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..jobs import RunResult, dryrun, job_load, serve
+from ..jobs.console import CLOSED_PIPE_EXIT
 from ..jobs.output import list_runs
 from ..jobs.state import NoReservation, StateError, clear_state, state_path
 
@@ -99,6 +100,8 @@ def run_spmd_cmd(
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
                           post_mortem=post_mortem,
                           on_event=lambda msg: err.print(f"[yellow]monarch:[/] {escape(msg)}"))
+    if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
+        raise typer.Exit(CLOSED_PIPE_EXIT)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -119,6 +122,8 @@ def exec_cmd(
         fail("give the command after `--`, e.g. monarch exec -- nvidia-smi")
     job = job_load(state)
     result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None)
+    if result.console_closed:
+        raise typer.Exit(CLOSED_PIPE_EXIT)
     if as_json:
         emit_json(result.to_json())
     else:

@@ -6,13 +6,15 @@ import json
 import os
 import re
 import shlex
+import sys
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Union, cast
 
 from ..runtime.keys import Keys
 from ..config import configure
 from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
+from .console import ConsoleStream
 from .errors import JobError
 from .output import OutputSink, list_runs
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
@@ -126,10 +128,13 @@ class Job:
         if spec.moot_flags():
             say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
                 "rendezvous, on rank 0's host")
+        if ranks is not None:  # refused before anything starts
+            _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0)))
         started = time.monotonic()
         exits: List[RankExit] = []
         attempt = 0
         runner = SpmdRunner(hostset, log_dir, grace=grace)
+        stdout, stderr = _consoles(stdout, stderr, runner)
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
@@ -142,11 +147,12 @@ class Job:
                 sink.close()
             self._explain_losses(exits)
             failed = [e for e in exits if not e.ok]
-            if not failed or runner.interrupted or attempt >= spec.max_restarts:
+            if not failed or runner.interrupted or _reader_gone(stdout, stderr) or attempt >= spec.max_restarts:
                 break
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
         result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.interrupted)
+        result.console_closed = _reader_gone(stdout, stderr)
         self._record(result, argv)
         return result
 
@@ -160,16 +166,19 @@ class Job:
         run_id = "exec-" + new_run_id()
         log_dir = self.logs_root / run_id
         launches = plan_exec(argv, hostset)
+        runner = SpmdRunner(hostset, log_dir, grace=float("inf"))
+        stdout, stderr = _consoles(stdout, stderr, runner)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()
-        runner = SpmdRunner(hostset, log_dir, grace=float("inf"))
         try:
             exits = runner.run(launches, run_id, sink)
         finally:
             sink.close()
         exits.sort(key=lambda e: e.rank)
         self._explain_losses(exits)
-        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.interrupted)
+        result = _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.interrupted)
+        result.console_closed = _reader_gone(stdout, stderr)
+        return result
 
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
@@ -254,6 +263,27 @@ def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
     what = "stopped after an uncaught exception" if where.get("reason") == "post-mortem" else "paused"
     return (f"rank {rank} {what} at {where.get('file')}:{where.get('line')} in {where.get('function')}() "
             f"on {host}; attach with: monarch debug attach {rank}")
+
+
+def _consoles(stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
+              runner: SpmdRunner) -> "tuple[BinaryIO, BinaryIO]":
+    """The run's output streams; when their reader goes away (``| head``), the run ends quietly."""
+    return (cast(BinaryIO, ConsoleStream(stdout or sys.stdout.buffer, runner.stop)),
+            cast(BinaryIO, ConsoleStream(stderr or sys.stderr.buffer, runner.stop)))
+
+
+def _reader_gone(*streams: BinaryIO) -> bool:
+    return any(getattr(s, "reader_gone", False) for s in streams)
+
+
+def _check_ranks(ranks: Set[int], world_size: int) -> None:
+    """Ranks to show that the run does not have are a mistake, not a silent console."""
+    unknown = sorted(r for r in ranks if not 0 <= r < world_size)
+    have = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
+    if not ranks:
+        raise JobError(f"--ranks names no rank; this run has {have}")
+    if unknown:
+        raise JobError(f"--ranks {','.join(map(str, unknown))}: no such rank; this run has {have}")
 
 
 def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:

@@ -74,6 +74,7 @@ class RunResult:
     first_failure: Optional[RankExit] = None
     restarts: int = 0
     interrupted: bool = False
+    console_closed: bool = False  # its output's reader went away (`| head`): the run was ended
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -83,6 +84,7 @@ class RunResult:
             "log_dir": str(self.log_dir),
             "restarts": self.restarts,
             "interrupted": self.interrupted,
+            "console_closed": self.console_closed,
             "first_failure": self.first_failure.rank if self.first_failure else None,
             "ranks": [
                 {
@@ -147,6 +149,11 @@ class SpmdRunner:
         self.mb = hostset.mb
         self.log_dir = log_dir
         self.grace = grace
+        self._stop_requested = threading.Event()
+
+    def stop(self) -> None:
+        """End the run from any thread (its console's reader went away): SIGTERM now, SIGKILL a grace later."""
+        self._stop_requested.set()
 
     def run(
         self,
@@ -246,9 +253,11 @@ class SpmdRunner:
                     self._signal(nodes, run_id, sig)
                 if first_failure and stop_at is None:
                     stop_at = now + self.grace
+                if self._stop_requested.is_set() and (stop_at is None or stop_at > now):
+                    stop_at = now
                 if stop_at is not None and kill_at is None and now >= stop_at:
                     self._signal(nodes, run_id, signal.SIGTERM)
-                    kill_at = now + self.grace
+                    kill_at = now + (min(self.grace, 5.0) if self._stop_requested.is_set() else self.grace)
                 if kill_at is not None and now >= kill_at:
                     self._signal(nodes, run_id, signal.SIGKILL)
                     kill_at = float("inf")
