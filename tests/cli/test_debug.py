@@ -106,12 +106,14 @@ class Run:
         self.out.close()
 
 
-def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Optional[str] = None) -> List[Any]:
+def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Optional[str] = None,
+                line: Optional[int] = None) -> List[Any]:
     client = DebugClient(job_load(state))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            rows = [r for r in client.list() if r.state == "paused" and (reason is None or r.reason == reason)]
+            rows = [r for r in client.list() if r.state == "paused" and (reason is None or r.reason == reason)
+                    and (line is None or r.line == line)]
             if len(rows) >= ranks:
                 return rows
             time.sleep(0.2)
@@ -193,8 +195,8 @@ def test_list_attach_print_step_cast_continue(reservation):
             shell.expect_exact(f"[rank{rank}] continued")
         shell.expect("monarch_dbg> ")
         # rank 1 stops again at the breakpoint set at line 12
-        paused = wait_paused(reservation, ranks=1)
-        assert (paused[0].rank, paused[0].line) == (1, 12)
+        paused = wait_paused(reservation, ranks=1, line=12)  # the others may not have reported running yet
+        assert [(r.rank, r.line) for r in paused] == [(1, 12)]
         shell.sendline("continue 1")
         shell.expect_exact("[rank1] continued")
         shell.sendline("quit")
@@ -413,7 +415,7 @@ def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(
                                      *map(str, sorted(ports))], capture_output=True, text=True, timeout=60, cwd="/")
             assert attack.returncode == 0, attack.stderr
             answers = json.loads(attack.stdout)
-            assert answers[str(info["port"])] == "", "the IDE port answered another user"
+            assert answers[str(info["port"])] in ("", "ConnectionResetError"), "the IDE port answered another user"
             assert not any("Content-Length" in a for a in answers.values()), answers
             time.sleep(0.5)
             assert not marker.exists(), "another user ran code in the rank"
