@@ -56,12 +56,23 @@ value = 40 + rank
 print(f"value {value}", flush=True)   # line 5: the IDE's breakpoint
 """
 
+DAP_AGAIN_SCRIPT = """\
+import os, time
+breakpoint()
+step = 0
+while not os.path.exists("dap-done"):
+    step += 1   # line 5: the IDEs' breakpoint
+    time.sleep(0.02)
+print(f"steps {step}", flush=True)
+"""
+
 
 @pytest.fixture(scope="module")
 def reservation(tmp_path_factory) -> Iterator[Path]:
     work = tmp_path_factory.mktemp("debug")
     (work / "dbg.py").write_text(SCRIPT)
     (work / "dap.py").write_text(DAP_SCRIPT)
+    (work / "dap_again.py").write_text(DAP_AGAIN_SCRIPT)
     (work / "settrace.py").write_text(SET_TRACE_SCRIPT)
     state = work / ".monarch" / "job_state.pkl"
     job = serve(["torchrun", "--nproc-per-node=2", "dbg.py"], hosts=2, state=state)
@@ -445,6 +456,48 @@ def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(
             assert "[rank0] value 40" in run.output()
             assert relay.wait(30) == 0  # the rank is gone: so is the relay
             assert not marker.exists()
+        finally:
+            if relay.poll() is None:
+                relay.kill()
+            relay.wait()
+
+
+def _ide_stops_at(info: Dict[str, Any], path: str, line: int) -> "tuple[DapClient, int, Dict[str, str]]":
+    """An IDE session that sets one breakpoint and waits there: (client, thread id, local variables)."""
+    dap = DapClient(info["host"], info["port"])
+    dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
+                columnsStartAt1=True, pathFormat="path")
+    attach_seq = dap.send("attach", justMyCode=False)
+    dap.wait(lambda m: m.get("event") == "initialized")
+    assert dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": line}])["breakpoints"][0]["verified"]
+    dap.request("configurationDone")
+    dap.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == attach_seq)
+    thread = dap.wait(lambda m: m.get("event") == "stopped", timeout=60)["body"]["threadId"]
+    frame = dap.request("stackTrace", threadId=thread)["stackFrames"][0]
+    assert frame["line"] == line
+    scope = dap.request("scopes", frameId=frame["id"])["scopes"][0]
+    variables = dap.request("variables", variablesReference=scope["variablesReference"])["variables"]
+    return dap, thread, {v["name"]: v["value"] for v in variables}
+
+
+def test_dap_ide_that_vanishes_lets_the_rank_run_on_and_the_next_ide_attaches(reservation):
+    work = reservation.parent.parent
+    (work / "dap-done").unlink(missing_ok=True)
+    with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap_again.py") as run:
+        wait_paused(reservation, ranks=1)
+        relay = subprocess.Popen([sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
+                                 env=_env(reservation), cwd=work, stdout=subprocess.PIPE, text=True)
+        try:
+            info = json.loads(relay.stdout.readline())
+            first, _, seen = _ide_stops_at(info, str(work / "dap_again.py"), 5)
+            first.sock.close()  # the IDE crashes: no `disconnect`
+            time.sleep(1.0)  # its breakpoint is gone and the rank runs on
+            second, thread, later = _ide_stops_at(info, str(work / "dap_again.py"), 5)
+            assert int(later["step"]) > int(seen["step"]) + 5
+            (work / "dap-done").touch()
+            second.request("disconnect")
+            assert run.wait() == 0
+            assert relay.wait(30) == 0
         finally:
             if relay.poll() is None:
                 relay.kill()
