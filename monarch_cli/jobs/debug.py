@@ -175,7 +175,11 @@ class DebugClient:
     def dap(self, rank: int, timeout: float = 60.0) -> "DapRelay":
         """Connect ``rank``'s debugpy and open a port on this machine for an IDE (see :class:`DapRelay`)."""
         relay = DapRelay(self, rank)
-        relay.bind(timeout)
+        try:
+            relay.bind(timeout)
+        except BaseException:
+            relay.close()
+            raise
         return relay
 
     def close(self) -> None:

@@ -236,6 +236,8 @@ def _connect_dap(port: int) -> None:
     import debugpy
 
     try:
+        # Not into the rank's subprocesses (DataLoader workers...): they would dial a port that is closed by then.
+        debugpy.configure(subProcess=False)
         debugpy.connect(("127.0.0.1", port))  # the agent's same-user-only listener; returns once the IDE is configured
     except Exception as e:  # noqa: BLE001 - reported to the user who asked
         global _dap_failed
