@@ -421,7 +421,6 @@ def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(
             ports |= set(_tcp_listeners([relay.pid])[relay.pid])
             assert info["port"] in ports
             marker = tmp_path / "pwned"
-            os.chmod(tmp_path, 0o755)
             attack = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", ATTACK, str(marker),
                                      *map(str, sorted(ports))], capture_output=True, text=True, timeout=60, cwd="/")
             assert attack.returncode == 0, attack.stderr
