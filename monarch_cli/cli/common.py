@@ -18,7 +18,7 @@ app = typer.Typer(
     name="monarch",
     help="Reserve hosts once, then run torchrun-style SPMD jobs on them in a fraction of a second.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion; costs ~nothing per command
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 err = Console(stderr=True, highlight=False, soft_wrap=True)
