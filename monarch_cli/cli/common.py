@@ -25,7 +25,8 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
-StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE or .monarch/job_state.pkl).")
+StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE, else .monarch/job_state.pkl "
+                                              "here or in the nearest parent directory that has a .monarch/).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts and agents.")
 CmdArg = typer.Argument(None, help="The command, after `--`.", show_default=False)
 
