@@ -155,8 +155,8 @@ def test_from_a_subdirectory_the_reservation_and_the_served_paths_are_found(tmp_
         stopped = monarch("stop", cwd=sub)
     assert stopped.returncode == 0 and "released reservation" in stopped.stderr, stopped.stderr
     assert not state.exists()
-    again = monarch("stop", cwd=sub)
-    assert again.returncode == 0 and "nothing to stop" in again.stderr
+    twice = monarch("stop", cwd=sub)
+    assert twice.returncode == 0 and "nothing to stop" in twice.stderr
 
 
 def test_corrupt_state_is_reported_and_stop_force_clears_it(tmp_path):

@@ -289,9 +289,14 @@ def serve(
     replace: bool = False,
     preload: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
+    cwd: Union[str, Path, None] = None,
     **options: Any,
 ) -> Job:
-    """Reserve hosts (or reuse a reservation that can serve this request) and return the job."""
+    """Reserve hosts (or reuse a reservation that can serve this request) and return the job.
+
+    The served command will run in ``cwd`` (default: the current directory), wherever
+    ``run_spmd()`` is later called from, so its relative paths keep their meaning.
+    """
     backend = get_scheduler(scheduler)
     argv, nhosts = _command_and_hosts(command, hosts)
     nhosts = nhosts or backend.default_hosts() or 1
@@ -302,6 +307,7 @@ def serve(
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     path = state_path(state)
     say = progress or (lambda _msg: None)
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if argv else None
     try:
         existing: Optional[Job] = job_load(path)
     except NoReservation:
@@ -321,8 +327,8 @@ def serve(
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
-            if argv and (argv, os.getcwd()) != (existing.state.default_command, existing.state.default_cwd):
-                existing.state.default_command, existing.state.default_cwd = argv, os.getcwd()
+            if argv and (argv, served_in) != (existing.state.default_command, existing.state.default_cwd):
+                existing.state.default_command, existing.state.default_cwd = argv, served_in
                 save_state(existing.state, path)
             return existing
         if not replace and not gone:
@@ -342,7 +348,7 @@ def serve(
         default_command=argv,
         created_at=time.time(),
         scheduler_data=reservation.scheduler_data,
-        default_cwd=os.getcwd() if argv else None,
+        default_cwd=served_in,
     )
     save_state(job_state, path)
     return Job(job_state, path)
