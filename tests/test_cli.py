@@ -123,6 +123,7 @@ def test_from_a_subdirectory_the_reservation_and_the_served_paths_are_found(tmp_
     sub.mkdir(parents=True)
     (sub / "train.py").write_text("import os; print('served script in', os.getcwd())\n")
     (sub / "local.py").write_text("import os; print('local script in', os.getcwd())\n")
+    (project / ".monarch").mkdir()  # hermetic: a .monarch/ in a parent of tmp_path must not be used
     served = monarch("serve", "--", "torchrun", "--nproc-per-node=1", "--log-dir=tlogs", "examples/train.py",
                      cwd=project)
     assert served.returncode == 0, served.stderr
