@@ -108,6 +108,10 @@ class Job:
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
+        The served command runs in the directory it was served from, so its relative paths
+        mean what they meant to ``serve``; ``command`` runs in the current directory, as any
+        command line typed here would.
+
         Every rank's output streams to ``stdout``/``stderr`` with a ``[rankN]`` prefix and is
         kept in ``logs_root/<run-id>/rank<N>.log``. A rank that calls ``breakpoint()`` pauses
         and is announced through ``on_event``; ``monarch debug`` attaches to it. With
@@ -116,6 +120,7 @@ class Job:
         batch job's time-limit warning reaches the training script.
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
+        cwd = self.state.default_cwd if command is None else None
         if not argv:
             raise JobError("no command to run: give one after `--`, or serve with a default command")
         spec = parse_command(argv)
@@ -133,8 +138,8 @@ class Job:
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                 post_mortem=post_mortem)
-            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt)
+                                 post_mortem=post_mortem, cwd=cwd)
+            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
                                    on_notice=say if attempt == 0 else None, forward_signals=forward_signals)
@@ -181,7 +186,7 @@ class Job:
 
     def _sink(self, spec: SpmdSpec, launches: List[Launch], log_dir: Path, ranks: Optional[Set[int]],
               color: Optional[bool], stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
-              run_id: str, attempt: int) -> OutputSink:
+              run_id: str, attempt: int, cwd: Optional[str] = None) -> OutputSink:
         labels = {l.rank: l.label for l in launches}
         nproc = 1 + max(int(l.spec["env"]["LOCAL_RANK"]) for l in launches)
         shown = set(labels) if ranks is None else set(ranks)
@@ -190,7 +195,7 @@ class Job:
         hidden = {r: _streams(spec.redirects, r % nproc) for r in labels}
         extra = {}
         if spec.log_dir:  # torchrun's layout, as well as ours
-            base = Path(spec.log_dir) / run_id / f"attempt_{attempt}"
+            base = Path(cwd or ".") / spec.log_dir / run_id / f"attempt_{attempt}"  # relative to the ranks' cwd
             for r in labels:
                 extra[(r, 1)] = base / str(r) / "stdout.log"
                 extra[(r, 2)] = base / str(r) / "stderr.log"
@@ -237,6 +242,7 @@ class Job:
             "stale": stale,
             "age_seconds": round(time.time() - self.state.created_at, 1),
             "default_command": self.state.default_command,
+            "default_cwd": self.state.default_cwd,
             "last_run": self.state.last_run,
             **self.scheduler.describe(self.state),
         }
@@ -283,9 +289,14 @@ def serve(
     replace: bool = False,
     preload: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
+    cwd: Union[str, Path, None] = None,
     **options: Any,
 ) -> Job:
-    """Reserve hosts (or reuse a reservation that can serve this request) and return the job."""
+    """Reserve hosts (or reuse a reservation that can serve this request) and return the job.
+
+    The served command will run in ``cwd`` (default: the current directory), wherever
+    ``run_spmd()`` is later called from, so its relative paths keep their meaning.
+    """
     backend = get_scheduler(scheduler)
     argv, nhosts = _command_and_hosts(command, hosts)
     nhosts = nhosts or backend.default_hosts() or 1
@@ -296,6 +307,7 @@ def serve(
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     path = state_path(state)
     say = progress or (lambda _msg: None)
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if argv else None
     try:
         existing: Optional[Job] = job_load(path)
     except NoReservation:
@@ -315,8 +327,8 @@ def serve(
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
-            if argv and argv != existing.state.default_command:
-                existing.state.default_command = argv
+            if argv and (argv, served_in) != (existing.state.default_command, existing.state.default_cwd):
+                existing.state.default_command, existing.state.default_cwd = argv, served_in
                 save_state(existing.state, path)
             return existing
         if not replace and not gone:
@@ -336,6 +348,7 @@ def serve(
         default_command=argv,
         created_at=time.time(),
         scheduler_data=reservation.scheduler_data,
+        default_cwd=served_in,
     )
     save_state(job_state, path)
     return Job(job_state, path)
