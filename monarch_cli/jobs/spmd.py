@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import settings
 from ..runtime import wire
+from ..runtime.errors import CallTimeout
 from ..runtime.future import Future, gather
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
@@ -273,19 +274,31 @@ class SpmdRunner:
                         wire.dumps(specs),
                     )
                 )
-            for n, made_cold in zip(nodes, gather(acks).get(timeout=30)):
-                if made_cold and on_notice is not None:
-                    on_notice(_cold_notice(self.hs.hosts[n].name, made_cold))
+            started_all, early = gather(acks), []
+            ack_deadline = time.monotonic() + 30
+            while not early:  # a Ctrl-C while a host is slow to start its ranks is not left waiting
+                try:
+                    made = started_all.get(timeout=0.2)
+                except CallTimeout:
+                    if time.monotonic() > ack_deadline:
+                        raise
+                    early = relay.take()
+                    continue
+                for n, made_cold in zip(nodes, made):
+                    if made_cold and on_notice is not None:
+                        on_notice(_cold_notice(self.hs.hosts[n].name, made_cold))
+                break
             while not done.done():
                 try:
                     done.get(timeout=0.2)
                 except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
                     pass
                 with lock:
-                    for sig in relay.take():
+                    for sig in [*early, *relay.take()]:
                         control.signal(sig, time.monotonic(), sorted(running()))
                         if sig == signal.SIGINT and on_interrupt is not None:
                             on_interrupt(control.interrupts)
+                    early = []
                     abandon, why = control.tick(time.monotonic(), running())
                 for rank in abandon:  # Ctrl-C always ends the wait, even for ranks whose exits never come
                     l = by_rank[rank]
