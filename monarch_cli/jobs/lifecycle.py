@@ -57,7 +57,10 @@ def rank_list(ranks: Sequence[int]) -> str:
         j = i
         while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
             j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}" if j > i + 1 else f"{ordered[i]},{ordered[j]}")
+        if i == j:
+            parts.append(str(ordered[i]))
+        else:  # two in a row read better as "2,3" than "2-3"
+            parts.append(f"{ordered[i]}{'-' if j > i + 1 else ','}{ordered[j]}")
         i = j + 1
     return ",".join(parts)
 
@@ -180,8 +183,9 @@ class RunControl:
                 left = "ranks exited"
             return f"received {name}; forwarded to ranks; {left}"
         if self.interrupts:
-            how = "Ctrl-C (SIGINT sent to ranks)" if self.interrupts == 1 else f"Ctrl-C x{self.interrupts} (ranks killed)"
-            return f"interrupted by {how}"
+            if self.interrupts == 1:
+                return "interrupted by Ctrl-C (SIGINT sent to ranks)"
+            return f"interrupted by Ctrl-C x{self.interrupts} (ranks killed)"
         return ""
 
 

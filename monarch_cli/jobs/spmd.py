@@ -244,10 +244,10 @@ class SpmdRunner:
                 return
             with lock:
                 control.stopped(who)
-            for l in launches:
-                if self.hs.hosts[l.node].agent == agent:
-                    finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
-                                            time.monotonic() - started, stopped="reservation stopped"))
+            here = [l for l in launches if self.hs.hosts[l.node].agent == agent]
+            for l in here or launches:  # an agent known by another address: the whole reservation goes
+                finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
+                                        time.monotonic() - started, stopped="reservation stopped"))
 
         def on_paused(header: Any, body: List[Any]) -> None:
             _, _, rid, rank, host, where = header
