@@ -23,6 +23,8 @@ app = typer.Typer(
     add_completion=True,  # --install-completion / --show-completion; costs ~nothing per command
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """Its reader left (`| head`): quiet from now on; the main thread exits as a closed pipe says."""

@@ -74,7 +74,8 @@ def test_head_closing_the_pipe_ends_the_run_quietly_with_logs_kept(work: Path) -
     assert wait_until(lambda: all_gone(pids), 10), "ranks left running"
     run_dir = max((work / ".monarch" / "logs").iterdir(), key=lambda p: p.stat().st_mtime)
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["console_closed"] is True
+    assert result["console_closed"] is True and result["exit_code"] == 141
+    assert "reader went away" in result["ending"]
     for rank in range(4):  # every line a rank printed before it was stopped is in its log, in order
         lines = (run_dir / f"rank{rank}.log").read_text().splitlines()
         assert lines[:2] == [f"rank {rank} line 0", f"rank {rank} line 1"]
