@@ -501,3 +501,87 @@ def test_dap_ide_that_vanishes_lets_the_rank_run_on_and_the_next_ide_attaches(re
             if relay.poll() is None:
                 relay.kill()
             relay.wait()
+
+
+# Run as `nobody` with a copy of pyzmq: sends the agent what `monarch debug` sends (pdb lines
+# that would run os.system in a paused rank, and a pickle that would run it in the agent),
+# first without CURVE, then with a key pair of its own and the reservation's public key.
+PDB_ATTACK = """
+import sys, time, zmq
+agent, server_public = sys.argv[1], sys.argv[2].encode()
+frames = [bytes.fromhex(h) for h in sys.argv[3:]]
+ctx = zmq.Context()
+for curve in (False, True):
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if curve:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = server_public
+    sock.connect(agent)
+    for frame in frames:
+        sock.send(frame)
+    time.sleep(1.0)
+    sock.close()
+ctx.destroy(linger=0)
+print("sent")
+"""
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.fixture
+def zmq_for_nobody() -> Iterator[Path]:
+    """A world-readable copy of this pyzmq (the real one lives where `nobody` cannot read)."""
+    import shutil
+    import tempfile
+
+    import zmq
+
+    site = Path(zmq.__file__).parent.parent
+    with tempfile.TemporaryDirectory(prefix="monarch-nobody-") as tmp:
+        target = Path(tmp)
+        for name in ("zmq", "pyzmq.libs"):
+            if (site / name).exists():
+                shutil.copytree(site / name, target / name)
+        for path in [target, *target.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644 | (path.stat().st_mode & 0o111))
+        yield target
+
+
+def test_pdb_relay_takes_nothing_from_another_user(reservation, tmp_path, zmq_for_nobody):
+    import pickle
+    import struct
+
+    from monarch_cli.jobs import job_load
+
+    with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py") as run:
+        row = wait_paused(reservation, ranks=1)[0]
+        job = job_load(reservation)
+        agent = job.state.hosts[0].agent
+        assert agent.startswith("tcp://")
+        marker, marker2 = tmp_path / "pwned-rank", tmp_path / "pwned-agent"
+        line = f"import os; os.system('touch {marker}')\n"
+        headers = [("debug_input", 1, "tcp://127.0.0.1:1", row.run_id, 0, line),
+                   ("debug_cast", 2, "tcp://127.0.0.1:1", row.run_id, 0, line),
+                   ("debug_continue", 3, "tcp://127.0.0.1:1", row.run_id, 0)]
+        frames = [struct.pack("<I", len(h)) + h for h in (pickle.dumps(x, 5) for x in headers)]
+        evil = pickle.dumps(_Evil(str(marker2)))
+        frames.append(struct.pack("<I", len(evil)) + evil)
+        attack = subprocess.run(["runuser", "-u", "nobody", "--", "env", f"PYTHONPATH={zmq_for_nobody}", "/usr/bin/python3",
+                                 "-c", PDB_ATTACK, agent, job.keys.public.decode(), *(f.hex() for f in frames)],
+                                capture_output=True, text=True, timeout=60, cwd="/")
+        assert attack.returncode == 0 and attack.stdout.strip() == "sent", attack.stderr
+        time.sleep(0.5)
+        assert not marker.exists() and not marker2.exists(), "another user got code run"
+        assert [r.state for r in wait_paused(reservation, ranks=1)] == ["paused"]  # not continued either
+        # The holder still drives it.
+        cast = json.loads(debug_cmd(reservation, "cast", "0", "p rank + 1", "--json").stdout)
+        assert cast["0"]["output"].strip() == "1"
+        assert debug_cmd(reservation, "continue").returncode == 0
+        assert run.wait() == 0
