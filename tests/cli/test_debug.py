@@ -399,6 +399,10 @@ def _run_processes(rank_pid: int) -> List[int]:
     return [agent.pid, *(c.pid for c in agent.children(recursive=True))]
 
 
+_AS_ANOTHER_USER = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user (runuser -u nobody) needs root")
+
+
+@_AS_ANOTHER_USER
 def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(reservation, tmp_path):
     with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py") as run:
         rank_pid = wait_paused(reservation, ranks=1)[0].pid
@@ -554,6 +558,7 @@ def zmq_for_nobody() -> Iterator[Path]:
         yield target
 
 
+@_AS_ANOTHER_USER
 def test_pdb_relay_takes_nothing_from_another_user(reservation, tmp_path, zmq_for_nobody):
     import pickle
     import struct

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 
@@ -15,6 +16,7 @@ def _as_nobody(code: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user (runuser -u nobody) needs root")
 def test_only_this_users_sockets_are_accepted_and_an_orphaned_one_is_not_taken_for_root() -> None:
     listener = listen_loopback()
     port = listener.getsockname()[1]
