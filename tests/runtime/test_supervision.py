@@ -136,7 +136,7 @@ def _children_of_agents() -> set:
     found = set()
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "monarch_cli.runtime.agent" in cmd or "monarch_cli.runtime.zygote" in cmd:
+        if cmd.startswith(("monarch agent ", "monarch fork-server ", "monarch warm ")):
             found.add(p.pid)
     return found
 
