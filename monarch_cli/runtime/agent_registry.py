@@ -39,9 +39,10 @@ class AgentEntry:
 
 
 def registry_dir() -> Optional[Path]:
-    """``$XDG_RUNTIME_DIR/monarch`` or ``/tmp/monarch-<uid>``, 0700 and ours; None if unsafe."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    root = Path(base) / "monarch" if base and os.path.isdir(base) else Path(tempfile.gettempdir()) / f"monarch-{os.getuid()}"
+    """``agents/`` in the per-user runtime directory the transport's sockets use
+    (``$XDG_RUNTIME_DIR/monarch-<uid>``, else ``/tmp/monarch-<uid>``), 0700 and ours; None if
+    that directory is someone else's or readable by others."""
+    root = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"monarch-{os.getuid()}"
     try:
         root.mkdir(mode=0o700, exist_ok=True)
         st = os.lstat(root)
