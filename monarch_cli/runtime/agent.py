@@ -41,6 +41,7 @@ from .title import set_title
 from .transport import Transport
 
 READY_PREFIX = "MONARCH_AGENT_READY "
+_STATE_FIRST_SEEN = 120.0  # seconds `serve` has to record a new agent in its state file
 
 
 @dataclasses.dataclass
@@ -92,7 +93,7 @@ class _Zygote:
     def how_it_died(self) -> str:
         """``signal SIGKILL`` or ``exit 1``, once its socket has closed."""
         try:
-            code = self.process.wait(timeout=5)
+            code = self.process.wait(timeout=2)
         except subprocess.TimeoutExpired:  # closed its socket but lives on: useless, end it
             self.kill()
             code = self.process.wait()
@@ -133,6 +134,7 @@ class HostAgent:
         self.reservation = reservation
         self.state_file: Optional[str] = None
         self._state_check = (0.0, 0.0, 0)  # (interval, next check, misses in a row)
+        self._state_seen_by: Optional[float] = None  # until the file first records us: when to give up
 
     # ------------------------------------------------------------------ sending
     def send(self, address: str, header: Tuple[Any, ...], body: List[Any] = ()) -> None:  # type: ignore[assignment]
@@ -164,6 +166,7 @@ class HostAgent:
         elsewhere the controller's files are not visible)."""
         self.state_file = state_file
         self._state_check = (interval, time.monotonic() + interval, 0)
+        self._state_seen_by = time.monotonic() + _STATE_FIRST_SEEN
 
     def watch_fd(self, fd: int) -> None:
         self.poller.register(fd, zmq.POLLIN)
@@ -364,7 +367,10 @@ class HostAgent:
         if self.state_file is None or time.monotonic() < next_check:
             return
         present = agent_registry.reservation_present(self.state_file, self.reservation)
-        misses = misses + 1 if present is False else 0
+        if present and self._state_seen_by is not None:
+            self._state_seen_by = None  # `serve` saves the file once every agent is up
+        waiting = self._state_seen_by is not None and time.monotonic() < self._state_seen_by
+        misses = misses + 1 if present is False and not waiting else 0
         self._state_check = (interval, time.monotonic() + interval, misses)
         if misses >= 2:  # twice in a row: not a state file being rewritten
             print(f"monarch agent: {self.state_file} no longer records reservation {self.reservation}; exiting",

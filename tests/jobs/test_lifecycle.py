@@ -138,7 +138,7 @@ def test_agents_of_a_forgotten_reservation_exit_on_their_own(tmp_path: Path):
     job = serve(None, hosts=1, state=state, preload="")
     pids = reservation_pids(job)
     try:
-        time.sleep(3)
+        time.sleep(4)  # the agent has seen its state file record it (checked every 2 s)
         assert len(living(pids)) == len(pids), "agents must stay while their state file records them"
         state.unlink()  # e.g. `rm -rf .monarch`
         assert wait_until(lambda: not living(pids), 20), living(pids)
