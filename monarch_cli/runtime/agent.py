@@ -73,6 +73,7 @@ class _Zygote:
             env=env,
         )
         child.close()
+        self.started = time.monotonic()
 
     def fork(self, req_id: int, boot: Dict[str, Any], fds: List[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
         socket.send_fds(self.sock, [pickle.dumps(("fork", req_id, kind, boot))], list(fds))
@@ -347,7 +348,8 @@ class HostAgent:
         self.ranks.zygote_died(zygote.process.pid, cause)
         if warm:
             self._rank_zygote = None
-            self.rank_zygote()
+            if time.monotonic() - zygote.started > 10:  # else the next run starts it: no crash loop
+                self.rank_zygote()
             return
         for proc in self.procs.values():
             proc.cause = cause

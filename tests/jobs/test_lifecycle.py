@@ -81,8 +81,8 @@ def test_a_killed_warm_process_ends_the_run_naming_it_and_a_new_one_serves_the_n
     for rank in (2, 3):  # local1's ranks: killed with their warm process, and said so
         assert "warm process on local1 died (signal SIGKILL)" in how[rank], how
     assert all(h["ranks_running"] == 0 for h in job.status()["hosts"])
-    assert wait_until(lambda: len(children_titled(agent1, "monarch warm ")) == 1, 10)
     assert spmd(job, write_script(tmp_path, "ok.py", "print('ok')\n")).result.exit_code == 0
+    assert len(children_titled(agent1, "monarch warm ")) == 1  # a new one
 
 
 @pytest.mark.slow
