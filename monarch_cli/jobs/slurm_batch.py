@@ -26,7 +26,7 @@ from ..schedulers.slurm import load_template, sbatch_lines
 from ..schedulers.slurm_commands import (SlurmError, allocation_id, job_info, job_workdir, parse_job_id, submit,
                                          submit_and_wait)
 from .errors import JobError
-from .state import state_path
+from .state import find_state_dir, state_path
 from .torchrun import parse_command
 
 #: Signals a batch run relays to its ranks: Slurm's usual warning signals before a time limit
@@ -142,7 +142,7 @@ def batch_dir(job_id: str, state: Optional[Path] = None) -> Path:
     info = job_info(job_id) or {}
     workdir = job_workdir(job_id) if info else None
     if workdir is not None:
-        candidate = workdir / ".monarch" / "slurm" / f"job-{job_id}"
+        candidate = (find_state_dir(workdir) or workdir / ".monarch") / "slurm" / f"job-{job_id}"
         if candidate.exists():
             return candidate
     if info:
