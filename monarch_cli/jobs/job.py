@@ -91,7 +91,8 @@ class Job:
         host = controller_host([h.agent for h in self.state.hosts])
         if host is not None:  # agents on other hosts could not reach a loopback address
             configure(host=host)
-        return HostSet(self.state.hosts, self.keys, require_all=require_all)
+        dead = [] if require_all else self.scheduler.dead_hosts(self.state)
+        return HostSet(self.state.hosts, self.keys, require_all=require_all, known_dead=dead)
 
     # ------------------------------------------------------------------ runs
     def run_spmd(

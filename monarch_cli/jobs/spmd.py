@@ -142,14 +142,18 @@ def user_environment() -> Dict[str, str]:
 class HostSet:
     """The reservation's agents as this controller talks to them."""
 
-    def __init__(self, hosts: List[HostRecord], keys: Keys, timeout: float = 5.0, *, require_all: bool = True) -> None:
+    def __init__(self, hosts: List[HostRecord], keys: Keys, timeout: float = 5.0, *, require_all: bool = True,
+                 known_dead: Sequence[str] = ()) -> None:
         self.hosts = hosts
         self.mb = Mailbox.for_keys(keys)
-        pings = [self.mb.request(h.agent, lambda cid: ("ping", cid, self.mb.address)) for h in hosts]
+        pings = [None if h.name in known_dead else self.mb.request(h.agent, lambda cid: ("ping", cid, self.mb.address))
+                 for h in hosts]
         self.infos: List[Dict[str, Any]] = []
         deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
         for host, fut in zip(hosts, pings):
             try:
+                if fut is None:
+                    raise LookupError(host.name)  # no need to wait for an answer that cannot come
                 self.infos.append(fut.get(timeout=max(0.0, deadline - time.monotonic())))
             except Exception:  # noqa: BLE001 - any failure to answer means the same thing here
                 if not require_all:  # `status`: this host is dead, the others may be fine

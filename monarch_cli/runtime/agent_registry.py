@@ -33,7 +33,8 @@ class AgentEntry:
 
     def alive(self) -> bool:
         try:
-            return psutil.Process(self.pid).create_time() == self.start_time
+            proc = psutil.Process(self.pid)
+            return proc.create_time() == self.start_time and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
 

@@ -77,6 +77,10 @@ class Scheduler(abc.ABC):
             return f"it has {len(state.hosts)} host(s), not {request.hosts}"
         return None
 
+    def dead_hosts(self, state: JobState) -> List[str]:
+        """Hosts known dead without asking them (no network round trip); may miss some."""
+        return []
+
     def release_unreadable(self, state_file: Path) -> List[int]:
         """Stop what a reservation whose state file cannot be read left on this machine
         (found without the file); the pids stopped. Most backends cannot find any."""

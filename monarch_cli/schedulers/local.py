@@ -92,8 +92,11 @@ class LocalScheduler(Scheduler):
         agent_registry.stop_agents(found)
         return [e.pid for e in found]
 
+    def dead_hosts(self, state: JobState) -> List[str]:
+        return [h.name for h in state.hosts if not (h.pid and _is_agent(h.pid))]
+
     def gone(self, state: JobState) -> Optional[str]:
-        dead = [h.name for h in state.hosts if not (h.pid and _is_agent(h.pid))]
+        dead = self.dead_hosts(state)
         return f"agent process of {', '.join(dead)} is not running" if dead else None
 
 
