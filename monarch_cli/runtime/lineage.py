@@ -12,6 +12,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import psutil
@@ -109,7 +110,24 @@ def signal_exact(proc: Pid, sig: int) -> bool:
         return False
 
 
-def kill_tree(root: int = 0) -> None:
-    """SIGKILL every descendant of ``root`` (default: this process)."""
-    for proc in descendants([root or os.getpid()]):
-        signal_exact(proc, signal.SIGKILL)
+def kill_tree(root: int = 0, passes: int = 20) -> None:
+    """SIGKILL every descendant of ``root`` (default: this process).
+
+    Pass after pass: a process that dies while the table is read can hide its children
+    (they still name it as parent); once re-parented they are found by the next pass.
+    """
+    for _ in range(passes):
+        found = [p for p in descendants([root or os.getpid()]) if _start_time(p[0]) is not None]
+        alive = [p for p in found if _status(p[0]) != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        for proc in alive:
+            signal_exact(proc, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def _status(pid: int) -> Optional[str]:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return None
