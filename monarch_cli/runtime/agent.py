@@ -347,7 +347,7 @@ class HostAgent:
         zygote.sock.close()
         warm = zygote is self._rank_zygote
         cause = f"{'warm process' if warm else 'fork server'} on {self.host} died ({zygote.how_it_died()})"
-        print(f"monarch agent: the {cause}; starting a new one", file=sys.stderr, flush=True)
+        print(f"monarch agent: the {cause}; a new one takes its place", file=sys.stderr, flush=True)
         self.ranks.zygote_died(zygote.process.pid, cause)
         if warm:
             self._rank_zygote = None
