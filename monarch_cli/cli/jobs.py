@@ -14,10 +14,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..jobs import RunResult, dryrun, job_load, serve
+from ..jobs import RunResult, clear_unreadable, dryrun, job_load, serve
 from ..jobs.console import CLOSED_PIPE_EXIT
 from ..jobs.output import list_runs
-from ..jobs.state import NoReservation, StateError, clear_state, state_path
+from ..jobs.state import NoReservation, StateError, state_path
 
 from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out, parse_ranks
 
@@ -213,8 +213,10 @@ def stop_cmd(
     except StateError:
         if not force:
             raise
-        clear_state(state_path(state))
-        _done_msg(as_json, {"stopped": None, "cleared": str(state_path(state))}, "cleared the unreadable state file")
+        cleared = clear_unreadable(state)
+        stopped = cleared["agents_stopped"]
+        _done_msg(as_json, {"stopped": None, **cleared}, "cleared the unreadable state file"
+                  + (f" and stopped its {len(stopped)} agent(s)" if stopped else ""))
         return
     rid = job.state.reservation_id
     ended = job.stop()

@@ -83,8 +83,8 @@ class Job:
     def scheduler(self) -> Scheduler:
         return get_scheduler(self.state.scheduler)
 
-    def _hostset(self) -> HostSet:
-        why = self.scheduler.gone(self.state)
+    def _hostset(self, require_all: bool = True) -> HostSet:
+        why = self.scheduler.gone(self.state) if require_all else None
         if why:
             raise StaleReservation(
                 f"reservation {self.state.reservation_id} is gone ({why}); "
@@ -93,7 +93,8 @@ class Job:
         host = controller_host([h.agent for h in self.state.hosts])
         if host is not None:  # agents on other hosts could not reach a loopback address
             configure(host=host)
-        return HostSet(self.state.hosts, self.keys)
+        dead = [] if require_all else self.scheduler.dead_hosts(self.state)
+        return HostSet(self.state.hosts, self.keys, require_all=require_all, known_dead=dead)
 
     # ------------------------------------------------------------------ runs
     def run_spmd(
@@ -152,8 +153,13 @@ class Job:
         stdout, stderr = _consoles(stdout, stderr, runner)
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
-            launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                 post_mortem=post_mortem, cwd=cwd)
+            try:
+                launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
+                                     post_mortem=post_mortem, cwd=cwd)
+            except BaseException:
+                if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
+                    runner.release_port(0, run_id)
+                raise
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
@@ -242,14 +248,17 @@ class Job:
     # --------------------------------------------------------------- control
     def status(self) -> Dict[str, Any]:
         """Scheduler, hosts with agent liveness, age and the last run; never raises for a stale job."""
-        try:
-            hostset: Optional[HostSet] = self._hostset()
-            stale = None
-        except StaleReservation as e:
-            hostset, stale = None, str(e)
+        hostset = self._hostset(require_all=False)  # each host answers, or not, for itself
+        dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
+        stale = None
+        if dead:
+            why = self.scheduler.gone(self.state)
+            how = "gone" if len(dead) == len(self.state.hosts) else "partly gone"
+            stale = (f"reservation {self.state.reservation_id} is {how}: {', '.join(dead)} not answering"
+                     f"{f' ({why})' if why else ''}; run `monarch serve --replace` for a new one, "
+                     "or `monarch stop` to clear it")
         hosts = []
-        for i, h in enumerate(self.state.hosts):
-            info = hostset.infos[i] if hostset else None
+        for h, info in zip(self.state.hosts, hostset.infos):
             hosts.append({"name": h.name, "agent": h.agent, "alive": info is not None,
                           "ranks_running": info["ranks"] if info else None})
         return {
@@ -402,6 +411,7 @@ def serve(
         parse_command(argv)  # a bad default command is an error now, not at the first run
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     path = state_path(state)
+    request.state_file = str(path.resolve())
     say = progress or (lambda _msg: None)
     served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if argv else None
     try:
@@ -412,7 +422,7 @@ def serve(
         if not replace:
             raise
         say(f"replacing unreadable state file {path}")
-        clear_state(path)
+        clear_unreadable(path)
         existing = None
     if existing is not None:
         why_not = backend.can_serve(existing.state, request)
@@ -460,6 +470,17 @@ def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Optional
         parse_command(argv)
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     return backend.dryrun(request, state_path(state).parent)
+
+
+def clear_unreadable(state: Union[str, Path, None] = None) -> Dict[str, Any]:
+    """What ``stop --force`` does to an unreadable state file: stop the agents registered for
+    it on this machine (local backend), then delete it."""
+    path = state_path(state)
+    stopped: List[int] = []
+    for name in ("local", "slurm"):
+        stopped += get_scheduler(name).release_unreadable(path)
+    clear_state(path)
+    return {"cleared": str(path), "agents_stopped": stopped}
 
 
 def job_load(path: Union[str, Path, None] = None) -> Job:

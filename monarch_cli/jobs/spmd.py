@@ -52,6 +52,7 @@ class RankExit:
     pid: Optional[int] = None
     tail: List[str] = dataclasses.field(default_factory=list)
     lost: str = ""  # set when the rank's host went away instead of reporting
+    cause: str = ""  # what ended it from outside, as its agent saw it (e.g. its warm process died)
     stopped: str = ""  # set when the reservation was released (monarch stop) while the rank ran
 
     @property
@@ -64,7 +65,8 @@ class RankExit:
 
     @property
     def how(self) -> str:
-        return self.stopped or self.lost or describe_status(self.exitcode, self.signal)[0]
+        how = self.stopped or self.lost or describe_status(self.exitcode, self.signal)[0]
+        return f"{how}: {self.cause}" if self.cause and not (self.stopped or self.lost) else how
 
     @property
     def ok(self) -> bool:
@@ -142,15 +144,23 @@ def user_environment() -> Dict[str, str]:
 class HostSet:
     """The reservation's agents as this controller talks to them."""
 
-    def __init__(self, hosts: List[HostRecord], keys: Keys, timeout: float = 5.0) -> None:
+    def __init__(self, hosts: List[HostRecord], keys: Keys, timeout: float = 5.0, *, require_all: bool = True,
+                 known_dead: Sequence[str] = ()) -> None:
         self.hosts = hosts
         self.mb = Mailbox.for_keys(keys)
-        pings = [self.mb.request(h.agent, lambda cid: ("ping", cid, self.mb.address)) for h in hosts]
+        pings = [None if h.name in known_dead else self.mb.request(h.agent, lambda cid: ("ping", cid, self.mb.address))
+                 for h in hosts]
         self.infos: List[Dict[str, Any]] = []
+        deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
         for host, fut in zip(hosts, pings):
             try:
-                self.infos.append(fut.get(timeout=timeout))
+                if fut is None:
+                    raise LookupError(host.name)  # no need to wait for an answer that cannot come
+                self.infos.append(fut.get(timeout=max(0.0, deadline - time.monotonic())))
             except Exception:  # noqa: BLE001 - any failure to answer means the same thing here
+                if not require_all:  # `status`: this host is dead, the others may be fine
+                    self.infos.append(None)  # type: ignore[arg-type]
+                    continue
                 raise StaleReservation(
                     f"host {host.name} (agent {host.agent}) is not answering: the reservation is gone or unreachable; "
                     "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
@@ -232,11 +242,13 @@ class SpmdRunner:
                     done.set_result(None)
 
         def on_exit(header: Any, body: List[Any]) -> None:
-            _, _, rid, rank, exitcode, sig, duration, pid = header
+            _, _, rid, rank, exitcode, sig, duration, pid, cause = header
             if rid != run_id or rank not in by_rank:
                 return
             launch = by_rank[rank]
-            finish(rank, RankExit(rank, launch.label, self.hs.hosts[launch.node].name, exitcode, sig, duration, pid))
+            lost = cause if exitcode is None and sig is None else ""  # never started: no status of its own
+            finish(rank, RankExit(rank, launch.label, self.hs.hosts[launch.node].name, exitcode, sig, duration, pid,
+                                  lost=lost, cause=cause))
 
         def on_lost(agent: str, silence: float) -> None:
             for l in launches:
@@ -337,6 +349,10 @@ class SpmdRunner:
 
     def reserve_port(self, node: int, run_id: str) -> int:
         return self.mb.request(self.hs.hosts[node].agent, lambda cid: ("reserve_port", cid, self.mb.address, run_id)).get(timeout=10)
+
+    def release_port(self, node: int, run_id: str) -> None:
+        """Give back a port reserved for a run that will not start."""
+        self.mb.request(self.hs.hosts[node].agent, lambda cid: ("release_port", cid, self.mb.address, run_id)).get(timeout=10)
 
 
 def _cold_notice(host: str, names: List[str]) -> str:

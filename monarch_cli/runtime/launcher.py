@@ -24,6 +24,8 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional
 
+from .title import rank_title, set_title
+
 SPEC_ENV = "MONARCH_RANK_SPEC"
 _store: Any = None  # keeps the rendezvous store alive for the whole run
 
@@ -241,6 +243,7 @@ def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
     _reseed()
     if spec["mode"] == "no_python":
         _exec(spec, extra)
+    set_title(rank_title(spec["rank"], spec["mode"], spec["program"]))
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, env)
@@ -297,6 +300,7 @@ def main() -> int:
     spec = json.loads(os.environ.pop(SPEC_ENV))
     extra = spec.pop("extra_fds", {})
     listen_fd = extra.get("listen")
+    set_title(rank_title(spec["rank"], spec["mode"], spec["program"]))
     _apply_threads(spec["env"])
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:

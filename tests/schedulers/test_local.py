@@ -189,7 +189,7 @@ def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
         stopped = True
         assert wait_until(lambda: not living(everything), 10), living(everything)
         left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-                if p.info["pid"] in everything and "monarch_cli.runtime" in " ".join(p.info["cmdline"] or [])]
+                if p.info["pid"] in everything and " ".join(p.info["cmdline"] or []).startswith("monarch ")]
         assert left == []
         with pytest.raises(NoReservation):
             job_load(state)
