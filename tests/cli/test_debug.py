@@ -22,6 +22,8 @@ import pytest
 from monarch_cli.jobs import job_load, serve
 from monarch_cli.jobs.debug import DebugClient
 
+from ..conftest import wait_until
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = """\
@@ -62,6 +64,8 @@ breakpoint()
 step = 0
 while not os.path.exists("dap-done"):
     step += 1   # line 5: the IDEs' breakpoint
+    with open("dap-step", "w") as f:
+        f.write(str(step))
     time.sleep(0.02)
 print(f"steps {step}", flush=True)
 """
@@ -390,12 +394,12 @@ def _tcp_listeners(pids: List[int]) -> Dict[int, List[int]]:
     return ports
 
 
-def _run_processes(rank_pid: int) -> List[int]:
+def _run_processes(state: Path, rank_pid: int) -> List[int]:
     """The rank, its agent and everything the agent started (zygotes, ranks)."""
     import psutil
 
-    rank = psutil.Process(rank_pid)
-    agent = next(p for p in rank.parents() if "monarch_cli.runtime.agent" in " ".join(p.cmdline()))
+    agents = {h.pid for h in job_load(state).state.hosts}
+    agent = next(p for p in psutil.Process(rank_pid).parents() if p.pid in agents)
     return [agent.pid, *(c.pid for c in agent.children(recursive=True))]
 
 
@@ -406,7 +410,7 @@ _AS_ANOTHER_USER = pytest.mark.skipif(os.geteuid() != 0, reason="acting as anoth
 def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(reservation, tmp_path):
     with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py") as run:
         rank_pid = wait_paused(reservation, ranks=1)[0].pid
-        before = _tcp_listeners(_run_processes(rank_pid))
+        before = _tcp_listeners(_run_processes(reservation, rank_pid))
         relay_err = open(tmp_path / "relay.err", "w+")
         relay = subprocess.Popen([sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
                                  env=_env(reservation), cwd=reservation.parent.parent, stdout=subprocess.PIPE,
@@ -418,7 +422,7 @@ def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(
             assert info["vscode"]["pathMappings"][0]["remoteRoot"] == str(reservation.parent.parent)
 
             # Another local user tries the IDE port and every TCP port of the run's processes.
-            processes = _run_processes(rank_pid)
+            processes = _run_processes(reservation, rank_pid)
             after = _tcp_listeners(processes)
             assert after.get(rank_pid) == before.get(rank_pid), "the rank opened a port for DAP"
             ports = {port for listed in after.values() for port in listed}
@@ -486,6 +490,7 @@ def _ide_stops_at(info: Dict[str, Any], path: str, line: int) -> "tuple[DapClien
 def test_dap_ide_that_vanishes_lets_the_rank_run_on_and_the_next_ide_attaches(reservation):
     work = reservation.parent.parent
     (work / "dap-done").unlink(missing_ok=True)
+    (work / "dap-step").unlink(missing_ok=True)
     with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap_again.py") as run:
         wait_paused(reservation, ranks=1)
         relay = subprocess.Popen([sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
@@ -494,7 +499,9 @@ def test_dap_ide_that_vanishes_lets_the_rank_run_on_and_the_next_ide_attaches(re
             info = json.loads(relay.stdout.readline())
             first, _, seen = _ide_stops_at(info, str(work / "dap_again.py"), 5)
             first.sock.close()  # the IDE crashes: no `disconnect`
-            time.sleep(1.0)  # its breakpoint is gone and the rank runs on
+            # Its breakpoint is gone and the rank runs on.
+            steps = work / "dap-step"
+            assert wait_until(lambda: steps.exists() and int(steps.read_text() or 0) > int(seen["step"]) + 5, 30)
             second, thread, later = _ide_stops_at(info, str(work / "dap_again.py"), 5)
             assert int(later["step"]) > int(seen["step"]) + 5
             (work / "dap-done").touch()
