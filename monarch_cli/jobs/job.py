@@ -8,16 +8,20 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-from ..runtime.keys import Keys
 from ..config import configure
-from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
+from ..errors import PlanError
+from ..schedulers import Plan, ReserveRequest, Scheduler, get_scheduler
+from ..schedulers.agents import controller_host
 from .errors import JobError
 from .output import OutputSink, list_runs
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
+
+if TYPE_CHECKING:
+    from ..runtime.keys import Keys
 
 Command = Union[str, Sequence[str], Any]  # a command line, an argv list, or a torchx AppDef
 
@@ -68,7 +72,9 @@ class Job:
         self.path = path
 
     @property
-    def keys(self) -> Keys:
+    def keys(self) -> "Keys":
+        from ..runtime.keys import Keys
+
         return Keys.decode(self.state.keys)
 
     @property
@@ -80,10 +86,10 @@ class Job:
         return get_scheduler(self.state.scheduler)
 
     def _hostset(self) -> HostSet:
-        why = self.scheduler.gone(self.state)
-        if why:
+        probe = self.scheduler.probe(self.state)
+        if probe.gone:
             raise StaleReservation(
-                f"reservation {self.state.reservation_id} is gone ({why}); "
+                f"reservation {self.state.reservation_id} is gone ({probe.reason}); "
                 "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
             )
         host = controller_host([h.agent for h in self.state.hosts])
@@ -174,7 +180,8 @@ class Job:
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
         if any(e.lost for e in exits):
-            why = self.scheduler.gone(self.state)
+            probe = self.scheduler.probe(self.state)
+            why = probe.reason if probe.gone else ""
             for e in exits:
                 if why and e.lost:
                     e.lost = f"{e.lost}: {why}"
@@ -238,6 +245,7 @@ class Job:
             "age_seconds": round(time.time() - self.state.created_at, 1),
             "default_command": self.state.default_command,
             "last_run": self.state.last_run,
+            "scheduler_lines": self.scheduler.status_lines(self.state),
             **self.scheduler.describe(self.state),
         }
 
@@ -274,6 +282,18 @@ def _result(run_id: str, exits: List[RankExit], duration: float, log_dir: Path, 
 
 
 # ---------------------------------------------------------------------- entry points
+def _request(backend: Scheduler, command: Command, hosts: Optional[int], preload: Optional[str],
+             agent_port: Optional[int], port_range: Optional[Tuple[int, int]], options: Dict[str, Any]) -> ReserveRequest:
+    argv, nhosts = _command_and_hosts(command, hosts)
+    nhosts = nhosts or backend.default_hosts() or 1
+    if nhosts < 1:
+        raise JobError(f"--hosts must be at least 1, not {nhosts}")
+    if argv:
+        parse_command(argv)  # a bad default command is an error now, not at the first run
+    return ReserveRequest(hosts=nhosts, command=argv, options=backend.check_options(options), preload=preload,
+                          agent_port=agent_port, port_range=port_range)
+
+
 def serve(
     command: Command = None,
     scheduler: str = "local",
@@ -282,32 +302,20 @@ def serve(
     state: Union[str, Path, None] = None,
     replace: bool = False,
     preload: Optional[str] = None,
+    agent_port: Optional[int] = None,
+    port_range: Optional[Tuple[int, int]] = None,
     progress: Optional[Callable[[str], None]] = None,
     **options: Any,
 ) -> Job:
     """Reserve hosts (or reuse a reservation that can serve this request) and return the job."""
     backend = get_scheduler(scheduler)
-    argv, nhosts = _command_and_hosts(command, hosts)
-    nhosts = nhosts or backend.default_hosts() or 1
-    if nhosts < 1:
-        raise JobError(f"--hosts must be at least 1, not {nhosts}")
-    if argv:
-        parse_command(argv)  # a bad default command is an error now, not at the first run
-    request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
+    request = _request(backend, command, hosts, preload, agent_port, port_range, options)
     path = state_path(state)
     say = progress or (lambda _msg: None)
-    try:
-        existing: Optional[Job] = job_load(path)
-    except NoReservation:
-        existing = None
-    except StateError:
-        if not replace:
-            raise
-        say(f"replacing unreadable state file {path}")
-        clear_state(path)
-        existing = None
+    existing = _existing(path, replace, say)
     if existing is not None:
-        why_not = backend.can_serve(existing.state, request)
+        why_not = backend.can_serve(existing.state, request) if existing.state.scheduler == backend.name else \
+            f"it is a {existing.state.scheduler} reservation, not {backend.name}"
         gone = False
         try:
             existing._hostset()
@@ -315,25 +323,71 @@ def serve(
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
-            if argv and argv != existing.state.default_command:
-                existing.state.default_command = argv
+            if request.command and request.command != existing.state.default_command:
+                existing.state.default_command = request.command
                 save_state(existing.state, path)
             return existing
-        if not replace and not gone:
-            raise JobError(
-                f"a reservation already exists at {path} and cannot serve this request ({why_not}); "
-                "use --replace to release it and make a new one, or --state for a second one"
-            )
-        say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
-        existing.stop()
+        _release_for(existing, why_not, replace or gone, path, say)
+    return _reserve(backend, backend.plan(request, path.parent), path, say)
+
+
+def reserve_plan(plan: Union[Plan, Dict[str, Any], str], *, state: Union[str, Path, None] = None,
+                 replace: bool = False, progress: Optional[Callable[[str], None]] = None) -> Job:
+    """Carry out a plan that :func:`dryrun` returned (or its JSON, as ``serve --dry-run --json`` prints it)."""
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    backend = get_scheduler(plan.scheduler)
+    if plan.command:
+        parse_command(plan.command)
+    if backend.check_options(plan.options) != plan.options:
+        raise PlanError(f"the plan's options {plan.options} are not valid {plan.scheduler} options")
+    path = state_path(state)
+    say = progress or (lambda _msg: None)
+    existing = _existing(path, replace, say)
+    if existing is not None:
+        try:
+            existing._hostset()
+            gone = False
+        except StaleReservation:
+            gone = True
+        _release_for(existing, "a plan always makes a new reservation", replace or gone, path, say)
+    return _reserve(backend, plan, path, say)
+
+
+def _existing(path: Path, replace: bool, say: Callable[[str], None]) -> Optional[Job]:
+    try:
+        return job_load(path)
+    except NoReservation:
+        return None
+    except StateError:
+        if not replace:
+            raise
+        say(f"replacing unreadable state file {path}")
+        clear_state(path)
+        return None
+
+
+def _release_for(existing: Job, why_not: str, replace: bool, path: Path, say: Callable[[str], None]) -> None:
+    if not replace:
+        raise JobError(
+            f"a reservation already exists at {path} and cannot serve this request ({why_not}); "
+            "use --replace to release it and make a new one, or --state for a second one"
+        )
+    say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
+    existing.stop()
+
+
+def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None]) -> Job:
+    from ..runtime.keys import Keys
+
     keys = Keys.generate()
-    reservation = backend.reserve(request, keys, path.parent, say)
+    reservation = backend.reserve(plan, keys, say)
     job_state = JobState(
         scheduler=backend.name,
         reservation_id=reservation.reservation_id,
         hosts=reservation.hosts,
         keys=keys.encode(),
-        default_command=argv,
+        default_command=list(plan.command),
         created_at=time.time(),
         scheduler_data=reservation.scheduler_data,
     )
@@ -342,15 +396,12 @@ def serve(
 
 
 def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Optional[int] = None,
-           state: Union[str, Path, None] = None, preload: Optional[str] = None, **options: Any) -> DryRun:
-    """What :func:`serve` would start, without starting anything."""
+           state: Union[str, Path, None] = None, preload: Optional[str] = None, agent_port: Optional[int] = None,
+           port_range: Optional[Tuple[int, int]] = None, **options: Any) -> Plan:
+    """The plan :func:`serve` would carry out, without starting anything; :func:`reserve_plan` carries it out."""
     backend = get_scheduler(scheduler)
-    argv, nhosts = _command_and_hosts(command, hosts)
-    nhosts = nhosts or backend.default_hosts() or 1
-    if argv:
-        parse_command(argv)
-    request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
-    return backend.dryrun(request, state_path(state).parent)
+    request = _request(backend, command, hosts, preload, agent_port, port_range, options)
+    return backend.plan(request, state_path(state).parent)
 
 
 def job_load(path: Union[str, Path, None] = None) -> Job:
