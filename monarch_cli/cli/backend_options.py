@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-import click
 import typer.core
+
+from .click_compat import click
 
 _PREFIX = "backend_opt__"
 DEFAULT_SCHEDULER = "local"

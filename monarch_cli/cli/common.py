@@ -12,9 +12,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Set, TypeVar
 
-import click
 import typer
 from rich.console import Console
+
+from .click_compat import click
 from rich.markup import escape
 
 from ..errors import MonarchError, UserError
@@ -95,7 +96,7 @@ def friendly(fn: F) -> F:
         as_json = _wants_json(kwargs)
         try:
             return fn(*args, **kwargs)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except (typer.Exit, typer.Abort, click.ClickException):
             raise
         except MonarchError as e:
             if _debug["on"] and not isinstance(e, UserError):

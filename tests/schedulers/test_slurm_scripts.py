@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from monarch_cli.errors import UserError
 from monarch_cli.jobs import JobError, dryrun
 from monarch_cli.jobs.slurm_batch import render_batch_script, split_sbatch_options
 
@@ -99,11 +100,11 @@ def test_option_without_its_value_is_an_error() -> None:
     [
         ({"partition": "a b"}, "--partition for Slurm must be non-empty and without spaces"),
         ({"sbatch_args": ["reservation=x"]}, "--sbatch-arg takes one sbatch option"),
-        ({"colour": "blue"}, "unknown Slurm option(s): colour"),
+        ({"colour": "blue"}, "unknown slurm option(s): colour"),
     ],
 )
 def test_bad_slurm_options_are_refused_before_anything_starts(tmp_path: Path, options, needle) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(UserError) as info:
         dryrun(TORCHRUN, "slurm", hosts=1, state=tmp_path / "s.pkl", **options)
     assert needle in str(info.value) and "\n" not in str(info.value)
 
