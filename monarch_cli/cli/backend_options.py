@@ -50,9 +50,9 @@ def _option_params(names: Sequence[str], taken: Sequence[str]) -> List[click.Par
             if opt.type is bool:
                 kwargs.update(is_flag=True, default=False)
             elif opt.type is list:
-                kwargs.update(multiple=True, type=click.STRING, default=(), metavar="<str>")
+                kwargs.update(multiple=True, type=click.types.STRING, default=(), metavar="<str>")
             else:
-                kwargs.update(type=click.INT if opt.type is int else click.STRING, default=None,
+                kwargs.update(type=click.types.INT if opt.type is int else click.types.STRING, default=None,
                               metavar="<int>" if opt.type is int else "<str>")
             params.append(typer.core.TyperOption(param_decls=[*decls, _PREFIX + opt.name], expose_value=False,
                                                  callback=_keep, **kwargs))
