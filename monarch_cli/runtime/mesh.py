@@ -10,9 +10,10 @@ import dataclasses
 import itertools
 import os
 import queue
+import threading
 import sys
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from ..config import settings
 from . import wire
@@ -181,11 +182,16 @@ class ProcMesh(_Mesh):
         members = [ActorRef(p, key) for p in self._members]
         return ActorMesh(self._shape, members, name, endpoints_of(actor_class), actor_class.__name__)
 
-    def stop(self) -> None:
-        """Stop every proc once it has handled what was already sent to it, and wait for it.
+    def stop(self) -> "Future[None]":
+        """Stop every proc once it has handled what was already sent to it; a future of when they are gone.
 
-        Procs that do not stop within ``stop_grace`` get SIGTERM, then SIGKILL.
+        As in Monarch: ``procs.stop().get()`` from threads, ``await procs.stop()`` from
+        coroutines. The stop starts at once, whether or not the future is waited on. Procs
+        that do not stop within ``stop_grace`` get SIGTERM, then SIGKILL.
         """
+        return _in_background(self._stop, f"stop {self._name}")
+
+    def _stop(self) -> None:
         mb = Mailbox.get()
         mb.expect_exit(p.proc_id for p in self._members)
         drained = [
@@ -243,8 +249,11 @@ class ActorMesh(_Mesh):
             )
         return EndpointRef(self, attr)
 
-    def stop(self) -> None:
-        """Remove the actors once the messages already sent to them are handled."""
+    def stop(self) -> "Future[None]":
+        """Remove the actors once the messages already sent to them are handled; a future of when that is done."""
+        return _in_background(self._stop, "stop actors")
+
+    def _stop(self) -> None:
         mb = Mailbox.get()
         futs = [
             mb.request(a.proc.inbox, lambda cid, a=a: ("stop_actor", cid, mb.address, a.key), proc_id=a.proc.proc_id)
@@ -394,3 +403,19 @@ __all__ = [
     "this_host",
     "this_proc",
 ]
+
+
+def _in_background(work: Callable[[], None], name: str) -> "Future[None]":
+    """Run ``work`` on a thread now; its outcome resolves the returned future."""
+    out: Future[None] = Future()
+
+    def _run() -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            out.set_exception(e)
+        else:
+            out.set_result(None)
+
+    threading.Thread(target=_run, name=name, daemon=True).start()
+    return out
