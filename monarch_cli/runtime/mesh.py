@@ -189,16 +189,18 @@ class ProcMesh(_Mesh):
         coroutines. The stop starts at once, whether or not the future is waited on. Procs
         that do not stop within ``stop_grace`` get SIGTERM, then SIGKILL.
         """
-        return _in_background(self._stop, f"stop {self._name}")
-
-    def _stop(self) -> None:
         mb = Mailbox.get()
         mb.expect_exit(p.proc_id for p in self._members)
+        # Sent from the caller's thread, so they queue behind what this thread already sent.
         drained = [
             mb.request(p.inbox, lambda cid: ("stop", cid, mb.address), proc_id=p.proc_id)
             for p in self._members
             if mb.failure_of(p.proc_id) is None
         ]
+        return _in_background(lambda: self._stop(drained), f"stop {self._name}")
+
+    def _stop(self, drained: "List[Future[Any]]") -> None:
+        mb = Mailbox.get()
         for fut in drained:
             try:
                 fut.get(timeout=settings().stop_grace)
@@ -251,15 +253,12 @@ class ActorMesh(_Mesh):
 
     def stop(self) -> "Future[None]":
         """Remove the actors once the messages already sent to them are handled; a future of when that is done."""
-        return _in_background(self._stop, "stop actors")
-
-    def _stop(self) -> None:
         mb = Mailbox.get()
         futs = [
             mb.request(a.proc.inbox, lambda cid, a=a: ("stop_actor", cid, mb.address, a.key), proc_id=a.proc.proc_id)
             for a in self._members
         ]
-        gather(futs).get(timeout=settings().stop_grace + 10)
+        return gather(futs).then(lambda _results: None)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
