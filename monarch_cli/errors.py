@@ -7,7 +7,7 @@ bug and is reported as an internal error, with its traceback kept in a file.
 
 from __future__ import annotations
 
-__all__ = ["MonarchError", "UserError", "JobError", "SchedulerError", "PlanError"]
+__all__ = ["MonarchError", "UserError", "JobError", "SchedulerError", "OptionError", "PlanError"]
 
 
 class MonarchError(Exception):
@@ -41,6 +41,12 @@ class SchedulerError(UserError):
     """A scheduler backend refused or failed (its own words, on one line)."""
 
     kind = "scheduler"
+
+
+class OptionError(UserError, ValueError):
+    """A backend option is unknown or has a bad value (also a ValueError, as it always was)."""
+
+    kind = "option"
 
 
 class PlanError(UserError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Dict, List, Type
 
-from ..errors import UserError
+from ..errors import JobError
 from .base import (HostRecord, Liveness, Option, Plan, Probe, Reservation, ReservationRecord, ReserveRequest, Scheduler,
                    parse_option_pairs)
 
@@ -42,11 +42,11 @@ def scheduler_class(name: str) -> Type[Scheduler]:
     key = ALIASES.get(name, name)
     target = _BUILTIN.get(key) or _entry_points().get(key)
     if target is None:
-        raise UserError(f"unknown scheduler {name!r}; available: {', '.join(available())}")
+        raise JobError(f"unknown scheduler {name!r}; available: {', '.join(available())}")
     module, _, attr = target.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-        raise UserError(f"scheduler {name!r} ({target}) is not a monarch_cli.schedulers.Scheduler")
+        raise JobError(f"scheduler {name!r} ({target}) is not a monarch_cli.schedulers.Scheduler")
     return cls
 
 

@@ -18,7 +18,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ..errors import PlanError, UserError
+from ..errors import OptionError, PlanError
 
 if TYPE_CHECKING:  # Keys pulls in zmq: planning and the CLI's help do not need it
     from ..runtime.keys import Keys
@@ -61,12 +61,12 @@ class Option:
                 return True
             if low in ("0", "false", "no", "off"):
                 return False
-            raise UserError(f"-o {self.name}= takes true or false, not {text!r}")
+            raise OptionError(f"-o {self.name}= takes true or false, not {text!r}")
         if self.type is int:
             try:
                 return int(text)
             except ValueError:
-                raise UserError(f"-o {self.name}= takes a whole number, not {text!r}") from None
+                raise OptionError(f"-o {self.name}= takes a whole number, not {text!r}") from None
         if self.type is list:
             return [text]
         return text
@@ -80,10 +80,10 @@ def parse_option_pairs(pairs: Sequence[str], options: Sequence[Option], schedule
         key, eq, text = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not eq or not key:
-            raise UserError(f"-o takes key=value, not {pair!r}")
+            raise OptionError(f"-o takes key=value, not {pair!r}")
         if key not in known:
             names = ", ".join(known) or "none"
-            raise UserError(f"the {scheduler} scheduler has no option {key!r}; its options: {names}")
+            raise OptionError(f"the {scheduler} scheduler has no option {key!r}; its options: {names}")
         value = known[key].parse(text)
         values[key] = [*values.get(key, []), *value] if known[key].type is list else value
     return values
@@ -224,8 +224,8 @@ class Scheduler(abc.ABC):
         if unknown:
             if not known:
                 flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
-                raise UserError(f"the {self.name} scheduler takes no options (got {flags})")
-            raise UserError(f"unknown {self.name} option(s): {', '.join(unknown)}; known: {', '.join(known)}")
+                raise OptionError(f"the {self.name} scheduler takes no options (got {flags})")
+            raise OptionError(f"unknown {self.name} option(s): {', '.join(unknown)}; known: {', '.join(known)}")
         return {k: v for k, v in options.items() if v is not None and v is not False and v != []}
 
     def check_plan(self, plan: Plan) -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import psutil
 
-from ...errors import PlanError, UserError
+from ...errors import OptionError, PlanError, UserError
 from ...runtime.agent_command import format_port_range
 from ...sysutil import signal_if_alive
 from ..agents import read_address_files, wait_for_agents
@@ -316,7 +316,7 @@ def _check_options(options: Dict[str, Any]) -> Dict[str, Any]:
             value = [value] if isinstance(value, str) else list(value)
             for arg in value:
                 if "\n" in str(arg) or not str(arg).startswith("-"):
-                    raise UserError(f"--sbatch-arg takes one sbatch option such as --reservation=x, not {arg!r}")
+                    raise OptionError(f"--sbatch-arg takes one sbatch option such as --reservation=x, not {arg!r}")
             checked[key] = [str(a) for a in value]
         elif key == "exclusive":
             checked[key] = bool(value)
@@ -328,7 +328,7 @@ def _check_options(options: Dict[str, Any]) -> Dict[str, Any]:
 
 def _no_whitespace(value: str, what: str) -> None:
     if not value or any(c.isspace() for c in value):
-        raise UserError(f"{what} for Slurm must be non-empty and without spaces, not {value!r}")
+        raise OptionError(f"{what} for Slurm must be non-empty and without spaces, not {value!r}")
 
 
 def _plain(options: Dict[str, Any]) -> Dict[str, Any]:
@@ -355,7 +355,7 @@ def _allocation_options(options: Dict[str, Any]) -> None:
     moot = sorted(k for k in options if k != "gpus_per_node")
     if moot:
         flags = ", ".join("--" + k.replace("_", "-") for k in moot)
-        raise UserError(f"inside Slurm allocation {allocation_id()}, {flags} cannot apply (the allocation is "
+        raise OptionError(f"inside Slurm allocation {allocation_id()}, {flags} cannot apply (the allocation is "
                          "already made); leave them out, or run `monarch serve` outside the allocation")
 
 
