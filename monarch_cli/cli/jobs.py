@@ -209,7 +209,8 @@ def status_cmd(
                       "-" if h["ranks_running"] is None else str(h["ranks_running"]))
     out.print(table)
     if info["default_command"]:
-        out.print(f"default command: {escape(shlex.join(info['default_command']))}")
+        where = f"  (in {info['default_cwd']})" if info.get("default_cwd") else ""
+        out.print(f"default command: {escape(shlex.join(info['default_command']))}{escape(where)}")
     last = info["last_run"]
     if last:
         outcome = "[green]ok[/]" if last["exit_code"] == 0 else f"[red]exit {last['exit_code']}[/]"
@@ -225,13 +226,17 @@ def stop_cmd(
     force: bool = typer.Option(False, "--force", help="Also clear an unreadable state file."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Release the reservation; none of its processes is left."""
+    """Release the reservation; none of its processes is left. Nothing to stop is not an error."""
     from ..jobs import job_load
 
     try:
         job = job_load(state)
-    except StateError as e:
-        if not force or isinstance(e, NoReservation):
+    except NoReservation:
+        _done_msg(as_json, {"stopped": None, "message": "nothing to stop"},
+                  f"nothing to stop: no reservation at {state_path(state)}")
+        return
+    except StateError:
+        if not force:
             raise
         clear_state(state_path(state))
         _done_msg(as_json, {"stopped": None, "cleared": str(state_path(state))}, "cleared the unreadable state file")

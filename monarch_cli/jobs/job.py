@@ -114,6 +114,10 @@ class Job:
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
+        The served command runs in the directory it was served from, so its relative paths
+        mean what they meant to ``serve``; ``command`` runs in the current directory, as any
+        command line typed here would.
+
         Every rank's output streams to ``stdout``/``stderr`` with a ``[rankN]`` prefix and is
         kept in ``logs_root/<run-id>/rank<N>.log``. A rank that calls ``breakpoint()`` pauses
         and is announced through ``on_event``; ``monarch debug`` attaches to it. With
@@ -122,6 +126,7 @@ class Job:
         batch job's time-limit warning reaches the training script.
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
+        cwd = self.state.default_cwd if command is None else None
         if not argv:
             raise JobError("no command to run: give one after `--`, or serve with a default command")
         spec = parse_command(argv)
@@ -139,8 +144,8 @@ class Job:
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                 post_mortem=post_mortem)
-            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt)
+                                 post_mortem=post_mortem, cwd=cwd)
+            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
                                    on_notice=say if attempt == 0 else None, forward_signals=forward_signals)
@@ -188,7 +193,7 @@ class Job:
 
     def _sink(self, spec: SpmdSpec, launches: List[Launch], log_dir: Path, ranks: Optional[Set[int]],
               color: Optional[bool], stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
-              run_id: str, attempt: int) -> OutputSink:
+              run_id: str, attempt: int, cwd: Optional[str] = None) -> OutputSink:
         labels = {l.rank: l.label for l in launches}
         nproc = 1 + max(int(l.spec["env"]["LOCAL_RANK"]) for l in launches)
         shown = set(labels) if ranks is None else set(ranks)
@@ -197,7 +202,7 @@ class Job:
         hidden = {r: _streams(spec.redirects, r % nproc) for r in labels}
         extra = {}
         if spec.log_dir:  # torchrun's layout, as well as ours
-            base = Path(spec.log_dir) / run_id / f"attempt_{attempt}"
+            base = Path(cwd or ".") / spec.log_dir / run_id / f"attempt_{attempt}"  # relative to the ranks' cwd
             for r in labels:
                 extra[(r, 1)] = base / str(r) / "stdout.log"
                 extra[(r, 2)] = base / str(r) / "stderr.log"
@@ -244,6 +249,7 @@ class Job:
             "stale": stale,
             "age_seconds": round(time.time() - self.state.created_at, 1),
             "default_command": self.state.default_command,
+            "default_cwd": self.state.default_cwd,
             "last_run": self.state.last_run,
             "scheduler_lines": self.scheduler.status_lines(self.state),
             **self.scheduler.describe(self.state),
@@ -305,13 +311,19 @@ def serve(
     agent_port: Optional[int] = None,
     port_range: Optional[Tuple[int, int]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    cwd: Union[str, Path, None] = None,
     **options: Any,
 ) -> Job:
-    """Reserve hosts (or reuse a reservation that can serve this request) and return the job."""
+    """Reserve hosts (or reuse a reservation that can serve this request) and return the job.
+
+    The served command will run in ``cwd`` (default: the current directory), wherever
+    ``run_spmd()`` is later called from, so its relative paths keep their meaning.
+    """
     backend = get_scheduler(scheduler)
     request = _request(backend, command, hosts, preload, agent_port, port_range, options)
     path = state_path(state)
     say = progress or (lambda _msg: None)
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if request.command else None
     existing = _existing(path, replace, say)
     if existing is not None:
         why_not = backend.can_serve(existing.state, request) if existing.state.scheduler == backend.name else \
@@ -323,17 +335,22 @@ def serve(
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
-            if request.command and request.command != existing.state.default_command:
-                existing.state.default_command = request.command
+            argv = request.command
+            if argv and (argv, served_in) != (existing.state.default_command, existing.state.default_cwd):
+                existing.state.default_command, existing.state.default_cwd = argv, served_in
                 save_state(existing.state, path)
             return existing
         _release_for(existing, why_not, replace or gone, path, say)
-    return _reserve(backend, backend.plan(request, path.parent), path, say)
+    return _reserve(backend, backend.plan(request, path.parent), path, say, served_in)
 
 
 def reserve_plan(plan: Union[Plan, Dict[str, Any], str], *, state: Union[str, Path, None] = None,
-                 replace: bool = False, progress: Optional[Callable[[str], None]] = None) -> Job:
-    """Carry out a plan that :func:`dryrun` returned (or its JSON, as ``serve --dry-run --json`` prints it)."""
+                 replace: bool = False, cwd: Union[str, Path, None] = None,
+                 progress: Optional[Callable[[str], None]] = None) -> Job:
+    """Carry out a plan that :func:`dryrun` returned (or its JSON, as ``serve --dry-run --json`` prints it).
+
+    The plan's command will run in ``cwd`` (default: the current directory), as with :func:`serve`.
+    """
     if not isinstance(plan, Plan):
         plan = Plan.from_json(plan)
     backend = get_scheduler(plan.scheduler)
@@ -351,7 +368,8 @@ def reserve_plan(plan: Union[Plan, Dict[str, Any], str], *, state: Union[str, Pa
         except StaleReservation:
             gone = True
         _release_for(existing, "a plan always makes a new reservation", replace or gone, path, say)
-    return _reserve(backend, plan, path, say)
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if plan.command else None
+    return _reserve(backend, plan, path, say, served_in)
 
 
 def _existing(path: Path, replace: bool, say: Callable[[str], None]) -> Optional[Job]:
@@ -377,7 +395,7 @@ def _release_for(existing: Job, why_not: str, replace: bool, path: Path, say: Ca
     existing.stop()
 
 
-def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None]) -> Job:
+def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: Optional[str]) -> Job:
     from ..runtime.keys import Keys
 
     keys = Keys.generate()
@@ -390,6 +408,7 @@ def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], No
         default_command=list(plan.command),
         created_at=time.time(),
         scheduler_data=reservation.scheduler_data,
+        default_cwd=served_in,
     )
     save_state(job_state, path)
     return Job(job_state, path)

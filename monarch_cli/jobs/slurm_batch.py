@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..schedulers import get_scheduler
-from ..schedulers.slurm.commands import SlurmError, allocation_id, job_info, parse_job_id, submit, submit_and_wait
+from ..schedulers.slurm.commands import (SlurmError, allocation_id, job_info, job_workdir, parse_job_id, submit,
+                                         submit_and_wait)
 from ..schedulers.slurm.scheduler import load_template, sbatch_lines
 from ..sysutil import atomic_write
 from .errors import JobError
-from .state import state_path
+from .state import find_state_dir, state_path
 from .torchrun import parse_command
 
 #: Signals a batch run relays to its ranks: Slurm's usual warning signals before a time limit
@@ -135,14 +135,23 @@ def submit_batch(command: Sequence[str], options: Sequence[str], state: Optional
     return submit_and_wait(path, on_submitted or (lambda _id: None))
 
 
-def batch_dir(job_id: str, state: Optional[Path] = None, scheduler: str = "slurm") -> Path:
+def batch_dir(job_id: str, state: Optional[Path] = None) -> Path:
     """Where a batch job keeps its state, result and logs (by the submitting directory's state path)."""
-    found = get_scheduler(scheduler).batch_dir(job_id, state_path(state).parent)
-    if found is None:
-        local = state_path(state).parent.resolve() / "slurm" / f"job-{job_id}"
-        raise JobError(f"no monarch batch job {job_id}: nothing at {local}, and Slurm does not know the job "
-                       "(run this where you ran `monarch sbatch`, or pass the same --state)")
-    return found
+    if not job_id.isdigit():
+        raise JobError(f"--job takes a Slurm job id (a number), not {job_id!r}")
+    local = state_path(state).parent.resolve() / "slurm" / f"job-{job_id}"
+    if local.exists():
+        return local
+    info = job_info(job_id) or {}
+    workdir = job_workdir(job_id) if info else None
+    if workdir is not None:
+        candidate = (find_state_dir(workdir) or workdir / ".monarch") / "slurm" / f"job-{job_id}"
+        if candidate.exists():
+            return candidate
+    if info:
+        return local  # known to Slurm, not started yet: this is where it will be
+    raise JobError(f"no monarch batch job {job_id}: nothing at {local}, and Slurm does not know the job "
+                   "(run this where you ran `monarch sbatch`, or pass the same --state)")
 
 
 def batch_status(job_id: str, state: Optional[Path] = None) -> Dict[str, Any]:

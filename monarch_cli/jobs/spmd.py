@@ -335,8 +335,9 @@ def plan_spmd(
     restart_count: int = 0,
     environ: Optional[Dict[str, str]] = None,
     post_mortem: bool = False,
+    cwd: Optional[str] = None,
 ) -> List[Launch]:
-    """Place ranks on hosts and build each one's environment and program."""
+    """Place ranks on hosts and build each one's environment and program (run in ``cwd``, default here)."""
     hosts = hostset.hosts
     nnodes = spec.nnodes or len(hosts)
     if nnodes > len(hosts):
@@ -355,7 +356,7 @@ def plan_spmd(
     if port is None:
         raise JobError("no master port")
     launches = []
-    cwd = os.getcwd()
+    cwd = cwd or os.getcwd()
     for node in range(nnodes):
         for local in range(nproc):
             env = {

@@ -251,10 +251,6 @@ class Scheduler(abc.ABC):
         """Backend facts for ``monarch status``, a few plain lines."""
         return []
 
-    def batch_dir(self, job_id: str, state_root: Path) -> Optional[Path]:
-        """Where a batch job of this backend keeps its state and logs (None: no batch jobs)."""
-        return None
-
 
 __all__ = ["HostRecord", "Option", "ReserveRequest", "Plan", "Reservation", "ReservationRecord", "Liveness", "Probe",
            "Scheduler", "Progress", "parse_option_pairs"]

@@ -106,6 +106,9 @@ def test_serve_reuses_a_matching_reservation_and_replaces_only_when_asked(tmp_pa
         again = serve(["torchrun", "--nproc-per-node=1", "train.py"], hosts=1, state=state)
         assert again.state.reservation_id == first.state.reservation_id
         assert job_load(state).state.default_command == ["torchrun", "--nproc-per-node=1", "train.py"]
+        assert job_load(state).state.default_cwd == os.getcwd()  # where its relative paths resolve
+        serve(["torchrun", "--nproc-per-node=1", "train.py"], hosts=1, state=state, cwd=tmp_path)
+        assert job_load(state).state.default_cwd == str(tmp_path)  # the same command, served from elsewhere
 
         with pytest.raises(JobError) as info:
             serve(None, hosts=2, state=state)

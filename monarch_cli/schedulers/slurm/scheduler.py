@@ -32,7 +32,7 @@ from ...sysutil import signal_if_alive
 from ..agents import read_address_files, wait_for_agents
 from ..base import (HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest,
                     Scheduler)
-from .commands import SlurmError, allocation_id, find_step, hostnames, job_info, job_workdir, run, steps, submit
+from .commands import SlurmError, allocation_id, find_step, hostnames, job_info, run, steps, submit
 
 if TYPE_CHECKING:
     from ...runtime.keys import Keys
@@ -208,23 +208,6 @@ class SlurmScheduler(Scheduler):
 
     def status_lines(self, reservation: ReservationRecord) -> List[str]:
         return [slurm_line(self.describe(reservation)["slurm"])]
-
-    def batch_dir(self, job_id: str, state_root: Path) -> Optional[Path]:
-        """Where a ``monarch sbatch`` job keeps its state, result and logs (by the submitting directory)."""
-        if not job_id.isdigit():
-            raise UserError(f"--job takes a Slurm job id (a number), not {job_id!r}")
-        local = state_root.resolve() / "slurm" / f"job-{job_id}"
-        if local.exists():
-            return local
-        info = job_info(job_id) or {}
-        workdir = job_workdir(job_id) if info else None
-        if workdir is not None:
-            candidate = workdir / ".monarch" / "slurm" / f"job-{job_id}"
-            if candidate.exists():
-                return candidate
-        if info:
-            return local  # known to Slurm, not started yet: this is where it will be
-        return None
 
     # ----------------------------------------------------------- releasing
     def release(self, reservation: ReservationRecord) -> None:
