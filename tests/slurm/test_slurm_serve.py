@@ -297,8 +297,9 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
 
 def test_serve_reserves_exactly_the_plan_a_dry_run_printed(slurm_cluster, tmp_path):
     job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
+    write_script(tmp_path, "planned.py", "print('planned')\n")
     printed = job("serve", "--scheduler", "slurm", "--nodes", "2", "-o", "time=30", "--dry-run", "--json", "--",
-                  "python", "-c", "print('planned')")
+                  "python", "planned.py")
     assert printed.returncode == 0, printed.stderr
     plan = json.loads(printed.stdout)
     assert plan["scheduler"] == "slurm" and plan["options"] == {"time": "30"} and "keys" not in plan["data"]
