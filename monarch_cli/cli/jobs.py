@@ -122,17 +122,23 @@ def run_spmd_cmd(
     cold: bool = typer.Option(False, "--cold", help="Start ranks in fresh interpreters (skip the warm start)."),
     color: Optional[bool] = typer.Option(None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."),
     post_mortem: bool = typer.Option(False, "--post-mortem", help="Keep a rank that raises paused in pdb at the failing frame."),
+    straggler_grace: float = typer.Option(30.0, "--straggler-grace", min=0, metavar="SECONDS",
+                                          help="Name the ranks still running this long after the first one ended."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Run the served command (or the one after `--`) on every host of the reservation."""
+    """Run the served command (or the one after `--`) on every host of the reservation.
+
+    Ctrl-C sends SIGINT to the ranks, a second Ctrl-C kills them. SIGTERM, SIGHUP or SIGQUIT
+    to monarch is forwarded to the ranks, which get torchrun's --shutdown-timeout (30 s)
+    before SIGKILL; the exit status is then 128+N. A run whose reservation is stopped exits 254.
+    """
     from ..jobs import job_load
 
     job = job_load(state)
     rank_set = parse_ranks(ranks)
     stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
-                          post_mortem=post_mortem,
-                          on_event=lambda msg: err.print(f"[yellow]monarch:[/] {escape(msg)}"))
+                          post_mortem=post_mortem, straggler_grace=straggler_grace, on_event=_say)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -154,7 +160,7 @@ def exec_cmd(
     from ..jobs import job_load
 
     job = job_load(state)
-    result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None)
+    result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None, on_event=_say)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -165,6 +171,8 @@ def exec_cmd(
             mark = "[green]exit 0[/]" if r.ok else f"[red]{escape(r.how)}[/]"
             table.add_row(r.label, mark, f"{r.duration:.2f}s")
         err.print(table)
+        if result.ending:
+            err.print(f"[red]✗[/] {escape(result.ending)}; exit status {result.exit_code}")
     raise typer.Exit(result.exit_code)
 
 
@@ -242,8 +250,9 @@ def stop_cmd(
         _done_msg(as_json, {"stopped": None, "cleared": str(state_path(state))}, "cleared the unreadable state file")
         return
     rid = job.state.reservation_id
-    job.stop()
-    _done_msg(as_json, {"stopped": rid}, f"released reservation {rid}")
+    ended = job.stop()
+    told = f" (run {', '.join(ended)} in progress was told and ends with exit status 254)" if ended else ""
+    _done_msg(as_json, {"stopped": rid, "runs_ended": ended}, f"released reservation {rid}{told}")
 
 
 @app.command("logs")
@@ -321,7 +330,7 @@ def _render_result(result: "RunResult") -> None:
     if result.exit_code == 0:
         err.print(f"[green]✓[/] {n} rank(s) finished in [bold]{result.duration:.2f} s[/] (run {result.run_id})")
         return
-    headline = "interrupted" if result.interrupted else f"rank {result.first_failure.rank} failed first"
+    headline = result.ending or f"rank {result.first_failure.rank} failed first"
     err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
     table = Table(header_style="bold", show_lines=False)
     for col in ("rank", "host", "status", "time", "last output"):
@@ -331,6 +340,10 @@ def _render_result(result: "RunResult") -> None:
         table.add_row(str(r.rank), r.host, status, f"{r.duration:.2f}s", escape("\n".join(r.tail[-3:])))
     err.print(table)
     err.print(f"full logs: {result.log_dir}  (monarch logs {result.run_id} --rank N)")
+
+
+def _say(msg: str) -> None:
+    err.print(f"[yellow]monarch:[/] {escape(msg)}")
 
 
 def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> None:

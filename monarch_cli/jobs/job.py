@@ -10,18 +10,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
+from ..runtime.keys import Keys
+from ..runtime.mailbox import Mailbox
 from ..config import configure
 from ..errors import PlanError
 from ..schedulers import Plan, ReserveRequest, Scheduler, get_scheduler
 from ..schedulers.agents import controller_host
 from .errors import JobError
+from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
 from .output import OutputSink, list_runs
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
-
-if TYPE_CHECKING:
-    from ..runtime.keys import Keys
 
 Command = Union[str, Sequence[str], Any]  # a command line, an argv list, or a torchx AppDef
 
@@ -72,9 +72,7 @@ class Job:
         self.path = path
 
     @property
-    def keys(self) -> "Keys":
-        from ..runtime.keys import Keys
-
+    def keys(self) -> Keys:
         return Keys.decode(self.state.keys)
 
     @property
@@ -111,6 +109,8 @@ class Job:
         on_event: Optional[Callable[[str], None]] = None,
         post_mortem: bool = False,
         forward_signals: Sequence[int] = (),
+        shutdown_timeout: Optional[float] = None,
+        straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
@@ -123,7 +123,11 @@ class Job:
         and is announced through ``on_event``; ``monarch debug`` attaches to it. With
         ``post_mortem``, a rank that raises stays paused at the failing frame.
         ``forward_signals`` (main thread only) are relayed to every rank while it runs, so a
-        batch job's time-limit warning reaches the training script.
+        batch job's time-limit warning reaches the training script. SIGTERM, SIGHUP and
+        SIGQUIT to the caller are forwarded and end the run as torchrun does: ranks get
+        ``shutdown_timeout`` seconds (default: torchrun's ``--shutdown-timeout``, then
+        ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30) before SIGKILL. Ranks still running
+        ``straggler_grace`` seconds after the first one ended are named through ``on_event``.
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         cwd = self.state.default_cwd if command is None else None
@@ -140,7 +144,9 @@ class Job:
         started = time.monotonic()
         exits: List[RankExit] = []
         attempt = 0
-        runner = SpmdRunner(hostset, log_dir, grace=grace)
+        runner = SpmdRunner(hostset, log_dir, grace=grace, say=say, straggler_grace=straggler_grace,
+                            shutdown_timeout=shutdown_timeout_from(
+                                shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout))
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
@@ -153,16 +159,16 @@ class Job:
                 sink.close()
             self._explain_losses(exits)
             failed = [e for e in exits if not e.ok]
-            if not failed or runner.interrupted or attempt >= spec.max_restarts:
+            if not failed or runner.ended_from_outside or attempt >= spec.max_restarts:
                 break
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
-        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.interrupted)
+        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control)
         self._record(result, argv)
         return result
 
     def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
-             stderr: Optional[BinaryIO] = None) -> RunResult:
+             stderr: Optional[BinaryIO] = None, on_event: Optional[Callable[[str], None]] = None) -> RunResult:
         """Run a shell command on every host; output is prefixed with the host's name."""
         argv = [command] if isinstance(command, str) else [str(c) for c in command]  # a string: for sh -c
         if not argv or not "".join(argv).strip():
@@ -173,14 +179,15 @@ class Job:
         launches = plan_exec(argv, hostset)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()
-        runner = SpmdRunner(hostset, log_dir, grace=float("inf"))
+        runner = SpmdRunner(hostset, log_dir, grace=float("inf"), say=on_event, straggler_grace=float("inf"),
+                            shutdown_timeout=shutdown_timeout_from(None))
         try:
             exits = runner.run(launches, run_id, sink)
         finally:
             sink.close()
         exits.sort(key=lambda e: e.rank)
         self._explain_losses(exits)
-        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.interrupted)
+        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control)
 
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
@@ -255,13 +262,57 @@ class Job:
             **self.scheduler.describe(self.state),
         }
 
-    def stop(self) -> None:
-        """Release the reservation and forget it."""
+    def stop(self, by: str = "monarch stop") -> List[str]:
+        """Release the reservation and forget it; returns the runs that were in progress.
+
+        Those runs are told first who stopped them (``by``, this pid, user@host), so they end
+        saying so, with exit status 254, instead of as lost hosts.
+        """
+        ended = self._announce_stop(by)
         self.scheduler.release(self.state)
         clear_state(self.path)
+        return ended
+
+    def _announce_stop(self, by: str, timeout: float = 2.0) -> List[str]:
+        """Best effort: an agent that does not answer in ``timeout`` has no run to tell."""
+        if self.scheduler.probe(self.state).gone:
+            return []
+        host = controller_host([h.agent for h in self.state.hosts])
+        if host is not None:
+            configure(host=host)
+        mb = Mailbox.for_keys(self.keys)
+        who = _stopper(by)
+        asks = [mb.request(h.agent, lambda cid: ("stopping", cid, mb.address, who)) for h in self.state.hosts]
+        deadline = time.monotonic() + timeout
+        ended: Set[str] = set()
+        for ask in asks:
+            try:
+                ended.update(ask.get(timeout=max(0.01, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - a dead or old agent: nothing to tell
+                pass
+        return sorted(ended)
 
     def runs(self) -> List[Path]:
         return list_runs(self.logs_root)
+
+
+def _stopper(by: str) -> str:
+    """``monarch stop (pid 123, from alice@login1 on /dev/pts/4)``: enough to find who and where."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    tty = ""
+    for fd in (0, 1, 2):
+        try:
+            tty = f" on {os.ttyname(fd)}"
+            break
+        except OSError:
+            continue
+    return f"{by} (pid {os.getpid()}, from {user}@{socket.gethostname()}{tty})"
 
 
 def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
@@ -282,9 +333,14 @@ def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:
 
 
 def _result(run_id: str, exits: List[RankExit], duration: float, log_dir: Path, restarts: int,
-            interrupted: bool) -> RunResult:
+            control: Optional[RunControl]) -> RunResult:
     first = next((e for e in exits if not e.ok), None)
-    return RunResult(run_id, first.status if first else 0, exits, duration, log_dir, first, restarts, interrupted)
+    status = first.status if first else 0
+    if control is None:
+        return RunResult(run_id, status, exits, duration, log_dir, first, restarts)
+    return RunResult(run_id, control.exit_code(status), exits, duration, log_dir, first, restarts,
+                     interrupted=control.interrupts > 0, ending=control.ending(), received_signal=control.received,
+                     stopped_by=control.stopped_by, stragglers=control.stragglers)
 
 
 # ---------------------------------------------------------------------- entry points
@@ -392,12 +448,10 @@ def _release_for(existing: Job, why_not: str, replace: bool, path: Path, say: Ca
             "use --replace to release it and make a new one, or --state for a second one"
         )
     say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
-    existing.stop()
+    existing.stop(by="monarch serve --replace")
 
 
 def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: Optional[str]) -> Job:
-    from ..runtime.keys import Keys
-
     keys = Keys.generate()
     reservation = backend.reserve(plan, keys, say)
     job_state = JobState(

@@ -195,6 +195,9 @@ class HostAgent:
         elif kind == "signal_ranks":
             _, cid, reply_to, run_id, sig = header
             self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
+        elif kind == "stopping":  # the reservation is being released: tell running runs who did it
+            _, cid, reply_to, who = header
+            self.reply(reply_to, cid, True, self.ranks.announce_stop(who))
         elif kind == "spawn_procs":
             _, cid, reply_to = header
             specs, client_settings, import_context = wire.loads(body)

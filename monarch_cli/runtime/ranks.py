@@ -129,6 +129,20 @@ class RankHost:
                 hit += 1
         return hit
 
+    def announce_stop(self, who: str) -> List[str]:
+        """Tell each run with ranks here that ``who`` is releasing the reservation; returns those runs.
+
+        Sent as ``("event", "reservation_stopped", run_id, agent address, who)`` before the
+        agent is stopped, so the run ends saying why instead of as a lost host.
+        """
+        runs: Dict[Tuple[str, str], None] = {}
+        for rank in (*self.by_pid.values(), *self.pending.values()):
+            if rank.status is None:
+                runs[(rank.owner, rank.run_id)] = None
+        for owner, run_id in runs:
+            self.agent.send(owner, ("event", "reservation_stopped", run_id, self.agent.address, who))
+        return sorted({run_id for _, run_id in runs})
+
     def reap_owner(self, owner: str) -> None:
         for rank in self.by_pid.values():
             if rank.owner == owner and rank.status is None:
