@@ -72,11 +72,19 @@ class RankHost:
     # ---------------------------------------------------------------- requests
     def reserve_port(self, run_id: str) -> int:
         """Bind and listen now, keep it open, hand the socket to rank 0 later: no race."""
-        from ..config import advertised_host
+        from ..config import advertised_host, bind_port_candidates
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((advertised_host(), 0))
+        candidates = bind_port_candidates()
+        for i, port in enumerate(candidates):
+            try:
+                sock.bind((advertised_host(), port))
+                break
+            except OSError:
+                if i == len(candidates) - 1:
+                    sock.close()
+                    raise
         sock.listen(128)
         self.ports[run_id] = sock
         self.port_held_at[run_id] = time.monotonic()
