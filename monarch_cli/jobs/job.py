@@ -14,7 +14,7 @@ from ..runtime.keys import Keys
 from ..config import configure
 from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
 from .errors import JobError
-from .output import OutputSink, list_runs
+from .output import OutputSink, list_runs, new_run_dir
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
@@ -121,7 +121,7 @@ class Job:
         spec = parse_command(argv)
         hostset = self._hostset()
         run_id = new_run_id()
-        log_dir = self.logs_root / run_id
+        log_dir = new_run_dir(self.logs_root, run_id)
         say = on_event or (lambda _msg: None)
         if spec.moot_flags():
             say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
@@ -158,7 +158,7 @@ class Job:
             raise JobError("no command given to exec")
         hostset = self._hostset()
         run_id = "exec-" + new_run_id()
-        log_dir = self.logs_root / run_id
+        log_dir = new_run_dir(self.logs_root, run_id)
         launches = plan_exec(argv, hostset)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()
