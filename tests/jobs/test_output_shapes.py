@@ -206,6 +206,40 @@ def test_a_slow_console_does_not_make_hosts_look_lost(job: Job, tmp_path: Path) 
         f"[rank{r}] step {i}".encode() for r in range(4) for i in range(6))
 
 
+@pytest.mark.slow
+def test_a_console_that_stops_reading_holds_the_ranks_back(job: Job, tmp_path: Path) -> None:
+    """As under torchrun, a rank that writes faster than the console takes blocks in write():
+    output does not pile up in memory between them (hosts send only a window ahead)."""
+    marker = tmp_path / "finished-writing"
+    script = write_script(tmp_path, "flood.py", f"""
+        import sys
+        block = b"f" * 65536
+        for _ in range(512):  # 32 MiB
+            sys.stdout.buffer.write(block)
+        sys.stdout.flush()
+        open({str(marker)!r}, "w").close()
+    """)
+    seen_during_stall: List[bool] = []
+
+    class StalledConsole(io.BytesIO):
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            if not seen_during_stall:  # the first write stalls, like a terminal paused with Ctrl-S
+                deadline = time.monotonic() + 4
+                while not marker.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                seen_during_stall.append(marker.exists())
+            return super().write(data)
+
+    out = StalledConsole()
+    result = job.run_spmd(["torchrun", "--nproc-per-node=1", str(script)], stdout=out, stderr=io.BytesIO(),
+                          ranks={0})
+    assert result.exit_code == 0, [r.how for r in result.ranks]
+    assert seen_during_stall == [False]  # the rank could not finish writing while the console stalled
+    assert marker.exists()
+    assert (result.log_dir / "rank0.log").read_bytes() == b"f" * (32 << 20)
+    assert out.getvalue().replace(b"[rank0] ", b"").replace(b"\n", b"") == b"f" * (32 << 20)
+
+
 def test_heartbeats_go_on_while_a_handler_holds_the_io_thread(job: Job) -> None:
     """A handler busy for longer than the heartbeat timeout (say, output to a terminal the
     user paused) must not make a live agent look lost: heartbeats have their own thread."""
