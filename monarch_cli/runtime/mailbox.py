@@ -363,12 +363,10 @@ class Mailbox:
         watching.register(reply_fd, zmq.POLLIN)
         while not self._closing:
             now = time.monotonic()
-            timeout = 1.0
-            if self._more:
-                timeout = 0.0
+            timeout = 0.0 if self._more else 1.0  # more queued: read it now
             if now < self._backoff_until:
                 poller = backing_off
-                timeout = min(timeout, self._backoff_until - now)
+                timeout = self._backoff_until - now
             else:
                 poller = watching
             events = dict(poller.poll(max(0.0, timeout) * 1000))
