@@ -177,14 +177,16 @@ class SpmdRunner:
             _, _, rid, rank, stream = header
             if rid == run_id and rank in by_rank:
                 data = bytes(body[0])
-                sink.write(rank, stream, data)
-                # Credit once printed: a host sends only a window ahead, so a slow console
-                # holds the ranks back instead of letting output pile up in memory.
-                node = by_rank[rank].node
-                owed[node] += len(data)
-                if owed[node] >= _CREDIT_EVERY:
-                    mb.send(self.hs.hosts[node].agent, ("output_credit", run_id, owed[node]))
-                    owed[node] = 0
+                try:
+                    sink.write(rank, stream, data)
+                finally:  # credited even if the console failed (a closed pipe): never stall the ranks
+                    # Credit once printed: a host sends only a window ahead, so a slow console
+                    # holds the ranks back instead of letting output pile up in memory.
+                    node = by_rank[rank].node
+                    owed[node] += len(data)
+                    if owed[node] >= _CREDIT_EVERY:
+                        mb.send(self.hs.hosts[node].agent, ("output_credit", run_id, owed[node]))
+                        owed[node] = 0
 
         def finish(rank: int, exit_: RankExit) -> None:
             with lock:
