@@ -240,6 +240,33 @@ def test_a_console_that_stops_reading_holds_the_ranks_back(job: Job, tmp_path: P
     assert out.getvalue().replace(b"[rank0] ", b"").replace(b"\n", b"") == b"f" * (32 << 20)
 
 
+@pytest.mark.slow
+def test_a_console_that_fails_does_not_stall_the_ranks(job: Job, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """A console that raises (a closed pipe) still lets the output through to the log:
+    the ranks are credited whatever the console did, so they never wait for ever."""
+
+    class ClosedConsole(io.BytesIO):
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            raise BrokenPipeError(32, "Broken pipe")
+
+    script = write_script(tmp_path, "lots.py", """
+        import sys
+        for i in range(300_000):
+            sys.stdout.write(f"line {i:06d} {'x' * 40}\\n")
+    """)
+    results: list = []
+    runner = threading.Thread(target=lambda: results.append(job.run_spmd(
+        ["torchrun", "--nproc-per-node=1", str(script)], stdout=ClosedConsole(), stderr=io.BytesIO(), ranks={0})))
+    runner.start()
+    runner.join(120)
+    capfd.readouterr()  # the failed writes' reports
+    assert results, "the run stalled behind a console that failed"
+    result = results[0]
+    assert result.exit_code == 0, [r.how for r in result.ranks]
+    want = "".join(f"line {i:06d} {'x' * 40}\n" for i in range(300_000)).encode()
+    assert (result.log_dir / "rank0.log").read_bytes() == want  # > OUTPUT_WINDOW: credit kept flowing
+
+
 def test_heartbeats_go_on_while_a_handler_holds_the_io_thread(job: Job) -> None:
     """A handler busy for longer than the heartbeat timeout (say, output to a terminal the
     user paused) must not make a live agent look lost: heartbeats have their own thread."""
