@@ -18,14 +18,15 @@ app = typer.Typer(
     name="monarch",
     help="Reserve hosts once, then run torchrun-style SPMD jobs on them in a fraction of a second.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion; costs ~nothing per command
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
-StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE or .monarch/job_state.pkl).")
+StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE, else .monarch/job_state.pkl "
+                                              "here or in the nearest parent directory that has a .monarch/).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts and agents.")
 CmdArg = typer.Argument(None, help="The command, after `--`.", show_default=False)
 

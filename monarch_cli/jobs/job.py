@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from ..runtime.keys import Keys
+from ..runtime.mailbox import Mailbox
 from ..config import configure
 from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
 from .errors import JobError
+from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
 from .output import OutputSink, list_runs, new_run_dir
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
@@ -79,8 +81,8 @@ class Job:
     def scheduler(self) -> Scheduler:
         return get_scheduler(self.state.scheduler)
 
-    def _hostset(self) -> HostSet:
-        why = self.scheduler.gone(self.state)
+    def _hostset(self, require_all: bool = True) -> HostSet:
+        why = self.scheduler.gone(self.state) if require_all else None
         if why:
             raise StaleReservation(
                 f"reservation {self.state.reservation_id} is gone ({why}); "
@@ -89,7 +91,8 @@ class Job:
         host = controller_host([h.agent for h in self.state.hosts])
         if host is not None:  # agents on other hosts could not reach a loopback address
             configure(host=host)
-        return HostSet(self.state.hosts, self.keys)
+        dead = [] if require_all else self.scheduler.dead_hosts(self.state)
+        return HostSet(self.state.hosts, self.keys, require_all=require_all, known_dead=dead)
 
     # ------------------------------------------------------------------ runs
     def run_spmd(
@@ -105,17 +108,28 @@ class Job:
         on_event: Optional[Callable[[str], None]] = None,
         post_mortem: bool = False,
         forward_signals: Sequence[int] = (),
+        shutdown_timeout: Optional[float] = None,
+        straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
+
+        The served command runs in the directory it was served from, so its relative paths
+        mean what they meant to ``serve``; ``command`` runs in the current directory, as any
+        command line typed here would.
 
         Every rank's output streams to ``stdout``/``stderr`` with a ``[rankN]`` prefix and is
         kept in ``logs_root/<run-id>/rank<N>.log``. A rank that calls ``breakpoint()`` pauses
         and is announced through ``on_event``; ``monarch debug`` attaches to it. With
         ``post_mortem``, a rank that raises stays paused at the failing frame.
         ``forward_signals`` (main thread only) are relayed to every rank while it runs, so a
-        batch job's time-limit warning reaches the training script.
+        batch job's time-limit warning reaches the training script. SIGTERM, SIGHUP and
+        SIGQUIT to the caller are forwarded and end the run as torchrun does: ranks get
+        ``shutdown_timeout`` seconds (default: torchrun's ``--shutdown-timeout``, then
+        ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30) before SIGKILL. Ranks still running
+        ``straggler_grace`` seconds after the first one ended are named through ``on_event``.
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
+        cwd = self.state.default_cwd if command is None else None
         if not argv:
             raise JobError("no command to run: give one after `--`, or serve with a default command")
         spec = parse_command(argv)
@@ -129,12 +143,19 @@ class Job:
         started = time.monotonic()
         exits: List[RankExit] = []
         attempt = 0
-        runner = SpmdRunner(hostset, log_dir, grace=grace)
+        runner = SpmdRunner(hostset, log_dir, grace=grace, say=say, straggler_grace=straggler_grace,
+                            shutdown_timeout=shutdown_timeout_from(
+                                shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout))
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
-            launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                 post_mortem=post_mortem)
-            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt)
+            try:
+                launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
+                                     post_mortem=post_mortem, cwd=cwd)
+            except BaseException:
+                if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
+                    runner.release_port(0, run_id)
+                raise
+            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
                                    on_notice=say if attempt == 0 else None, forward_signals=forward_signals)
@@ -142,16 +163,16 @@ class Job:
                 sink.close()
             self._explain_losses(exits)
             failed = [e for e in exits if not e.ok]
-            if not failed or runner.interrupted or attempt >= spec.max_restarts:
+            if not failed or runner.ended_from_outside or attempt >= spec.max_restarts:
                 break
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
-        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.interrupted)
+        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control)
         self._record(result, argv)
         return result
 
     def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
-             stderr: Optional[BinaryIO] = None) -> RunResult:
+             stderr: Optional[BinaryIO] = None, on_event: Optional[Callable[[str], None]] = None) -> RunResult:
         """Run a shell command on every host; output is prefixed with the host's name."""
         argv = [command] if isinstance(command, str) else [str(c) for c in command]  # a string: for sh -c
         if not argv or not "".join(argv).strip():
@@ -162,14 +183,15 @@ class Job:
         launches = plan_exec(argv, hostset)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()
-        runner = SpmdRunner(hostset, log_dir, grace=float("inf"))
+        runner = SpmdRunner(hostset, log_dir, grace=float("inf"), say=on_event, straggler_grace=float("inf"),
+                            shutdown_timeout=shutdown_timeout_from(None))
         try:
             exits = runner.run(launches, run_id, sink)
         finally:
             sink.close()
         exits.sort(key=lambda e: e.rank)
         self._explain_losses(exits)
-        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.interrupted)
+        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control)
 
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
@@ -181,7 +203,7 @@ class Job:
 
     def _sink(self, spec: SpmdSpec, launches: List[Launch], log_dir: Path, ranks: Optional[Set[int]],
               color: Optional[bool], stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
-              run_id: str, attempt: int) -> OutputSink:
+              run_id: str, attempt: int, cwd: Optional[str] = None) -> OutputSink:
         labels = {l.rank: l.label for l in launches}
         nproc = 1 + max(int(l.spec["env"]["LOCAL_RANK"]) for l in launches)
         shown = set(labels) if ranks is None else set(ranks)
@@ -190,7 +212,7 @@ class Job:
         hidden = {r: _streams(spec.redirects, r % nproc) for r in labels}
         extra = {}
         if spec.log_dir:  # torchrun's layout, as well as ours
-            base = Path(spec.log_dir) / run_id / f"attempt_{attempt}"
+            base = Path(cwd or ".") / spec.log_dir / run_id / f"attempt_{attempt}"  # relative to the ranks' cwd
             for r in labels:
                 extra[(r, 1)] = base / str(r) / "stdout.log"
                 extra[(r, 2)] = base / str(r) / "stderr.log"
@@ -218,14 +240,17 @@ class Job:
     # --------------------------------------------------------------- control
     def status(self) -> Dict[str, Any]:
         """Scheduler, hosts with agent liveness, age and the last run; never raises for a stale job."""
-        try:
-            hostset: Optional[HostSet] = self._hostset()
-            stale = None
-        except StaleReservation as e:
-            hostset, stale = None, str(e)
+        hostset = self._hostset(require_all=False)  # each host answers, or not, for itself
+        dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
+        stale = None
+        if dead:
+            why = self.scheduler.gone(self.state)
+            how = "gone" if len(dead) == len(self.state.hosts) else "partly gone"
+            stale = (f"reservation {self.state.reservation_id} is {how}: {', '.join(dead)} not answering"
+                     f"{f' ({why})' if why else ''}; run `monarch serve --replace` for a new one, "
+                     "or `monarch stop` to clear it")
         hosts = []
-        for i, h in enumerate(self.state.hosts):
-            info = hostset.infos[i] if hostset else None
+        for h, info in zip(self.state.hosts, hostset.infos):
             hosts.append({"name": h.name, "agent": h.agent, "alive": info is not None,
                           "ranks_running": info["ranks"] if info else None})
         return {
@@ -237,17 +262,62 @@ class Job:
             "stale": stale,
             "age_seconds": round(time.time() - self.state.created_at, 1),
             "default_command": self.state.default_command,
+            "default_cwd": self.state.default_cwd,
             "last_run": self.state.last_run,
             **self.scheduler.describe(self.state),
         }
 
-    def stop(self) -> None:
-        """Release the reservation and forget it."""
+    def stop(self, by: str = "monarch stop") -> List[str]:
+        """Release the reservation and forget it; returns the runs that were in progress.
+
+        Those runs are told first who stopped them (``by``, this pid, user@host), so they end
+        saying so, with exit status 254, instead of as lost hosts.
+        """
+        ended = self._announce_stop(by)
         self.scheduler.release(self.state)
         clear_state(self.path)
+        return ended
+
+    def _announce_stop(self, by: str, timeout: float = 2.0) -> List[str]:
+        """Best effort: an agent that does not answer in ``timeout`` has no run to tell."""
+        if self.scheduler.gone(self.state):
+            return []
+        host = controller_host([h.agent for h in self.state.hosts])
+        if host is not None:
+            configure(host=host)
+        mb = Mailbox.for_keys(self.keys)
+        who = _stopper(by)
+        asks = [mb.request(h.agent, lambda cid: ("stopping", cid, mb.address, who)) for h in self.state.hosts]
+        deadline = time.monotonic() + timeout
+        ended: Set[str] = set()
+        for ask in asks:
+            try:
+                ended.update(ask.get(timeout=max(0.01, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - a dead or old agent: nothing to tell
+                pass
+        return sorted(ended)
 
     def runs(self) -> List[Path]:
         return list_runs(self.logs_root)
+
+
+def _stopper(by: str) -> str:
+    """``monarch stop (pid 123, from alice@login1 on /dev/pts/4)``: enough to find who and where."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    tty = ""
+    for fd in (0, 1, 2):
+        try:
+            tty = f" on {os.ttyname(fd)}"
+            break
+        except OSError:
+            continue
+    return f"{by} (pid {os.getpid()}, from {user}@{socket.gethostname()}{tty})"
 
 
 def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
@@ -268,9 +338,14 @@ def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:
 
 
 def _result(run_id: str, exits: List[RankExit], duration: float, log_dir: Path, restarts: int,
-            interrupted: bool) -> RunResult:
+            control: Optional[RunControl]) -> RunResult:
     first = next((e for e in exits if not e.ok), None)
-    return RunResult(run_id, first.status if first else 0, exits, duration, log_dir, first, restarts, interrupted)
+    status = first.status if first else 0
+    if control is None:
+        return RunResult(run_id, status, exits, duration, log_dir, first, restarts)
+    return RunResult(run_id, control.exit_code(status), exits, duration, log_dir, first, restarts,
+                     interrupted=control.interrupts > 0, ending=control.ending(), received_signal=control.received,
+                     stopped_by=control.stopped_by, stragglers=control.stragglers)
 
 
 # ---------------------------------------------------------------------- entry points
@@ -283,9 +358,14 @@ def serve(
     replace: bool = False,
     preload: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
+    cwd: Union[str, Path, None] = None,
     **options: Any,
 ) -> Job:
-    """Reserve hosts (or reuse a reservation that can serve this request) and return the job."""
+    """Reserve hosts (or reuse a reservation that can serve this request) and return the job.
+
+    The served command will run in ``cwd`` (default: the current directory), wherever
+    ``run_spmd()`` is later called from, so its relative paths keep their meaning.
+    """
     backend = get_scheduler(scheduler)
     argv, nhosts = _command_and_hosts(command, hosts)
     nhosts = nhosts or backend.default_hosts() or 1
@@ -295,7 +375,9 @@ def serve(
         parse_command(argv)  # a bad default command is an error now, not at the first run
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     path = state_path(state)
+    request.state_file = str(path.resolve())
     say = progress or (lambda _msg: None)
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if argv else None
     try:
         existing: Optional[Job] = job_load(path)
     except NoReservation:
@@ -304,7 +386,7 @@ def serve(
         if not replace:
             raise
         say(f"replacing unreadable state file {path}")
-        clear_state(path)
+        clear_unreadable(path)
         existing = None
     if existing is not None:
         why_not = backend.can_serve(existing.state, request)
@@ -315,8 +397,8 @@ def serve(
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
-            if argv and argv != existing.state.default_command:
-                existing.state.default_command = argv
+            if argv and (argv, served_in) != (existing.state.default_command, existing.state.default_cwd):
+                existing.state.default_command, existing.state.default_cwd = argv, served_in
                 save_state(existing.state, path)
             return existing
         if not replace and not gone:
@@ -325,7 +407,7 @@ def serve(
                 "use --replace to release it and make a new one, or --state for a second one"
             )
         say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
-        existing.stop()
+        existing.stop(by="monarch serve --replace")
     keys = Keys.generate()
     reservation = backend.reserve(request, keys, path.parent, say)
     job_state = JobState(
@@ -336,6 +418,7 @@ def serve(
         default_command=argv,
         created_at=time.time(),
         scheduler_data=reservation.scheduler_data,
+        default_cwd=served_in,
     )
     save_state(job_state, path)
     return Job(job_state, path)
@@ -351,6 +434,17 @@ def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Optional
         parse_command(argv)
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     return backend.dryrun(request, state_path(state).parent)
+
+
+def clear_unreadable(state: Union[str, Path, None] = None) -> Dict[str, Any]:
+    """What ``stop --force`` does to an unreadable state file: stop the agents registered for
+    it on this machine (local backend), then delete it."""
+    path = state_path(state)
+    stopped: List[int] = []
+    for name in ("local", "slurm"):
+        stopped += get_scheduler(name).release_unreadable(path)
+    clear_state(path)
+    return {"cleared": str(path), "agents_stopped": stopped}
 
 
 def job_load(path: Union[str, Path, None] = None) -> Job:

@@ -26,7 +26,7 @@ from ..schedulers.slurm import load_template, sbatch_lines
 from ..schedulers.slurm_commands import (SlurmError, allocation_id, job_info, job_workdir, parse_job_id, submit,
                                          submit_and_wait)
 from .errors import JobError
-from .state import state_path
+from .state import find_state_dir, state_path
 from .torchrun import parse_command
 
 #: Signals a batch run relays to its ranks: Slurm's usual warning signals before a time limit
@@ -142,7 +142,7 @@ def batch_dir(job_id: str, state: Optional[Path] = None) -> Path:
     info = job_info(job_id) or {}
     workdir = job_workdir(job_id) if info else None
     if workdir is not None:
-        candidate = workdir / ".monarch" / "slurm" / f"job-{job_id}"
+        candidate = (find_state_dir(workdir) or workdir / ".monarch") / "slurm" / f"job-{job_id}"
         if candidate.exists():
             return candidate
     if info:
@@ -220,7 +220,8 @@ def agent_main(directory: Path, preload: Optional[str]) -> None:
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     argv = [sys.executable, "-m", "monarch_cli.runtime.agent", "--address-file",
-            str(directory / "agents" / f"{node}.addr"), "--name", node, "--host", _node_address(node), "--warm-up"]
+            str(directory / "agents" / f"{node}.addr"), "--name", node, "--host", _node_address(node), "--warm-up",
+            "--reservation", f"slurm-{os.environ.get('SLURM_JOB_ID', '')}"]  # its title in ps
     if preload is not None:
         argv += ["--preload", preload]
     os.environ.pop("MONARCH_HOST", None)  # the submitter's, not this node's
