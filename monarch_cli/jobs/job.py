@@ -18,7 +18,7 @@ from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, ge
 from ..schedulers.agents import controller_host
 from .errors import JobError
 from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
-from .output import OutputSink, list_runs
+from .output import OutputSink, list_runs, new_run_dir
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
@@ -137,7 +137,7 @@ class Job:
         spec = parse_command(argv)
         hostset = self._hostset()
         run_id = new_run_id()
-        log_dir = self.logs_root / run_id
+        log_dir = new_run_dir(self.logs_root, run_id)
         say = on_event or (lambda _msg: None)
         if spec.moot_flags():
             say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
@@ -181,7 +181,7 @@ class Job:
             raise JobError("no command given to exec")
         hostset = self._hostset()
         run_id = "exec-" + new_run_id()
-        log_dir = self.logs_root / run_id
+        log_dir = new_run_dir(self.logs_root, run_id)
         launches = plan_exec(argv, hostset)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()

@@ -241,6 +241,9 @@ class HostAgent:
             _, cid, reply_to, run_id, heartbeat_timeout = header
             self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
             self.reply(reply_to, cid, True, self.ranks.start(reply_to, run_id, wire.loads(body)))
+        elif kind == "output_credit":
+            _, run_id, nbytes = header
+            self.ranks.credit(run_id, int(nbytes))
         elif kind == "signal_ranks":
             _, cid, reply_to, run_id, sig = header
             self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
