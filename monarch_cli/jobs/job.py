@@ -246,8 +246,11 @@ class Job:
         hostset = self._hostset(require_all=False)  # each host answers, or not, for itself
         dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
         stale = None
+        probe = self.scheduler.probe(self.state)  # cheap; the scheduler may know better than a ping
+        if probe.gone and not dead:  # e.g. Slurm ended the job while its agents still answer
+            stale = (f"reservation {self.state.reservation_id} is gone ({probe.reason}); run `monarch serve "
+                     "--replace` for a new one, or `monarch stop` to clear it")
         if dead:
-            probe = self.scheduler.probe(self.state)
             why = probe.reason if probe.gone else None
             how = "gone" if len(dead) == len(self.state.hosts) else "partly gone"
             stale = (f"reservation {self.state.reservation_id} is {how}: {', '.join(dead)} not answering"
