@@ -139,13 +139,13 @@ class Job:
         spec = parse_command(argv)
         hostset = self._hostset()
         run_id = new_run_id()
+        if ranks is not None:  # refused before anything starts
+            _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0, cwd=cwd)))
         log_dir = new_run_dir(self.logs_root, run_id)
         say = on_event or (lambda _msg: None)
         if spec.moot_flags():
             say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
                 "rendezvous, on rank 0's host")
-        if ranks is not None:  # refused before anything starts
-            _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0, cwd=cwd)))
         started = time.monotonic()
         exits: List[RankExit] = []
         attempt = 0
