@@ -6,9 +6,10 @@ import json
 import os
 import re
 import shlex
+import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
@@ -16,6 +17,7 @@ from ..config import configure
 from ..errors import PlanError
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
 from ..schedulers.agents import controller_host
+from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
 from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
 from .output import OutputSink, list_runs, new_run_dir
@@ -137,6 +139,8 @@ class Job:
         spec = parse_command(argv)
         hostset = self._hostset()
         run_id = new_run_id()
+        if ranks is not None:  # refused before anything starts
+            _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0, cwd=cwd)))
         log_dir = new_run_dir(self.logs_root, run_id)
         say = on_event or (lambda _msg: None)
         if spec.moot_flags():
@@ -148,6 +152,7 @@ class Job:
         runner = SpmdRunner(hostset, log_dir, grace=grace, say=say, straggler_grace=straggler_grace,
                             shutdown_timeout=shutdown_timeout_from(
                                 shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout))
+        stdout, stderr = _consoles(stdout, stderr, runner)
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             try:
@@ -169,7 +174,8 @@ class Job:
                 break
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
-        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control)
+        result = _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control),
+                                  stdout, stderr)
         self._record(result, argv)
         return result
 
@@ -183,17 +189,19 @@ class Job:
         run_id = "exec-" + new_run_id()
         log_dir = new_run_dir(self.logs_root, run_id)
         launches = plan_exec(argv, hostset)
-        sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
-        started = time.monotonic()
         runner = SpmdRunner(hostset, log_dir, grace=float("inf"), say=on_event, straggler_grace=float("inf"),
                             shutdown_timeout=shutdown_timeout_from(None))
+        stdout, stderr = _consoles(stdout, stderr, runner)
+        sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
+        started = time.monotonic()
         try:
             exits = runner.run(launches, run_id, sink)
         finally:
             sink.close()
         exits.sort(key=lambda e: e.rank)
         self._explain_losses(exits)
-        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control)
+        return _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control),
+                                stdout, stderr)
 
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
@@ -332,6 +340,34 @@ def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
     what = "stopped after an uncaught exception" if where.get("reason") == "post-mortem" else "paused"
     return (f"rank {rank} {what} at {where.get('file')}:{where.get('line')} in {where.get('function')}() "
             f"on {host}; attach with: monarch debug attach {rank}")
+
+
+def _consoles(stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
+              runner: SpmdRunner) -> "tuple[BinaryIO, BinaryIO]":
+    """The run's output streams; when their reader goes away (``| head``), the run ends quietly."""
+    return (cast(BinaryIO, ConsoleStream(stdout or sys.stdout.buffer, runner.console_closed)),
+            cast(BinaryIO, ConsoleStream(stderr or sys.stderr.buffer, runner.console_closed)))
+
+
+def _reader_gone(*streams: BinaryIO) -> bool:
+    return any(getattr(s, "reader_gone", False) for s in streams)
+
+
+def _console_verdict(result: RunResult, *streams: BinaryIO) -> RunResult:
+    """A run whose output lost its reader exits as a tool under SIGPIPE does (141)."""
+    if _reader_gone(*streams):
+        result.console_closed, result.exit_code = True, CLOSED_PIPE_EXIT
+    return result
+
+
+def _check_ranks(ranks: Set[int], world_size: int) -> None:
+    """Ranks to show that the run does not have are a mistake, not a silent console."""
+    unknown = sorted(r for r in ranks if not 0 <= r < world_size)
+    have = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
+    if not ranks:
+        raise JobError(f"--ranks names no rank; this run has {have}")
+    if unknown:
+        raise JobError(f"--ranks {','.join(map(str, unknown))}: no such rank; this run has {have}")
 
 
 def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:

@@ -90,6 +90,7 @@ class RunResult:
     received_signal: Optional[int] = None  # SIGTERM/SIGHUP/SIGQUIT sent to the caller
     stopped_by: Optional[str] = None  # who released the reservation during the run
     stragglers: List[int] = dataclasses.field(default_factory=list)  # named as still running after the grace
+    console_closed: bool = False  # its output's reader went away (`| head`): the run was ended
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -103,6 +104,7 @@ class RunResult:
             "received_signal": signal_name(self.received_signal) if self.received_signal else None,
             "stopped_by": self.stopped_by,
             "stragglers": self.stragglers,
+            "console_closed": self.console_closed,
             "first_failure": self.first_failure.rank if self.first_failure else None,
             "ranks": [
                 {
@@ -188,6 +190,11 @@ class SpmdRunner:
         self.straggler_grace = straggler_grace
         self.say = say or (lambda _msg: None)
         self.control: Optional[RunControl] = None  # the last run's
+        self._console_closed = threading.Event()
+
+    def console_closed(self) -> None:
+        """From any thread: the run's output has no reader any more (`| head`); end the run."""
+        self._console_closed.set()
 
     def run(
         self,
@@ -319,6 +326,8 @@ class SpmdRunner:
                 except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
                     pass
                 with lock:
+                    if self._console_closed.is_set():
+                        control.console_closed(time.monotonic())
                     for sig in [*early, *relay.take()]:
                         control.signal(sig, time.monotonic(), sorted(running()))
                         if sig == signal.SIGINT and on_interrupt is not None:
@@ -345,7 +354,7 @@ class SpmdRunner:
     def ended_from_outside(self) -> bool:
         """Ctrl-C, a death signal or ``monarch stop`` ended the last run: never restart it."""
         c = self.control
-        return c is not None and bool(c.interrupts or c.received is not None or c.stopped_by)
+        return c is not None and bool(c.interrupts or c.received is not None or c.stopped_by or c.console_gone)
 
     def _signal(self, nodes: List[int], run_id: str, sig: int) -> None:
         for n in nodes:
