@@ -15,6 +15,8 @@ from ..config import configure
 from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
 from .errors import JobError
 from .output import OutputSink, list_runs
+from .telemetry import Diagnosis, Inspector, RankRow, RunTelemetry, StackReport
+from .telemetry import enabled as telemetry_enabled
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
@@ -130,6 +132,7 @@ class Job:
         exits: List[RankExit] = []
         attempt = 0
         runner = SpmdRunner(hostset, log_dir, grace=grace)
+        telemetry = RunTelemetry(self.path.parent, run_id, argv, log_dir) if telemetry_enabled() else None
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
@@ -137,7 +140,12 @@ class Job:
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
-                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals)
+                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals,
+                                   telemetry=telemetry, attempt=attempt)
+            except BaseException:
+                if telemetry is not None:
+                    telemetry.finish(None)
+                raise
             finally:
                 sink.close()
             self._explain_losses(exits)
@@ -147,6 +155,8 @@ class Job:
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
         result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.interrupted)
+        if telemetry is not None:
+            telemetry.finish(result)
         self._record(result, argv)
         return result
 
@@ -248,6 +258,23 @@ class Job:
 
     def runs(self) -> List[Path]:
         return list_runs(self.logs_root)
+
+    # ------------------------------------------------------------- telemetry
+    def sql(self, statement: str, params: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+        """A read-only query of the reservation's telemetry store (``monarch sql --schema``)."""
+        return Inspector(self).sql(statement, params)
+
+    def stacks(self, ranks: Optional[Set[int]] = None, native: bool = False) -> StackReport:
+        """The Python stacks of the current run's live ranks, grouped by identical stack (and stored)."""
+        return Inspector(self).stacks(ranks, native)
+
+    def diagnose(self, silence: float = 60.0) -> Diagnosis:
+        """Which rank differs from the rest and why; ``exit_code`` 0 healthy, 1 suspect, 2 cannot tell."""
+        return Inspector(self).diagnose(silence)
+
+    def top(self) -> "tuple[Optional[str], List[RankRow]]":
+        """(run id, one row per rank, most suspicious first)."""
+        return Inspector(self).top()
 
 
 def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import settings
 from ..runtime import wire
@@ -27,6 +27,9 @@ from .errors import JobError
 from .output import OutputSink
 from .state import HostRecord
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
+
+if TYPE_CHECKING:
+    from .telemetry import RunTelemetry
 
 _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MONARCH_KEY_FILE", "TERM_SESSION_ID"}
 
@@ -159,6 +162,8 @@ class SpmdRunner:
         on_pause: Optional[Callable[[int, str, Dict[str, Any]], None]] = None,
         on_notice: Optional[Callable[[str], None]] = None,
         forward_signals: Sequence[int] = (),
+        telemetry: Optional["RunTelemetry"] = None,
+        attempt: int = 0,
     ) -> List[RankExit]:
         mb = self.mb
         by_rank = {l.rank: l for l in launches}
@@ -173,7 +178,10 @@ class SpmdRunner:
         def on_output(header: Any, body: List[Any]) -> None:
             _, _, rid, rank, stream = header
             if rid == run_id:
-                sink.write(rank, stream, bytes(body[0]))
+                data = bytes(body[0])
+                sink.write(rank, stream, data)
+                if telemetry is not None:
+                    telemetry.output(rank, stream, data)
 
         def finish(rank: int, exit_: RankExit) -> None:
             with lock:
@@ -182,6 +190,8 @@ class SpmdRunner:
                 sink.end_of_rank(rank)
                 exit_.tail = sink.tail(rank)
                 exits[rank] = exit_
+                if telemetry is not None:
+                    telemetry.rank_exit(exit_)
                 if not exit_.ok and not first_failure:
                     first_failure.append(rank)
                 if len(exits) == len(launches) and not done.done():
@@ -209,6 +219,9 @@ class SpmdRunner:
         mb.event_handlers["output"] = on_output
         mb.event_handlers["rank_exit"] = on_exit
         mb.event_handlers["rank_paused"] = on_paused
+        if telemetry is not None:
+            mb.event_handlers["telemetry"] = telemetry.on_agent_event
+            telemetry.started(launches, self.hs, attempt)
         for n in nodes:
             info = self.hs.infos[n]
             mb.watch_agent(self.hs.hosts[n].agent, info["heartbeat"], on_lost)
@@ -256,13 +269,25 @@ class SpmdRunner:
             relay.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
-            for kind in ("output", "rank_exit", "rank_paused"):
+            if telemetry is not None:
+                self._final_steps(nodes, run_id, telemetry)
+            for kind in ("output", "rank_exit", "rank_paused", "telemetry"):
                 mb.event_handlers.pop(kind, None)
         ordered = [exits[r] for r in sorted(exits)]
         if first_failure:
             ordered.sort(key=lambda e: (e.rank != first_failure[0], e.rank))
         self.interrupted = interrupts > 0
         return ordered
+
+    def _final_steps(self, nodes: List[int], run_id: str, telemetry: "RunTelemetry") -> None:
+        """Step records the agents read after their last push (a short run may have had none)."""
+        futs = [self.mb.request(self.hs.hosts[n].agent, lambda cid: ("telemetry_flush", cid, self.mb.address, run_id))
+                for n in nodes]
+        for fut in futs:
+            try:
+                telemetry.final_steps(fut.get(timeout=2.0))
+            except Exception:  # noqa: BLE001 - a lost host: its last steps are lost with it
+                pass
 
     def _signal(self, nodes: List[int], run_id: str, sig: int) -> None:
         for n in nodes:
@@ -387,6 +412,8 @@ def plan_spmd(
                 "warm": not cold and warm_capable(spec),
                 "host_store": host_store and rank == 0,
                 "post_mortem": post_mortem,
+                "telemetry": {"run_id": run_id, "agent_pid": hostset.infos[node].get("pid"),
+                              "dir": hostset.infos[node].get("telemetry_dir")},
             }
             launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
     return launches

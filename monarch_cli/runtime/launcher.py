@@ -231,10 +231,18 @@ def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
     _reseed()
     if spec["mode"] == "no_python":
         _exec(spec, extra)
+    _install_telemetry(spec)
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, env)
     return run_program(spec)
+
+
+def _install_telemetry(spec: Dict[str, Any]) -> None:
+    if spec.get("telemetry"):
+        from . import telemetry_rank
+
+        telemetry_rank.install(spec)
 
 
 def _install_debugger(fd: Optional[int]) -> None:
@@ -288,6 +296,7 @@ def main() -> int:
     extra = spec.pop("extra_fds", {})
     listen_fd = extra.get("listen")
     _apply_threads(spec["env"])
+    _install_telemetry(spec)
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, spec["env"])
