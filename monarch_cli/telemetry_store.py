@@ -152,8 +152,14 @@ class StoreError(Exception):
 
 def _connect_rw(path: Path) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # rows hold output lines: never world-readable
-    os.close(fd)
+    if not path.exists():
+        # Rows hold output lines: never world-readable (-wal and -shm take this mode too). Only a
+        # file nobody has open yet may be opened and closed here: closing any descriptor of a
+        # database file drops every POSIX lock this process holds on it.
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
     conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-consistent
