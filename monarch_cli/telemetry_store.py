@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import collections
 import os
-import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    import sqlite3  # imported where used: a run's client loads it in the writer thread, off its path
 
 DB_NAME = "telemetry.db"
 SCHEMA_VERSION = 1
@@ -150,7 +152,9 @@ class StoreError(Exception):
     """A query the store refuses or cannot answer (the message is one line for the user)."""
 
 
-def _connect_rw(path: Path) -> sqlite3.Connection:
+def _connect_rw(path: Path) -> "sqlite3.Connection":
+    import sqlite3
+
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         # Rows hold output lines: never world-readable (-wal and -shm take this mode too). Only a
@@ -173,11 +177,15 @@ def _connect_rw(path: Path) -> sqlite3.Connection:
 
 
 def _deny_attach(action: int, *_: Any) -> int:
+    import sqlite3
+
     return sqlite3.SQLITE_DENY if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH) else sqlite3.SQLITE_OK
 
 
-def connect_readonly(path: Path) -> sqlite3.Connection:
+def connect_readonly(path: Path) -> "sqlite3.Connection":
     """A connection that cannot change the store: ``mode=ro``, ``query_only``, no ATTACH."""
+    import sqlite3
+
     path = Path(path)
     if not path.exists():
         raise StoreError(f"no telemetry store at {path}: nothing has run on this reservation yet")
@@ -189,6 +197,8 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
 
 def query(path: Path, sql: str, params: Sequence[Any] = ()) -> Tuple[List[str], List[Tuple[Any, ...]]]:
     """Run one read-only statement; returns (column names, rows). Errors are :class:`StoreError`."""
+    import sqlite3
+
     conn = connect_readonly(path)
     try:
         cur = conn.execute(sql, params)
@@ -280,6 +290,8 @@ class TelemetryWriter:
 
     # --------------------------------------------------------------- thread
     def _loop(self) -> None:
+        import sqlite3
+
         try:
             conn = _connect_rw(self.path)
             self._prune(conn)
@@ -301,7 +313,7 @@ class TelemetryWriter:
         self._queue.clear()
         conn.close()
 
-    def _write(self, conn: sqlite3.Connection) -> None:
+    def _write(self, conn: "sqlite3.Connection") -> None:
         logs: List[Tuple[Any, ...]] = []
         last: Dict[int, Tuple[float, int]] = {}
         waiters = []
@@ -349,7 +361,7 @@ class TelemetryWriter:
         """The rank's output is complete: store an unterminated last line."""
         self._queue.append(("end_rank", (rank, time.time())))
 
-    def _prune(self, conn: sqlite3.Connection) -> None:
+    def _prune(self, conn: "sqlite3.Connection") -> None:
         """Retention by run: delete the oldest runs past ``keep_runs`` (this one not yet inserted)."""
         (count,) = conn.execute("SELECT count(*) FROM runs").fetchone()
         if count < self.keep_runs:

@@ -26,6 +26,7 @@ from ..runtime.ranks import describe_status
 from .errors import JobError
 from .output import OutputSink
 from .state import HostRecord
+from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
 
 if TYPE_CHECKING:
@@ -412,8 +413,9 @@ def plan_spmd(
                 "warm": not cold and warm_capable(spec),
                 "host_store": host_store and rank == 0,
                 "post_mortem": post_mortem,
-                "telemetry": {"run_id": run_id, "agent_pid": hostset.infos[node].get("pid"),
-                              "dir": hostset.infos[node].get("telemetry_dir")},
             }
+            if telemetry_enabled():  # lets the rank's agent trace it, dump its stack, time its steps
+                launch_spec["telemetry"] = {"run_id": run_id, "agent_pid": hostset.infos[node].get("pid"),
+                                            "dir": hostset.infos[node].get("telemetry_dir")}
             launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
     return launches

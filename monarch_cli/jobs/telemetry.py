@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import sqlite3
 import statistics
 import time
 import uuid
@@ -302,7 +301,7 @@ class Inspector:
                 conn.execute("BEGIN")
                 conn.executemany("INSERT INTO stacks VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             conn.close()
-        except sqlite3.Error:
+        except Exception:  # noqa: BLE001 - sqlite3.Error, OSError
             pass  # the answer still goes to the user; only its record is lost
 
     def live(self, run_id: Optional[str] = None) -> Tuple[List[Tuple[Any, ...]], Dict[int, Tuple[Any, ...]]]:

@@ -158,16 +158,17 @@ def test_a_failing_rank_exit_codes_and_logs_are_queryable(job: Job, tmp_path: Pa
     assert run.result.exit_code == 3
     rid = run.result.run_id
     ranks = {r["rank"]: r for r in job.sql("SELECT rank, exit_code, status, how, pid FROM ranks WHERE run_id = ?", (rid,))}
-    assert ranks[1]["exit_code"] == 3 and ranks[1]["how"] == "exit 3" and ranks[1]["pid"]
-    assert ranks[0]["status"] in (0, 143)  # finished, or stopped after rank 1 failed
+    assert ranks[1]["exit_code"] == 3 and ranks[1]["how"] == "exit 3" and ranks[1]["pid"], ranks
+    assert ranks[0]["status"] in (0, 143), ranks  # finished, or stopped after rank 1 failed
     lines = job.sql("SELECT rank, stream, line FROM logs WHERE run_id = ? ORDER BY rank, ts", (rid,))
-    assert {"rank": 1, "stream": "stderr", "line": "boom-line on rank 1"} in lines
-    assert {"rank": 0, "stream": "stdout", "line": "hello from 0"} in lines
-    assert job.sql("SELECT kind FROM events WHERE run_id = ? AND rank = 1", (rid,)) == [{"kind": "rank_failed"}]
+    assert {"rank": 1, "stream": "stderr", "line": "boom-line on rank 1"} in lines, lines
+    assert {"rank": 0, "stream": "stdout", "line": "hello from 0"} in lines, lines
+    events = job.sql("SELECT kind FROM events WHERE run_id = ? AND rank = 1", (rid,))
+    assert events == [{"kind": "rank_failed"}], events
     d = job.diagnose()
-    assert d.exit_code == 1 and d.suspects[0].rank == 1 and "boom-line" in d.summary
+    assert d.exit_code == 1 and d.suspects[0].rank == 1 and "boom-line" in d.summary, d
     csv_out = monarch(job, "sql", "--csv", f"SELECT rank, exit_code FROM ranks WHERE run_id = '{rid}' ORDER BY rank")
-    assert csv_out.stdout.splitlines()[0] == "rank,exit_code" and "1,3" in csv_out.stdout.splitlines()
+    assert csv_out.stdout.splitlines()[0] == "rank,exit_code" and "1,3" in csv_out.stdout.splitlines(), csv_out
 
 
 def test_sql_refuses_writes_and_bad_queries_in_one_line(job: Job, tmp_path: Path) -> None:
