@@ -108,6 +108,7 @@ class RankStack:
     method: str
     threads: List[Dict[str, Any]]
     error: Optional[str] = None
+    fallback: Optional[str] = None  # why py-spy was not used, when the interpreter's own dump was
 
     @property
     def main(self) -> List[Dict[str, Any]]:
@@ -273,7 +274,7 @@ class Inspector:
         started = time.monotonic()
         wanted = sorted(ranks) if ranks is not None else None
         answers = self._ask(lambda mb: lambda cid: ("telemetry_stacks", cid, mb.address, run_id, wanted, native), 30.0)
-        stacks = [RankStack(**{k: e[k] for k in ("run_id", "rank", "host", "pid", "method", "threads", "error")})
+        stacks = [RankStack(**{k: e.get(k) for k in ("run_id", "rank", "host", "pid", "method", "threads", "error", "fallback")})
                   for per_host in answers for e in per_host]
         if stacks:
             newest = max(s.run_id for s in stacks)

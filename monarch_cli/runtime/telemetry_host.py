@@ -271,7 +271,7 @@ def capture_stacks(directory: str, host: str, targets: List[Tuple[str, int, int]
             entry = out[pid]
             threads = dumps.get(pid)
             if threads:
-                entry.update(method="faulthandler", threads=threads)
+                entry.update(method="faulthandler", threads=threads, fallback=errors[pid])
             else:
                 entry.update(method="none", error=f"{errors[pid]}; and no faulthandler dump")
     return [out[pid] for _, _, pid in targets]

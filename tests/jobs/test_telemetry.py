@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ import pytest
 
 from monarch_cli.jobs import Job, serve
 from monarch_cli.jobs.telemetry import compress
+from monarch_cli.runtime.telemetry_host import py_spy_path
 from monarch_cli.telemetry_store import TelemetryWriter, db_path, query
 
 from ..conftest import one_line_error
@@ -203,9 +205,19 @@ def test_step_times_from_a_real_ddp_loop(job: Job, tmp_path: Path, cold: bool) -
 
 
 def test_stacks_fall_back_to_the_interpreters_own_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """py-spy that cannot attach (here: a py-spy that fails, as under a restricted ptrace_scope;
-    this container has no Yama, so the restriction itself cannot be switched on)."""
-    monkeypatch.setenv("MONARCH_PY_SPY", "/bin/false")
+    """py-spy that cannot attach. This container has no Yama (no kernel.yama.ptrace_scope to
+    restrict), so the same refusal is made real another way: as root, py-spy runs as `nobody`
+    and ptrace answers EPERM, exactly as under a restricted ptrace_scope; elsewhere a py-spy
+    that fails stands in."""
+    spy = py_spy_path()
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() == 0 and spy and setpriv:
+        wrapper = tmp_path / "py-spy-as-nobody"
+        wrapper.write_text(f'#!/bin/sh\nexec {setpriv} --reuid=nobody --regid=nogroup --clear-groups {spy} "$@"\n')
+        wrapper.chmod(0o700)
+        monkeypatch.setenv("MONARCH_PY_SPY", str(wrapper))
+    else:
+        monkeypatch.setenv("MONARCH_PY_SPY", "/bin/false")
     j = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
     try:
         script = _write(tmp_path, "hang.py", HANG)
@@ -215,6 +227,8 @@ def test_stacks_fall_back_to_the_interpreters_own_dump(tmp_path: Path, monkeypat
             wait_for(lambda: ready_lines(j) == 2, why="2 ranks to print ready")
             report = j.stacks()
             assert {s.method for s in report.stacks} == {"faulthandler"}, [s.error for s in report.stacks]
+            if os.environ["MONARCH_PY_SPY"] != "/bin/false":
+                assert all("Permission Denied" in (s.fallback or "") for s in report.stacks), [s.fallback for s in report.stacks]
             assert [g.ranks for g in report.groups] == [[0], [1]] or [g.ranks for g in report.groups] == [[1], [0]]
             summaries = {g.ranks[0]: g.summary for g in report.groups}
             assert summaries[0].startswith("barrier ← hang.py:"), summaries
