@@ -94,11 +94,14 @@ def hook_cost(repeats: int) -> "tuple[float, float]":
     loop()
     timer = _StepTimer(os.path.join(tempfile.mkdtemp(prefix="monarch-bench-hook-"), "steps"))
     off, on = [], []
-    for _ in range(max(repeats, 5) * 2):
-        off.append(loop())
-        handle = optimizer.register_optimizer_step_post_hook(timer)
-        on.append(loop())
-        handle.remove()
+    for i in range(max(repeats, 5) * 2):
+        for hooked in (False, True)[:: 1 if i % 2 else -1]:
+            if hooked:
+                handle = optimizer.register_optimizer_step_post_hook(timer)
+                on.append(loop())
+                handle.remove()
+            else:
+                off.append(loop())
     return med(off), med(on)
 
 
@@ -124,9 +127,9 @@ def main() -> None:
             cli(["run-spmd"], cwd, env_on)  # warm the zygotes
             off: List[float] = []
             on: List[float] = []
-            for _ in range(args.repeats):
-                off += timed(lambda: cli(["run-spmd"], cwd, env_off), 1)
-                on += timed(lambda: cli(["run-spmd"], cwd, env_on), 1)
+            for i in range(args.repeats):  # taking turns, each side first half the time
+                for env, into in ((env_off, off), (env_on, on))[:: 1 if i % 2 else -1]:
+                    into += timed(lambda: cli(["run-spmd"], cwd, env), 1)
             rows.append(("warm re-run, 4 ranks (CLI)", f"{med(off) * 1000:.0f} ms", f"{med(on) * 1000:.0f} ms",
                          f"{med(on) / med(off):.3f}x", "≤ 1.02x"))
 
@@ -136,7 +139,7 @@ def main() -> None:
             loop_off: List[float] = []
             loop_on: List[float] = []
             for i in range(args.repeats):
-                for enabled, into in (("0", loop_off), ("1", loop_on)):
+                for enabled, into in (("0", loop_off), ("1", loop_on))[:: 1 if i % 2 else -1]:
                     os.environ["MONARCH_TELEMETRY"] = enabled
                     result = job.run_spmd(["torchrun", "--nproc-per-node=1", "loop.py", str(args.steps)],
                                           stdout=io.BytesIO(), stderr=io.BytesIO())

@@ -283,7 +283,7 @@ class SpmdRunner:
     def _final_steps(self, nodes: List[int], run_id: str, telemetry: "RunTelemetry") -> None:
         """Step records the agents read after their last push (a short run may have had none)."""
         futs = [self.mb.request(self.hs.hosts[n].agent, lambda cid: ("telemetry_flush", cid, self.mb.address, run_id))
-                for n in nodes]
+                for n in nodes if "telemetry_dir" in self.hs.infos[n]]  # agents that predate telemetry never answer
         for fut in futs:
             try:
                 telemetry.final_steps(fut.get(timeout=2.0))
