@@ -74,7 +74,7 @@ TABLES: Dict[str, Tuple[str, List[Tuple[str, str, str]]]] = {
         ("run_id", "TEXT", "run id"),
         ("ts", "REAL", "unix time"),
         ("rank", "INTEGER", "the rank concerned, or NULL"),
-        ("kind", "TEXT", "run_start, rank_start, rank_exit, rank_failed, rank_lost, restart, interrupt, run_end"),
+        ("kind", "TEXT", "run_start, rank_failed, rank_lost, restart, interrupt, run_end"),
         ("detail", "TEXT", "free text"),
     ]),
     "samples": ("each live rank's process, sampled by its host agent about once a second", [
@@ -254,6 +254,7 @@ class TelemetryWriter:
         self._queue: Deque[Tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._closing = False
+        self._committed = threading.Event()  # set once everything queued before close() is committed
         self._partial: Dict[Tuple[int, int], bytes] = {}
         self.error: Optional[str] = None
         self._thread = threading.Thread(target=self._loop, name="monarch-telemetry", daemon=True)
@@ -284,9 +285,10 @@ class TelemetryWriter:
         done.wait(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Returns once every row is committed; the connection closes (and checkpoints) in the background."""
         self._closing = True
         self._wake.set()
-        self._thread.join(timeout)
+        self._committed.wait(timeout)
 
     # --------------------------------------------------------------- thread
     def _loop(self) -> None:
@@ -298,20 +300,28 @@ class TelemetryWriter:
         except (sqlite3.Error, OSError) as e:
             self._fail(e)
             return
+        try:
+            self._serve(conn)
+        finally:
+            self._queue.clear()
+            self._committed.set()
+            conn.close()
+
+    def _serve(self, conn: "sqlite3.Connection") -> None:
+        import sqlite3
+
         while True:
-            closing = self._closing
             self._wake.wait(0.25)
             self._wake.clear()
+            closing = self._closing  # read after the wake: close() sets it, then wakes us
             if self._queue:
                 try:
                     self._write(conn)
                 except (sqlite3.Error, OSError, ValueError) as e:
                     self._fail(e)
-                    break
+                    return
             if closing and not self._queue:
-                break
-        self._queue.clear()
-        conn.close()
+                return
 
     def _write(self, conn: "sqlite3.Connection") -> None:
         logs: List[Tuple[Any, ...]] = []
@@ -381,4 +391,5 @@ class TelemetryWriter:
             if kind == "flush":
                 item.set()
         self._queue.clear()
+        self._committed.set()
         print(f"monarch: telemetry disabled for this run ({self.error})", file=sys.stderr, flush=True)

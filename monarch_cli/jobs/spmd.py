@@ -270,8 +270,6 @@ class SpmdRunner:
             relay.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
-            if telemetry is not None:
-                self._final_steps(nodes, run_id, telemetry)
             for kind in ("output", "rank_exit", "rank_paused", "telemetry"):
                 mb.event_handlers.pop(kind, None)
         ordered = [exits[r] for r in sorted(exits)]
@@ -279,16 +277,6 @@ class SpmdRunner:
             ordered.sort(key=lambda e: (e.rank != first_failure[0], e.rank))
         self.interrupted = interrupts > 0
         return ordered
-
-    def _final_steps(self, nodes: List[int], run_id: str, telemetry: "RunTelemetry") -> None:
-        """Step records the agents read after their last push (a short run may have had none)."""
-        futs = [self.mb.request(self.hs.hosts[n].agent, lambda cid: ("telemetry_flush", cid, self.mb.address, run_id))
-                for n in nodes if "telemetry_dir" in self.hs.infos[n]]  # agents that predate telemetry never answer
-        for fut in futs:
-            try:
-                telemetry.final_steps(fut.get(timeout=2.0))
-            except Exception:  # noqa: BLE001 - a lost host: its last steps are lost with it
-                pass
 
     def _signal(self, nodes: List[int], run_id: str, sig: int) -> None:
         for n in nodes:

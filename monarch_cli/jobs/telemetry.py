@@ -85,9 +85,6 @@ class RunTelemetry:
             self.writer.rows("samples", samples)
             self.writer.rows("steps", steps)
 
-    def final_steps(self, steps: List[Tuple[Any, ...]]) -> None:
-        self.writer.rows("steps", steps)
-
     def finish(self, result: Optional["RunResult"]) -> None:
         if result is not None:
             self.writer.sql("UPDATE runs SET ended_at = ?, exit_code = ?, restarts = ?, interrupted = ? WHERE run_id = ?",

@@ -203,6 +203,7 @@ class RankHost:
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         duration = (rank.exited_at or time.monotonic()) - rank.started
         self.agent.debug.rank_exited(rank.run_id, rank.rank, describe_status(exitcode, sig)[0])
+        self.agent.telemetry.rank_ended(rank)  # its last step records go out before its exit
         self.agent.send(rank.owner, ("event", "rank_exit", rank.run_id, rank.rank, exitcode, sig, duration, rank.pid))
         self._end_run(rank.run_id)
 

@@ -9,12 +9,12 @@
 * ``telemetry_stacks``: every live rank's Python stack, captured in parallel in a thread
   with ``py-spy dump``; a rank py-spy cannot attach to is asked for the interpreter's own
   dump (faulthandler, on :data:`~.telemetry_rank.STACK_SIGNAL`).
-* ``telemetry_flush``: a finished run's last step records, so none arrives after the run.
+* when a rank ends, its last step records go to its owner just before its exit is reported
+  (:meth:`TelemetryHost.rank_ended`), so the run's ``steps`` are complete when it returns.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import queue
@@ -80,10 +80,6 @@ class TelemetryHost:
             ranks = [r for r in self._live(run_id) if wanted is None or r.rank in wanted]
             targets = [(r.run_id, r.rank, r.pid) for r in ranks]
             threading.Thread(target=self._capture, args=(reply_to, cid, targets, bool(native)), daemon=True).start()
-        elif kind == "telemetry_flush":
-            _, cid, reply_to, run_id = header
-            steps = self._finish_run(run_id)
-            self.agent.reply(reply_to, cid, True, steps)
         else:
             return False
         return True
@@ -186,24 +182,21 @@ class TelemetryHost:
         self._pending.setdefault((run_id, rank), []).extend(rows)
         self._last_step[(run_id, rank)] = rows[-1]
 
-    def _finish_run(self, run_id: str) -> List[Step]:
-        """The run is over: its last step records, then its files go."""
-        steps: List[Step] = []
-        prefix = os.path.join(self.dir, f"{run_id}.")
-        for path in glob.glob(glob.escape(prefix) + "*"):
-            rank_text, _, suffix = path[len(prefix):].partition(".")
-            if suffix == "steps" and rank_text.isdigit():
-                self._read_file(run_id, int(rank_text), path)
+    def rank_ended(self, rank: "_Rank") -> None:
+        """The rank is gone (called just before its exit is reported): send its last step records, drop its files."""
+        key = (rank.run_id, rank.rank)
+        files = paths(self.dir, rank.run_id, rank.rank)
+        self._read_file(rank.run_id, rank.rank, files["steps"])
+        steps = self._pending.pop(key, [])
+        if steps:
+            self.agent.send(rank.owner, ("event", "telemetry", rank.run_id, self.agent.host, [], steps))
+        self._last_step.pop(key, None)
+        for path in files.values():
             self._offsets.pop(path, None)
             try:
                 os.unlink(path)
             except OSError:
                 pass
-        for key in [k for k in self._pending if k[0] == run_id]:
-            steps += self._pending.pop(key)
-        for key in [k for k in self._last_step if k[0] == run_id]:
-            del self._last_step[key]
-        return steps
 
     # -------------------------------------------------------------- stacks
     def _capture(self, reply_to: str, cid: int, targets: List[Tuple[str, int, int]], native: bool) -> None:
