@@ -88,10 +88,13 @@ def top_cmd(
         return
     from rich.live import Live
 
-    with Live(_top_table(*job.top()), console=out, auto_refresh=False, screen=False) as live:
-        while True:
-            time.sleep(interval)
-            live.update(_top_table(*job.top()), refresh=True)
+    try:
+        with Live(_top_table(*job.top()), console=out, auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(_top_table(*job.top()), refresh=True)
+    except KeyboardInterrupt:  # the way to leave a live view: not an error
+        return
 
 
 # -------------------------------------------------------------------- rendering
