@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 
 from monarch_cli.jobs import Job, serve
-from monarch_cli.jobs.telemetry import compress
+from monarch_cli.jobs.telemetry import RankRow, _suspicions, compress
 from monarch_cli.runtime.telemetry_host import py_spy_path
 from monarch_cli.telemetry_store import TelemetryWriter, db_path, query
 
@@ -267,3 +267,23 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(text))
     return path
+
+
+def test_diagnose_rules_for_silence_step_lag_and_idle_gpu() -> None:
+    """The row-level rules `diagnose` and `top` share (the stack rule is shown with real ranks above)."""
+    rows = [RankRow(r, output_age=2.0, step=40, gpu_util=95.0) for r in range(4)]
+    assert _suspicions(rows) == {}
+    rows[1].output_age = 300.0
+    rows[2].step = 31
+    rows[3].gpu_util = 0.0
+    found = _suspicions(rows, silence=60.0)
+    assert sorted(found) == [1, 2, 3]
+    assert "no output for 300 s" in found[1][0]
+    assert "at step 31 while the others reached 40" in found[2][0]
+    assert "GPU idle" in found[3][0]
+
+
+def test_sql_without_a_store_is_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "MONARCH_STATE": str(tmp_path / ".monarch" / "job_state.pkl")}
+    done = subprocess.run([sys.executable, "-m", "monarch_cli", "sql", "SELECT 1"], env=env, capture_output=True, text=True)
+    one_line_error(done, "no telemetry store")
