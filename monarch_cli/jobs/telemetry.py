@@ -331,6 +331,12 @@ class Inspector:
                           (run_id,)):
             if r["rank"] in rows:
                 rows[r["rank"]].step, rows[r["rank"]].step_ms = r["step"], r["dt"]
+        for r in self.sql("SELECT s.rank, s.cpu_percent, s.rss_mb, s.gpu_util, s.gpu_mem_mb FROM samples s JOIN "
+                          "(SELECT max(rowid) AS id FROM samples WHERE run_id = ? GROUP BY rank) m ON s.rowid = m.id",
+                          (run_id,)):  # the last sample recorded: all a finished run has
+            if r["rank"] in rows:
+                row = rows[r["rank"]]
+                row.cpu_percent, row.rss_mb, row.gpu_util, row.gpu_mem_mb = r["cpu_percent"], r["rss_mb"], r["gpu_util"], r["gpu_mem_mb"]
         if run["ended_at"] is None:
             try:
                 samples, steps = self.live(run_id)
