@@ -421,9 +421,14 @@ class Inspector:
         if not failed:
             return Diagnosis("unknown", 2, run_id, f"run {run_id} ended with exit {run['exit_code']}", evidence=evidence)
         first = failed[0]
-        lines = [r["line"] for r in self.sql("SELECT line FROM logs WHERE run_id = ? AND rank = ? AND line != '' "
-                                              "ORDER BY rowid DESC LIMIT 5", (run_id, first["rank"]))][::-1]
-        why = f"failed first ({first['how']})" + (f"; last line: {lines[-1]}" if lines else "")
+        tail = self.sql("SELECT stream, line FROM logs WHERE run_id = ? AND rank = ? AND line != '' "
+                        "ORDER BY rowid DESC LIMIT 10", (run_id, first["rank"]))[::-1]
+        lines = [r["line"] for r in tail]
+        # stdout and stderr come through separate pipes, so their order is not certain: an
+        # error message is on stderr, so its last line is the one to quote
+        errors = [r["line"] for r in tail if r["stream"] == "stderr"]
+        last = errors[-1] if errors else lines[-1] if lines else None
+        why = f"failed first ({first['how']})" + (f"; last line: {last}" if last else "")
         evidence["last_lines"] = lines
         return Diagnosis("suspect", 1, run_id, f"run {run_id} ended with exit {run['exit_code']}: rank {first['rank']} {why}",
                          [Suspect(first["rank"], first["host"], [why])], evidence)
