@@ -73,17 +73,17 @@ class _StepTimer:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.owner: Optional[int] = None
         self.step = 0
-        self.last = time.time()
+        self.last = time.monotonic()  # durations from the monotonic clock; the wall clock may be stepped
 
     def __call__(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self.owner is None:
             self.owner = id(optimizer)
         elif id(optimizer) != self.owner:
             return
-        now = time.time()
+        now = time.monotonic()
         self.step += 1
         try:
-            os.write(self.fd, STEP_RECORD.pack(self.step, now, (now - self.last) * 1000.0))
+            os.write(self.fd, STEP_RECORD.pack(self.step, time.time(), (now - self.last) * 1000.0))
         except OSError:
             pass
         self.last = now
