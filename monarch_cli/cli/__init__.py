@@ -15,11 +15,11 @@ def main() -> None:
         from .sql import fast_main
 
         sys.exit(fast_main(argv[1:]))
-    _app()()
+    _app()(prog_name="monarch")  # also under `python -m monarch_cli`: help and completion say `monarch`
 
 
 def _app() -> Any:
-    from . import debug, jobs, slurm, telemetry  # noqa: F401 - register their commands on the app
+    from . import debug, jobs, slurm, telemetry, version  # noqa: F401 - register their commands on the app
     from .common import app
 
     return app

@@ -5,16 +5,23 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..jobs import job_load
-from ..jobs.telemetry import Diagnosis, RankRow, StackReport, compress
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out, parse_ranks
 from .sql import run_sql
+
+if TYPE_CHECKING:  # the job API loads the runtime: only the commands that run import it
+    from ..jobs.telemetry import Diagnosis, RankRow, StackReport
+
+
+def _job(state: Optional[Path]):  # type: ignore[no-untyped-def]
+    from ..jobs import job_load
+
+    return job_load(state)
 
 
 @app.command("sql")
@@ -46,7 +53,7 @@ def stack_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """The Python stacks of every live rank of the current run, grouped by identical stack."""
-    report = job_load(state).stacks(parse_ranks(ranks), native)
+    report = _job(state).stacks(parse_ranks(ranks), native)
     if as_json:
         emit_json(report.to_json())
         return
@@ -61,7 +68,7 @@ def diagnose_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """One verdict on the current (or last) run: exit 0 healthy, 1 a suspect rank found, 2 cannot tell."""
-    d = job_load(state).diagnose(silence)
+    d = _job(state).diagnose(silence)
     if as_json:
         emit_json(d.to_json())
     else:
@@ -78,7 +85,7 @@ def top_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """One row per rank: host, state, CPU, RSS, GPU, step, step time, output age, last line; suspects first."""
-    job = job_load(state)
+    job = _job(state)
     if once or as_json:
         run_id, rows = job.top()
         if as_json:
@@ -98,7 +105,7 @@ def top_cmd(
 
 
 # -------------------------------------------------------------------- rendering
-def _render_stacks(report: StackReport, full: bool) -> None:
+def _render_stacks(report: "StackReport", full: bool) -> None:
     if not report.stacks:
         err.print("no live rank to capture (nothing running on this reservation)")
         return
@@ -112,7 +119,9 @@ def _render_stacks(report: StackReport, full: bool) -> None:
                 out.print(f"      {escape(str(f['function']))} ({escape(str(f['file']))}:{f['line']})")
 
 
-def _render_diagnosis(d: Diagnosis) -> None:
+def _render_diagnosis(d: "Diagnosis") -> None:
+    from ..jobs.telemetry import compress
+
     mark = {"healthy": "[green]healthy[/]", "suspect": "[red]suspect[/]", "unknown": "[yellow]cannot tell[/]"}[d.verdict]
     out.print(f"{mark}: {escape(d.summary)}")
     for s in d.suspects:
@@ -128,7 +137,7 @@ def _fmt(v: Optional[float], spec: str, unit: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{unit}"
 
 
-def _top_table(run_id: Optional[str], rows: List[RankRow]) -> Table:
+def _top_table(run_id: Optional[str], rows: List["RankRow"]) -> Table:
     table = Table(title=f"run {run_id}" if run_id else "no run recorded", header_style="bold", box=None)
     compact = len(rows) > 32
     cols = ["rank", "host", "state", "cpu", "rss", "gpu", "step", "step ms", "output age"] + ([] if compact else ["last line"])

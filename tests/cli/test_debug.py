@@ -64,7 +64,7 @@ def reservation(tmp_path_factory) -> Iterator[Path]:
     (work / "dap.py").write_text(DAP_SCRIPT)
     (work / "settrace.py").write_text(SET_TRACE_SCRIPT)
     state = work / ".monarch" / "job_state.pkl"
-    job = serve(["torchrun", "--nproc-per-node=2", "dbg.py"], hosts=2, state=state)
+    job = serve(["torchrun", "--nproc-per-node=2", "dbg.py"], hosts=2, state=state, cwd=work)
     yield state
     job.stop()
 
