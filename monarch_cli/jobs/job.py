@@ -21,6 +21,8 @@ from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
 from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
 from .output import OutputSink, list_runs, new_run_dir
+from .telemetry import Diagnosis, Inspector, RankRow, RunTelemetry, StackReport
+from .telemetry import enabled as telemetry_enabled
 from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
@@ -153,6 +155,7 @@ class Job:
                             shutdown_timeout=shutdown_timeout_from(
                                 shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout))
         stdout, stderr = _consoles(stdout, stderr, runner)
+        telemetry = RunTelemetry(self.path.parent, run_id, argv, log_dir) if telemetry_enabled() else None
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             try:
@@ -161,11 +164,18 @@ class Job:
             except BaseException:
                 if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
                     runner.release_port(0, run_id)
+                if telemetry is not None:
+                    telemetry.finish(None)
                 raise
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
-                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals)
+                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals,
+                                   telemetry=telemetry, attempt=attempt)
+            except BaseException:
+                if telemetry is not None:
+                    telemetry.finish(None)
+                raise
             finally:
                 sink.close()
             self._explain_losses(exits)
@@ -176,6 +186,8 @@ class Job:
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
         result = _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control),
                                   stdout, stderr)
+        if telemetry is not None:
+            telemetry.finish(result)
         self._record(result, argv)
         return result
 
@@ -315,6 +327,23 @@ class Job:
 
     def runs(self) -> List[Path]:
         return list_runs(self.logs_root)
+
+    # ------------------------------------------------------------- telemetry
+    def sql(self, statement: str, params: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+        """A read-only query of the reservation's telemetry store (``monarch sql --schema``)."""
+        return Inspector(self).sql(statement, params)
+
+    def stacks(self, ranks: Optional[Set[int]] = None, native: bool = False) -> StackReport:
+        """The Python stacks of the current run's live ranks, grouped by identical stack (and stored)."""
+        return Inspector(self).stacks(ranks, native)
+
+    def diagnose(self, silence: float = 60.0) -> Diagnosis:
+        """Which rank differs from the rest and why; ``exit_code`` 0 healthy, 1 suspect, 2 cannot tell."""
+        return Inspector(self).diagnose(silence)
+
+    def top(self) -> "tuple[Optional[str], List[RankRow]]":
+        """(run id, one row per rank, most suspicious first)."""
+        return Inspector(self).top()
 
 
 def _stopper(by: str) -> str:

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import settings
 from ..runtime import wire
@@ -30,7 +30,11 @@ from .lifecycle import (DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGL
                         RunControl, SignalRelay, signal_name)
 from .output import OutputSink
 from .state import HostRecord
+from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
+
+if TYPE_CHECKING:
+    from .telemetry import RunTelemetry
 
 #: Output bytes from one host after which the runner credits them back (see ``ranks.OUTPUT_WINDOW``).
 _CREDIT_EVERY = 1 << 20
@@ -207,6 +211,8 @@ class SpmdRunner:
         on_pause: Optional[Callable[[int, str, Dict[str, Any]], None]] = None,
         on_notice: Optional[Callable[[str], None]] = None,
         forward_signals: Sequence[int] = (),
+        telemetry: Optional["RunTelemetry"] = None,
+        attempt: int = 0,
     ) -> List[RankExit]:
         mb = self.mb
         by_rank = {l.rank: l for l in launches}
@@ -232,6 +238,8 @@ class SpmdRunner:
                 data = bytes(body[0])
                 try:
                     sink.write(rank, stream, data)
+                    if telemetry is not None:
+                        telemetry.output(rank, stream, data)
                 finally:  # credited even if the console failed (a closed pipe): never stall the ranks
                     # Credit once printed: a host sends only a window ahead, so a slow console
                     # holds the ranks back instead of letting output pile up in memory.
@@ -248,6 +256,8 @@ class SpmdRunner:
                 sink.end_of_rank(rank)
                 exit_.tail = sink.tail(rank)
                 exits[rank] = exit_
+                if telemetry is not None:
+                    telemetry.rank_exit(exit_)
                 control.exited(rank, exit_.ok, time.monotonic())
                 if not exit_.ok and not first_failure:
                     first_failure.append(rank)
@@ -290,6 +300,9 @@ class SpmdRunner:
         mb.event_handlers["rank_exit"] = on_exit
         mb.event_handlers["rank_paused"] = on_paused
         mb.event_handlers["reservation_stopped"] = on_stopped
+        if telemetry is not None:
+            mb.event_handlers["telemetry"] = telemetry.on_agent_event
+            telemetry.started(launches, self.hs, attempt)
         for n in nodes:
             info = self.hs.infos[n]
             mb.watch_agent(self.hs.hosts[n].agent, info["heartbeat"], on_lost)
@@ -342,7 +355,7 @@ class SpmdRunner:
             relay.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
-            for kind in ("output", "rank_exit", "rank_paused", "reservation_stopped"):
+            for kind in ("output", "rank_exit", "rank_paused", "reservation_stopped", "telemetry"):
                 mb.event_handlers.pop(kind, None)
         ordered = [exits[r] for r in sorted(exits)]
         if first_failure and not control.stopped_by:  # stopped: no rank failed first
@@ -460,5 +473,8 @@ def plan_spmd(
                 "host_store": host_store and rank == 0,
                 "post_mortem": post_mortem,
             }
+            if telemetry_enabled():  # lets the rank's agent trace it, dump its stack, time its steps
+                launch_spec["telemetry"] = {"run_id": run_id, "agent_pid": hostset.infos[node].get("pid"),
+                                            "dir": hostset.infos[node].get("telemetry_dir")}
             launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
     return launches
