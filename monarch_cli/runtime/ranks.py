@@ -292,14 +292,16 @@ class RankHost:
             if rank.exited_at is not None and rank.fds and now - rank.exited_at > _EOF_GRACE:
                 for fd in list(rank.fds):
                     self.readable(fd)  # whatever is buffered still goes out first
-                    self._close(fd)
+                    if fd in rank.fds:  # readable() closes it itself at end of file
+                        self._close(fd)
                 self._maybe_report(rank)
 
     def _close(self, fd: int) -> None:
         rank = self.by_fd.pop(fd, None)
-        if rank is not None:
-            rank.fds.pop(fd, None)
-        held = self.held.get(rank.run_id, set()) if rank is not None else set()
+        if rank is None:  # closed already: the number may belong to a new file by now
+            return
+        rank.fds.pop(fd, None)
+        held = self.held.get(rank.run_id, set())
         if fd in held:
             held.discard(fd)  # not watched while held
         else:
