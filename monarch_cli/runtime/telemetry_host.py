@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 PUSH_INTERVAL = float(os.environ.get("MONARCH_TELEMETRY_INTERVAL", "1.0") or 1.0)
 _PY_SPY_TIMEOUT = 5.0
-_DUMP_WAIT = 1.0
+_DUMP_WAIT = 3.0  # an upper bound: dumps that finish sooner end the wait (a loaded host is slow to schedule them)
 _FH_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _FH_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
