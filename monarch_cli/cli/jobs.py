@@ -90,20 +90,43 @@ def run_spmd_cmd(
     cold: bool = typer.Option(False, "--cold", help="Start ranks in fresh interpreters (skip the warm start)."),
     color: Optional[bool] = typer.Option(None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."),
     post_mortem: bool = typer.Option(False, "--post-mortem", help="Keep a rank that raises paused in pdb at the failing frame."),
+    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="NAME=VALUE, or NAME to forward this shell's value, "
+                                                                   "to every rank (repeatable)."),
+    workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory mirrored to hosts that do not share "
+                                                                      "this filesystem (default: where the command runs)."),
+    no_sync: bool = typer.Option(False, "--no-sync", help="Do not mirror the workspace before the run."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Run the served command (or the one after `--`) on every host of the reservation."""
+    from ..jobs.spmd import parse_env_flags
+
     job = job_load(state)
     rank_set = parse_ranks(ranks)
     stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
-                          post_mortem=post_mortem,
+                          post_mortem=post_mortem, env=parse_env_flags(env or []), workspace=workspace,
+                          sync=not no_sync,
                           on_event=lambda msg: err.print(f"[yellow]monarch:[/] {escape(msg)}"))
     if as_json:
         emit_json(result.to_json())
     else:
         _render_result(result)
     raise typer.Exit(result.exit_code)
+
+
+@app.command("sync")
+@friendly
+def sync_cmd(
+    workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory to mirror (default: here)."),
+    state: Optional[Path] = StateOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Mirror the workspace to the hosts that do not share this filesystem now (run-spmd does it too)."""
+    report = job_load(state).sync(workspace)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        err.print(f"[green]✓[/] {escape(str(report))}")
 
 
 @app.command("exec", context_settings={"allow_interspersed_args": False})

@@ -15,7 +15,11 @@ from ..config import configure
 from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
 from .errors import JobError
 from .output import OutputSink, list_runs
-from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
+from .spmd import (
+    HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd,
+    remote_environment, user_environment,
+)
+from .sync import SyncReport, sync_workspace
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
 
@@ -105,6 +109,9 @@ class Job:
         on_event: Optional[Callable[[str], None]] = None,
         post_mortem: bool = False,
         forward_signals: Sequence[int] = (),
+        workspace: Union[str, Path, None] = None,
+        sync: bool = True,
+        env: Optional[Dict[str, str]] = None,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
@@ -118,6 +125,10 @@ class Job:
         ``post_mortem``, a rank that raises stays paused at the failing frame.
         ``forward_signals`` (main thread only) are relayed to every rank while it runs, so a
         batch job's time-limit warning reaches the training script.
+
+        Hosts that do not share this filesystem first get ``workspace`` (default: the run's
+        directory) mirrored, unless ``sync`` is False, and their ranks run in the mirror at the
+        same relative directory. ``env`` is added to every rank's environment (``-e``).
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         cwd = self.state.default_cwd if command is None else None
@@ -128,6 +139,7 @@ class Job:
         run_id = new_run_id()
         log_dir = self.logs_root / run_id
         say = on_event or (lambda _msg: None)
+        node_cwd, node_environ = self._prepare_hosts(hostset, cwd or os.getcwd(), workspace, sync, env or {}, say)
         if spec.moot_flags():
             say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
                 "rendezvous, on rank 0's host")
@@ -138,7 +150,8 @@ class Job:
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                 post_mortem=post_mortem, cwd=cwd)
+                                 post_mortem=post_mortem, cwd=cwd, environ={**user_environment(), **(env or {})},
+                                 node_cwd=node_cwd, node_environ=node_environ)
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
@@ -154,6 +167,29 @@ class Job:
         result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.interrupted)
         self._record(result, argv)
         return result
+
+    def sync(self, workspace: Union[str, Path, None] = None, *, _hostset: Optional[HostSet] = None) -> SyncReport:
+        """Mirror ``workspace`` (default: here) to every host that does not share this filesystem."""
+        hostset = _hostset or self._hostset()
+        return sync_workspace(hostset.mb, self.state.hosts, self.state.reservation_id,
+                              str(workspace if workspace is not None else os.getcwd()), self.path.parent)
+
+    def _prepare_hosts(self, hostset: HostSet, cwd: str, workspace: Union[str, Path, None], sync: bool,
+                       env: Dict[str, str], say: Callable[[str], None]
+                       ) -> "tuple[Dict[int, str], Dict[int, Dict[str, str]]]":
+        """Sync the workspace; where ranks run, and with what environment, on synced hosts."""
+        if not sync:
+            return {}, {}
+        ws = os.path.abspath(workspace if workspace is not None else cwd)
+        rel = os.path.relpath(os.path.abspath(cwd), ws)
+        if rel == ".." or rel.startswith(".." + os.sep):
+            raise JobError(f"the run's directory {cwd} is outside the workspace {ws}; give --workspace a parent of it")
+        report = self.sync(ws, _hostset=hostset)
+        if report.changed or report.outside_links:
+            say(str(report))
+        remote_env = {"PYTHONUNBUFFERED": "1", **remote_environment(), **env}
+        node_cwd = {n: os.path.normpath(os.path.join(d, rel)) for n, d in report.directories.items()}
+        return node_cwd, {n: remote_env for n in report.directories}
 
     def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
              stderr: Optional[BinaryIO] = None) -> RunResult:

@@ -121,6 +121,33 @@ def user_environment() -> Dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _HOST_SPECIFIC and not k.startswith("SLURM_")}
 
 
+#: What reaches ranks on a host that does not share this machine's filesystem (a synced host)
+#: without ``-e``: the client's PATH, HOME, PYTHONPATH or VIRTUAL_ENV would be wrong there.
+FORWARDED_PREFIXES = ("TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "HF_", "WANDB_",
+                      "TOKENIZERS_", "LOGLEVEL")
+FORWARDED_NAMES = ("PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "CUBLAS_WORKSPACE_CONFIG", "LANG", "LC_ALL")
+
+
+def remote_environment() -> Dict[str, str]:
+    """The caller's variables that ranks on a synced host get by default (see docs/sync.md)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+
+
+def parse_env_flags(items: Sequence[str]) -> Dict[str, str]:
+    """``-e NAME=VALUE`` sets, ``-e NAME`` forwards this shell's value; an unset NAME is an error."""
+    out: Dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not name or not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c == "_" for c in name):
+            raise JobError(f"-e takes NAME or NAME=VALUE, not {item!r}")
+        if not eq:
+            if name not in os.environ:
+                raise JobError(f"-e {name}: {name} is not set here; give a value with -e {name}=VALUE")
+            value = os.environ[name]
+        out[name] = value
+    return out
+
+
 class HostSet:
     """The reservation's agents as this controller talks to them."""
 
@@ -336,8 +363,13 @@ def plan_spmd(
     environ: Optional[Dict[str, str]] = None,
     post_mortem: bool = False,
     cwd: Optional[str] = None,
+    node_cwd: Optional[Dict[int, str]] = None,
+    node_environ: Optional[Dict[int, Dict[str, str]]] = None,
 ) -> List[Launch]:
-    """Place ranks on hosts and build each one's environment and program (run in ``cwd``, default here)."""
+    """Place ranks on hosts and build each one's environment and program (run in ``cwd``, default here).
+
+    ``node_cwd``/``node_environ`` override both for some hosts (those that run in a synced mirror).
+    """
     hosts = hostset.hosts
     nnodes = spec.nnodes or len(hosts)
     if nnodes > len(hosts):
@@ -358,9 +390,10 @@ def plan_spmd(
     launches = []
     cwd = cwd or os.getcwd()
     for node in range(nnodes):
+        node_base = (node_environ or {}).get(node, base)
         for local in range(nproc):
             env = {
-                **base,
+                **node_base,
                 **rank_environment(
                     spec,
                     node_rank=node,
@@ -372,7 +405,7 @@ def plan_spmd(
                     run_id=spec.rdzv_id or run_id,
                     restart_count=restart_count,
                     cpus_on_host=hostset.infos[node]["cpus"],
-                    environ=base,
+                    environ=node_base,
                 ),
             }
             rank = node * nproc + local
@@ -381,7 +414,7 @@ def plan_spmd(
             launch_spec = {
                 "rank": rank,
                 "env": env,
-                "cwd": cwd,
+                "cwd": (node_cwd or {}).get(node, cwd),
                 "mode": spec.mode,
                 "program": spec.program,
                 "python_args": spec.python_args,
