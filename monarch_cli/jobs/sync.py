@@ -119,12 +119,18 @@ def sync_workspace(
         raise JobError(str(e)) from None
     report.total_files, report.outside_links = len(scan.manifest), scan.outside_links
     stale = [i for i in far if statuses[i].digest != client_digest]
-    if stale:  # their manifests, to see what they lack
+    synced = scanner.synced
+    known = {synced[0]: {p: (e, None) for p, e in synced[1].items()}} if synced else {}
+    unknown = [i for i in stale if statuses[i].digest not in known]
+    if unknown:  # hosts in a state this client did not leave them in: fetch their manifests
         ask = wire.dumps(SyncCheck(reservation, name, client_digest, workspace, "", (0, 0, 0)))
-        got = _gather([mb.request(hosts[i].agent, lambda cid: ("sync_manifest", cid, mb.address), ask) for i in stale],
-                      [hosts[i] for i in stale], timeout)
-        for i, status in zip(stale, got):
+        got = _gather([mb.request(hosts[i].agent, lambda cid: ("sync_manifest", cid, mb.address), ask) for i in unknown],
+                      [hosts[i] for i in unknown], timeout)
+        for i, status in zip(unknown, got):
             statuses[i] = status
+    for i in stale:
+        if statuses[i].files is None and statuses[i].digest in known:
+            statuses[i].files = known[statuses[i].digest]
     pending: List[Tuple[int, Any]] = []  # (host index, future)
     plans: Dict[str, Tuple[List[List[FileUpdate]], List[str], int, int]] = {}
     for i in stale:
@@ -138,10 +144,14 @@ def sync_workspace(
         report.files, report.deleted = max(report.files, nfiles), max(report.deleted, len(deleted))
         report.nbytes = max(report.nbytes, nbytes)
         for j, batch in enumerate(batches):
-            body = wire.dumps(SyncApply(reservation, name, batch, deleted if j == 0 else []))
+            body = wire.dumps(SyncApply(reservation, name, batch, deleted if j == 0 else [], st.digest if j == 0 else ""))
             pending.append((i, mb.request(hosts[i].agent, lambda cid: ("sync_apply", cid, mb.address), body)))
-    if pending:  # each host's new digest is compared on the next sync
-        _gather([f for _, f in pending], [hosts[i] for i, _ in pending], timeout)
+    if pending:
+        applied = _gather([f for _, f in pending], [hosts[i] for i, _ in pending], timeout)
+        final = {i: a.digest for (i, _), a in zip(pending, applied)}  # each host's last batch
+        if all(d == client_digest for d in final.values()):  # the next change is diffed here, not fetched
+            scanner.synced = (client_digest, scan.manifest)
+            scanner.dirty = True
     if scanner.dirty:
         try:
             save_scanner(scanner, cache_file)

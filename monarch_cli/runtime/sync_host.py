@@ -59,6 +59,7 @@ class SyncApply:
     name: str
     updates: List[FileUpdate]
     deleted: List[str]
+    base: str  # the mirror digest these changes were computed against ("" for a later batch)
 
 
 @dataclasses.dataclass
@@ -110,6 +111,8 @@ def check(req: SyncCheck) -> SyncStatus:
 
 def apply(req: SyncApply) -> SyncApplied:
     mirror = _mirror(req.reservation, req.name)
+    if req.base and mirror.digest != req.base:  # changed since the client looked (another client syncing?)
+        raise RuntimeError("the mirror changed during the sync; sync again")
     written, nbytes = mirror.apply(req.updates, req.deleted)
     return SyncApplied(written, nbytes, mirror.digest)
 

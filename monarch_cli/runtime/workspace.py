@@ -43,13 +43,10 @@ class WorkspaceError(MonarchError):
     """The workspace cannot be mirrored as it is (too big, unreadable); the message says why."""
 
 
-class Entry(NamedTuple):
-    """One mirrored path. ``link`` is a symlink's target ("" for a regular file)."""
-
-    size: int
-    mtime_ns: int
-    mode: int
-    link: str = ""
+#: One mirrored path: (size, mtime_ns, mode bits, symlink target or ""). A plain tuple, not a
+#: NamedTuple: manifests of thousands of entries are pickled on every sync, and a NamedTuple
+#: costs a Python call per entry to pickle.
+Entry = Tuple[int, int, int, str]
 
 
 Manifest = Dict[str, Entry]
@@ -69,7 +66,7 @@ def digest(manifest: Manifest) -> str:
     h = hashlib.blake2b(digest_size=16)
     for path in sorted(manifest):
         e = manifest[path]
-        h.update(f"{path}\0{e.size}\0{e.mtime_ns}\0{e.mode}\0{e.link}\n".encode("utf-8", "surrogateescape"))
+        h.update(f"{path}\0{e[0]}\0{e[1]}\0{e[2]}\0{e[3]}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
 
 
@@ -119,73 +116,88 @@ class Scanner:
     (see :func:`load_scanner`) to keep that across processes.
     """
 
-    version = 1
+    version = 4
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self.dirs: Dict[str, _DirListing] = {}
-        self.entries: Dict[str, Tuple[int, Entry]] = {}  # rel -> (inode, entry): readlink once
+        self.entries: Dict[str, Tuple[int, int, int, int, Entry]] = {}  # rel -> (ino, mtime, size, st_mode, entry)
+        self._unchanged = False  # the last scan found exactly the manifest before it
         self.hashes: Dict[str, Tuple[Entry, str]] = {}  # rel -> (entry it was hashed at, sha256)
-        self.last: Optional[Tuple[Manifest, str]] = None  # the last manifest and its digest
+        self.last_digest: Optional[str] = None  # the digest of the last scan's manifest
         self.dirty = True  # something worth saving changed since the last save
+        self.synced: Optional[Tuple[str, Manifest]] = None  # the digest and manifest last pushed to hosts
 
     def scan(self) -> ScanResult:
         manifest: Manifest = {}
         outside: List[str] = []
         seen_dirs: Dict[str, _DirListing] = {}
-        entries: Dict[str, Tuple[int, Entry]] = {}
+        entries: Dict[str, Tuple[int, int, int, int, Entry]] = {}
+        old = self.entries
         specs: Dict[str, object] = {}
         stack: List[Tuple[str, Tuple[Tuple[str, str, int, int], ...]]] = [("", ())]
         root = self.root
+        changed = False
+        lstat, S_ISREG, S_ISLNK, S_IMODE = os.lstat, stat.S_ISREG, stat.S_ISLNK, stat.S_IMODE
         while stack:
             rel, inherited = stack.pop()
             absdir = os.path.join(root, rel) if rel else root
             try:
-                dst = os.stat(absdir)
+                fd = os.open(absdir, os.O_RDONLY | os.O_DIRECTORY)
             except OSError:
+                changed = True
                 continue
-            chain = list(inherited)
-            for name in IGNORE_FILES:
-                p = os.path.join(absdir, name)
-                try:
-                    st = os.stat(p)
-                except OSError:
-                    continue
-                chain.append((rel, p, st.st_size, st.st_mtime_ns))
-            key = tuple((p, s, m) for _, p, s, m in chain)
-            listing = self.dirs.get(rel)
-            if listing is None or listing.mtime_ns != dst.st_mtime_ns or listing.rules_key != key:
-                rules = _Rules(tuple((b, s) for b, p, _, _ in chain if (s := specs.get(p) or _cache_spec(specs, p))))
-                listing = self._list(rel, absdir, dst.st_mtime_ns, key, rules)
-                self.dirty = True
-            seen_dirs[rel] = listing
-            prefix = rel + "/" if rel else ""
-            for name in listing.files:
-                r = prefix + name
-                try:
-                    st = os.lstat(os.path.join(absdir, name))
-                except OSError:
-                    continue
-                known = self.entries.get(r)
-                if stat.S_ISLNK(st.st_mode):
-                    if known is not None and known[0] == st.st_ino and known[1].mtime_ns == st.st_mtime_ns and known[1].link:
-                        entry = known[1]
+            try:  # stat names relative to the directory: no path walk per file
+                dir_mtime = os.fstat(fd).st_mtime_ns
+                chain = list(inherited)
+                for name in IGNORE_FILES:
+                    try:
+                        st = os.stat(name, dir_fd=fd)
+                    except OSError:
+                        continue
+                    chain.append((rel, os.path.join(absdir, name), st.st_size, st.st_mtime_ns))
+                key = tuple((p, sz, m) for _, p, sz, m in chain)
+                listing = self.dirs.get(rel)
+                if listing is None or listing.mtime_ns != dir_mtime or listing.rules_key != key:
+                    rules = _Rules(tuple((b, sp) for b, p, _, _ in chain if (sp := specs.get(p) or _cache_spec(specs, p))))
+                    listing = self._list(rel, absdir, dir_mtime, key, rules)
+                    self.dirty = changed = True
+                seen_dirs[rel] = listing
+                prefix = rel + "/" if rel else ""
+                for name in listing.files:
+                    r = prefix + name
+                    try:
+                        st = lstat(name, dir_fd=fd)
+                    except OSError:
+                        changed = True
+                        continue
+                    known = old.get(r)
+                    if (known is not None and known[0] == st.st_ino and known[1] == st.st_mtime_ns
+                            and known[2] == st.st_size and known[3] == st.st_mode):
+                        entry = known[4]
                     else:
-                        target = os.readlink(os.path.join(absdir, name))
-                        if not _inside(root, absdir, target):
-                            outside.append(f"{r} -> {target}")
+                        changed = True
+                        if S_ISLNK(st.st_mode):
+                            target = os.readlink(name, dir_fd=fd)
+                            if not _inside(root, absdir, target):
+                                outside.append(f"{r} -> {target}")
+                                continue
+                            entry = (0, st.st_mtime_ns, 0, target)
+                        elif S_ISREG(st.st_mode):
+                            entry = (st.st_size, st.st_mtime_ns, S_IMODE(st.st_mode), "")
+                        else:
                             continue
-                        entry = Entry(0, st.st_mtime_ns, 0, target)
-                elif stat.S_ISREG(st.st_mode):
-                    entry = Entry(st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
-                else:
-                    continue
-                entries[r] = (st.st_ino, entry)
-                manifest[r] = entry
+                    entries[r] = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode, entry)
+                    manifest[r] = entry
+            finally:
+                os.close(fd)
             for name in listing.dirs:
                 stack.append((prefix + name, tuple(chain)))
+        if len(entries) != len(old):
+            changed = True
         self.dirs = seen_dirs
         self.entries = entries
+        self._unchanged = not changed
         return ScanResult(manifest, outside)
 
     def _list(self, rel: str, absdir: str, mtime_ns: int, key: Tuple[Tuple[str, int, int], ...],
@@ -217,10 +229,9 @@ class Scanner:
     def manifest_and_digest(self) -> Tuple[ScanResult, str]:
         """Scan, and digest the manifest (the digest is reused when the manifest did not change)."""
         result = self.scan()
-        if self.last is not None and self.last[0] == result.manifest:
-            return result, self.last[1]
-        d = digest(result.manifest)
-        self.last = (result.manifest, d)
+        if self.last_digest is not None and self._unchanged:
+            return result, self.last_digest
+        d = self.last_digest = digest(result.manifest)
         self.dirty = True
         return result, d
 
@@ -229,8 +240,8 @@ class Scanner:
         known = self.hashes.get(rel)
         if known is not None and known[0] == entry:
             return known[1]
-        if entry.link:
-            h = hashlib.sha256(entry.link.encode("utf-8", "surrogateescape")).hexdigest()
+        if entry[3]:
+            h = hashlib.sha256(entry[3].encode("utf-8", "surrogateescape")).hexdigest()
         else:
             h = hashlib.sha256(self.read(rel, entry)).hexdigest()
         self.hashes[rel] = (entry, h)
@@ -244,16 +255,16 @@ class Scanner:
             with open(path, "rb") as f:
                 data = f.read()
                 st = os.fstat(f.fileno())
-            if st.st_size == len(data) and (st.st_size, st.st_mtime_ns) == (entry.size, entry.mtime_ns):
+            if st.st_size == len(data) and (st.st_size, st.st_mtime_ns) == (entry[0], entry[1]):
                 return data
-            entry = Entry(st.st_size, st.st_mtime_ns, entry.mode)
+            entry = (st.st_size, st.st_mtime_ns, entry[2], "")
         raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
 
     def update_for(self, rel: str, entry: Entry, host_sha: Optional[str], host_entry: Optional[Entry]) -> FileUpdate:
         """What to send for one changed path: metadata only when the host has the same content."""
-        if entry.link:
+        if entry[3]:
             return FileUpdate(rel, entry, self.sha256(rel, entry), None)
-        if host_sha is not None and host_entry is not None and host_entry.size == entry.size and not host_entry.link:
+        if host_sha is not None and host_entry is not None and host_entry[0] == entry[0] and not host_entry[3]:
             sha = self.sha256(rel, entry)  # same size, other time: hash to tell a touch from an edit
             if sha == host_sha:
                 return FileUpdate(rel, entry, sha, None)
@@ -261,12 +272,9 @@ class Scanner:
         for _ in range(5):  # the entry must describe the bytes we send
             data = self.read(rel, entry)
             st = os.lstat(path)
-            now = Entry(st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
+            now = (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), "")
             if now == entry:
-                sha = hashlib.sha256(data).hexdigest()
-                self.hashes[rel] = (entry, sha)
-                self.dirty = True
-                return FileUpdate(rel, entry, sha, data)
+                return FileUpdate(rel, entry, hashlib.sha256(data).hexdigest(), data)
             entry = now
         raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
 
@@ -285,11 +293,11 @@ def _inside(root: str, absdir: str, target: str) -> bool:
 
 def check_size(manifest: Manifest, limit: int, root: str) -> None:
     """A workspace over ``limit`` bytes is an error naming its biggest paths."""
-    total = sum(e.size for e in manifest.values())
+    total = sum(e[0] for e in manifest.values())
     if total <= limit:
         return
-    biggest = sorted(manifest.items(), key=lambda kv: kv[1].size, reverse=True)[:3]
-    names = ", ".join(f"{p} ({human_bytes(e.size)})" for p, e in biggest)
+    biggest = sorted(manifest.items(), key=lambda kv: kv[1][0], reverse=True)[:3]
+    names = ", ".join(f"{p} ({human_bytes(e[0])})" for p, e in biggest)
     raise WorkspaceError(
         f"workspace {root} is {human_bytes(total)}, over the {human_bytes(limit)} sync limit; biggest: {names}; "
         "list them in .monarchignore, or raise the limit with MONARCH_SYNC_MAX_BYTES, or use --no-sync"
@@ -362,21 +370,21 @@ class Mirror:
             _make_dirs(parent, self.dir)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)  # a directory became a file or a link
-            if u.entry.link:
+            if u.entry[3]:
                 tmp = os.path.join(parent, f".{os.path.basename(path)}.monarch-{os.urandom(4).hex()}")
-                os.symlink(u.entry.link, tmp)
-                os.utime(tmp, ns=(u.entry.mtime_ns, u.entry.mtime_ns), follow_symlinks=False)
+                os.symlink(u.entry[3], tmp)
+                os.utime(tmp, ns=(u.entry[1], u.entry[1]), follow_symlinks=False)
                 os.replace(tmp, path)
             elif u.data is None:
-                os.chmod(path, u.entry.mode)
-                os.utime(path, ns=(u.entry.mtime_ns, u.entry.mtime_ns))
+                os.chmod(path, u.entry[2])
+                os.utime(path, ns=(u.entry[1], u.entry[1]))
             else:
                 fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".monarch", dir=parent)
                 try:
                     with os.fdopen(fd, "wb") as f:
                         f.write(u.data)
-                    os.chmod(tmp, u.entry.mode)
-                    os.utime(tmp, ns=(u.entry.mtime_ns, u.entry.mtime_ns))
+                    os.chmod(tmp, u.entry[2])
+                    os.utime(tmp, ns=(u.entry[1], u.entry[1]))
                     os.replace(tmp, path)
                 except BaseException:
                     _unlink_quietly(tmp)

@@ -115,9 +115,9 @@ def test_size_limit_names_biggest_paths(tmp_path: Path) -> None:
 
 
 def test_mirror_refuses_paths_outside_itself(tmp_path: Path) -> None:
-    from monarch_cli.runtime.workspace import Entry, FileUpdate
+    from monarch_cli.runtime.workspace import FileUpdate
 
     mirror = Mirror(str(tmp_path / "m"))
     with pytest.raises(WorkspaceError):
-        mirror.apply([FileUpdate("../escape.py", Entry(1, 1, 0o644), "", b"x")], [])
+        mirror.apply([FileUpdate("../escape.py", (1, 1, 0o644, ""), "", b"x")], [])
     assert not (tmp_path / "escape.py").exists()
