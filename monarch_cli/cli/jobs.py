@@ -26,9 +26,9 @@ from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friend
 @friendly
 def serve_cmd(
     command: Optional[List[str]] = CmdArg,
-    scheduler: str = typer.Option("local", "--scheduler", "-s", help="local (alias: local_cwd) or slurm."),
-    hosts: Optional[int] = typer.Option(None, "--hosts", "-n", min=1,
-                                        help="Hosts to reserve (default 1; inside a Slurm allocation, all its nodes)."),
+    scheduler: str = typer.Option("local", "--scheduler", "-s", help="local (alias: local_cwd), slurm or ssh."),
+    hosts_arg: Optional[str] = typer.Option(None, "--hosts", "-n", help="Hosts to reserve (default 1; inside a Slurm "
+                                            "allocation, all its nodes); for ssh, their names: h1,h2."),
     state: Optional[Path] = StateOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be started, start nothing."),
     replace: bool = typer.Option(False, "--replace", help="Release an existing reservation that cannot serve this."),
@@ -45,13 +45,34 @@ def serve_cmd(
     sbatch_arg: Optional[List[str]] = typer.Option(None, "--sbatch-arg", help="Extra sbatch argument (repeatable).",
                                                    rich_help_panel="Cluster"),
     nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts.", rich_help_panel="Cluster"),
+    hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="ssh: host names, one a line.", rich_help_panel="SSH"),
+    ssh_config: Optional[Path] = typer.Option(None, "--ssh-config", help="ssh: config file (default ~/.ssh/config).",
+                                              rich_help_panel="SSH"),
+    identity: Optional[Path] = typer.Option(None, "--identity", help="ssh: private key file.", rich_help_panel="SSH"),
+    user: Optional[str] = typer.Option(None, "--user", help="ssh: remote user.", rich_help_panel="SSH"),
+    python: Optional[str] = typer.Option(None, "--python", help="ssh: remote interpreter command (default python3).",
+                                         rich_help_panel="SSH"),
+    remote_dir: Optional[str] = typer.Option(None, "--remote-dir", help="ssh: where serve puts its files "
+                                             "(default ~/.monarch-cli).", rich_help_panel="SSH"),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="ssh: record unknown host keys "
+                                              "(changed ones are always refused).", rich_help_panel="SSH"),
     as_json: bool = JsonOpt,
 ) -> None:
     """Reserve hosts and leave them up; reuse a reservation that can serve the request."""
-    hosts = nodes or hosts
+    host_list = None
+    if hosts_arg is not None and not hosts_arg.strip().isdigit():
+        host_list = hosts_arg
+    hosts = nodes or (int(hosts_arg) if hosts_arg is not None and host_list is None else None)
+    if hosts is not None and hosts < 1:
+        raise ValueError(f"--hosts must be at least 1, not {hosts}")
+    if host_list is not None:
+        hosts = len([h for h in host_list.split(",") if h.strip()])
     options = {k: v for k, v in dict(
         partition=partition, time=time_limit, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, mem=mem,
         account=account, qos=qos, constraint=constraint, exclusive=exclusive or None, sbatch_args=sbatch_arg or None,
+        ssh_hosts=host_list, hostfile=str(hostfile) if hostfile else None, ssh_config=str(ssh_config) if ssh_config else None,
+        identity=str(identity) if identity else None, user=user, python=python, remote_dir=remote_dir,
+        accept_new_host_keys=accept_new_host_keys or None,
     ).items() if v is not None}
     if dry_run:
         plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload, **options)

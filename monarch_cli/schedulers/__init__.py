@@ -8,8 +8,9 @@ from ..jobs.errors import JobError
 from .base import DryRun, HostStatus, Reservation, ReserveRequest, Scheduler, controller_host
 from .local import LocalScheduler
 from .slurm import SlurmScheduler
+from .ssh import SshScheduler
 
-_BACKENDS: Dict[str, Type[Scheduler]] = {"local": LocalScheduler, "slurm": SlurmScheduler}
+_BACKENDS: Dict[str, Type[Scheduler]] = {"local": LocalScheduler, "slurm": SlurmScheduler, "ssh": SshScheduler}
 #: torchx scheduler names users already type, mapped to ours.
 ALIASES = {"local_cwd": "local"}
 

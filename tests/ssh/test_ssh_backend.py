@@ -1,0 +1,170 @@
+"""The ssh backend on real sshd hosts: serve, sync, a 2-host gloo run, stop, and refusals."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+import paramiko
+import pytest
+
+from monarch_cli.jobs import Job, JobError, dryrun, serve
+
+from .conftest import SshHosts
+
+pytestmark = [pytest.mark.slow, pytest.mark.ssh]
+REPO = str(Path(__file__).resolve().parents[2])
+# The hosts see this checkout (only /root and /tmp are private there): run this code, not an installed copy.
+PYTHON = f"env PYTHONPATH={REPO} {os.path.realpath(sys.executable)}"
+
+ALLREDUCE = """\
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("sum", int(t.item()), "cwd", os.getcwd(), "data", open("data.txt").read(), "gone", os.path.exists("old.py"))
+dist.destroy_process_group()
+"""
+
+
+def _ssh_config(hosts: SshHosts, path: Path, known_hosts: Path) -> Path:
+    path.write_text("".join(
+        f"Host h{i}\n  HostName {h.address}\n  User root\n  IdentityFile {hosts.client_key}\n"
+        f"  UserKnownHostsFile {known_hosts}\n  StrictHostKeyChecking yes\n"
+        for i, h in enumerate(hosts.hosts, 1)))
+    return path
+
+
+def _on_host(hosts: SshHosts, i: int, command: str) -> Tuple[int, str]:
+    client = paramiko.SSHClient()
+    client.load_host_keys(str(hosts.known_hosts))
+    client.connect(hosts.hosts[i].address, username="root", key_filename=str(hosts.client_key),
+                   look_for_keys=False, allow_agent=False, timeout=10)
+    try:
+        _, out, err = client.exec_command(command, timeout=30)
+        text = out.read().decode() + err.read().decode()
+        return out.channel.recv_exit_status(), text
+    finally:
+        client.close()
+
+
+def _netns_processes(hosts: SshHosts) -> List[str]:
+    """Every process in the hosts' namespaces but their sshd listeners."""
+    left = []
+    for h in hosts.hosts:
+        for pid in subprocess.run(["ip", "netns", "pids", h.name], capture_output=True, text=True).stdout.split():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "sshd" not in cmd:
+                left.append(f"{h.name} {pid}: {cmd}")
+    return left
+
+
+@pytest.fixture(scope="module")
+def ssh_job(ssh_hosts: SshHosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Job, Path, Path]]:
+    base = tmp_path_factory.mktemp("sshjob")
+    config = _ssh_config(ssh_hosts, base / "ssh_config", ssh_hosts.known_hosts)
+    ws = base / "ws"
+    ws.mkdir()
+    job = serve(None, "ssh", hosts=2, state=ws / ".monarch" / "job_state.pkl", ssh_hosts="h1,h2",
+                ssh_config=str(config), python=PYTHON)
+    yield job, ws, config
+    job.stop()
+
+
+def test_dry_run_shows_targets_and_redacts_keys(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
+    plan = dryrun(None, "ssh", hosts=2, ssh_hosts="h1,h2", ssh_config=str(config), python=PYTHON)
+    text = plan.artifacts["hosts"]
+    for h in ssh_hosts.hosts:
+        assert f"root@{h.address}:22" in text
+    assert "<redacted>" in text and "PRIVATE" not in text and "MONARCH_KEYS" not in text
+
+
+def test_serve_keys_sync_and_a_two_host_gloo_run(ssh_job: Tuple[Job, Path, Path], ssh_hosts: SshHosts,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    job, ws, _ = ssh_job
+    secret = job.state.keys.split()[-1] if " " in job.state.keys else job.state.keys
+    for i, rec in enumerate(job.state.scheduler_data["ssh_hosts"]):
+        code, text = _on_host(ssh_hosts, i, f"stat -c '%a' {rec['directory']} {rec['directory']}/keys")
+        assert text.split() == ["700", "600"], text
+        code, text = _on_host(ssh_hosts, i, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; "
+                                            f"cat /proc/{rec['pid']}/environ | tr '\\0' '\\n'")
+        assert code == 0 and "monarch_cli.runtime.agent" in text and secret not in text
+    (ws / "train.py").write_text(ALLREDUCE)
+    (ws / "data.txt").write_text("v1")
+    (ws / "old.py").write_text("")
+    monkeypatch.chdir(ws)
+    out = io.BytesIO()
+    notices: List[str] = []
+    # the hosts share this machine's hostname, which resolves to a loopback address: name gloo's interface
+    gloo = {"GLOO_SOCKET_IFNAME": "eth0"}
+    result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out,
+                          on_event=notices.append, env=gloo)
+    text = out.getvalue().decode()
+    assert result.exit_code == 0, text
+    assert any(n.startswith("synced 3 files") and "to 2 hosts" in n for n in notices), notices
+    lines = [line for line in text.splitlines() if " sum " in line]
+    assert len(lines) == 2 and all("sum 3 " in line and "data v1 gone True" in line for line in lines), text
+    assert str(ws) not in text  # the ranks ran in the hosts' mirrors, not at the client's path
+    (ws / "data.txt").write_text("v2")  # an edit and a deletion reach both hosts before the next run
+    (ws / "old.py").unlink()
+    out = io.BytesIO()
+    result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out, env=gloo)
+    text = out.getvalue().decode()
+    assert result.exit_code == 0 and text.count("data v2 gone False") == 2, text
+
+
+def test_stop_leaves_nothing_on_the_hosts(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
+    before = set(_netns_processes(ssh_hosts))
+    job = serve(None, "ssh", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", ssh_hosts="h1,h2",
+                ssh_config=str(config), python=PYTHON, remote_dir="/root/stoptest")
+    started = set(_netns_processes(ssh_hosts)) - before
+    assert sum("monarch_cli.runtime.agent" in p for p in started) == 2, started
+    assert any("zygote" in p for p in started), started  # the agents' fork servers (warm-up)
+    job.stop()
+    assert not set(_netns_processes(ssh_hosts)) - before  # the agents and everything they started
+    for i in range(2):
+        assert _on_host(ssh_hosts, i, "ls -A /root/stoptest")[1].strip() == ""
+
+
+def test_unknown_and_changed_host_keys_are_refused(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    empty = tmp_path / "known_empty"
+    config = _ssh_config(ssh_hosts, tmp_path / "cfg_unknown", empty)
+    with pytest.raises(JobError, match=r"host h1 .*unknown host key.*--accept-new-host-keys"):
+        serve(None, "ssh", hosts=1, state=tmp_path / "a" / "s.pkl", ssh_hosts="h1", ssh_config=str(config),
+              python=PYTHON)
+    # a changed key: h2's recorded key is h1's
+    lines = ssh_hosts.known_hosts.read_text().splitlines()
+    forged = tmp_path / "known_forged"
+    forged.write_text(lines[0] + "\n" + lines[1].split()[0] + " " + " ".join(lines[0].split()[1:]) + "\n")
+    config = _ssh_config(ssh_hosts, tmp_path / "cfg_forged", forged)
+    before = set(_netns_processes(ssh_hosts))
+    with pytest.raises(JobError, match=r"host h2 .*CHANGED") as e:
+        serve(None, "ssh", hosts=2, state=tmp_path / "b" / "s.pkl", ssh_hosts="h1,h2", ssh_config=str(config),
+              python=PYTHON, accept_new_host_keys=True)  # never accepts a changed key
+    assert "\n" not in str(e.value)
+    assert not set(_netns_processes(ssh_hosts)) - before  # h1's agent was undone
+    # accept-new records an unknown key
+    config = _ssh_config(ssh_hosts, tmp_path / "cfg_new", empty)
+    from monarch_cli.schedulers.ssh import connect, resolve
+
+    connect(resolve("h1", {"ssh_config": str(config)}), accept_new=True).close()
+    assert ssh_hosts.hosts[0].host_key_line.split()[2] in empty.read_text()
+
+
+def test_wrong_python_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
+    proc = subprocess.run([sys.executable, "-m", "monarch_cli", "serve", "--scheduler", "ssh", "--hosts", "h1",
+                           "--ssh-config", str(config), "--python", "/usr/bin/python3-nope",
+                           "--state", str(tmp_path / "s.pkl")], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "host h1: /usr/bin/python3-nope has no monarch-cli" in proc.stderr and "pip install" in proc.stderr
+    assert "Traceback" not in proc.stderr
