@@ -193,14 +193,18 @@ class Job:
 
     def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
              stderr: Optional[BinaryIO] = None) -> RunResult:
-        """Run a shell command on every host; output is prefixed with the host's name."""
+        """Run a shell command on every host; output is prefixed with the host's name.
+
+        It runs in this directory, or in its mirror on hosts that do not share it (synced first).
+        """
         argv = [command] if isinstance(command, str) else [str(c) for c in command]  # a string: for sh -c
         if not argv or not "".join(argv).strip():
             raise JobError("no command given to exec")
         hostset = self._hostset()
         run_id = "exec-" + new_run_id()
         log_dir = self.logs_root / run_id
-        launches = plan_exec(argv, hostset)
+        node_cwd, node_environ = self._prepare_hosts(hostset, os.getcwd(), None, True, {}, lambda _msg: None)
+        launches = plan_exec(argv, hostset, node_cwd=node_cwd, node_environ=node_environ)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()
         runner = SpmdRunner(hostset, log_dir, grace=float("inf"))

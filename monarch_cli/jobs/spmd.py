@@ -335,7 +335,9 @@ def warm_capable(spec: SpmdSpec) -> bool:
     return spec.mode != "no_python" and all(a == "-u" for a in spec.python_args)
 
 
-def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, str]] = None) -> List[Launch]:
+def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, str]] = None,
+              node_cwd: Optional[Dict[int, str]] = None,
+              node_environ: Optional[Dict[int, Dict[str, str]]] = None) -> List[Launch]:
     """One shell per host for ``monarch exec``; GROUP_RANK/NODE_RANK tell the hosts apart."""
     env = dict(environ if environ is not None else user_environment())
     shell = command if len(command) > 1 else ["/bin/sh", "-c", command[0]]
@@ -344,8 +346,8 @@ def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, 
             node,
             host.name,
             node,
-            {"rank": node, "env": {**env, "GROUP_RANK": str(node), "NODE_RANK": str(node)},
-             "cwd": os.getcwd(), "mode": "no_python", "program": shell,
+            {"rank": node, "env": {**(node_environ or {}).get(node, env), "GROUP_RANK": str(node), "NODE_RANK": str(node)},
+             "cwd": (node_cwd or {}).get(node, os.getcwd()), "mode": "no_python", "program": shell,
              "python_args": [], "warm": False, "host_store": False},
         )
         for node, host in enumerate(hostset.hosts)

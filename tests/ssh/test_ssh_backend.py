@@ -119,6 +119,11 @@ def test_serve_keys_sync_and_a_two_host_gloo_run(ssh_job: Tuple[Job, Path, Path]
     result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out, env=gloo)
     text = out.getvalue().decode()
     assert result.exit_code == 0 and text.count("data v2 gone False") == 2, text
+    out = io.BytesIO()
+    result = job.exec("cat data.txt; echo; hostname -I", stdout=out, stderr=out)  # in each host's mirror
+    text = out.getvalue().decode()
+    assert result.exit_code == 0 and text.count("v2") == 2, text
+    assert all(h.address in text for h in ssh_hosts.hosts), text
 
 
 def test_stop_leaves_nothing_on_the_hosts(ssh_hosts: SshHosts, tmp_path: Path) -> None:
@@ -168,3 +173,27 @@ def test_wrong_python_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp_path:
     assert proc.returncode != 0
     assert "host h1: /usr/bin/python3-nope has no monarch-cli" in proc.stderr and "pip install" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_host_whose_link_goes_down_is_reported_by_name_and_stop_still_works(
+        ssh_job: Tuple[Job, Path, Path], ssh_hosts: SshHosts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs last in this module: it breaks the module's reservation."""
+    job, ws, _ = ssh_job
+    monkeypatch.chdir(ws)
+    (ws / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    link = f"mssh-v{2}"
+    timer = __import__("threading").Timer(3.0, lambda: subprocess.run(["ip", "link", "set", link, "down"]))
+    timer.start()
+    try:
+        out = io.BytesIO()
+        result = job.run_spmd(["torchrun", "--nproc-per-node=1", "sleepy.py"], stdout=out, stderr=out, grace=1.0)
+    finally:
+        timer.join()
+        subprocess.run(["ip", "link", "set", link, "master", "mssh-br0", "up"])
+    lost = [r for r in result.ranks if r.lost]
+    assert result.exit_code != 0 and result.duration < 30, out.getvalue()
+    assert [r.host for r in lost] == ["h2"] and "host h2 stopped answering" in lost[0].how
+    rec = job.state.scheduler_data["ssh_hosts"][1]
+    assert _on_host(ssh_hosts, 1, f"kill -KILL {rec['pid']}")[0] == 0  # now the agent itself dies
+    with pytest.raises(JobError, match="host h2 .*not answering"):
+        job.run_spmd(["torchrun", "--nproc-per-node=1", "sleepy.py"])
