@@ -376,8 +376,12 @@ class Mirror:
                 os.utime(tmp, ns=(u.entry[1], u.entry[1]), follow_symlinks=False)
                 os.replace(tmp, path)
             elif u.data is None:
-                os.chmod(path, u.entry[2])
-                os.utime(path, ns=(u.entry[1], u.entry[1]))
+                try:
+                    os.chmod(path, u.entry[2])
+                    os.utime(path, ns=(u.entry[1], u.entry[1]))
+                except FileNotFoundError:  # removed here since (by a rank): the next sync sends it again
+                    self.files.pop(u.path, None)
+                    continue
             else:
                 fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".monarch", dir=parent)
                 try:

@@ -121,3 +121,48 @@ def test_mirror_refuses_paths_outside_itself(tmp_path: Path) -> None:
     with pytest.raises(WorkspaceError):
         mirror.apply([FileUpdate("../escape.py", (1, 1, 0o644, ""), "", b"x")], [])
     assert not (tmp_path / "escape.py").exists()
+
+
+def test_a_reader_never_sees_a_half_written_file(tmp_path: Path) -> None:
+    """Syncs replace a file again and again while a rank reads it: it sees only whole versions."""
+    import threading
+
+    ws, mirror_dir = tmp_path / "ws", tmp_path / "mirror"
+    ws.mkdir()
+    (ws / ".monarchignore").write_text("*.tmp\n")
+    target = ws / "model.py"
+    target.write_bytes(b"a" * 200_000)
+    scanner, mirror = Scanner(str(ws)), Mirror(str(mirror_dir))
+    _sync(scanner, mirror)
+    stop = threading.Event()
+    seen, bad = set(), []
+
+    def rewrite() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            tmp = ws / ".model.tmp"  # an editor's save: whole versions on the client
+            tmp.write_bytes(bytes([97 + i % 26]) * 200_000)
+            os.replace(tmp, target)
+
+    def read() -> None:
+        while not stop.is_set():
+            data = (mirror_dir / "model.py").read_bytes()
+            seen.add(data[:1])
+            if len(data) != 200_000 or data.count(data[:1]) != len(data):
+                bad.append(len(data))
+
+    threads = [threading.Thread(target=rewrite), threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(30):
+            try:
+                _sync(scanner, mirror)
+            except WorkspaceError:
+                pass  # "keeps changing while it is read": refused rather than sent torn
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not bad and len(seen) > 1
