@@ -100,6 +100,7 @@ class _DirListing(NamedTuple):
     mtime_ns: int
     rules_key: Tuple[Tuple[str, int, int], ...]  # (ignore file, size, mtime) in effect
     files: Tuple[str, ...]  # regular files and symlinks kept, by name
+    paths: Tuple[str, ...]  # the same, relative to the workspace (built once, not per scan)
     dirs: Tuple[str, ...]  # subdirectories descended into, by name
 
 
@@ -116,7 +117,7 @@ class Scanner:
     (see :func:`load_scanner`) to keep that across processes.
     """
 
-    version = 4
+    version = 5
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -164,17 +165,18 @@ class Scanner:
                     self.dirty = changed = True
                 seen_dirs[rel] = listing
                 prefix = rel + "/" if rel else ""
-                for name in listing.files:
-                    r = prefix + name
+                for name, r in zip(listing.files, listing.paths):
                     try:
                         st = lstat(name, dir_fd=fd)
                     except OSError:
                         changed = True
                         continue
                     known = old.get(r)
-                    if (known is not None and known[0] == st.st_ino and known[1] == st.st_mtime_ns
+                    if (known is not None and known[1] == st.st_mtime_ns and known[0] == st.st_ino
                             and known[2] == st.st_size and known[3] == st.st_mode):
-                        entry = known[4]
+                        entries[r] = known  # the common case: nothing new to build
+                        manifest[r] = known[4]
+                        continue
                     else:
                         changed = True
                         if S_ISLNK(st.st_mode):
@@ -224,7 +226,7 @@ class Scanner:
                     dirs.append(name)
             elif d.is_symlink() or d.is_file(follow_symlinks=False):
                 files.append(name)
-        return _DirListing(mtime_ns, key, tuple(files), tuple(dirs))
+        return _DirListing(mtime_ns, key, tuple(files), tuple(prefix + f for f in files), tuple(dirs))
 
     def manifest_and_digest(self) -> Tuple[ScanResult, str]:
         """Scan, and digest the manifest (the digest is reused when the manifest did not change)."""
