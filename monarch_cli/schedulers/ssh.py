@@ -48,6 +48,7 @@ class SshTarget:
     known_hosts: str
     strict: str  # StrictHostKeyChecking: yes / accept-new / no
     proxy_jump: Optional[str]
+    config_path: str = ""  # the SSH config it came from (its jump host resolves there too)
 
     def describe(self) -> str:
         via = f" via {self.proxy_jump}" if self.proxy_jump else ""
@@ -97,7 +98,8 @@ def resolve(alias: str, opts: Dict[str, Any]) -> SshTarget:
     known = os.path.expanduser(str(c.get("userknownhostsfile", "~/.ssh/known_hosts")).split()[0])
     return SshTarget(alias, c.get("hostname", alias), int(c.get("port", 22)),
                      opts.get("user") or c.get("user") or getpass.getuser(), identities, known,
-                     str(c.get("stricthostkeychecking", "yes")).lower(), c.get("proxyjump"))
+                     str(c.get("stricthostkeychecking", "yes")).lower(), c.get("proxyjump"),
+                     str(path) if path.exists() else "")
 
 
 def _host_key_error(target: SshTarget, accept_new: bool, what: str) -> JobError:
@@ -128,8 +130,13 @@ def connect(target: SshTarget, accept_new: bool, timeout: float = 15.0) -> Any:
     sock = None
     if target.proxy_jump:
         jump_alias = target.proxy_jump.split(",")[0]
-        jump = connect(resolve(jump_alias, {}), accept_new, timeout)
-        sock = jump.get_transport().open_channel("direct-tcpip", (target.hostname, target.port), ("", 0))
+        jump = connect(resolve(jump_alias, {"ssh_config": target.config_path or None}), accept_new, timeout)
+        try:
+            sock = jump.get_transport().open_channel("direct-tcpip", (target.hostname, target.port), ("", 0))
+        except Exception as e:  # noqa: BLE001 - paramiko's ChannelException and friends
+            jump.close()
+            raise JobError(f"host {target.alias}: jump host {jump_alias} cannot reach "
+                           f"{target.hostname}:{target.port}: {e}") from None
     client = paramiko.SSHClient()
     if os.path.exists(target.known_hosts):
         client.load_host_keys(target.known_hosts)
@@ -147,6 +154,8 @@ def connect(target: SshTarget, accept_new: bool, timeout: float = 15.0) -> Any:
         raise JobError(f"host {target.alias}: authentication as {target.user} failed ({e})") from None
     except (OSError, paramiko.SSHException) as e:
         raise JobError(f"host {target.alias} ({target.hostname}:{target.port}) is unreachable: {e}") from None
+    if sock is not None:
+        client._monarch_jump = jump  # type: ignore[attr-defined]  # lives as long as the connection through it
     return client
 
 

@@ -197,3 +197,26 @@ def test_a_host_whose_link_goes_down_is_reported_by_name_and_stop_still_works(
     assert _on_host(ssh_hosts, 1, f"kill -KILL {rec['pid']}")[0] == 0  # now the agent itself dies
     with pytest.raises(JobError, match="host h2 .*not answering"):
         job.run_spmd(["torchrun", "--nproc-per-node=1", "sleepy.py"])
+
+
+def test_proxy_jump_and_unreachable_host(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    from monarch_cli.schedulers.ssh import connect, resolve
+
+    config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
+    h2 = ssh_hosts.hosts[1]
+    config.write_text(config.read_text() + f"Host via1\n  HostName {h2.address}\n  ProxyJump h1\n  User root\n"
+                      f"  IdentityFile {ssh_hosts.client_key}\n  UserKnownHostsFile {ssh_hosts.known_hosts}\n"
+                      "Host nowhere\n  HostName 10.214.0.99\n  ConnectTimeout 1\n")
+    target = resolve("via1", {"ssh_config": str(config)})
+    assert (target.hostname, target.proxy_jump) == (h2.address, "h1")
+    client = connect(target, accept_new=False)
+    try:
+        _, out, _ = client.exec_command("ip -4 -o addr show dev eth0")
+        assert h2.address in out.read().decode()
+        # the jump host opened the connection: h2 saw it come from h1's address
+        _, out, _ = client.exec_command("echo $SSH_CONNECTION")
+        assert out.read().decode().split()[0] == ssh_hosts.hosts[0].address
+    finally:
+        client.close()
+    with pytest.raises(JobError, match=r"^host nowhere \(10\.214\.0\.99:22\) is unreachable"):
+        connect(resolve("nowhere", {"ssh_config": str(config)}), accept_new=False, timeout=2)
