@@ -28,7 +28,6 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import __version__
 from ..jobs.errors import JobError
 from ..jobs.state import HostRecord, JobState
-from ..runtime.agent import READY_PREFIX
 from ..runtime.keys import Keys
 from .base import DryRun, Progress, Reservation, ReserveRequest, Scheduler
 
@@ -346,6 +345,8 @@ def _read(sftp: Any, path: str) -> str:
 
 
 def _wait_address(sftp: Any, client: Any, path: str, pid: int, target: SshTarget) -> str:
+    from ..runtime.agent import READY_PREFIX
+
     deadline = time.monotonic() + _AGENT_TIMEOUT
     while time.monotonic() < deadline:
         try:
