@@ -14,9 +14,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..jobs import RunResult, dryrun, job_load, serve
+from ..jobs import RunResult, clear_unreadable, dryrun, job_load, serve
 from ..jobs.output import list_runs
-from ..jobs.state import NoReservation, StateError, clear_state, state_path
+from ..jobs.state import NoReservation, StateError, state_path
 
 from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out, parse_ranks
 
@@ -116,18 +116,24 @@ def run_spmd_cmd(
     workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory mirrored to hosts that do not share "
                                                                       "this filesystem (default: where the command runs)."),
     no_sync: bool = typer.Option(False, "--no-sync", help="Do not mirror the workspace before the run."),
+    straggler_grace: float = typer.Option(30.0, "--straggler-grace", min=0, metavar="SECONDS",
+                                          help="Name the ranks still running this long after the first one ended."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Run the served command (or the one after `--`) on every host of the reservation."""
+    """Run the served command (or the one after `--`) on every host of the reservation.
+
+    Ctrl-C sends SIGINT to the ranks, a second Ctrl-C kills them. SIGTERM, SIGHUP or SIGQUIT
+    to monarch is forwarded to the ranks, which get torchrun's --shutdown-timeout (30 s)
+    before SIGKILL; the exit status is then 128+N. A run whose reservation is stopped exits 254.
+    """
     from ..jobs.spmd import parse_env_flags
 
     job = job_load(state)
     rank_set = parse_ranks(ranks)
     stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
-                          post_mortem=post_mortem, env=parse_env_flags(env or []), workspace=workspace,
-                          sync=not no_sync,
-                          on_event=lambda msg: err.print(f"[yellow]monarch:[/] {escape(msg)}"))
+                          post_mortem=post_mortem, straggler_grace=straggler_grace, env=parse_env_flags(env or []),
+                          workspace=workspace, sync=not no_sync, on_event=_say)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -162,7 +168,7 @@ def exec_cmd(
     if not command:
         fail("give the command after `--`, e.g. monarch exec -- nvidia-smi")
     job = job_load(state)
-    result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None)
+    result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None, on_event=_say)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -173,6 +179,8 @@ def exec_cmd(
             mark = "[green]exit 0[/]" if r.ok else f"[red]{escape(r.how)}[/]"
             table.add_row(r.label, mark, f"{r.duration:.2f}s")
         err.print(table)
+        if result.ending:
+            err.print(f"[red]✗[/] {escape(result.ending)}; exit status {result.exit_code}")
     raise typer.Exit(result.exit_code)
 
 
@@ -244,12 +252,15 @@ def stop_cmd(
     except StateError:
         if not force:
             raise
-        clear_state(state_path(state))
-        _done_msg(as_json, {"stopped": None, "cleared": str(state_path(state))}, "cleared the unreadable state file")
+        cleared = clear_unreadable(state)
+        stopped = cleared["agents_stopped"]
+        _done_msg(as_json, {"stopped": None, **cleared}, "cleared the unreadable state file"
+                  + (f" and stopped its {len(stopped)} agent(s)" if stopped else ""))
         return
     rid = job.state.reservation_id
-    job.stop()
-    _done_msg(as_json, {"stopped": rid}, f"released reservation {rid}")
+    ended = job.stop()
+    told = f" (run {', '.join(ended)} in progress was told and ends with exit status 254)" if ended else ""
+    _done_msg(as_json, {"stopped": rid, "runs_ended": ended}, f"released reservation {rid}{told}")
 
 
 @app.command("logs")
@@ -325,7 +336,7 @@ def _render_result(result: RunResult) -> None:
     if result.exit_code == 0:
         err.print(f"[green]✓[/] {n} rank(s) finished in [bold]{result.duration:.2f} s[/] (run {result.run_id})")
         return
-    headline = "interrupted" if result.interrupted else f"rank {result.first_failure.rank} failed first"
+    headline = result.ending or f"rank {result.first_failure.rank} failed first"
     err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
     table = Table(header_style="bold", show_lines=False)
     for col in ("rank", "host", "status", "time", "last output"):
@@ -335,6 +346,10 @@ def _render_result(result: RunResult) -> None:
         table.add_row(str(r.rank), r.host, status, f"{r.duration:.2f}s", escape("\n".join(r.tail[-3:])))
     err.print(table)
     err.print(f"full logs: {result.log_dir}  (monarch logs {result.run_id} --rank N)")
+
+
+def _say(msg: str) -> None:
+    err.print(f"[yellow]monarch:[/] {escape(msg)}")
 
 
 def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> None:

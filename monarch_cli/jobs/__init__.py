@@ -1,7 +1,7 @@
 """Jobs: reservations recorded in a state file, and SPMD runs on them."""
 
 from .errors import JobError
-from .job import Job, dryrun, job_load, serve
+from .job import Job, clear_unreadable, dryrun, job_load, serve
 from .spmd import RankExit, RunResult, StaleReservation
 
-__all__ = ["Job", "JobError", "RankExit", "RunResult", "StaleReservation", "dryrun", "job_load", "serve"]
+__all__ = ["Job", "JobError", "RankExit", "RunResult", "StaleReservation", "clear_unreadable", "dryrun", "job_load", "serve"]

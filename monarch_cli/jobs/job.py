@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from ..runtime.keys import Keys
+from ..runtime.mailbox import Mailbox
 from ..config import configure
 from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
 from .errors import JobError
+from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
 from .output import OutputSink, list_runs
 from .spmd import (
     HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd,
@@ -83,8 +85,8 @@ class Job:
     def scheduler(self) -> Scheduler:
         return get_scheduler(self.state.scheduler)
 
-    def _hostset(self) -> HostSet:
-        why = self.scheduler.gone(self.state)
+    def _hostset(self, require_all: bool = True) -> HostSet:
+        why = self.scheduler.gone(self.state) if require_all else None
         if why:
             raise StaleReservation(
                 f"reservation {self.state.reservation_id} is gone ({why}); "
@@ -93,7 +95,8 @@ class Job:
         host = controller_host([h.agent for h in self.state.hosts])
         if host is not None:  # agents on other hosts could not reach a loopback address
             configure(host=host)
-        return HostSet(self.state.hosts, self.keys)
+        dead = [] if require_all else self.scheduler.dead_hosts(self.state)
+        return HostSet(self.state.hosts, self.keys, require_all=require_all, known_dead=dead)
 
     # ------------------------------------------------------------------ runs
     def run_spmd(
@@ -112,6 +115,8 @@ class Job:
         workspace: Union[str, Path, None] = None,
         sync: bool = True,
         env: Optional[Dict[str, str]] = None,
+        shutdown_timeout: Optional[float] = None,
+        straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
@@ -124,7 +129,11 @@ class Job:
         and is announced through ``on_event``; ``monarch debug`` attaches to it. With
         ``post_mortem``, a rank that raises stays paused at the failing frame.
         ``forward_signals`` (main thread only) are relayed to every rank while it runs, so a
-        batch job's time-limit warning reaches the training script.
+        batch job's time-limit warning reaches the training script. SIGTERM, SIGHUP and
+        SIGQUIT to the caller are forwarded and end the run as torchrun does: ranks get
+        ``shutdown_timeout`` seconds (default: torchrun's ``--shutdown-timeout``, then
+        ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30) before SIGKILL. Ranks still running
+        ``straggler_grace`` seconds after the first one ended are named through ``on_event``.
 
         Hosts that do not share this filesystem first get ``workspace`` (default: the run's
         directory) mirrored, unless ``sync`` is False, and their ranks run in the mirror at the
@@ -146,12 +155,20 @@ class Job:
         started = time.monotonic()
         exits: List[RankExit] = []
         attempt = 0
-        runner = SpmdRunner(hostset, log_dir, grace=grace)
+        runner = SpmdRunner(hostset, log_dir, grace=grace, say=say, straggler_grace=straggler_grace,
+                            shutdown_timeout=shutdown_timeout_from(
+                                shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout))
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
-            launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                 post_mortem=post_mortem, cwd=cwd, environ={**user_environment(), **(env or {})},
-                                 node_cwd=node_cwd, node_environ=node_environ)
+            try:
+                launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
+                                     post_mortem=post_mortem, cwd=cwd,
+                                     environ={**user_environment(), **(env or {})},
+                                     node_cwd=node_cwd, node_environ=node_environ)
+            except BaseException:
+                if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
+                    runner.release_port(0, run_id)
+                raise
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
@@ -160,11 +177,11 @@ class Job:
                 sink.close()
             self._explain_losses(exits)
             failed = [e for e in exits if not e.ok]
-            if not failed or runner.interrupted or attempt >= spec.max_restarts:
+            if not failed or runner.ended_from_outside or attempt >= spec.max_restarts:
                 break
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
-        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.interrupted)
+        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control)
         self._record(result, argv)
         return result
 
@@ -192,7 +209,7 @@ class Job:
         return node_cwd, {n: remote_env for n in report.directories}
 
     def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
-             stderr: Optional[BinaryIO] = None) -> RunResult:
+             stderr: Optional[BinaryIO] = None, on_event: Optional[Callable[[str], None]] = None) -> RunResult:
         """Run a shell command on every host; output is prefixed with the host's name.
 
         It runs in this directory, or in its mirror on hosts that do not share it (synced first).
@@ -207,14 +224,15 @@ class Job:
         launches = plan_exec(argv, hostset, node_cwd=node_cwd, node_environ=node_environ)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()
-        runner = SpmdRunner(hostset, log_dir, grace=float("inf"))
+        runner = SpmdRunner(hostset, log_dir, grace=float("inf"), say=on_event, straggler_grace=float("inf"),
+                            shutdown_timeout=shutdown_timeout_from(None))
         try:
             exits = runner.run(launches, run_id, sink)
         finally:
             sink.close()
         exits.sort(key=lambda e: e.rank)
         self._explain_losses(exits)
-        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.interrupted)
+        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control)
 
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
@@ -263,14 +281,17 @@ class Job:
     # --------------------------------------------------------------- control
     def status(self) -> Dict[str, Any]:
         """Scheduler, hosts with agent liveness, age and the last run; never raises for a stale job."""
-        try:
-            hostset: Optional[HostSet] = self._hostset()
-            stale = None
-        except StaleReservation as e:
-            hostset, stale = None, str(e)
+        hostset = self._hostset(require_all=False)  # each host answers, or not, for itself
+        dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
+        stale = None
+        if dead:
+            why = self.scheduler.gone(self.state)
+            how = "gone" if len(dead) == len(self.state.hosts) else "partly gone"
+            stale = (f"reservation {self.state.reservation_id} is {how}: {', '.join(dead)} not answering"
+                     f"{f' ({why})' if why else ''}; run `monarch serve --replace` for a new one, "
+                     "or `monarch stop` to clear it")
         hosts = []
-        for i, h in enumerate(self.state.hosts):
-            info = hostset.infos[i] if hostset else None
+        for h, info in zip(self.state.hosts, hostset.infos):
             hosts.append({"name": h.name, "agent": h.agent, "alive": info is not None,
                           "ranks_running": info["ranks"] if info else None})
         return {
@@ -287,13 +308,57 @@ class Job:
             **self.scheduler.describe(self.state),
         }
 
-    def stop(self) -> None:
-        """Release the reservation and forget it."""
+    def stop(self, by: str = "monarch stop") -> List[str]:
+        """Release the reservation and forget it; returns the runs that were in progress.
+
+        Those runs are told first who stopped them (``by``, this pid, user@host), so they end
+        saying so, with exit status 254, instead of as lost hosts.
+        """
+        ended = self._announce_stop(by)
         self.scheduler.release(self.state)
         clear_state(self.path)
+        return ended
+
+    def _announce_stop(self, by: str, timeout: float = 2.0) -> List[str]:
+        """Best effort: an agent that does not answer in ``timeout`` has no run to tell."""
+        if self.scheduler.gone(self.state):
+            return []
+        host = controller_host([h.agent for h in self.state.hosts])
+        if host is not None:
+            configure(host=host)
+        mb = Mailbox.for_keys(self.keys)
+        who = _stopper(by)
+        asks = [mb.request(h.agent, lambda cid: ("stopping", cid, mb.address, who)) for h in self.state.hosts]
+        deadline = time.monotonic() + timeout
+        ended: Set[str] = set()
+        for ask in asks:
+            try:
+                ended.update(ask.get(timeout=max(0.01, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - a dead or old agent: nothing to tell
+                pass
+        return sorted(ended)
 
     def runs(self) -> List[Path]:
         return list_runs(self.logs_root)
+
+
+def _stopper(by: str) -> str:
+    """``monarch stop (pid 123, from alice@login1 on /dev/pts/4)``: enough to find who and where."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    tty = ""
+    for fd in (0, 1, 2):
+        try:
+            tty = f" on {os.ttyname(fd)}"
+            break
+        except OSError:
+            continue
+    return f"{by} (pid {os.getpid()}, from {user}@{socket.gethostname()}{tty})"
 
 
 def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
@@ -314,9 +379,14 @@ def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:
 
 
 def _result(run_id: str, exits: List[RankExit], duration: float, log_dir: Path, restarts: int,
-            interrupted: bool) -> RunResult:
+            control: Optional[RunControl]) -> RunResult:
     first = next((e for e in exits if not e.ok), None)
-    return RunResult(run_id, first.status if first else 0, exits, duration, log_dir, first, restarts, interrupted)
+    status = first.status if first else 0
+    if control is None:
+        return RunResult(run_id, status, exits, duration, log_dir, first, restarts)
+    return RunResult(run_id, control.exit_code(status), exits, duration, log_dir, first, restarts,
+                     interrupted=control.interrupts > 0, ending=control.ending(), received_signal=control.received,
+                     stopped_by=control.stopped_by, stragglers=control.stragglers)
 
 
 # ---------------------------------------------------------------------- entry points
@@ -346,6 +416,7 @@ def serve(
         parse_command(argv)  # a bad default command is an error now, not at the first run
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     path = state_path(state)
+    request.state_file = str(path.resolve())
     say = progress or (lambda _msg: None)
     served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if argv else None
     try:
@@ -356,7 +427,7 @@ def serve(
         if not replace:
             raise
         say(f"replacing unreadable state file {path}")
-        clear_state(path)
+        clear_unreadable(path)
         existing = None
     if existing is not None:
         why_not = backend.can_serve(existing.state, request)
@@ -377,7 +448,7 @@ def serve(
                 "use --replace to release it and make a new one, or --state for a second one"
             )
         say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
-        existing.stop()
+        existing.stop(by="monarch serve --replace")
     keys = Keys.generate()
     reservation = backend.reserve(request, keys, path.parent, say)
     job_state = JobState(
@@ -404,6 +475,17 @@ def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Optional
         parse_command(argv)
     request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
     return backend.dryrun(request, state_path(state).parent)
+
+
+def clear_unreadable(state: Union[str, Path, None] = None) -> Dict[str, Any]:
+    """What ``stop --force`` does to an unreadable state file: stop the agents registered for
+    it on this machine (local backend), then delete it."""
+    path = state_path(state)
+    stopped: List[int] = []
+    for name in ("local", "slurm"):
+        stopped += get_scheduler(name).release_unreadable(path)
+    clear_state(path)
+    return {"cleared": str(path), "agents_stopped": stopped}
 
 
 def job_load(path: Union[str, Path, None] = None) -> Job:

@@ -220,7 +220,8 @@ def agent_main(directory: Path, preload: Optional[str]) -> None:
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     argv = [sys.executable, "-m", "monarch_cli.runtime.agent", "--address-file",
-            str(directory / "agents" / f"{node}.addr"), "--name", node, "--host", _node_address(node), "--warm-up"]
+            str(directory / "agents" / f"{node}.addr"), "--name", node, "--host", _node_address(node), "--warm-up",
+            "--reservation", f"slurm-{os.environ.get('SLURM_JOB_ID', '')}"]  # its title in ps
     if preload is not None:
         argv += ["--preload", preload]
     os.environ.pop("MONARCH_HOST", None)  # the submitter's, not this node's

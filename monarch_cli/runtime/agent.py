@@ -7,7 +7,11 @@ a free port, writes its address, and then:
 * forks procs from its zygote on request and reports each proc's exit (code or signal) to
   the process that owns it at once;
 * kills a client's procs when the client says it exits or stops heartbeating, so no mesh
-  outlives its owner.
+  outlives its owner;
+* is a child subreaper: when a fork server (zygote) dies, its ranks and procs, killed with it,
+  are re-parented here, reaped and reported with the cause, and a new fork server starts;
+* with ``--state-file``, registers itself (see :mod:`.agent_registry`) and exits on its own
+  once that state file no longer records its reservation.
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import zmq
 
 from ..config import configure
-from . import wire
+from . import agent_registry, lineage, wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
 from .debug_host import DebugHost
 from .ranks import RankHost
+from .title import set_title
 from .transport import Transport
 
 READY_PREFIX = "MONARCH_AGENT_READY "
+_STATE_FIRST_SEEN = 120.0  # seconds `serve` has to record a new agent in its state file
 
 
 @dataclasses.dataclass
@@ -45,6 +51,7 @@ class _Proc:
     pid: int
     stopping: bool = False
     kill_at: Optional[float] = None
+    cause: str = ""
 
 
 @dataclasses.dataclass
@@ -56,22 +63,26 @@ class _Client:
 class _Zygote:
     """The agent's handle on a fork server (``preload``: modules it imports up front)."""
 
-    def __init__(self, preload: str = "") -> None:
+    def __init__(self, preload: str = "", title: str = "monarch fork-server") -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, "MONARCH_PRELOAD": preload}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno())],
+            [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno()), title],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,
         )
         child.close()
+        self.started = time.monotonic()
 
     def fork(self, req_id: int, boot: Dict[str, Any], fds: List[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
         socket.send_fds(self.sock, [pickle.dumps(("fork", req_id, kind, boot))], list(fds))
 
     def receive(self) -> Optional[Tuple[Any, ...]]:
-        data = self.sock.recv(1 << 16)
+        try:
+            data = self.sock.recv(1 << 16)
+        except ConnectionResetError:  # it died with our last request unread
+            return None
         return pickle.loads(data) if data else None
 
     def kill(self) -> None:
@@ -80,9 +91,24 @@ class _Zygote:
         except ProcessLookupError:
             pass
 
+    def how_it_died(self) -> str:
+        """``signal SIGKILL`` or ``exit 1``, once its socket has closed."""
+        try:
+            code = self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:  # closed its socket but lives on: useless, end it
+            self.kill()
+            code = self.process.wait()
+        if code < 0:
+            try:
+                return f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"signal {-code}"
+        return f"exit {code}"
+
 
 class HostAgent:
-    def __init__(self, keys: Keys, name: Optional[str] = None, preload: Optional[str] = None) -> None:
+    def __init__(self, keys: Keys, name: Optional[str] = None, preload: Optional[str] = None,
+                 reservation: str = "") -> None:
         self.keys = keys
         self.transport = Transport(keys)
         self.inbox, self.address = self.transport.bind_router()
@@ -91,7 +117,9 @@ class HostAgent:
         self.hb_transport = Transport(keys)
         self.hb, self.heartbeat_address = self.hb_transport.bind_router()
         self.host = name or socket.gethostname()
-        self.zygote = _Zygote()
+        self.label = f"{reservation} host {self.host}" if reservation else f"host {self.host}"
+        lineage.become_subreaper()
+        self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.preload = _default_preload() if preload is None else preload
         self._rank_zygote: Optional[_Zygote] = None
         self.ranks = RankHost(self)
@@ -104,6 +132,10 @@ class HostAgent:
         self._socks: Dict[str, zmq.Socket] = {}
         self._next_req = 0
         self.running = True
+        self.reservation = reservation
+        self.state_file: Optional[str] = None
+        self._state_check = (0.0, 0.0, 0)  # (interval, next check, misses in a row)
+        self._state_seen_by: Optional[float] = None  # until the file first records us: when to give up
 
     # ------------------------------------------------------------------ sending
     def send(self, address: str, header: Tuple[Any, ...], body: List[Any] = ()) -> None:  # type: ignore[assignment]
@@ -123,9 +155,19 @@ class HostAgent:
     def rank_zygote(self) -> _Zygote:
         """The fork server for warm ranks (started on first use, or eagerly by ``warm_up``)."""
         if self._rank_zygote is None or self._rank_zygote.process.poll() is not None:
-            self._rank_zygote = _Zygote(self.preload)
+            self._rank_zygote = _Zygote(self.preload, title=f"monarch warm {self.label}")
             self.poller.register(self._rank_zygote.sock.fileno(), zmq.POLLIN)
         return self._rank_zygote
+
+    def zygote_pids(self) -> Set[int]:
+        return {z.process.pid for z in (self.zygote, self._rank_zygote) if z is not None}
+
+    def watch_state_file(self, state_file: str, interval: float) -> None:
+        """Exit once ``state_file`` no longer records this agent's reservation (local hosts only:
+        elsewhere the controller's files are not visible)."""
+        self.state_file = state_file
+        self._state_check = (interval, time.monotonic() + interval, 0)
+        self._state_seen_by = time.monotonic() + _STATE_FIRST_SEEN
 
     def watch_fd(self, fd: int) -> None:
         self.poller.register(fd, zmq.POLLIN)
@@ -169,9 +211,12 @@ class HostAgent:
                         print(f"monarch agent: bad request: {type(e).__name__}: {e}", file=sys.stderr)
             self._check_clients()
             self._check_stops()
+            self._reap_adopted()
             self.ranks.tick()
+            self._check_state_file()
         self._kill_all()
         self.ranks.kill_all()
+        lineage.kill_tree()  # whatever else is below us, even in sessions of its own
         self.zygote.kill()
         if self._rank_zygote is not None:
             self._rank_zygote.kill()
@@ -192,6 +237,9 @@ class HostAgent:
         elif kind == "reserve_port":
             _, cid, reply_to, run_id = header
             self.reply(reply_to, cid, True, self.ranks.reserve_port(run_id))
+        elif kind == "release_port":
+            _, cid, reply_to, run_id = header
+            self.reply(reply_to, cid, True, self.ranks.release_port(run_id))
         elif kind == "run_ranks":
             _, cid, reply_to, run_id, heartbeat_timeout = header
             self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
@@ -199,6 +247,9 @@ class HostAgent:
         elif kind == "signal_ranks":
             _, cid, reply_to, run_id, sig = header
             self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
+        elif kind == "stopping":  # the reservation is being released: tell running runs who did it
+            _, cid, reply_to, who = header
+            self.reply(reply_to, cid, True, self.ranks.announce_stop(who))
         elif kind == "spawn_procs":
             _, cid, reply_to = header
             specs, client_settings, import_context = wire.loads(body)
@@ -264,12 +315,7 @@ class HostAgent:
     def _from_zygote(self, zygote: _Zygote) -> None:
         msg = zygote.receive()
         if msg is None:
-            if zygote is self.zygote:
-                print("monarch agent: the zygote died; exiting", file=sys.stderr)
-                self.running = False
-            else:  # the warm-rank zygote: the next warm run starts a new one
-                self.poller.unregister(zygote.sock.fileno())
-                self._rank_zygote = None
+            self._zygote_died(zygote)
             return
         if msg[0] == "forked":
             _, req, pid = msg
@@ -279,22 +325,67 @@ class HostAgent:
             self.procs[pid] = _Proc(proc_id, owner, pid)
         elif msg[0] == "exit":
             _, pid, status = msg
-            if self.ranks.exited(pid, status):
-                return
-            proc = self.procs.pop(pid, None)
-            if proc is None:
-                return
-            failure = Failure(
-                proc=proc.proc_id,
-                host=self.host,
-                pid=pid,
-                exitcode=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-                signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-                reason="stopped" if proc.stopping else "",
-            )
-            self.send(proc.owner, ("event", "proc_exit", proc.proc_id, failure, proc.stopping))
-            for _, _, left in self.stops:
-                left.discard(proc.proc_id)
+            self._child_exited(pid, status)
+
+    def _child_exited(self, pid: int, status: int) -> None:
+        if self.ranks.exited(pid, status):
+            return
+        proc = self.procs.pop(pid, None)
+        if proc is None:
+            return
+        failure = Failure(
+            proc=proc.proc_id,
+            host=self.host,
+            pid=pid,
+            exitcode=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            reason="stopped" if proc.stopping else proc.cause,
+        )
+        self.send(proc.owner, ("event", "proc_exit", proc.proc_id, failure, proc.stopping))
+        for _, _, left in self.stops:
+            left.discard(proc.proc_id)
+
+    def _zygote_died(self, zygote: _Zygote) -> None:
+        """Its children die with it (PDEATHSIG) and come to us to be reaped: report them with
+        the cause, and start a new fork server for what comes next."""
+        self.poller.unregister(zygote.sock.fileno())
+        zygote.sock.close()
+        warm = zygote is self._rank_zygote
+        cause = f"{'warm process' if warm else 'fork server'} on {self.host} died ({zygote.how_it_died()})"
+        print(f"monarch agent: the {cause}; a new one takes its place", file=sys.stderr, flush=True)
+        self.ranks.zygote_died(zygote.process.pid, cause)
+        if warm:
+            self._rank_zygote = None
+            if time.monotonic() - zygote.started > 10:  # else the next run starts it: no crash loop
+                self.rank_zygote()
+            return
+        for proc in self.procs.values():
+            proc.cause = cause
+        for proc_id, owner in self.forking.values():  # never started
+            self.send(owner, ("event", "proc_exit", proc_id, Failure(proc_id, self.host, None, reason=cause), False))
+        self.forking.clear()
+        self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
+        self.poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
+
+    def _reap_adopted(self) -> None:
+        own = {z.process.pid: z.process for z in (self.zygote, self._rank_zygote) if z is not None}
+        for pid, status in lineage.reap_adopted(own):
+            self._child_exited(pid, status)
+
+    def _check_state_file(self) -> None:
+        interval, next_check, misses = self._state_check
+        if self.state_file is None or time.monotonic() < next_check:
+            return
+        present = agent_registry.reservation_present(self.state_file, self.reservation)
+        if present and self._state_seen_by is not None:
+            self._state_seen_by = None  # `serve` saves the file once every agent is up
+        waiting = self._state_seen_by is not None and time.monotonic() < self._state_seen_by
+        misses = misses + 1 if present is False and not waiting else 0
+        self._state_check = (interval, time.monotonic() + interval, misses)
+        if misses >= 2:  # twice in a row: not a state file being rewritten
+            print(f"monarch agent: {self.state_file} no longer records reservation {self.reservation}; exiting",
+                  file=sys.stderr, flush=True)
+            self.running = False
 
     # ----------------------------------------------------------------- stopping
     def _stop(self, cid: int, reply_to: str, proc_ids: Set[str], grace: float) -> None:
@@ -385,6 +476,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--preload", help="comma-separated modules warm ranks import up front (default: torch if installed)")
     parser.add_argument("--warm-up", action="store_true", help="start the warm-rank zygote now, not at the first run")
     parser.add_argument("--name", help="host name to report (default: the hostname); lets several agents on one machine act as separate hosts")
+    parser.add_argument("--reservation", default="", help="the reservation this agent serves (for process titles and the registry)")
+    parser.add_argument("--state-file", help="the controller's state file (same machine only): register, and exit once it "
+                        "no longer records --reservation")
+    parser.add_argument("--state-check-interval", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.host:
         configure(host=args.host)
@@ -400,7 +495,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
-    agent = HostAgent(keys, name=args.name, preload=args.preload)
+    agent = HostAgent(keys, name=args.name, preload=args.preload, reservation=args.reservation)
+    set_title(f"monarch agent {agent.label}")
+    registered: Optional[Path] = None
+    if args.state_file and args.reservation:
+        registered = agent_registry.register(args.state_file, args.reservation, agent.host)
+        agent.watch_state_file(args.state_file, args.state_check_interval)
     if args.warm_up:
         agent.rank_zygote()
     if args.exit_with_stdin:
@@ -415,7 +515,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.close(args.ready_fd)
     if not args.address_file and args.ready_fd is None:
         print(line, end="", flush=True)
-    agent.serve()
+    try:
+        agent.serve()
+    finally:
+        if registered is not None:
+            registered.unlink(missing_ok=True)
     return 0
 
 

@@ -25,6 +25,8 @@ def launch_agent(
     name: Optional[str] = None,
     preload: Optional[str] = None,
     warm_up: bool = False,
+    reservation: str = "",
+    state_file: Optional[str] = None,
     exit_with_parent: bool = True,
     detach: bool = False,
     env: Optional[Dict[str, str]] = None,
@@ -36,6 +38,8 @@ def launch_agent(
     The keys go through the agent's stdin, never its command line. With
     ``exit_with_parent`` the agent (and every proc it runs) exits when this process does;
     ``detach`` puts it in its own session so it outlives the terminal that started it.
+    ``reservation`` names it in ``ps``; with ``state_file`` it registers itself and exits
+    once that file no longer records the reservation.
     """
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "monarch_cli.runtime.agent", "--ready-fd", str(w), "--keys-stdin"]
@@ -47,6 +51,10 @@ def launch_agent(
         cmd += ["--preload", preload]
     if warm_up:
         cmd.append("--warm-up")
+    if reservation:
+        cmd += ["--reservation", reservation]
+    if state_file:
+        cmd += ["--state-file", state_file]
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,

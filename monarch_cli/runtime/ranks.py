@@ -5,6 +5,10 @@ default), or, for cold runs, forked from the plain zygote and ``exec``'d into a 
 interpreter. Output travels as raw bytes, in order; a rank's exit is reported only after
 both of its pipes reach EOF (or a short grace if a grandchild keeps them open), so no line
 can arrive after the exit that ended it.
+
+When a run ends here, what its ranks left running ends with it: their process groups, and
+(the agent being a child subreaper) every descendant seen under a rank or carrying the
+run's ``MONARCH_RUN_ID``, even one that started its own session.
 """
 
 from __future__ import annotations
@@ -16,11 +20,15 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
+from . import lineage
+
 if TYPE_CHECKING:
     from .agent import HostAgent
 
 _READ = 1 << 16
 _EOF_GRACE = 2.0  # seconds to wait for pipes after a rank exits
+_SCAN_EVERY = 1.0  # seconds between looks at the live ranks' descendants
+_PORT_HOLD = 300.0  # a reserved port no run claims is closed after this long
 #: Read once, at interpreter start-up: a warm rank inherits the zygote's values, so when the
 #: rank's environment asks for others it must start cold to get them (e.g. a PYTHONPATH or
 #: PYTHONHASHSEED exported after `monarch serve`).
@@ -43,6 +51,8 @@ class _Rank:
     pid: Optional[int] = None
     status: Optional[int] = None
     exited_at: Optional[float] = None
+    zygote_pid: int = 0  # the fork server it came from
+    cause: str = ""  # why it ended, when not by itself (its warm process died)
 
 
 class RankHost:
@@ -54,6 +64,10 @@ class RankHost:
         self.ports: Dict[str, socket.socket] = {}  # run id -> held listening socket
         self.groups: Dict[str, List[int]] = {}  # run id -> its ranks' process groups here (pgid == pid)
         self.reaping: Dict[int, float] = {}  # process group left behind by a run -> when to SIGKILL it
+        self.port_held_at: Dict[str, float] = {}
+        self.tracked: Dict[str, Set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
+        self.leftovers: Dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
+        self._next_scan = 0.0
 
     # ---------------------------------------------------------------- requests
     def reserve_port(self, run_id: str) -> int:
@@ -65,15 +79,25 @@ class RankHost:
         sock.bind((advertised_host(), 0))
         sock.listen(128)
         self.ports[run_id] = sock
+        self.port_held_at[run_id] = time.monotonic()
         return sock.getsockname()[1]
+
+    def release_port(self, run_id: str) -> bool:
+        """Close a reserved port whose run will not start (e.g. the controller refused it)."""
+        sock = self.ports.pop(run_id, None)
+        self.port_held_at.pop(run_id, None)
+        if sock is not None:
+            sock.close()
+        return sock is not None
 
     def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> List[str]:
         """Start the ranks; returns the start-up variables that made warm ranks start cold."""
         held = self.ports.pop(run_id, None)
+        self.port_held_at.pop(run_id, None)
         base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
         made_cold: Set[str] = set()
         for spec in specs:
-            spec["env"] = {**base, **spec["env"]}  # the controller's view wins over this host's
+            spec["env"] = {**base, **spec["env"], lineage.RUN_ENV: run_id}  # the controller's view wins
             differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
             if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings
@@ -94,10 +118,11 @@ class RankHost:
                 roles["debug"] = len(fds)
                 fds.append(debug_theirs.fileno())
             spec["_fd_roles"] = roles
-            rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2})
+            zygote = self.agent.rank_zygote() if spec["warm"] else self.agent.zygote
+            rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2},
+                         zygote_pid=zygote.process.pid)
             req = self.agent.next_request()
             self.pending[req] = rank
-            zygote = self.agent.rank_zygote() if spec["warm"] else self.agent.zygote
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
             for fd in (devnull, out_w, err_w):
                 os.close(fd)
@@ -121,6 +146,20 @@ class RankHost:
                 hit += 1
         return hit
 
+    def announce_stop(self, who: str) -> List[str]:
+        """Tell each run with ranks here that ``who`` is releasing the reservation; returns those runs.
+
+        Sent as ``("event", "reservation_stopped", run_id, agent address, who)`` before the
+        agent is stopped, so the run ends saying why instead of as a lost host.
+        """
+        runs: Dict[Tuple[str, str], None] = {}
+        for rank in (*self.by_pid.values(), *self.pending.values()):
+            if rank.status is None:
+                runs[(rank.owner, rank.run_id)] = None
+        for owner, run_id in runs:
+            self.agent.send(owner, ("event", "reservation_stopped", run_id, self.agent.address, who))
+        return sorted({run_id for _, run_id in runs})
+
     def reap_owner(self, owner: str) -> None:
         for rank in self.by_pid.values():
             if rank.owner == owner and rank.status is None:
@@ -132,6 +171,25 @@ class RankHost:
                 _killpg(rank.pid, signal.SIGKILL)
         for pgid in [*self.reaping, *(g for groups in self.groups.values() for g in groups)]:
             _signal_group(pgid, signal.SIGKILL)
+        for proc in [*self.leftovers, *(p for seen in self.tracked.values() for p in seen)]:
+            lineage.signal_exact(proc, signal.SIGKILL)
+
+    def zygote_died(self, zygote_pid: int, cause: str) -> None:
+        """The fork server of some ranks died: they die with it (PDEATHSIG) and, re-parented
+        to the agent, are reaped and reported with ``cause``; ranks it never forked are
+        reported now."""
+        for rank in self.by_pid.values():
+            if rank.zygote_pid == zygote_pid and rank.status is None:
+                rank.cause = cause
+        for req, rank in list(self.pending.items()):
+            if rank.zygote_pid == zygote_pid:
+                del self.pending[req]
+                for fd in list(rank.fds):
+                    self._close(fd)
+                rank.cause = f"{cause} before starting it"
+                self.agent.debug.rank_exited(rank.run_id, rank.rank, rank.cause)
+                self._send_exit(rank, None, None)
+                self._end_run(rank.run_id)
 
     # ------------------------------------------------------------------ events
     def forked(self, req: int, pid: int) -> bool:
@@ -170,8 +228,18 @@ class RankHost:
 
     def tick(self) -> None:
         """Report ranks whose pipes a grandchild still holds open after the grace period;
-        SIGKILL what is left of finished runs' process groups."""
+        SIGKILL what is left of finished runs; note the live ranks' descendants."""
         now = time.monotonic()
+        for run_id, held_at in list(self.port_held_at.items()):
+            if now - held_at > _PORT_HOLD:
+                self.release_port(run_id)
+        for proc, kill_at in list(self.leftovers.items()):
+            if now >= kill_at:
+                del self.leftovers[proc]
+                lineage.signal_exact(proc, signal.SIGKILL)
+        if now >= self._next_scan:
+            self._next_scan = now + _SCAN_EVERY
+            self._track_descendants()
         for pgid, kill_at in list(self.reaping.items()):
             if now >= kill_at:
                 del self.reaping[pgid]
@@ -201,10 +269,22 @@ class RankHost:
         status = rank.status
         exitcode = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        duration = (rank.exited_at or time.monotonic()) - rank.started
         self.agent.debug.rank_exited(rank.run_id, rank.rank, describe_status(exitcode, sig)[0])
-        self.agent.send(rank.owner, ("event", "rank_exit", rank.run_id, rank.rank, exitcode, sig, duration, rank.pid))
+        self._send_exit(rank, exitcode, sig)
         self._end_run(rank.run_id)
+
+    def _send_exit(self, rank: _Rank, exitcode: Optional[int], sig: Optional[int]) -> None:
+        duration = (rank.exited_at or time.monotonic()) - rank.started
+        self.agent.send(rank.owner, ("event", "rank_exit", rank.run_id, rank.rank, exitcode, sig, duration, rank.pid,
+                                     rank.cause))
+
+    def _track_descendants(self) -> None:
+        live = [r for r in self.by_pid.values() if r.status is None and r.pid is not None]
+        if not live:
+            return
+        table = lineage.children_map()
+        for rank in live:
+            self.tracked.setdefault(rank.run_id, set()).update(lineage.descendants([rank.pid], table))  # type: ignore[list-item]
 
     def _end_run(self, run_id: str) -> None:
         """Once every rank of a run here has ended, end what they left running, as torchrun
@@ -215,6 +295,13 @@ class RankHost:
         for pgid in self.groups.pop(run_id, ()):
             if _signal_group(pgid, signal.SIGTERM):
                 self.reaping[pgid] = kill_at
+        # Those that left the group (setsid): seen under a rank, or carrying the run's id.
+        under_agent = lineage.descendants([os.getpid()])
+        ours = {p for p in under_agent if p[0] in self.agent.zygote_pids() or p[0] in self.by_pid}
+        left = (self.tracked.pop(run_id, set()) | lineage.carrying(run_id, under_agent - ours)) - ours
+        for proc in left:
+            if lineage.signal_exact(proc, signal.SIGTERM):
+                self.leftovers[proc] = kill_at
 
     def live_fds(self) -> Set[int]:
         return set(self.by_fd)

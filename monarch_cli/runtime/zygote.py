@@ -73,8 +73,11 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[
             os._exit(code)
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, title: str = "monarch fork-server") -> None:
     die_with_parent()
+    from .title import set_title
+
+    set_title(title)
     sock = socket.socket(fileno=fd)
     from . import proc  # noqa: F401 - the point of the zygote: import once, fork many
 
@@ -137,4 +140,4 @@ def serve(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), *sys.argv[2:3])

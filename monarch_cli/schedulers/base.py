@@ -22,6 +22,8 @@ class ReserveRequest:
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Modules warm ranks import up front; None lets the agent decide (torch if installed).
     preload: Optional[str] = None
+    #: The state file that will record the reservation (absolute), for agents on this machine.
+    state_file: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -74,6 +76,15 @@ class Scheduler(abc.ABC):
         if len(state.hosts) != request.hosts:
             return f"it has {len(state.hosts)} host(s), not {request.hosts}"
         return None
+
+    def dead_hosts(self, state: JobState) -> List[str]:
+        """Hosts known dead without asking them (no network round trip); may miss some."""
+        return []
+
+    def release_unreadable(self, state_file: Path) -> List[int]:
+        """Stop what a reservation whose state file cannot be read left on this machine
+        (found without the file); the pids stopped. Most backends cannot find any."""
+        return []
 
     def default_hosts(self) -> Optional[int]:
         """How many hosts to reserve when the caller does not say (None: the usual 1)."""

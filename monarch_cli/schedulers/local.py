@@ -2,7 +2,10 @@
 
 Each agent has its own name (``local0``, ``local1``...), so it gets its own GROUP_RANK
 and rank range, which makes multi-node logic testable on a laptop. Agents run in their
-own sessions and outlive the CLI that started them.
+own sessions and outlive the CLI that started them, named after their reservation in
+``ps``. Each registers itself (:mod:`..runtime.agent_registry`), so ``stop --force`` finds
+it even when the state file is unreadable, and exits on its own once the state file no
+longer records its reservation (deleted, or replaced by another).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import List, Optional
 import psutil
 
 from ..jobs.state import HostRecord, JobState
+from ..runtime import agent_registry
 from ..runtime.agent_launch import launch_agent
 from ..runtime.keys import Keys
 from .base import DryRun, Progress, Reservation, ReserveRequest, Scheduler
@@ -54,6 +58,7 @@ class LocalScheduler(Scheduler):
         env = {**os.environ, "MONARCH_HOST": "127.0.0.1"}
         env.pop("MONARCH_KEYS", None)
         hosts: List[HostRecord] = []
+        reservation_id = f"local-{uuid.uuid4().hex[:8]}"
         try:
             for i in range(request.hosts):
                 progress(f"starting agent local{i}")
@@ -63,6 +68,8 @@ class LocalScheduler(Scheduler):
                         name=f"local{i}",
                         preload=request.preload,
                         warm_up=True,
+                        reservation=reservation_id,
+                        state_file=request.state_file,
                         exit_with_parent=False,
                         detach=True,
                         env=env,
@@ -73,13 +80,23 @@ class LocalScheduler(Scheduler):
         except BaseException:
             _kill_agents(hosts)
             raise
-        return Reservation(f"local-{uuid.uuid4().hex[:8]}", hosts, {"logs": str(logs)})
+        return Reservation(reservation_id, hosts, {"logs": str(logs)})
 
     def release(self, state: JobState) -> None:
         _kill_agents(state.hosts)
+        agent_registry.stop_agents(agent_registry.agents_of(reservation=state.reservation_id))
+
+    def release_unreadable(self, state_file: Path) -> List[int]:
+        """Stop the agents registered for a state file that cannot be read; their pids."""
+        found = agent_registry.agents_of(state_file=str(state_file.resolve()))
+        agent_registry.stop_agents(found)
+        return [e.pid for e in found]
+
+    def dead_hosts(self, state: JobState) -> List[str]:
+        return [h.name for h in state.hosts if not (h.pid and _is_agent(h.pid))]
 
     def gone(self, state: JobState) -> Optional[str]:
-        dead = [h.name for h in state.hosts if not (h.pid and _is_agent(h.pid))]
+        dead = self.dead_hosts(state)
         return f"agent process of {', '.join(dead)} is not running" if dead else None
 
 
@@ -91,7 +108,8 @@ def _no_options(request: ReserveRequest) -> None:
 
 def _is_agent(pid: int) -> bool:
     try:
-        return "monarch_cli.runtime.agent" in " ".join(psutil.Process(pid).cmdline())
+        cmd = " ".join(psutil.Process(pid).cmdline())
+        return "monarch_cli.runtime.agent" in cmd or cmd.startswith("monarch agent ")
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 

@@ -71,7 +71,7 @@ def test_keys_never_appear_on_a_command_line_or_in_proc_environments():
     runtime = [
         p
         for p in psutil.process_iter(["cmdline"])
-        if "monarch_cli.runtime" in " ".join(p.info["cmdline"] or [])
+        if " ".join(p.info["cmdline"] or []).startswith(("monarch agent ", "monarch proc ", "monarch fork-server "))
     ]
     pids = {p.pid for p in procs._members}
     assert runtime

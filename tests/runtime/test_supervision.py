@@ -136,7 +136,7 @@ def _children_of_agents() -> set:
     found = set()
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "monarch_cli.runtime.agent" in cmd or "monarch_cli.runtime.zygote" in cmd:
+        if cmd.startswith(("monarch agent ", "monarch fork-server ", "monarch warm ")):
             found.add(p.pid)
     return found
 
@@ -186,4 +186,24 @@ def test_agent_killed_under_a_pending_call(keys):
         assert wait_until(lambda: all_gone(pids), 5), "procs outlived their agent"
     finally:
         configure(heartbeat_interval=old[0], heartbeat_timeout=old[1])
+        agent.wait(10)
+
+
+@pytest.mark.slow
+def test_a_killed_fork_server_fails_its_procs_with_the_cause_and_is_replaced(keys):
+    agent, address = launch_agent(keys, name="forky")
+    try:
+        procs = HostMesh.connect([address]).spawn_procs(per_host={"gpus": 2})
+        mesh = procs.spawn("mortal", Mortal)
+        pids = list(mesh.pid.call().get(timeout=10).values())
+        pending = mesh.sleep.call(30)
+        (server,) = [c for c in psutil.Process(agent.pid).children() if c.cmdline()[0].startswith("monarch fork-server")]
+        server.kill()
+        with pytest.raises(SupervisionError, match=r"fork server on forky died \(signal SIGKILL\)"):
+            pending.get(timeout=10)
+        assert wait_until(lambda: all_gone(pids), 5)
+        again = HostMesh.connect([address]).spawn_procs(per_host={"n": 1}).spawn("m", Mortal)
+        assert again.pid.call_one().get(timeout=20) not in pids
+    finally:
+        agent.stdin.close()
         agent.wait(10)

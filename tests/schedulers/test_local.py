@@ -189,17 +189,17 @@ def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
         stopped = True
         assert wait_until(lambda: not living(everything), 10), living(everything)
         left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-                if p.info["pid"] in everything and "monarch_cli.runtime" in " ".join(p.info["cmdline"] or [])]
+                if p.info["pid"] in everything and " ".join(p.info["cmdline"] or []).startswith("monarch ")]
         assert left == []
         with pytest.raises(NoReservation):
             job_load(state)
 
-        # The interrupted run ends (its hosts are lost) instead of hanging.
+        # The interrupted run ends, saying it was stopped, instead of hanging.
         runner.join(timeout=20)
         assert not runner.is_alive(), "run_spmd did not return after the reservation was stopped"
         result = results[0].result
-        assert result.exit_code != 0
-        assert all(r.lost for r in result.ranks), [r.how for r in result.ranks]
+        assert result.exit_code == 254 and result.stopped_by and result.stopped_by.startswith("monarch stop (pid ")
+        assert all(r.how == "reservation stopped" for r in result.ranks), [r.how for r in result.ranks]
     finally:
         if not stopped:
             job.stop()

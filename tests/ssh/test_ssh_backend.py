@@ -52,6 +52,10 @@ def _on_host(hosts: SshHosts, i: int, command: str) -> Tuple[int, str]:
         client.close()
 
 
+def _is_agent(cmdline: str) -> bool:
+    return "monarch_cli.runtime.agent" in cmdline or "monarch agent" in cmdline  # its process title
+
+
 def _netns_processes(hosts: SshHosts) -> List[str]:
     """Every process in the hosts' namespaces but their sshd listeners."""
     left = []
@@ -96,7 +100,7 @@ def test_serve_keys_sync_and_a_two_host_gloo_run(ssh_job: Tuple[Job, Path, Path]
         assert text.split() == ["700", "600"], text
         code, text = _on_host(ssh_hosts, i, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; "
                                             f"cat /proc/{rec['pid']}/environ | tr '\\0' '\\n'")
-        assert code == 0 and "monarch_cli.runtime.agent" in text and secret not in text
+        assert code == 0 and _is_agent(text) and secret not in text
     (ws / "train.py").write_text(ALLREDUCE)
     (ws / "data.txt").write_text("v1")
     (ws / "old.py").write_text("")
@@ -132,8 +136,8 @@ def test_stop_leaves_nothing_on_the_hosts(ssh_hosts: SshHosts, tmp_path: Path) -
     job = serve(None, "ssh", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", ssh_hosts="h1,h2",
                 ssh_config=str(config), python=PYTHON, remote_dir="/root/stoptest")
     started = set(_netns_processes(ssh_hosts)) - before
-    assert sum("monarch_cli.runtime.agent" in p for p in started) == 2, started
-    assert any("zygote" in p for p in started), started  # the agents' fork servers (warm-up)
+    assert sum(_is_agent(p) for p in started) == 2, started
+    assert len(started) > 2, started  # and what they started (their warm processes)
     job.stop()
     assert not set(_netns_processes(ssh_hosts)) - before  # the agents and everything they started
     for i in range(2):
