@@ -46,9 +46,37 @@ def test_dry_run_starts_nothing_and_says_what_it_would_do(tmp_path):
                    cwd=tmp_path, state=state)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["scheduler"] == "local"
-    assert plan["artifacts"]["commands"].count("monarch_cli.runtime.agent") == 2
-    assert not state.exists()
+    assert plan["scheduler"] == "local" and plan["hosts"] == 2
+    assert sum("monarch_cli.runtime.agent" in step for step in plan["steps"]) == 2
+    assert not state.exists() and not state.parent.exists()
+    text = monarch("serve", "--hosts", "2", "--dry-run", "--", "python", "t.py", cwd=tmp_path, state=state)
+    assert text.stdout.startswith("local: start 2 host agent(s)") and "default command: python t.py" in text.stdout
+
+
+@pytest.mark.slow
+def test_serve_reserves_exactly_the_plan_a_dry_run_printed(tmp_path):
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    printed = monarch("serve", "--hosts", "2", "--dry-run", "--json", "--", "python", "t.py", cwd=tmp_path, state=state)
+    assert printed.returncode == 0, printed.stderr
+    plan = json.loads(printed.stdout)
+    (tmp_path / "plan.json").write_text(printed.stdout)
+    served = monarch("serve", "--plan", "plan.json", "--json", cwd=tmp_path, state=state)
+    assert served.returncode == 0, served.stderr
+    try:
+        status = json.loads(served.stdout)
+        assert status["reservation_id"] == plan["reservation_id"] and status["default_command"] == ["python", "t.py"]
+        # each agent runs the very command line the plan printed (the keys went on stdin);
+        # its title in ps is its reservation, so the command it was started with is read from its log
+        for log, step in zip(plan["data"]["logs"], plan["steps"]):
+            started = [line for line in Path(log).read_text().splitlines() if line.startswith("monarch agent: started as: ")]
+            assert started and started[-1].removeprefix("monarch agent: started as: ") in step
+        again = monarch("serve", "--plan", "plan.json", cwd=tmp_path, state=state)
+        one_line_error(again, "--replace")  # a plan makes a new reservation; it never replaces one silently
+    finally:
+        monarch("stop", cwd=tmp_path, state=state)
+    (tmp_path / "broken.json").write_text('{"scheduler": "local"}')
+    broken = monarch("serve", "--plan", "broken.json", "--json", cwd=tmp_path, state=state)
+    assert broken.returncode == 2 and json.loads(broken.stdout)["kind"] == "plan", broken.stdout
 
 
 @pytest.mark.parametrize(
@@ -268,4 +296,6 @@ def test_the_installed_monarch_command_runs() -> None:
 
 
 def test_the_example_is_the_script_the_demo_runs() -> None:
-    assert (REPO / "examples" / "train_ddp.py").read_text() == (REPO / "monarch_cli" / "templates" / "train_ddp.py").read_text()
+    """One source: the example is a link to the script the package ships (and the demo runs)."""
+    example = REPO / "examples" / "train_ddp.py"
+    assert example.is_symlink() and example.resolve() == (REPO / "monarch_cli" / "templates" / "train_ddp.py").resolve()

@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..jobs import JobError, job_load
+from ..jobs.errors import JobError
 from ..jobs.debug import DebugClient, PausedRank, select_ranks, vscode_config
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out
 from .interrupts import reliable_ctrl_c
@@ -27,6 +27,8 @@ _HISTORY = Path(os.environ.get("MONARCH_DEBUG_HISTORY", Path.home() / ".monarch_
 
 
 def _client(state: Optional[Path], run: Optional[str]) -> DebugClient:
+    from ..jobs import job_load
+
     return DebugClient(job_load(state), run)
 
 

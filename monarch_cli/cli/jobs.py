@@ -8,86 +8,98 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..jobs import RunResult, clear_unreadable, dryrun, job_load, serve
 from ..jobs.output import list_runs
 from ..jobs.state import NoReservation, StateError, state_path
 
+from .backend_options import BackendOptionsCommand, backend_options
 from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out, parse_ranks
+
+if TYPE_CHECKING:  # the job API loads the runtime: only the commands that need it import it
+    from ..jobs import RunResult
 
 
 # ------------------------------------------------------------------- commands
-@app.command("serve")
+@app.command("serve", cls=BackendOptionsCommand)
 @friendly
 def serve_cmd(
+    ctx: typer.Context,
     command: Optional[List[str]] = CmdArg,
-    scheduler: str = typer.Option("local", "--scheduler", "-s", help="local (alias: local_cwd), slurm or ssh."),
-    hosts_arg: Optional[str] = typer.Option(None, "--hosts", "-n", help="Hosts to reserve (default 1; inside a Slurm "
-                                            "allocation, all its nodes); for ssh, their names: h1,h2."),
+    scheduler: str = typer.Option("local", "--scheduler", "-s", help="The backend: local (alias local_cwd), slurm, "
+                                  "or one a package registers; its options are listed below."),
+    hosts: Optional[str] = typer.Option(None, "--hosts", "-n", metavar="N|NAMES",
+                                        help="How many hosts to reserve (default 1; inside a Slurm allocation, all its "
+                                        "nodes), or, for a backend that reaches hosts by name (ssh), their names: h1,h2."),
     state: Optional[Path] = StateOpt,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be started, start nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (with --json: as JSON for --plan), start nothing."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Reserve exactly this plan (what --dry-run --json printed)."),
     replace: bool = typer.Option(False, "--replace", help="Release an existing reservation that cannot serve this."),
     preload: Optional[str] = typer.Option(None, "--preload", help="Modules warm ranks import up front (default: torch)."),
-    partition: Optional[str] = typer.Option(None, "--partition", "-p", help="Slurm partition.", rich_help_panel="Cluster"),
-    time_limit: Optional[str] = typer.Option(None, "--time", "-t", help="Slurm time limit.", rich_help_panel="Cluster"),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", rich_help_panel="Cluster"),
-    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", rich_help_panel="Cluster"),
-    mem: Optional[str] = typer.Option(None, "--mem", rich_help_panel="Cluster"),
-    account: Optional[str] = typer.Option(None, "--account", "-A", rich_help_panel="Cluster"),
-    qos: Optional[str] = typer.Option(None, "--qos", rich_help_panel="Cluster"),
-    constraint: Optional[str] = typer.Option(None, "--constraint", "-C", rich_help_panel="Cluster"),
-    exclusive: bool = typer.Option(False, "--exclusive", rich_help_panel="Cluster"),
-    sbatch_arg: Optional[List[str]] = typer.Option(None, "--sbatch-arg", help="Extra sbatch argument (repeatable).",
-                                                   rich_help_panel="Cluster"),
-    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts.", rich_help_panel="Cluster"),
-    hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="ssh: host names, one a line.", rich_help_panel="SSH"),
-    ssh_config: Optional[Path] = typer.Option(None, "--ssh-config", help="ssh: config file (default ~/.ssh/config).",
-                                              rich_help_panel="SSH"),
-    identity: Optional[Path] = typer.Option(None, "--identity", help="ssh: private key file.", rich_help_panel="SSH"),
-    user: Optional[str] = typer.Option(None, "--user", help="ssh: remote user.", rich_help_panel="SSH"),
-    python: Optional[str] = typer.Option(None, "--python", help="ssh: remote interpreter command (default python3).",
-                                         rich_help_panel="SSH"),
-    remote_dir: Optional[str] = typer.Option(None, "--remote-dir", help="ssh: where serve puts its files "
-                                             "(default ~/.monarch-cli).", rich_help_panel="SSH"),
-    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="ssh: record unknown host keys "
-                                              "(changed ones are always refused).", rich_help_panel="SSH"),
+    agent_port: Optional[int] = typer.Option(None, "--agent-port", min=1, max=65535,
+                                             help="Agents listen on this port (local: port+i for host i)."),
+    port_range: Optional[str] = typer.Option(None, "--port-range", metavar="LO-HI",
+                                             help="Keep every port agents, procs and ranks open within LO-HI."),
+    option: Optional[List[str]] = typer.Option(None, "--option", "-o", metavar="KEY=VALUE",
+                                               help="A backend option (repeatable), e.g. -o partition=gpu."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Reserve hosts and leave them up; reuse a reservation that can serve the request."""
-    host_list = None
-    if hosts_arg is not None and not hosts_arg.strip().isdigit():
-        host_list = hosts_arg
-    hosts = nodes or (int(hosts_arg) if hosts_arg is not None and host_list is None else None)
-    if hosts is not None and hosts < 1:
-        raise ValueError(f"--hosts must be at least 1, not {hosts}")
-    if host_list is not None:
-        hosts = len([h for h in host_list.split(",") if h.strip()])
-    options = {k: v for k, v in dict(
-        partition=partition, time=time_limit, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, mem=mem,
-        account=account, qos=qos, constraint=constraint, exclusive=exclusive or None, sbatch_args=sbatch_arg or None,
-        ssh_hosts=host_list, hostfile=str(hostfile) if hostfile else None, ssh_config=str(ssh_config) if ssh_config else None,
-        identity=str(identity) if identity else None, user=user, python=python, remote_dir=remote_dir,
-        accept_new_host_keys=accept_new_host_keys or None,
-    ).items() if v is not None}
+    from ..jobs import dryrun, reserve_plan, serve
+
+    if plan_file is not None:
+        started = time.monotonic()
+        with err.status("reserving...") as spinner:
+            job = reserve_plan(_read_plan(plan_file), state=state, replace=replace,
+                               progress=lambda msg: spinner.update(escape(msg)))
+        _served(job, started, as_json)
+        return
+    hosts = str(nodes) if nodes is not None else hosts
+    options = backend_options(ctx, scheduler, option)
+    ports = _port_range(port_range)
     if dry_run:
-        plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload, **options)
+        plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload, agent_port=agent_port,
+                      port_range=ports, **options)
         if as_json:
             emit_json(plan.to_json())
-            return
-        out.print(f"[bold]{plan.scheduler}[/]: {escape(plan.summary)}")
-        for name, text in plan.artifacts.items():
-            out.print(f"\n[bold]# {name}[/]")
-            out.print(escape(text), soft_wrap=True)
+        else:
+            out.print(escape(plan.render()), soft_wrap=True)
         return
     started = time.monotonic()
     with err.status("reserving...") as spinner:
         job = serve(command, scheduler, hosts=hosts, state=state, replace=replace, preload=preload,
-                    progress=lambda msg: spinner.update(escape(msg)), **options)
+                    agent_port=agent_port, port_range=ports, progress=lambda msg: spinner.update(escape(msg)),
+                    **options)
+    _served(job, started, as_json)
+
+
+def _read_plan(path: Path) -> Any:
+    from ..errors import PlanError
+
+    try:
+        return (sys.stdin.read() if str(path) == "-" else path.read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read the plan {path}: {e.strerror or e}") from None
+
+
+def _port_range(text: Optional[str]) -> Optional["tuple[int, int]"]:
+    if text is None:
+        return None
+    from ..errors import UserError
+    from ..runtime.agent_command import parse_port_range
+
+    try:
+        return parse_port_range(text)
+    except ValueError as e:
+        raise UserError(f"--port-range: {e}") from None
+
+
+def _served(job: Any, started: float, as_json: bool) -> None:
     if as_json:
         emit_json(job.status())
         return
@@ -126,6 +138,7 @@ def run_spmd_cmd(
     to monarch is forwarded to the ranks, which get torchrun's --shutdown-timeout (30 s)
     before SIGKILL; the exit status is then 128+N. A run whose reservation is stopped exits 254.
     """
+    from ..jobs import job_load
     from ..jobs.spmd import parse_env_flags
 
     job = job_load(state)
@@ -149,6 +162,8 @@ def sync_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Mirror the workspace to the hosts that do not share this filesystem now (run-spmd does it too)."""
+    from ..jobs import job_load
+
     report = job_load(state).sync(workspace)
     if as_json:
         emit_json(report.to_json())
@@ -167,6 +182,8 @@ def exec_cmd(
     """Run a shell command on every host, with host-prefixed output and per-host exit codes."""
     if not command:
         fail("give the command after `--`, e.g. monarch exec -- nvidia-smi")
+    from ..jobs import job_load
+
     job = job_load(state)
     result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None, on_event=_say)
     if as_json:
@@ -193,10 +210,12 @@ def status_cmd(
 ) -> None:
     """The reservation: scheduler, hosts and agent liveness, age, last run."""
     if job_id is not None:
-        from .slurm import batch_status_cmd  # Slurm batch jobs (monarch sbatch)
+        from .slurm import batch_status_cmd  # batch jobs (monarch sbatch)
 
         batch_status_cmd(job_id, state, as_json)
         return
+    from ..jobs import job_load
+
     try:
         job = job_load(state)
     except NoReservation as e:
@@ -213,10 +232,8 @@ def status_cmd(
               f"made {_age(info['age_seconds'])} ago; state: {info['state_file']}")
     if info["stale"]:
         out.print(f"[red]{escape(info['stale'])}[/]")
-    if info.get("slurm"):
-        from .slurm import slurm_line
-
-        out.print(slurm_line(info["slurm"]))
+    for line in info.get("scheduler_lines", []):
+        out.print(escape(line))
     table = Table(box=None, header_style="bold")
     for col in ("host", "agent", "alive", "ranks running"):
         table.add_column(col)
@@ -243,6 +260,8 @@ def stop_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Release the reservation; none of its processes is left. Nothing to stop is not an error."""
+    from ..jobs import clear_unreadable, job_load
+
     try:
         job = job_load(state)
     except NoReservation:
@@ -309,6 +328,8 @@ def demo_cmd(
     runs: int = typer.Option(2, "--runs", min=1),
 ) -> None:
     """Serve local hosts, run the bundled DDP example a few times (timed), stop. No cluster needed."""
+    from ..jobs import serve
+
     script = Path(__file__).resolve().parents[1] / "templates" / "train_ddp.py"
     with tempfile.TemporaryDirectory(prefix="monarch-demo-") as tmp:
         state = Path(tmp) / ".monarch" / "job_state.pkl"
@@ -331,7 +352,7 @@ def demo_cmd(
 
 
 # -------------------------------------------------------------------- rendering
-def _render_result(result: RunResult) -> None:
+def _render_result(result: "RunResult") -> None:
     n = len(result.ranks)
     if result.exit_code == 0:
         err.print(f"[green]✓[/] {n} rank(s) finished in [bold]{result.duration:.2f} s[/] (run {result.run_id})")

@@ -9,7 +9,7 @@ from typing import Dict, Optional
 import typer
 
 from .. import __version__
-from .common import JsonOpt, app, emit_json, out
+from .common import JsonOpt, app, emit_json, out, set_debug
 
 
 def _print_version(value: bool) -> None:
@@ -22,8 +22,10 @@ def _print_version(value: bool) -> None:
 def _root(
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                  help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of an internal error."),
 ) -> None:
     """Reserve hosts once, then run torchrun-style SPMD jobs on them in a fraction of a second."""
+    set_debug(debug)
 
 
 @app.command("version")

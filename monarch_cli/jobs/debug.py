@@ -11,13 +11,16 @@ import getpass
 import os
 import queue
 import socket
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from ..config import settings
 from ..runtime.errors import ActorError
 from ..runtime.future import Future
 from .errors import JobError
-from .job import Job
+from .ranks import parse_rank_list
+
+if TYPE_CHECKING:  # the job (and the runtime) load when a client is made, not when the CLI starts
+    from .job import Job
 
 Event = Tuple[str, int, str, Any]  # (kind, rank, what, detail): ("output", 3, text, None), ("state", 3, "paused", where)
 
@@ -62,27 +65,16 @@ def select_ranks(expr: str, rows: List[PausedRank]) -> Set[int]:
                 picked &= {r.rank for r in rows if r.coords.get(dim.strip()) in allowed}
             return picked
         return _numbers(expr, 1 + max(known, default=0))
-    except ValueError:
+    except (ValueError, JobError):
         raise JobError(f"cannot read ranks {expr!r}: use *, 0,3, 2-5, 0:8:2 or hosts=1,gpus=0:2") from None
 
 
 def _numbers(text: str, size: int) -> Set[int]:
-    out: Set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if ":" in part:
-            bits = [int(b) if b else None for b in part.split(":")]
-            out.update(range(size)[slice(*bits)])
-        elif "-" in part:
-            lo, hi = part.split("-")
-            out.update(range(int(lo), int(hi) + 1))
-        elif part:
-            out.add(int(part))
-    return out
+    return parse_rank_list(text, size)
 
 
 class DebugClient:
-    def __init__(self, job: Job, run_id: Optional[str] = None) -> None:
+    def __init__(self, job: "Job", run_id: Optional[str] = None) -> None:
         self.job = job
         self.hs = job._hostset()
         self.mb = self.hs.mb

@@ -8,15 +8,17 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
 from ..config import configure
-from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
+from ..errors import OptionError, PlanError
+from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
+from ..schedulers.agents import controller_host
 from .errors import JobError
 from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
-from .output import OutputSink, list_runs
+from .output import OutputSink, list_runs, new_run_dir
 from .spmd import (
     HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd,
     remote_environment, user_environment,
@@ -86,10 +88,10 @@ class Job:
         return get_scheduler(self.state.scheduler)
 
     def _hostset(self, require_all: bool = True) -> HostSet:
-        why = self.scheduler.gone(self.state) if require_all else None
-        if why:
+        probe = self.scheduler.probe(self.state) if require_all else None
+        if probe is not None and probe.gone:
             raise StaleReservation(
-                f"reservation {self.state.reservation_id} is gone ({why}); "
+                f"reservation {self.state.reservation_id} is gone ({probe.reason}); "
                 "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
             )
         host = controller_host([h.agent for h in self.state.hosts])
@@ -146,7 +148,7 @@ class Job:
         spec = parse_command(argv)
         hostset = self._hostset()
         run_id = new_run_id()
-        log_dir = self.logs_root / run_id
+        log_dir = new_run_dir(self.logs_root, run_id)
         say = on_event or (lambda _msg: None)
         node_cwd, node_environ = self._prepare_hosts(hostset, cwd or os.getcwd(), workspace, sync, env or {}, say)
         if spec.moot_flags():
@@ -219,7 +221,7 @@ class Job:
             raise JobError("no command given to exec")
         hostset = self._hostset()
         run_id = "exec-" + new_run_id()
-        log_dir = self.logs_root / run_id
+        log_dir = new_run_dir(self.logs_root, run_id)
         node_cwd, node_environ = self._prepare_hosts(hostset, os.getcwd(), None, True, {}, lambda _msg: None)
         launches = plan_exec(argv, hostset, node_cwd=node_cwd, node_environ=node_environ)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
@@ -237,7 +239,8 @@ class Job:
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
         if any(e.lost for e in exits):
-            why = self.scheduler.gone(self.state)
+            probe = self.scheduler.probe(self.state)
+            why = probe.reason if probe.gone else ""
             for e in exits:
                 if why and e.lost:
                     e.lost = f"{e.lost}: {why}"
@@ -284,8 +287,12 @@ class Job:
         hostset = self._hostset(require_all=False)  # each host answers, or not, for itself
         dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
         stale = None
+        probe = self.scheduler.probe(self.state)  # cheap; the scheduler may know better than a ping
+        if probe.gone and not dead:  # e.g. Slurm ended the job while its agents still answer
+            stale = (f"reservation {self.state.reservation_id} is gone ({probe.reason}); run `monarch serve "
+                     "--replace` for a new one, or `monarch stop` to clear it")
         if dead:
-            why = self.scheduler.gone(self.state)
+            why = probe.reason if probe.gone else None
             how = "gone" if len(dead) == len(self.state.hosts) else "partly gone"
             stale = (f"reservation {self.state.reservation_id} is {how}: {', '.join(dead)} not answering"
                      f"{f' ({why})' if why else ''}; run `monarch serve --replace` for a new one, "
@@ -305,6 +312,7 @@ class Job:
             "default_command": self.state.default_command,
             "default_cwd": self.state.default_cwd,
             "last_run": self.state.last_run,
+            "scheduler_lines": self.scheduler.status_lines(self.state),
             **self.scheduler.describe(self.state),
         }
 
@@ -321,7 +329,7 @@ class Job:
 
     def _announce_stop(self, by: str, timeout: float = 2.0) -> List[str]:
         """Best effort: an agent that does not answer in ``timeout`` has no run to tell."""
-        if self.scheduler.gone(self.state):
+        if self.scheduler.probe(self.state).gone:
             return []
         host = controller_host([h.agent for h in self.state.hosts])
         if host is not None:
@@ -390,14 +398,50 @@ def _result(run_id: str, exits: List[RankExit], duration: float, log_dir: Path, 
 
 
 # ---------------------------------------------------------------------- entry points
+Hosts = Union[int, str, Sequence[str], None]  # a count, or host names ("h1,h2" or a list) for a backend that takes them
+
+
+def _host_names(backend: Scheduler, hosts: Hosts) -> "tuple[Optional[int], List[str]]":
+    """``hosts`` as (count, names): a number (or its text) is a count; anything else names hosts."""
+    if hosts is None or isinstance(hosts, int):
+        return hosts, []
+    if isinstance(hosts, str):
+        text = hosts.strip()
+        if text.lstrip("-").isdigit():
+            return int(text), []
+        names = [h.strip() for h in text.split(",") if h.strip()]
+    else:
+        names = [str(h).strip() for h in hosts if str(h).strip()]
+    if not names:
+        raise OptionError(f"--hosts takes a number or host names (h1,h2), not {hosts!r}")
+    if not backend.takes_host_names:
+        raise OptionError(f"the {backend.name} scheduler takes a number of hosts, not names ({', '.join(names)})")
+    return len(names), names
+
+
+def _request(backend: Scheduler, command: Command, hosts: Hosts, preload: Optional[str],
+             agent_port: Optional[int], port_range: Optional[Tuple[int, int]], options: Dict[str, Any]) -> ReserveRequest:
+    count, names = _host_names(backend, hosts)
+    argv, nhosts = _command_and_hosts(command, count)
+    nhosts = nhosts or backend.default_hosts() or 1
+    if nhosts < 1:
+        raise JobError(f"--hosts must be at least 1, not {nhosts}")
+    if argv:
+        parse_command(argv)  # a bad default command is an error now, not at the first run
+    return ReserveRequest(hosts=nhosts, command=argv, options=backend.check_options(options), preload=preload,
+                          agent_port=agent_port, port_range=port_range, host_names=names)
+
+
 def serve(
     command: Command = None,
     scheduler: str = "local",
     *,
-    hosts: Optional[int] = None,
+    hosts: Hosts = None,
     state: Union[str, Path, None] = None,
     replace: bool = False,
     preload: Optional[str] = None,
+    agent_port: Optional[int] = None,
+    port_range: Optional[Tuple[int, int]] = None,
     progress: Optional[Callable[[str], None]] = None,
     cwd: Union[str, Path, None] = None,
     **options: Any,
@@ -408,29 +452,15 @@ def serve(
     ``run_spmd()`` is later called from, so its relative paths keep their meaning.
     """
     backend = get_scheduler(scheduler)
-    argv, nhosts = _command_and_hosts(command, hosts)
-    nhosts = nhosts or backend.default_hosts() or 1
-    if nhosts < 1:
-        raise JobError(f"--hosts must be at least 1, not {nhosts}")
-    if argv:
-        parse_command(argv)  # a bad default command is an error now, not at the first run
-    request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
+    request = _request(backend, command, hosts, preload, agent_port, port_range, options)
     path = state_path(state)
     request.state_file = str(path.resolve())
     say = progress or (lambda _msg: None)
-    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if argv else None
-    try:
-        existing: Optional[Job] = job_load(path)
-    except NoReservation:
-        existing = None
-    except StateError:
-        if not replace:
-            raise
-        say(f"replacing unreadable state file {path}")
-        clear_unreadable(path)
-        existing = None
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if request.command else None
+    existing = _existing(path, replace, say)
     if existing is not None:
-        why_not = backend.can_serve(existing.state, request)
+        why_not = backend.can_serve(existing.state, request) if existing.state.scheduler == backend.name else \
+            f"it is a {existing.state.scheduler} reservation, not {backend.name}"
         gone = False
         try:
             existing._hostset()
@@ -438,25 +468,75 @@ def serve(
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
+            argv = request.command
             if argv and (argv, served_in) != (existing.state.default_command, existing.state.default_cwd):
                 existing.state.default_command, existing.state.default_cwd = argv, served_in
                 save_state(existing.state, path)
             return existing
-        if not replace and not gone:
-            raise JobError(
-                f"a reservation already exists at {path} and cannot serve this request ({why_not}); "
-                "use --replace to release it and make a new one, or --state for a second one"
-            )
-        say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
-        existing.stop(by="monarch serve --replace")
+        _release_for(existing, why_not, replace or gone, path, say)
+    return _reserve(backend, backend.plan(request, path.parent), path, say, served_in)
+
+
+def reserve_plan(plan: Union[Plan, Dict[str, Any], str], *, state: Union[str, Path, None] = None,
+                 replace: bool = False, cwd: Union[str, Path, None] = None,
+                 progress: Optional[Callable[[str], None]] = None) -> Job:
+    """Carry out a plan that :func:`dryrun` returned (or its JSON, as ``serve --dry-run --json`` prints it).
+
+    The plan's command will run in ``cwd`` (default: the current directory), as with :func:`serve`.
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    backend = get_scheduler(plan.scheduler)
+    if plan.command:
+        parse_command(plan.command)
+    if backend.check_options(plan.options) != plan.options:
+        raise PlanError(f"the plan's options {plan.options} are not valid {plan.scheduler} options")
+    path = state_path(state)
+    say = progress or (lambda _msg: None)
+    existing = _existing(path, replace, say)
+    if existing is not None:
+        try:
+            existing._hostset()
+            gone = False
+        except StaleReservation:
+            gone = True
+        _release_for(existing, "a plan always makes a new reservation", replace or gone, path, say)
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if plan.command else None
+    return _reserve(backend, plan, path, say, served_in)
+
+
+def _existing(path: Path, replace: bool, say: Callable[[str], None]) -> Optional[Job]:
+    try:
+        return job_load(path)
+    except NoReservation:
+        return None
+    except StateError:
+        if not replace:
+            raise
+        say(f"replacing unreadable state file {path}")
+        clear_unreadable(path)
+        return None
+
+
+def _release_for(existing: Job, why_not: str, replace: bool, path: Path, say: Callable[[str], None]) -> None:
+    if not replace:
+        raise JobError(
+            f"a reservation already exists at {path} and cannot serve this request ({why_not}); "
+            "use --replace to release it and make a new one, or --state for a second one"
+        )
+    say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
+    existing.stop(by="monarch serve --replace")
+
+
+def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: Optional[str]) -> Job:
     keys = Keys.generate()
-    reservation = backend.reserve(request, keys, path.parent, say)
+    reservation = backend.reserve(plan, keys, say)
     job_state = JobState(
         scheduler=backend.name,
         reservation_id=reservation.reservation_id,
         hosts=reservation.hosts,
         keys=keys.encode(),
-        default_command=argv,
+        default_command=list(plan.command),
         created_at=time.time(),
         scheduler_data=reservation.scheduler_data,
         default_cwd=served_in,
@@ -465,16 +545,14 @@ def serve(
     return Job(job_state, path)
 
 
-def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Optional[int] = None,
-           state: Union[str, Path, None] = None, preload: Optional[str] = None, **options: Any) -> DryRun:
-    """What :func:`serve` would start, without starting anything."""
+def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Hosts = None,
+           state: Union[str, Path, None] = None, preload: Optional[str] = None, agent_port: Optional[int] = None,
+           port_range: Optional[Tuple[int, int]] = None, **options: Any) -> Plan:
+    """The plan :func:`serve` would carry out, without starting anything; :func:`reserve_plan` carries it out."""
     backend = get_scheduler(scheduler)
-    argv, nhosts = _command_and_hosts(command, hosts)
-    nhosts = nhosts or backend.default_hosts() or 1
-    if argv:
-        parse_command(argv)
-    request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
-    return backend.dryrun(request, state_path(state).parent)
+    request = _request(backend, command, hosts, preload, agent_port, port_range, options)
+    request.state_file = str(state_path(state).resolve())  # as serve() sets it: the plan is what serve runs
+    return backend.plan(request, state_path(state).parent)
 
 
 def clear_unreadable(state: Union[str, Path, None] = None) -> Dict[str, Any]:
@@ -482,7 +560,7 @@ def clear_unreadable(state: Union[str, Path, None] = None) -> Dict[str, Any]:
     it on this machine (local backend), then delete it."""
     path = state_path(state)
     stopped: List[int] = []
-    for name in ("local", "slurm"):
+    for name in sorted(set(available()) - set(ALIASES)):
         stopped += get_scheduler(name).release_unreadable(path)
     clear_state(path)
     return {"cleared": str(path), "agents_stopped": stopped}

@@ -32,6 +32,8 @@ from .output import OutputSink
 from .state import HostRecord
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
 
+#: Output bytes from one host after which the runner credits them back (see ``ranks.OUTPUT_WINDOW``).
+_CREDIT_EVERY = 1 << 20
 _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MONARCH_KEY_FILE", "TERM_SESSION_ID"}
 
 
@@ -235,6 +237,7 @@ class SpmdRunner:
         started = time.monotonic()
         lock = threading.Lock()
         nodes = sorted({l.node for l in launches})
+        owed: Dict[int, int] = {n: 0 for n in nodes}  # node -> output bytes printed, not yet credited
         host_of = {l.rank: self.hs.hosts[l.node].name for l in launches}
         control = self.control = RunControl(
             host_of, lambda sig: self._signal(nodes, run_id, sig), self.say, failure_grace=self.grace,
@@ -245,8 +248,18 @@ class SpmdRunner:
 
         def on_output(header: Any, body: List[Any]) -> None:
             _, _, rid, rank, stream = header
-            if rid == run_id:
-                sink.write(rank, stream, bytes(body[0]))
+            if rid == run_id and rank in by_rank:
+                data = bytes(body[0])
+                try:
+                    sink.write(rank, stream, data)
+                finally:  # credited even if the console failed (a closed pipe): never stall the ranks
+                    # Credit once printed: a host sends only a window ahead, so a slow console
+                    # holds the ranks back instead of letting output pile up in memory.
+                    node = by_rank[rank].node
+                    owed[node] += len(data)
+                    if owed[node] >= _CREDIT_EVERY:
+                        mb.send(self.hs.hosts[node].agent, ("output_credit", run_id, owed[node]))
+                        owed[node] = 0
 
         def finish(rank: int, exit_: RankExit) -> None:
             with lock:

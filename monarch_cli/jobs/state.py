@@ -14,11 +14,12 @@ import os
 import pickle
 import pickletools
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..schedulers.base import HostRecord
+from ..sysutil import atomic_write
 from .errors import JobError
 
 __all__ = [
@@ -52,16 +53,6 @@ class StateError(JobError):
 
 class NoReservation(StateError):
     """There is no state file: nothing has been reserved yet (or it was cleared)."""
-
-
-@dataclass
-class HostRecord:
-    """One reserved host: where its agent listens and which node rank it plays."""
-
-    name: str
-    agent: str
-    pid: int | None
-    node_rank: int
 
 
 @dataclass
@@ -208,50 +199,15 @@ def save_state(state: JobState, path: Path | None = None) -> Path:
     """Write ``state`` atomically with mode 0600 and return the path written."""
     target = state_path(path)
     data = _encode(state)
-    parent = target.parent
-    tmp_name: str | None = None
     try:
-        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # mkstemp opens with O_CREAT|O_EXCL and mode 0600 via os.open: the key pair is
-        # never readable by others, not even for the moment before the rename.
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "wb", closefd=False) as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp_name, target)
-        tmp_name = None
-        _fsync_dir(parent)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atomic_write(target, data, 0o600, durable=True)
     except OSError as err:
         raise StateError(
             f"cannot write job state to {target}: {err.strerror or err}; "
             "check that the directory is writable, or set $MONARCH_STATE to another path"
         ) from err
-    finally:
-        if tmp_name is not None:
-            try:
-                os.unlink(tmp_name)
-            except OSError:
-                pass
     return target
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable; best effort, since some filesystems refuse it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _corrupt(target: Path, why: str) -> StateError:

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import os
 import pickle
+import shlex
 import signal
 import socket
 import subprocess
@@ -32,7 +33,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import zmq
 
 from ..config import configure
-from . import agent_registry, lineage, wire
+from ..sysutil import atomic_write, signal_if_alive as _signal
+from . import agent_command, agent_registry, lineage, wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
 from .debug_host import DebugHost
@@ -40,7 +42,7 @@ from .ranks import RankHost
 from .title import set_title
 from .transport import Transport
 
-READY_PREFIX = "MONARCH_AGENT_READY "
+READY_PREFIX = agent_command.READY_PREFIX
 _STATE_FIRST_SEEN = 120.0  # seconds `serve` has to record a new agent in its state file
 
 
@@ -108,10 +110,10 @@ class _Zygote:
 
 class HostAgent:
     def __init__(self, keys: Keys, name: Optional[str] = None, preload: Optional[str] = None,
-                 reservation: str = "") -> None:
+                 reservation: str = "", port: Optional[int] = None) -> None:
         self.keys = keys
         self.transport = Transport(keys)
-        self.inbox, self.address = self.transport.bind_router()
+        self.inbox, self.address = self.transport.bind_router(port)
         # Heartbeats get their own context (its own I/O thread), so a multi-GiB transfer
         # on the inbox cannot delay them past the timeout.
         self.hb_transport = Transport(keys)
@@ -244,6 +246,9 @@ class HostAgent:
             _, cid, reply_to, run_id, heartbeat_timeout = header
             self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
             self.reply(reply_to, cid, True, self.ranks.start(reply_to, run_id, wire.loads(body)))
+        elif kind == "output_credit":
+            _, run_id, nbytes = header
+            self.ranks.credit(run_id, int(nbytes))
         elif kind == "signal_ranks":
             _, cid, reply_to, run_id, sig = header
             self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
@@ -452,13 +457,6 @@ def _count_gpus() -> int:
         return 0
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def _watch_stdin(agent: HostAgent) -> None:
     while sys.stdin.buffer.read(4096):
         pass
@@ -467,20 +465,11 @@ def _watch_stdin(agent: HostAgent) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m monarch_cli.runtime.agent", description=__doc__.splitlines()[0])
-    parser.add_argument("--address-file", type=Path, help="write the agent's address here once it listens")
-    parser.add_argument("--ready-fd", type=int, help="write the address to this inherited fd")
-    parser.add_argument("--keys-stdin", action="store_true", help="read the reservation keys from stdin's first line")
-    parser.add_argument("--exit-with-stdin", action="store_true", help="exit (killing all procs) when stdin closes")
-    parser.add_argument("--host", help="address to advertise to peers (default: $MONARCH_HOST or this host's IP)")
-    parser.add_argument("--preload", help="comma-separated modules warm ranks import up front (default: torch if installed)")
-    parser.add_argument("--warm-up", action="store_true", help="start the warm-rank zygote now, not at the first run")
-    parser.add_argument("--name", help="host name to report (default: the hostname); lets several agents on one machine act as separate hosts")
-    parser.add_argument("--reservation", default="", help="the reservation this agent serves (for process titles and the registry)")
-    parser.add_argument("--state-file", help="the controller's state file (same machine only): register, and exit once it "
-                        "no longer records --reservation")
+    parser = agent_command.parser()
     parser.add_argument("--state-check-interval", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.port_range:
+        configure(port_range=args.port_range)
     if args.host:
         configure(host=args.host)
     try:
@@ -495,7 +484,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
-    agent = HostAgent(keys, name=args.name, preload=args.preload, reservation=args.reservation)
+    try:
+        agent = HostAgent(keys, name=args.name, preload=args.preload, reservation=args.reservation, port=args.port)
+    except OSError as e:
+        print(f"monarch agent: {e}", file=sys.stderr)
+        return 2
+    # The title below replaces the command line in ps; the log keeps what was started.
+    print(f"monarch agent: started as: {shlex.join(sys.orig_argv)}", file=sys.stderr, flush=True)
     set_title(f"monarch agent {agent.label}")
     registered: Optional[Path] = None
     if args.state_file and args.reservation:
@@ -507,9 +502,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         threading.Thread(target=_watch_stdin, args=(agent,), daemon=True).start()
     line = f"{READY_PREFIX}{agent.address}\n"
     if args.address_file:
-        tmp = args.address_file.with_name(args.address_file.name + ".tmp")
-        tmp.write_text(line)
-        os.replace(tmp, args.address_file)
+        atomic_write(args.address_file, line, 0o644)
     if args.ready_fd is not None:
         os.write(args.ready_fd, line.encode())
         os.close(args.ready_fd)

@@ -6,14 +6,14 @@ Schedulers use :func:`launch_agent`; a controller's ``this_host()`` uses
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import subprocess
-import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .agent import READY_PREFIX
+from .agent_command import READY_PREFIX, AgentCommand
 from .keys import Keys
 
 _private: List[subprocess.Popen] = []
@@ -27,6 +27,7 @@ def launch_agent(
     warm_up: bool = False,
     reservation: str = "",
     state_file: Optional[str] = None,
+    command: Optional[AgentCommand] = None,
     exit_with_parent: bool = True,
     detach: bool = False,
     env: Optional[Dict[str, str]] = None,
@@ -39,22 +40,13 @@ def launch_agent(
     ``exit_with_parent`` the agent (and every proc it runs) exits when this process does;
     ``detach`` puts it in its own session so it outlives the terminal that started it.
     ``reservation`` names it in ``ps``; with ``state_file`` it registers itself and exits
-    once that file no longer records the reservation.
+    once that file no longer records the reservation. ``command`` (a backend's plan)
+    replaces ``name``/``preload``/``warm_up``/``reservation``/``state_file``.
     """
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "monarch_cli.runtime.agent", "--ready-fd", str(w), "--keys-stdin"]
-    if exit_with_parent:
-        cmd.append("--exit-with-stdin")
-    if name:
-        cmd += ["--name", name]
-    if preload is not None:
-        cmd += ["--preload", preload]
-    if warm_up:
-        cmd.append("--warm-up")
-    if reservation:
-        cmd += ["--reservation", reservation]
-    if state_file:
-        cmd += ["--state-file", state_file]
+    base = command or AgentCommand(name=name, preload=preload, warm_up=warm_up, reservation=reservation,
+                                   state_file=state_file)
+    cmd = dataclasses.replace(base, ready_fd=w, keys_stdin=True, exit_with_stdin=exit_with_parent).argv()
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,

@@ -9,6 +9,12 @@ can arrive after the exit that ended it.
 When a run ends here, what its ranks left running ends with it: their process groups, and
 (the agent being a child subreaper) every descendant seen under a rank or carrying the
 run's ``MONARCH_RUN_ID``, even one that started its own session.
+
+Output is flow-controlled per run: at most :data:`OUTPUT_WINDOW` bytes travel ahead of the
+client's ``output_credit`` messages (sent as it prints them). Past that, the ranks' pipes
+are not read, so a rank writing faster than the client's console takes it blocks in
+``write()``, as it would under torchrun, instead of every process between them buffering
+without bound.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ if TYPE_CHECKING:
     from .agent import HostAgent
 
 _READ = 1 << 16
+#: Bytes of one run's output a host sends ahead of the client's credit.
+OUTPUT_WINDOW = 8 << 20
 _EOF_GRACE = 2.0  # seconds to wait for pipes after a rank exits
 _SCAN_EVERY = 1.0  # seconds between looks at the live ranks' descendants
 _PORT_HOLD = 300.0  # a reserved port no run claims is closed after this long
@@ -64,6 +72,9 @@ class RankHost:
         self.ports: Dict[str, socket.socket] = {}  # run id -> held listening socket
         self.groups: Dict[str, List[int]] = {}  # run id -> its ranks' process groups here (pgid == pid)
         self.reaping: Dict[int, float] = {}  # process group left behind by a run -> when to SIGKILL it
+        self.in_flight: Dict[str, int] = {}  # run id -> output bytes sent and not yet credited
+        self.held: Dict[str, Set[int]] = {}  # run id -> pipes not read until credit comes back
+        self.unthrottled: Set[str] = set()  # runs whose client is gone: nobody will credit them
         self.port_held_at: Dict[str, float] = {}
         self.tracked: Dict[str, Set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
         self.leftovers: Dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
@@ -72,11 +83,19 @@ class RankHost:
     # ---------------------------------------------------------------- requests
     def reserve_port(self, run_id: str) -> int:
         """Bind and listen now, keep it open, hand the socket to rank 0 later: no race."""
-        from ..config import advertised_host
+        from ..config import advertised_host, bind_port_candidates
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((advertised_host(), 0))
+        candidates = bind_port_candidates()
+        for i, port in enumerate(candidates):
+            try:
+                sock.bind((advertised_host(), port))
+                break
+            except OSError:
+                if i == len(candidates) - 1:
+                    sock.close()
+                    raise
         sock.listen(128)
         self.ports[run_id] = sock
         self.port_held_at[run_id] = time.monotonic()
@@ -164,6 +183,19 @@ class RankHost:
         for rank in self.by_pid.values():
             if rank.owner == owner and rank.status is None:
                 _killpg(rank.pid, signal.SIGKILL)
+        for run_id in {r.run_id for r in self.by_pid.values() if r.owner == owner}:
+            self.unthrottled.add(run_id)  # nobody will credit it: let the pipes drain to their end
+            self.credit(run_id, self.in_flight.get(run_id, 0))
+
+    def credit(self, run_id: str, nbytes: int) -> None:
+        """The client has printed ``nbytes`` more of the run's output: read held pipes again."""
+        if run_id not in self.in_flight:
+            return  # the run has ended here
+        self.in_flight[run_id] = max(0, self.in_flight[run_id] - nbytes)
+        if self.in_flight[run_id] < OUTPUT_WINDOW:
+            for fd in self.held.pop(run_id, ()):
+                if fd in self.by_fd:
+                    self.agent.watch_fd(fd)
 
     def kill_all(self) -> None:
         for rank in self.by_pid.values():
@@ -215,11 +247,19 @@ class RankHost:
         rank = self.by_fd.get(fd)
         if rank is None:
             return False
+        sent = self.in_flight.setdefault(rank.run_id, 0)
+        if sent >= OUTPUT_WINDOW and rank.run_id not in self.unthrottled:  # the client is behind: wait
+            held = self.held.setdefault(rank.run_id, set())
+            if fd not in held:
+                held.add(fd)
+                self.agent.unwatch_fd(fd)
+            return True
         try:
             data = os.read(fd, _READ)
         except BlockingIOError:
             return True
         if data:
+            self.in_flight[rank.run_id] = sent + len(data)
             self.agent.send(rank.owner, ("event", "output", rank.run_id, rank.rank, rank.fds[fd]), [data])
         else:
             self._close(fd)
@@ -246,6 +286,9 @@ class RankHost:
                 if pgid not in self.by_pid:  # never a new rank that got the same pid
                     _signal_group(pgid, signal.SIGKILL)
         for rank in list(self.by_pid.values()):
+            if self.held.get(rank.run_id) or (self.in_flight.get(rank.run_id, 0) >= OUTPUT_WINDOW
+                                              and rank.run_id not in self.unthrottled):
+                continue  # the client is behind: what is in the pipes waits for it, not the grace
             if rank.exited_at is not None and rank.fds and now - rank.exited_at > _EOF_GRACE:
                 for fd in list(rank.fds):
                     self.readable(fd)  # whatever is buffered still goes out first
@@ -256,7 +299,11 @@ class RankHost:
         rank = self.by_fd.pop(fd, None)
         if rank is not None:
             rank.fds.pop(fd, None)
-        self.agent.unwatch_fd(fd)
+        held = self.held.get(rank.run_id, set()) if rank is not None else set()
+        if fd in held:
+            held.discard(fd)  # not watched while held
+        else:
+            self.agent.unwatch_fd(fd)
         try:
             os.close(fd)
         except OSError:
@@ -291,6 +338,9 @@ class RankHost:
         does: SIGTERM to each rank's process group, SIGKILL to what is left a grace later."""
         if any(r.run_id == run_id for r in (*self.by_pid.values(), *self.pending.values())):
             return
+        self.in_flight.pop(run_id, None)
+        self.held.pop(run_id, None)
+        self.unthrottled.discard(run_id)
         kill_at = time.monotonic() + _EOF_GRACE
         for pgid in self.groups.pop(run_id, ()):
             if _signal_group(pgid, signal.SIGTERM):

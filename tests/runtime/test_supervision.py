@@ -66,7 +66,7 @@ def test_dying_proc_fails_every_pending_call_quickly_and_says_why(how, expected)
         victim.pid.call_one().get(timeout=1)
     assert mesh.slice(gpus=0).pid.call_one().get(timeout=5) != pid
     assert any(expected in f.describe() for f in procs.failures)
-    procs.stop()
+    procs.stop().get()
 
 
 class Owner(Actor):
@@ -99,7 +99,7 @@ def test_supervise_handles_a_child_failure():
     assert "exited with code 3" in owner.seen_failures.call_one().get(timeout=5)[0]
     time.sleep(0.3)
     assert len(Mailbox.get().unhandled) == before  # handled: nothing reached the controller
-    procs.stop()
+    procs.stop().get()
 
 
 def test_unhandled_child_failure_propagates_to_the_controller(capfd):
@@ -112,7 +112,7 @@ def test_unhandled_child_failure_propagates_to_the_controller(capfd):
     with pytest.raises(SupervisionError, match="did not handle"):
         owner.seen_failures.call_one().get(timeout=5)
     assert "monarch: unhandled failure" in capfd.readouterr().err
-    procs.stop()
+    procs.stop().get()
 
 
 CONTROLLER = """

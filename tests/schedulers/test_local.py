@@ -232,8 +232,8 @@ def test_appdef_replicas_become_hosts(tmp_path: Path) -> None:
     plan = dryrun(trainer(3, "--lr", "0.1"), state=tmp_path / "job_state.pkl")
     assert plan.scheduler == "local"
     assert "start 3 host agent(s)" in plan.summary
-    assert "torchrun --nproc-per-node=2 train.py --lr 0.1" in plan.summary
-    commands = plan.artifacts["commands"].splitlines()
+    assert "default command: torchrun --nproc-per-node=2 train.py --lr 0.1" in plan.render()
+    commands = [line for line in plan.steps if "monarch_cli.runtime.agent" in line]
     assert len(commands) == 3
     assert all(f"--name local{i}" in line for i, line in enumerate(commands))
     assert not (tmp_path / "job_state.pkl").exists()  # a dry run starts and writes nothing
@@ -278,7 +278,7 @@ def test_appdef_shaped_like_torchx_dist_ddp(tmp_path: Path) -> None:
     app = AppDef("train", [Role("train", "local", "bash", ["-c", command], num_replicas=2)])
     plan = dryrun(app, state=tmp_path / "job_state.pkl")
     assert "start 2 host agent(s)" in plan.summary
-    assert "default command: torchrun --rdzv_backend c10d --rdzv_endpoint localhost:29500 --rdzv_id monarch" in plan.summary
+    assert "default command: torchrun --rdzv_backend c10d --rdzv_endpoint localhost:29500 --rdzv_id monarch" in plan.render()
 
 
 def test_torchx_scheduler_names_reach_the_local_backend() -> None:

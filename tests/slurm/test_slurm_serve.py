@@ -297,3 +297,27 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
             slurm("scontrol", "update", f"nodename={failed_node}", "state=resume", check=False)
         for job in (limited, failing):
             job("stop")
+
+
+def test_serve_reserves_exactly_the_plan_a_dry_run_printed(slurm_cluster, tmp_path):
+    job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
+    write_script(tmp_path, "planned.py", "print('planned')\n")
+    printed = job("serve", "--scheduler", "slurm", "--nodes", "2", "-o", "time=30", "--dry-run", "--json", "--",
+                  "python", "planned.py")
+    assert printed.returncode == 0, printed.stderr
+    plan = json.loads(printed.stdout)
+    assert plan["scheduler"] == "slurm" and plan["options"] == {"time": "30"} and "keys" not in plan["data"]
+    (tmp_path / "plan.json").write_text(printed.stdout)
+    try:
+        served = job("serve", "--plan", str(tmp_path / "plan.json"))
+        assert served.returncode == 0, served.stderr
+        info = job.status()
+        assert info["alive"] and info["reservation_id"] == plan["reservation_id"]
+        assert info["slurm"]["dir"] == plan["data"]["job_dir"]
+        # the script Slurm ran is, byte for byte, the one the dry run printed
+        assert (Path(plan["data"]["job_dir"]) / "serve.sbatch").read_text() == plan["artifacts"]["sbatch script"]
+        run = job("run-spmd", "--no-color")
+        assert run.returncode == 0 and "[rank0] planned" in run.stdout, run.stdout + run.stderr
+    finally:
+        stopped = job("stop")
+    assert stopped.returncode == 0, stopped.stderr

@@ -12,7 +12,10 @@ from typing import Iterator, List, Tuple
 import paramiko
 import pytest
 
-from monarch_cli.jobs import Job, JobError, dryrun, serve
+import json
+
+from monarch_cli.errors import MonarchError, SchedulerError
+from monarch_cli.jobs import Job, JobError, dryrun, job_load, serve
 
 from .conftest import SshHosts
 
@@ -76,7 +79,7 @@ def ssh_job(ssh_hosts: SshHosts, tmp_path_factory: pytest.TempPathFactory) -> It
     config = _ssh_config(ssh_hosts, base / "ssh_config", ssh_hosts.known_hosts)
     ws = base / "ws"
     ws.mkdir()
-    job = serve(None, "ssh", hosts=2, state=ws / ".monarch" / "job_state.pkl", ssh_hosts="h1,h2",
+    job = serve(None, "ssh", state=ws / ".monarch" / "job_state.pkl", hosts="h1,h2",
                 ssh_config=str(config), python=PYTHON)
     yield job, ws, config
     job.stop()
@@ -84,11 +87,14 @@ def ssh_job(ssh_hosts: SshHosts, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def test_dry_run_shows_targets_and_redacts_keys(ssh_hosts: SshHosts, tmp_path: Path) -> None:
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
-    plan = dryrun(None, "ssh", hosts=2, ssh_hosts="h1,h2", ssh_config=str(config), python=PYTHON)
-    text = plan.artifacts["hosts"]
+    plan = dryrun(None, "ssh", hosts="h1,h2", ssh_config=str(config), python=PYTHON)
+    text = plan.render()
     for h in ssh_hosts.hosts:
         assert f"root@{h.address}:22" in text
     assert "<redacted>" in text and "PRIVATE" not in text and "MONARCH_KEYS" not in text
+    assert text.count("upload over SFTP:") == 2 and text.count("nohup setsid") == 2, text
+    with pytest.raises(MonarchError, match="takes a number of hosts, not names"):
+        dryrun(None, "local", hosts="h1,h2")
 
 
 def test_serve_keys_sync_and_a_two_host_gloo_run(ssh_job: Tuple[Job, Path, Path], ssh_hosts: SshHosts,
@@ -130,15 +136,38 @@ def test_serve_keys_sync_and_a_two_host_gloo_run(ssh_job: Tuple[Job, Path, Path]
     assert all(h.address in text for h in ssh_hosts.hosts), text
 
 
-def test_stop_leaves_nothing_on_the_hosts(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+def _monarch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": REPO})
+
+
+def test_reserve_from_a_printed_plan_and_stop_leaves_nothing(ssh_hosts: SshHosts, tmp_path: Path) -> None:
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
+    state = str(tmp_path / ".monarch" / "job_state.pkl")
     before = set(_netns_processes(ssh_hosts))
-    job = serve(None, "ssh", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", ssh_hosts="h1,h2",
-                ssh_config=str(config), python=PYTHON, remote_dir="/root/stoptest")
+    printed = _monarch("serve", "--scheduler", "ssh", "--hosts", "h1,h2", "--ssh-config", str(config),
+                       "-o", f"python={PYTHON}", "--remote-dir", "/root/stoptest", "--state", state, "--dry-run",
+                       "--json")
+    assert printed.returncode == 0, printed.stderr
+    plan = json.loads(printed.stdout)
+    assert [h["target"]["alias"] for h in plan["data"]["hosts"]] == ["h1", "h2"]
+    assert not set(_netns_processes(ssh_hosts)) - before  # a dry run starts nothing
+    (tmp_path / "plan.json").write_text(printed.stdout)
+    served = _monarch("serve", "--plan", str(tmp_path / "plan.json"), "--state", state, "--json")
+    assert served.returncode == 0, served.stderr
+    job = job_load(state)
+    assert job.state.reservation_id == plan["reservation_id"]
+    for i, rec in enumerate(job.state.scheduler_data["ssh_hosts"]):  # exactly the plan's command ran there
+        assert rec["directory"] == f"/root/stoptest/{plan['reservation_id']}"
+        assert _on_host(ssh_hosts, i, f"cat /proc/{rec['pid']}/cmdline | tr '\\0' ' '")[1].startswith(
+            f"monarch agent {plan['reservation_id']} host h{i + 1}")
+    status = _monarch("status", "--state", state)
+    assert status.returncode == 0 and "h2: root@" in status.stdout + status.stderr, status.stdout + status.stderr
     started = set(_netns_processes(ssh_hosts)) - before
     assert sum(_is_agent(p) for p in started) == 2, started
     assert len(started) > 2, started  # and what they started (their warm processes)
-    job.stop()
+    stopped = _monarch("stop", "--state", state)
+    assert stopped.returncode == 0, stopped.stderr
     assert not set(_netns_processes(ssh_hosts)) - before  # the agents and everything they started
     for i in range(2):
         assert _on_host(ssh_hosts, i, "ls -A /root/stoptest")[1].strip() == ""
@@ -147,8 +176,8 @@ def test_stop_leaves_nothing_on_the_hosts(ssh_hosts: SshHosts, tmp_path: Path) -
 def test_unknown_and_changed_host_keys_are_refused(ssh_hosts: SshHosts, tmp_path: Path) -> None:
     empty = tmp_path / "known_empty"
     config = _ssh_config(ssh_hosts, tmp_path / "cfg_unknown", empty)
-    with pytest.raises(JobError, match=r"host h1 .*unknown host key.*--accept-new-host-keys"):
-        serve(None, "ssh", hosts=1, state=tmp_path / "a" / "s.pkl", ssh_hosts="h1", ssh_config=str(config),
+    with pytest.raises(SchedulerError, match=r"host h1 .*unknown host key.*--accept-new-host-keys"):
+        serve(None, "ssh", hosts="h1", state=tmp_path / "a" / "s.pkl", ssh_config=str(config),
               python=PYTHON)
     # a changed key: h2's recorded key is h1's
     lines = ssh_hosts.known_hosts.read_text().splitlines()
@@ -156,8 +185,8 @@ def test_unknown_and_changed_host_keys_are_refused(ssh_hosts: SshHosts, tmp_path
     forged.write_text(lines[0] + "\n" + lines[1].split()[0] + " " + " ".join(lines[0].split()[1:]) + "\n")
     config = _ssh_config(ssh_hosts, tmp_path / "cfg_forged", forged)
     before = set(_netns_processes(ssh_hosts))
-    with pytest.raises(JobError, match=r"host h2 .*CHANGED") as e:
-        serve(None, "ssh", hosts=2, state=tmp_path / "b" / "s.pkl", ssh_hosts="h1,h2", ssh_config=str(config),
+    with pytest.raises(SchedulerError, match=r"host h2 .*CHANGED") as e:
+        serve(None, "ssh", hosts="h1,h2", state=tmp_path / "b" / "s.pkl", ssh_config=str(config),
               python=PYTHON, accept_new_host_keys=True)  # never accepts a changed key
     assert "\n" not in str(e.value)
     assert not set(_netns_processes(ssh_hosts)) - before  # h1's agent was undone
@@ -199,7 +228,7 @@ def test_a_host_whose_link_goes_down_is_reported_by_name_and_stop_still_works(
     assert [r.host for r in lost] == ["h2"] and "host h2 stopped answering" in lost[0].how
     rec = job.state.scheduler_data["ssh_hosts"][1]
     assert _on_host(ssh_hosts, 1, f"kill -KILL {rec['pid']}")[0] == 0  # now the agent itself dies
-    with pytest.raises(JobError, match="host h2 .*not answering"):
+    with pytest.raises(JobError, match="gone .*the agent process on h2 is not running"):  # the probe, over SSH
         job.run_spmd(["torchrun", "--nproc-per-node=1", "sleepy.py"])
 
 
@@ -222,5 +251,5 @@ def test_proxy_jump_and_unreachable_host(ssh_hosts: SshHosts, tmp_path: Path) ->
         assert out.read().decode().split()[0] == ssh_hosts.hosts[0].address
     finally:
         client.close()
-    with pytest.raises(JobError, match=r"^host nowhere \(10\.214\.0\.99:22\) is unreachable"):
+    with pytest.raises(SchedulerError, match=r"^host nowhere \(10\.214\.0\.99:22\) is unreachable"):
         connect(resolve("nowhere", {"ssh_config": str(config)}), accept_new=False, timeout=2)
