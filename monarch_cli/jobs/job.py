@@ -422,6 +422,8 @@ def _host_names(backend: Scheduler, hosts: Hosts) -> "tuple[Optional[int], List[
 def _request(backend: Scheduler, command: Command, hosts: Hosts, preload: Optional[str],
              agent_port: Optional[int], port_range: Optional[Tuple[int, int]], options: Dict[str, Any]) -> ReserveRequest:
     count, names = _host_names(backend, hosts)
+    if count is not None and count < 1:
+        raise JobError(f"--hosts must be at least 1, not {count}")
     argv, nhosts = _command_and_hosts(command, count)
     nhosts = nhosts or backend.default_hosts() or 1
     if nhosts < 1:
