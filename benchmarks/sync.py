@@ -26,14 +26,15 @@ from _common import print_table, timed
 
 
 def start_hidden_agent(keys: "object", name: str, hide: Path, remote: Path, log: Path) -> Tuple[int, str]:
-    from monarch_cli.runtime.agent import READY_PREFIX
+    from monarch_cli.runtime.agent_command import READY_PREFIX, AgentCommand
 
     addr = log.with_suffix(".addr")
-    script = 'mount -t tmpfs tmpfs "$0" && exec "$1" -m monarch_cli.runtime.agent --keys-stdin --name "$2" --address-file "$3"'
+    agent = AgentCommand(keys_stdin=True, name=name, address_file=str(addr), reservation="bench-sync")
+    script = 'mount -t tmpfs tmpfs "$0" && exec "$@"'
     env = {**os.environ, "MONARCH_HOST": "127.0.0.1", "MONARCH_REMOTE_DIR": str(remote)}
     with open(log, "wb") as out:
         proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(hide),
-                                 sys.executable, name, str(addr)], stdin=subprocess.PIPE, stdout=out, stderr=out,
+                                 *agent.argv()], stdin=subprocess.PIPE, stdout=out, stderr=out,
                                 env=env, start_new_session=True)
     assert proc.stdin is not None
     proc.stdin.write(keys.encode().encode() + b"\n")  # type: ignore[attr-defined]
