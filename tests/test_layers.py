@@ -17,7 +17,8 @@ from .conftest import REPO
 
 PACKAGE = REPO / "monarch_cli"
 #: Each package's layer; a module may import its own layer and the ones below, never above.
-LAYERS = {"cli": 4, "jobs": 3, "schedulers": 2, "runtime": 1, "config": 0, "errors": 0, "sysutil": 0, "templates": 0}
+LAYERS = {"cli": 4, "jobs": 3, "schedulers": 2, "runtime": 1, "config": 0, "errors": 0, "sysutil": 0, "templates": 0,
+          "telemetry_store": 0}
 #: The top-level modules of the package itself (``monarch_cli/__init__.py`` re-exports the runtime lazily).
 ROOT = {"__init__": 1, "__main__": 4}
 

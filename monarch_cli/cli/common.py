@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -19,6 +20,7 @@ from .click_compat import click
 from rich.markup import escape
 
 from ..errors import MonarchError, UserError
+from ..jobs.console import CLOSED_PIPE_EXIT, silence
 
 app = typer.Typer(
     name="monarch",
@@ -26,8 +28,20 @@ app = typer.Typer(
     add_completion=True,  # --install-completion / --show-completion; costs ~nothing per command
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False, soft_wrap=True)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """Its reader left (`| head`): quiet from now on; the main thread exits as a closed pipe says."""
+        silence(sys.stdout)
+        silence(sys.stderr)
+        self.quiet = True
+        if threading.current_thread() is threading.main_thread():
+            raise SystemExit(CLOSED_PIPE_EXIT)
+
+
+err = _Console(stderr=True, highlight=False, soft_wrap=True)
+out = _Console(highlight=False, soft_wrap=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE, else .monarch/job_state.pkl "
@@ -95,9 +109,16 @@ def friendly(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         as_json = _wants_json(kwargs)
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.stdout.flush()  # a closed pipe shows here, while we can still exit quietly
         except (typer.Exit, typer.Abort, click.ClickException):
             raise
+        except BrokenPipeError:  # `monarch ... | head`: the reader left; stop quietly, as Unix tools do
+            silence(sys.stdout)
+            silence(sys.stderr)
+            raise typer.Exit(CLOSED_PIPE_EXIT) from None
         except MonarchError as e:
             if _debug["on"] and not isinstance(e, UserError):
                 traceback.print_exc()

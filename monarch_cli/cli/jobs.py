@@ -14,6 +14,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ..jobs.console import CLOSED_PIPE_EXIT
 from ..jobs.output import list_runs
 from ..jobs.state import NoReservation, StateError, state_path
 
@@ -147,6 +148,8 @@ def run_spmd_cmd(
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
                           post_mortem=post_mortem, straggler_grace=straggler_grace, env=parse_env_flags(env or []),
                           workspace=workspace, sync=not no_sync, on_event=_say)
+    if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
+        raise typer.Exit(CLOSED_PIPE_EXIT)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -186,6 +189,8 @@ def exec_cmd(
 
     job = job_load(state)
     result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None, on_event=_say)
+    if result.console_closed:
+        raise typer.Exit(CLOSED_PIPE_EXIT)
     if as_json:
         emit_json(result.to_json())
     else:

@@ -6,9 +6,10 @@ import json
 import os
 import re
 import shlex
+import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
@@ -16,9 +17,12 @@ from ..config import configure
 from ..errors import OptionError, PlanError
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
 from ..schedulers.agents import controller_host
+from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
 from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
 from .output import OutputSink, list_runs, new_run_dir
+from .telemetry import Diagnosis, Inspector, RankRow, RunTelemetry, StackReport
+from .telemetry import enabled as telemetry_enabled
 from .spmd import (
     HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd,
     remote_environment, user_environment,
@@ -148,6 +152,8 @@ class Job:
         spec = parse_command(argv)
         hostset = self._hostset()
         run_id = new_run_id()
+        if ranks is not None:  # refused before anything starts
+            _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0, cwd=cwd)))
         log_dir = new_run_dir(self.logs_root, run_id)
         say = on_event or (lambda _msg: None)
         node_cwd, node_environ = self._prepare_hosts(hostset, cwd or os.getcwd(), workspace, sync, env or {}, say)
@@ -160,6 +166,8 @@ class Job:
         runner = SpmdRunner(hostset, log_dir, grace=grace, say=say, straggler_grace=straggler_grace,
                             shutdown_timeout=shutdown_timeout_from(
                                 shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout))
+        stdout, stderr = _consoles(stdout, stderr, runner)
+        telemetry = RunTelemetry(self.path.parent, run_id, argv, log_dir) if telemetry_enabled() else None
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             try:
@@ -170,11 +178,18 @@ class Job:
             except BaseException:
                 if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
                     runner.release_port(0, run_id)
+                if telemetry is not None:
+                    telemetry.finish(None)
                 raise
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
-                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals)
+                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals,
+                                   telemetry=telemetry, attempt=attempt)
+            except BaseException:
+                if telemetry is not None:
+                    telemetry.finish(None)
+                raise
             finally:
                 sink.close()
             self._explain_losses(exits)
@@ -183,7 +198,10 @@ class Job:
                 break
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
-        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control)
+        result = _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control),
+                                  stdout, stderr)
+        if telemetry is not None:
+            telemetry.finish(result)
         self._record(result, argv)
         return result
 
@@ -224,17 +242,19 @@ class Job:
         log_dir = new_run_dir(self.logs_root, run_id)
         node_cwd, node_environ = self._prepare_hosts(hostset, os.getcwd(), None, True, {}, lambda _msg: None)
         launches = plan_exec(argv, hostset, node_cwd=node_cwd, node_environ=node_environ)
-        sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
-        started = time.monotonic()
         runner = SpmdRunner(hostset, log_dir, grace=float("inf"), say=on_event, straggler_grace=float("inf"),
                             shutdown_timeout=shutdown_timeout_from(None))
+        stdout, stderr = _consoles(stdout, stderr, runner)
+        sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
+        started = time.monotonic()
         try:
             exits = runner.run(launches, run_id, sink)
         finally:
             sink.close()
         exits.sort(key=lambda e: e.rank)
         self._explain_losses(exits)
-        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control)
+        return _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control),
+                                stdout, stderr)
 
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
@@ -349,6 +369,23 @@ class Job:
     def runs(self) -> List[Path]:
         return list_runs(self.logs_root)
 
+    # ------------------------------------------------------------- telemetry
+    def sql(self, statement: str, params: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+        """A read-only query of the reservation's telemetry store (``monarch sql --schema``)."""
+        return Inspector(self).sql(statement, params)
+
+    def stacks(self, ranks: Optional[Set[int]] = None, native: bool = False) -> StackReport:
+        """The Python stacks of the current run's live ranks, grouped by identical stack (and stored)."""
+        return Inspector(self).stacks(ranks, native)
+
+    def diagnose(self, silence: float = 60.0) -> Diagnosis:
+        """Which rank differs from the rest and why; ``exit_code`` 0 healthy, 1 suspect, 2 cannot tell."""
+        return Inspector(self).diagnose(silence)
+
+    def top(self) -> "tuple[Optional[str], List[RankRow]]":
+        """(run id, one row per rank, most suspicious first)."""
+        return Inspector(self).top()
+
 
 def _stopper(by: str) -> str:
     """``monarch stop (pid 123, from alice@login1 on /dev/pts/4)``: enough to find who and where."""
@@ -373,6 +410,34 @@ def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
     what = "stopped after an uncaught exception" if where.get("reason") == "post-mortem" else "paused"
     return (f"rank {rank} {what} at {where.get('file')}:{where.get('line')} in {where.get('function')}() "
             f"on {host}; attach with: monarch debug attach {rank}")
+
+
+def _consoles(stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
+              runner: SpmdRunner) -> "tuple[BinaryIO, BinaryIO]":
+    """The run's output streams; when their reader goes away (``| head``), the run ends quietly."""
+    return (cast(BinaryIO, ConsoleStream(stdout or sys.stdout.buffer, runner.console_closed)),
+            cast(BinaryIO, ConsoleStream(stderr or sys.stderr.buffer, runner.console_closed)))
+
+
+def _reader_gone(*streams: BinaryIO) -> bool:
+    return any(getattr(s, "reader_gone", False) for s in streams)
+
+
+def _console_verdict(result: RunResult, *streams: BinaryIO) -> RunResult:
+    """A run whose output lost its reader exits as a tool under SIGPIPE does (141)."""
+    if _reader_gone(*streams):
+        result.console_closed, result.exit_code = True, CLOSED_PIPE_EXIT
+    return result
+
+
+def _check_ranks(ranks: Set[int], world_size: int) -> None:
+    """Ranks to show that the run does not have are a mistake, not a silent console."""
+    unknown = sorted(r for r in ranks if not 0 <= r < world_size)
+    have = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
+    if not ranks:
+        raise JobError(f"--ranks names no rank; this run has {have}")
+    if unknown:
+        raise JobError(f"--ranks {','.join(map(str, unknown))}: no such rank; this run has {have}")
 
 
 def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:

@@ -93,6 +93,7 @@ class RunControl:
         self.received: Optional[int] = None  # the death signal that ended the run
         self.stopped_by: Optional[str] = None  # who released the reservation meanwhile
         self.stragglers: List[int] = []
+        self.console_gone = False  # the output's reader went away (`| head`)
         self.killed: List[int] = []  # ranks still running when SIGKILL was sent
         self.gave_up: List[int] = []
         self._received_at: Optional[float] = None
@@ -134,6 +135,16 @@ class RunControl:
 
     def stopped(self, who: str) -> None:
         self.stopped_by = self.stopped_by or who
+
+    def console_closed(self, now: float) -> None:
+        """The output's reader went away (`| head`): as a Unix tool under SIGPIPE, end now, quietly:
+        SIGTERM to the ranks at once, SIGKILL after the failure grace (at most 5 s)."""
+        if self.console_gone:
+            return
+        self.console_gone = True
+        self.send(signal.SIGTERM)
+        self._term_at = math.inf
+        self._kill_at = min(self._kill_at, now + min(self.failure_grace, 5.0))
 
     def tick(self, now: float, running: Dict[int, str]) -> Tuple[List[int], str]:
         """Send what is due; returns the ranks to stop waiting for, and why."""
@@ -182,6 +193,8 @@ class RunControl:
             else:
                 left = "ranks exited"
             return f"received {name}; forwarded to ranks; {left}"
+        if self.console_gone:
+            return "its output's reader went away (e.g. `| head`); ranks stopped"
         if self.interrupts:
             if self.interrupts == 1:
                 return "interrupted by Ctrl-C (SIGINT sent to ranks)"

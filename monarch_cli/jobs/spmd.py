@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import settings
 from ..runtime import wire
@@ -30,7 +30,11 @@ from .lifecycle import (DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGL
                         RunControl, SignalRelay, signal_name)
 from .output import OutputSink
 from .state import HostRecord
+from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
+
+if TYPE_CHECKING:
+    from .telemetry import RunTelemetry
 
 #: Output bytes from one host after which the runner credits them back (see ``ranks.OUTPUT_WINDOW``).
 _CREDIT_EVERY = 1 << 20
@@ -90,6 +94,7 @@ class RunResult:
     received_signal: Optional[int] = None  # SIGTERM/SIGHUP/SIGQUIT sent to the caller
     stopped_by: Optional[str] = None  # who released the reservation during the run
     stragglers: List[int] = dataclasses.field(default_factory=list)  # named as still running after the grace
+    console_closed: bool = False  # its output's reader went away (`| head`): the run was ended
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -103,6 +108,7 @@ class RunResult:
             "received_signal": signal_name(self.received_signal) if self.received_signal else None,
             "stopped_by": self.stopped_by,
             "stragglers": self.stragglers,
+            "console_closed": self.console_closed,
             "first_failure": self.first_failure.rank if self.first_failure else None,
             "ranks": [
                 {
@@ -215,6 +221,11 @@ class SpmdRunner:
         self.straggler_grace = straggler_grace
         self.say = say or (lambda _msg: None)
         self.control: Optional[RunControl] = None  # the last run's
+        self._console_closed = threading.Event()
+
+    def console_closed(self) -> None:
+        """From any thread: the run's output has no reader any more (`| head`); end the run."""
+        self._console_closed.set()
 
     def run(
         self,
@@ -227,6 +238,8 @@ class SpmdRunner:
         on_pause: Optional[Callable[[int, str, Dict[str, Any]], None]] = None,
         on_notice: Optional[Callable[[str], None]] = None,
         forward_signals: Sequence[int] = (),
+        telemetry: Optional["RunTelemetry"] = None,
+        attempt: int = 0,
     ) -> List[RankExit]:
         mb = self.mb
         by_rank = {l.rank: l for l in launches}
@@ -252,6 +265,8 @@ class SpmdRunner:
                 data = bytes(body[0])
                 try:
                     sink.write(rank, stream, data)
+                    if telemetry is not None:
+                        telemetry.output(rank, stream, data)
                 finally:  # credited even if the console failed (a closed pipe): never stall the ranks
                     # Credit once printed: a host sends only a window ahead, so a slow console
                     # holds the ranks back instead of letting output pile up in memory.
@@ -268,6 +283,8 @@ class SpmdRunner:
                 sink.end_of_rank(rank)
                 exit_.tail = sink.tail(rank)
                 exits[rank] = exit_
+                if telemetry is not None:
+                    telemetry.rank_exit(exit_)
                 control.exited(rank, exit_.ok, time.monotonic())
                 if not exit_.ok and not first_failure:
                     first_failure.append(rank)
@@ -310,6 +327,9 @@ class SpmdRunner:
         mb.event_handlers["rank_exit"] = on_exit
         mb.event_handlers["rank_paused"] = on_paused
         mb.event_handlers["reservation_stopped"] = on_stopped
+        if telemetry is not None:
+            mb.event_handlers["telemetry"] = telemetry.on_agent_event
+            telemetry.started(launches, self.hs, attempt)
         for n in nodes:
             info = self.hs.infos[n]
             mb.watch_agent(self.hs.hosts[n].agent, info["heartbeat"], on_lost)
@@ -346,6 +366,8 @@ class SpmdRunner:
                 except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
                     pass
                 with lock:
+                    if self._console_closed.is_set():
+                        control.console_closed(time.monotonic())
                     for sig in [*early, *relay.take()]:
                         control.signal(sig, time.monotonic(), sorted(running()))
                         if sig == signal.SIGINT and on_interrupt is not None:
@@ -360,7 +382,7 @@ class SpmdRunner:
             relay.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
-            for kind in ("output", "rank_exit", "rank_paused", "reservation_stopped"):
+            for kind in ("output", "rank_exit", "rank_paused", "reservation_stopped", "telemetry"):
                 mb.event_handlers.pop(kind, None)
         ordered = [exits[r] for r in sorted(exits)]
         if first_failure and not control.stopped_by:  # stopped: no rank failed first
@@ -372,7 +394,7 @@ class SpmdRunner:
     def ended_from_outside(self) -> bool:
         """Ctrl-C, a death signal or ``monarch stop`` ended the last run: never restart it."""
         c = self.control
-        return c is not None and bool(c.interrupts or c.received is not None or c.stopped_by)
+        return c is not None and bool(c.interrupts or c.received is not None or c.stopped_by or c.console_gone)
 
     def _signal(self, nodes: List[int], run_id: str, sig: int) -> None:
         for n in nodes:
@@ -486,5 +508,8 @@ def plan_spmd(
                 "host_store": host_store and rank == 0,
                 "post_mortem": post_mortem,
             }
+            if telemetry_enabled():  # lets the rank's agent trace it, dump its stack, time its steps
+                launch_spec["telemetry"] = {"run_id": run_id, "agent_pid": hostset.infos[node].get("pid"),
+                                            "dir": hostset.infos[node].get("telemetry_dir")}
             launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
     return launches

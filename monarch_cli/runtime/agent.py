@@ -39,6 +39,7 @@ from .errors import Failure
 from .keys import Keys, keys_from_environment
 from .debug_host import DebugHost
 from .ranks import RankHost
+from .telemetry_host import TelemetryHost
 from .title import set_title
 from .transport import Transport
 
@@ -127,6 +128,7 @@ class HostAgent:
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
         self.poller = zmq.Poller()
+        self.telemetry = TelemetryHost(self)
         self.procs: Dict[int, _Proc] = {}  # by pid
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
         self.clients: Dict[str, _Client] = {}
@@ -216,6 +218,8 @@ class HostAgent:
             self._reap_adopted()
             self.ranks.tick()
             self._check_state_file()
+            self.telemetry.tick(events)
+        self.telemetry.close()
         self._kill_all()
         self.ranks.kill_all()
         lineage.kill_tree()  # whatever else is below us, even in sessions of its own
@@ -226,7 +230,7 @@ class HostAgent:
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header, body = wire.parse(frames[1:])
         kind = header[0]
-        if self.debug.handle(header):
+        if self.debug.handle(header) or self.telemetry.handle(header, body):
             return
         if kind.startswith("sync_"):  # workspace sync: runtime/sync_host.py
             from . import sync_host
@@ -287,6 +291,7 @@ class HostAgent:
             "cpus": os.cpu_count() or 1,
             "gpus": _count_gpus(),
             "preload": self.preload,
+            **self.telemetry.info(),
         }
 
     def _heartbeats(self) -> None:

@@ -244,10 +244,18 @@ def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
     if spec["mode"] == "no_python":
         _exec(spec, extra)
     set_title(rank_title(spec["rank"], spec["mode"], spec["program"]))
+    _install_telemetry(spec)
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, env)
     return run_program(spec)
+
+
+def _install_telemetry(spec: Dict[str, Any]) -> None:
+    if spec.get("telemetry"):
+        from . import telemetry_rank
+
+        telemetry_rank.install(spec)
 
 
 def _install_debugger(fd: Optional[int]) -> None:
@@ -302,6 +310,7 @@ def main() -> int:
     listen_fd = extra.get("listen")
     set_title(rank_title(spec["rank"], spec["mode"], spec["program"]))
     _apply_threads(spec["env"])
+    _install_telemetry(spec)
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, spec["env"])

@@ -317,6 +317,7 @@ class RankHost:
         exitcode = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         self.agent.debug.rank_exited(rank.run_id, rank.rank, describe_status(exitcode, sig)[0])
+        self.agent.telemetry.rank_ended(rank)  # its last step records go out before its exit
         self._send_exit(rank, exitcode, sig)
         self._end_run(rank.run_id)
 
