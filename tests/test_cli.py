@@ -88,6 +88,9 @@ def test_serve_reserves_exactly_the_plan_a_dry_run_printed(tmp_path):
         (("serve", "--", "torchrun", "--bogus-flag", "t.py"), "--bogus-flag"),
         (("logs",), "no runs logged"),
         (("exec",), "give the command after"),
+        (("serve", "--hosts", "0", "--dry-run"), "--hosts must be at least 1, not 0"),
+        (("serve", "--hosts", "gpu1,gpu2", "--dry-run"), "the local scheduler takes a number of hosts, not names"),
+        (("serve", "--scheduler", "ssh", "--dry-run"), "the ssh scheduler needs hosts by name"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_a_non_zero_exit(tmp_path, args, needle):

@@ -90,6 +90,25 @@ def test_no_module_imports_a_higher_layer() -> None:
         "\n".join(wrong)
 
 
+#: Optional-weight libraries and the only modules that may import them (lazily: a command that does not use them
+#: never pays for them; `test_commands_import_only_what_they_need` checks the commands).
+OWNED = {"paramiko": {"monarch_cli/schedulers/ssh.py"}, "pathspec": {"monarch_cli/runtime/workspace.py"}}
+
+
+def test_heavy_libraries_are_imported_only_where_needed() -> None:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(REPO))
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for name in names:
+                owners = OWNED.get(name.split(".")[0])
+                if owners is not None and rel not in owners:
+                    wrong.append(f"{rel}:{node.lineno} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
     """The check itself can fail: a scheduler importing the job layer is reported."""
     fake = tmp_path / "fake.py"
@@ -122,7 +141,7 @@ def _loaded_by(argv: List[str], cwd: Path, before: str = "") -> Dict[str, bool]:
         "from monarch_cli.cli import app\n"
         f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
         "heavy = ['zmq', 'cloudpickle', 'monarch_cli.runtime.agent', 'monarch_cli.runtime.mailbox', "
-        "'monarch_cli.jobs.spmd', 'torch']\n"
+        "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec']\n"
         "print({m: m in sys.modules for m in heavy})\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=cwd,

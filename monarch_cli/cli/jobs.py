@@ -33,8 +33,9 @@ def serve_cmd(
     command: Optional[List[str]] = CmdArg,
     scheduler: str = typer.Option("local", "--scheduler", "-s", help="The backend: local (alias local_cwd), slurm, "
                                   "or one a package registers; its options are listed below."),
-    hosts: Optional[int] = typer.Option(None, "--hosts", "-n", min=1,
-                                        help="Hosts to reserve (default 1; inside a Slurm allocation, all its nodes)."),
+    hosts: Optional[str] = typer.Option(None, "--hosts", "-n", metavar="N|NAMES",
+                                        help="How many hosts to reserve (default 1; inside a Slurm allocation, all its "
+                                        "nodes), or, for a backend that reaches hosts by name (ssh), their names: h1,h2."),
     state: Optional[Path] = StateOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (with --json: as JSON for --plan), start nothing."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Reserve exactly this plan (what --dry-run --json printed)."),
@@ -59,7 +60,7 @@ def serve_cmd(
                                progress=lambda msg: spinner.update(escape(msg)))
         _served(job, started, as_json)
         return
-    hosts = nodes or hosts
+    hosts = str(nodes) if nodes is not None else hosts
     options = backend_options(ctx, scheduler, option)
     ports = _port_range(port_range)
     if dry_run:
@@ -123,6 +124,11 @@ def run_spmd_cmd(
     cold: bool = typer.Option(False, "--cold", help="Start ranks in fresh interpreters (skip the warm start)."),
     color: Optional[bool] = typer.Option(None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."),
     post_mortem: bool = typer.Option(False, "--post-mortem", help="Keep a rank that raises paused in pdb at the failing frame."),
+    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="NAME=VALUE, or NAME to forward this shell's value, "
+                                                                   "to every rank (repeatable)."),
+    workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory mirrored to hosts that do not share "
+                                                                      "this filesystem (default: where the command runs)."),
+    no_sync: bool = typer.Option(False, "--no-sync", help="Do not mirror the workspace before the run."),
     straggler_grace: float = typer.Option(30.0, "--straggler-grace", min=0, metavar="SECONDS",
                                           help="Name the ranks still running this long after the first one ended."),
     as_json: bool = JsonOpt,
@@ -134,12 +140,14 @@ def run_spmd_cmd(
     before SIGKILL; the exit status is then 128+N. A run whose reservation is stopped exits 254.
     """
     from ..jobs import job_load
+    from ..jobs.spmd import parse_env_flags
 
     job = job_load(state)
     rank_set = parse_ranks(ranks)
     stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
-                          post_mortem=post_mortem, straggler_grace=straggler_grace, on_event=_say)
+                          post_mortem=post_mortem, straggler_grace=straggler_grace, env=parse_env_flags(env or []),
+                          workspace=workspace, sync=not no_sync, on_event=_say)
     if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
         raise typer.Exit(CLOSED_PIPE_EXIT)
     if as_json:
@@ -147,6 +155,23 @@ def run_spmd_cmd(
     else:
         _render_result(result)
     raise typer.Exit(result.exit_code)
+
+
+@app.command("sync")
+@friendly
+def sync_cmd(
+    workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory to mirror (default: here)."),
+    state: Optional[Path] = StateOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Mirror the workspace to the hosts that do not share this filesystem now (run-spmd does it too)."""
+    from ..jobs import job_load
+
+    report = job_load(state).sync(workspace)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        err.print(f"[green]✓[/] {escape(str(report))}")
 
 
 @app.command("exec", context_settings={"allow_interspersed_args": False})

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional,
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
 from ..config import configure
-from ..errors import PlanError
+from ..errors import OptionError, PlanError
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
 from ..schedulers.agents import controller_host
 from .console import CLOSED_PIPE_EXIT, ConsoleStream
@@ -23,7 +23,11 @@ from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_fro
 from .output import OutputSink, list_runs, new_run_dir
 from .telemetry import Diagnosis, Inspector, RankRow, RunTelemetry, StackReport
 from .telemetry import enabled as telemetry_enabled
-from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
+from .spmd import (
+    HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd,
+    remote_environment, user_environment,
+)
+from .sync import SyncReport, sync_workspace
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
 
@@ -114,6 +118,9 @@ class Job:
         on_event: Optional[Callable[[str], None]] = None,
         post_mortem: bool = False,
         forward_signals: Sequence[int] = (),
+        workspace: Union[str, Path, None] = None,
+        sync: bool = True,
+        env: Optional[Dict[str, str]] = None,
         shutdown_timeout: Optional[float] = None,
         straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
     ) -> RunResult:
@@ -133,6 +140,10 @@ class Job:
         ``shutdown_timeout`` seconds (default: torchrun's ``--shutdown-timeout``, then
         ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30) before SIGKILL. Ranks still running
         ``straggler_grace`` seconds after the first one ended are named through ``on_event``.
+
+        Hosts that do not share this filesystem first get ``workspace`` (default: the run's
+        directory) mirrored, unless ``sync`` is False, and their ranks run in the mirror at the
+        same relative directory. ``env`` is added to every rank's environment (``-e``).
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         cwd = self.state.default_cwd if command is None else None
@@ -145,6 +156,7 @@ class Job:
             _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0, cwd=cwd)))
         log_dir = new_run_dir(self.logs_root, run_id)
         say = on_event or (lambda _msg: None)
+        node_cwd, node_environ = self._prepare_hosts(hostset, cwd or os.getcwd(), workspace, sync, env or {}, say)
         if spec.moot_flags():
             say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
                 "rendezvous, on rank 0's host")
@@ -160,7 +172,9 @@ class Job:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             try:
                 launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                     post_mortem=post_mortem, cwd=cwd)
+                                     post_mortem=post_mortem, cwd=cwd,
+                                     environ={**user_environment(), **(env or {})},
+                                     node_cwd=node_cwd, node_environ=node_environ)
             except BaseException:
                 if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
                     runner.release_port(0, run_id)
@@ -191,16 +205,43 @@ class Job:
         self._record(result, argv)
         return result
 
+    def sync(self, workspace: Union[str, Path, None] = None, *, _hostset: Optional[HostSet] = None) -> SyncReport:
+        """Mirror ``workspace`` (default: here) to every host that does not share this filesystem."""
+        hostset = _hostset or self._hostset()
+        return sync_workspace(hostset.mb, self.state.hosts, self.state.reservation_id,
+                              str(workspace if workspace is not None else os.getcwd()), self.path.parent)
+
+    def _prepare_hosts(self, hostset: HostSet, cwd: str, workspace: Union[str, Path, None], sync: bool,
+                       env: Dict[str, str], say: Callable[[str], None]
+                       ) -> "tuple[Dict[int, str], Dict[int, Dict[str, str]]]":
+        """Sync the workspace; where ranks run, and with what environment, on synced hosts."""
+        if not sync:
+            return {}, {}
+        ws = os.path.abspath(workspace if workspace is not None else cwd)
+        rel = os.path.relpath(os.path.abspath(cwd), ws)
+        if rel == ".." or rel.startswith(".." + os.sep):
+            raise JobError(f"the run's directory {cwd} is outside the workspace {ws}; give --workspace a parent of it")
+        report = self.sync(ws, _hostset=hostset)
+        if report.changed or report.outside_links:
+            say(str(report))
+        remote_env = {"PYTHONUNBUFFERED": "1", **remote_environment(), **env}
+        node_cwd = {n: os.path.normpath(os.path.join(d, rel)) for n, d in report.directories.items()}
+        return node_cwd, {n: remote_env for n in report.directories}
+
     def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
              stderr: Optional[BinaryIO] = None, on_event: Optional[Callable[[str], None]] = None) -> RunResult:
-        """Run a shell command on every host; output is prefixed with the host's name."""
+        """Run a shell command on every host; output is prefixed with the host's name.
+
+        It runs in this directory, or in its mirror on hosts that do not share it (synced first).
+        """
         argv = [command] if isinstance(command, str) else [str(c) for c in command]  # a string: for sh -c
         if not argv or not "".join(argv).strip():
             raise JobError("no command given to exec")
         hostset = self._hostset()
         run_id = "exec-" + new_run_id()
         log_dir = new_run_dir(self.logs_root, run_id)
-        launches = plan_exec(argv, hostset)
+        node_cwd, node_environ = self._prepare_hosts(hostset, os.getcwd(), None, True, {}, lambda _msg: None)
+        launches = plan_exec(argv, hostset, node_cwd=node_cwd, node_environ=node_environ)
         runner = SpmdRunner(hostset, log_dir, grace=float("inf"), say=on_event, straggler_grace=float("inf"),
                             shutdown_timeout=shutdown_timeout_from(None))
         stdout, stderr = _consoles(stdout, stderr, runner)
@@ -422,23 +463,47 @@ def _result(run_id: str, exits: List[RankExit], duration: float, log_dir: Path, 
 
 
 # ---------------------------------------------------------------------- entry points
-def _request(backend: Scheduler, command: Command, hosts: Optional[int], preload: Optional[str],
+Hosts = Union[int, str, Sequence[str], None]  # a count, or host names ("h1,h2" or a list) for a backend that takes them
+
+
+def _host_names(backend: Scheduler, hosts: Hosts) -> "tuple[Optional[int], List[str]]":
+    """``hosts`` as (count, names): a number (or its text) is a count; anything else names hosts."""
+    if hosts is None or isinstance(hosts, int):
+        return hosts, []
+    if isinstance(hosts, str):
+        text = hosts.strip()
+        if text.lstrip("-").isdigit():
+            return int(text), []
+        names = [h.strip() for h in text.split(",") if h.strip()]
+    else:
+        names = [str(h).strip() for h in hosts if str(h).strip()]
+    if not names:
+        raise OptionError(f"--hosts takes a number or host names (h1,h2), not {hosts!r}")
+    if not backend.takes_host_names:
+        raise OptionError(f"the {backend.name} scheduler takes a number of hosts, not names ({', '.join(names)})")
+    return len(names), names
+
+
+def _request(backend: Scheduler, command: Command, hosts: Hosts, preload: Optional[str],
              agent_port: Optional[int], port_range: Optional[Tuple[int, int]], options: Dict[str, Any]) -> ReserveRequest:
-    argv, nhosts = _command_and_hosts(command, hosts)
+    count, names = _host_names(backend, hosts)
+    if count is not None and count < 1:
+        raise JobError(f"--hosts must be at least 1, not {count}")
+    argv, nhosts = _command_and_hosts(command, count)
     nhosts = nhosts or backend.default_hosts() or 1
     if nhosts < 1:
         raise JobError(f"--hosts must be at least 1, not {nhosts}")
     if argv:
         parse_command(argv)  # a bad default command is an error now, not at the first run
     return ReserveRequest(hosts=nhosts, command=argv, options=backend.check_options(options), preload=preload,
-                          agent_port=agent_port, port_range=port_range)
+                          agent_port=agent_port, port_range=port_range, host_names=names)
 
 
 def serve(
     command: Command = None,
     scheduler: str = "local",
     *,
-    hosts: Optional[int] = None,
+    hosts: Hosts = None,
     state: Union[str, Path, None] = None,
     replace: bool = False,
     preload: Optional[str] = None,
@@ -547,7 +612,7 @@ def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], No
     return Job(job_state, path)
 
 
-def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Optional[int] = None,
+def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Hosts = None,
            state: Union[str, Path, None] = None, preload: Optional[str] = None, agent_port: Optional[int] = None,
            port_range: Optional[Tuple[int, int]] = None, **options: Any) -> Plan:
     """The plan :func:`serve` would carry out, without starting anything; :func:`reserve_plan` carries it out."""

@@ -147,6 +147,33 @@ def user_environment() -> Dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _HOST_SPECIFIC and not k.startswith("SLURM_")}
 
 
+#: What reaches ranks on a host that does not share this machine's filesystem (a synced host)
+#: without ``-e``: the client's PATH, HOME, PYTHONPATH or VIRTUAL_ENV would be wrong there.
+FORWARDED_PREFIXES = ("TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "HF_", "WANDB_",
+                      "TOKENIZERS_", "LOGLEVEL")
+FORWARDED_NAMES = ("PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "CUBLAS_WORKSPACE_CONFIG", "LANG", "LC_ALL")
+
+
+def remote_environment() -> Dict[str, str]:
+    """The caller's variables that ranks on a synced host get by default (see docs/sync.md)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+
+
+def parse_env_flags(items: Sequence[str]) -> Dict[str, str]:
+    """``-e NAME=VALUE`` sets, ``-e NAME`` forwards this shell's value; an unset NAME is an error."""
+    out: Dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not name or not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c == "_" for c in name):
+            raise JobError(f"-e takes NAME or NAME=VALUE, not {item!r}")
+        if not eq:
+            if name not in os.environ:
+                raise JobError(f"-e {name}: {name} is not set here; give a value with -e {name}=VALUE")
+            value = os.environ[name]
+        out[name] = value
+    return out
+
+
 class HostSet:
     """The reservation's agents as this controller talks to them."""
 
@@ -392,7 +419,9 @@ def warm_capable(spec: SpmdSpec) -> bool:
     return spec.mode != "no_python" and all(a == "-u" for a in spec.python_args)
 
 
-def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, str]] = None) -> List[Launch]:
+def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, str]] = None,
+              node_cwd: Optional[Dict[int, str]] = None,
+              node_environ: Optional[Dict[int, Dict[str, str]]] = None) -> List[Launch]:
     """One shell per host for ``monarch exec``; GROUP_RANK/NODE_RANK tell the hosts apart."""
     env = dict(environ if environ is not None else user_environment())
     shell = command if len(command) > 1 else ["/bin/sh", "-c", command[0]]
@@ -401,8 +430,8 @@ def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, 
             node,
             host.name,
             node,
-            {"rank": node, "env": {**env, "GROUP_RANK": str(node), "NODE_RANK": str(node)},
-             "cwd": os.getcwd(), "mode": "no_python", "program": shell,
+            {"rank": node, "env": {**(node_environ or {}).get(node, env), "GROUP_RANK": str(node), "NODE_RANK": str(node)},
+             "cwd": (node_cwd or {}).get(node, os.getcwd()), "mode": "no_python", "program": shell,
              "python_args": [], "warm": False, "host_store": False},
         )
         for node, host in enumerate(hostset.hosts)
@@ -420,8 +449,13 @@ def plan_spmd(
     environ: Optional[Dict[str, str]] = None,
     post_mortem: bool = False,
     cwd: Optional[str] = None,
+    node_cwd: Optional[Dict[int, str]] = None,
+    node_environ: Optional[Dict[int, Dict[str, str]]] = None,
 ) -> List[Launch]:
-    """Place ranks on hosts and build each one's environment and program (run in ``cwd``, default here)."""
+    """Place ranks on hosts and build each one's environment and program (run in ``cwd``, default here).
+
+    ``node_cwd``/``node_environ`` override both for some hosts (those that run in a synced mirror).
+    """
     hosts = hostset.hosts
     nnodes = spec.nnodes or len(hosts)
     if nnodes > len(hosts):
@@ -442,9 +476,10 @@ def plan_spmd(
     launches = []
     cwd = cwd or os.getcwd()
     for node in range(nnodes):
+        node_base = (node_environ or {}).get(node, base)
         for local in range(nproc):
             env = {
-                **base,
+                **node_base,
                 **rank_environment(
                     spec,
                     node_rank=node,
@@ -456,7 +491,7 @@ def plan_spmd(
                     run_id=spec.rdzv_id or run_id,
                     restart_count=restart_count,
                     cpus_on_host=hostset.infos[node]["cpus"],
-                    environ=base,
+                    environ=node_base,
                 ),
             }
             rank = node * nproc + local
@@ -465,7 +500,7 @@ def plan_spmd(
             launch_spec = {
                 "rank": rank,
                 "env": env,
-                "cwd": cwd,
+                "cwd": (node_cwd or {}).get(node, cwd),
                 "mode": spec.mode,
                 "program": spec.program,
                 "python_args": spec.python_args,

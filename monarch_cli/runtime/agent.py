@@ -232,6 +232,11 @@ class HostAgent:
         kind = header[0]
         if self.debug.handle(header) or self.telemetry.handle(header, body):
             return
+        if kind.startswith("sync_"):  # workspace sync: runtime/sync_host.py
+            from . import sync_host
+
+            sync_host.handle(self, header, body)
+            return
         if kind == "ping":
             _, cid, reply_to = header
             self.reply(reply_to, cid, True, self.info())

@@ -21,6 +21,7 @@ from .base import (HostRecord, Liveness, Option, Plan, Probe, Reservation, Reser
 _BUILTIN: Dict[str, str] = {
     "local": "monarch_cli.schedulers.local:LocalScheduler",
     "slurm": "monarch_cli.schedulers.slurm:SlurmScheduler",
+    "ssh": "monarch_cli.schedulers.ssh:SshScheduler",
 }
 #: torchx scheduler names users already type, mapped to ours.
 ALIASES = {"local_cwd": "local"}

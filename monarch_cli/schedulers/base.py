@@ -103,6 +103,9 @@ class ReserveRequest:
     agent_port: Optional[int] = None
     #: Keep every port the agents (and their procs and ranks) open within this range.
     port_range: Optional[Tuple[int, int]] = None
+    #: The hosts by name (``--hosts h1,h2``), for a backend that reaches hosts by name
+    #: (:attr:`Scheduler.takes_host_names`); then ``hosts`` is their number.
+    host_names: List[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -201,6 +204,8 @@ class Scheduler(abc.ABC):
     name: ClassVar[str] = ""
     #: The backend's options, as data: flags of ``monarch serve`` and ``-o name=value``.
     options: ClassVar[Sequence[Option]] = ()
+    #: Whether ``--hosts`` may name hosts (``h1,h2``: :attr:`ReserveRequest.host_names`) rather than count them.
+    takes_host_names: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- planning
     @abc.abstractmethod
