@@ -11,11 +11,22 @@ from typing import List
 
 
 def set_title(title: str) -> None:
+    """``title`` for ``ps``; the 15-character ``comm`` gets a name without spaces.
+
+    Tools that parse ``/proc/PID/stat`` naively (Slurm's proctrack/linuxproc among them) lose
+    track of a process whose ``comm`` has spaces: Slurm then never kills it and drains the node
+    ("Kill task failed"). So ``comm`` is ``monarch-agent``, ``monarch-rank``, ``monarch-warm``...
+    """
     try:
-        from setproctitle import setproctitle
+        from setproctitle import setproctitle, setthreadtitle
     except ImportError:  # a host without the dependency keeps its plain command line
         return
     setproctitle(title)
+    setthreadtitle(comm_name(title))  # the main thread's name is the process's comm
+
+
+def comm_name(title: str) -> str:
+    return "-".join(title.replace(":", "").split()[:2])[:15]
 
 
 def rank_title(rank: int, mode: str, program: List[str]) -> str:
