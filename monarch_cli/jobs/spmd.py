@@ -226,9 +226,12 @@ class SpmdRunner:
                         wire.dumps(specs),
                     )
                 )
-            for n, made_cold in zip(nodes, gather(acks).get(timeout=30)):
-                if made_cold and on_notice is not None:
-                    on_notice(_cold_notice(self.hs.hosts[n].name, made_cold))
+            for n, started in zip(nodes, gather(acks).get(timeout=30)):
+                if on_notice is not None:
+                    if started["made_cold"]:
+                        on_notice(_cold_notice(self.hs.hosts[n].name, started["made_cold"]))
+                    for notice in started["notices"]:
+                        on_notice(f"{self.hs.hosts[n].name}: {notice}")
             stop_at: Optional[float] = None
             kill_at: Optional[float] = None
             while not done.done():

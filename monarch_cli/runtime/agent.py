@@ -32,6 +32,7 @@ from . import wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
 from .debug_host import DebugHost
+from .preload import LEARNED_ENV, READY_ENV, WarmRanks
 from .ranks import RankHost
 from .transport import Transport
 
@@ -54,11 +55,13 @@ class _Client:
 
 
 class _Zygote:
-    """The agent's handle on a fork server (``preload``: modules it imports up front)."""
+    """The agent's handle on a fork server (``preload``: modules it imports up front; ``learned``
+    and ``ready``: a warm-rank zygote's learned modules and report file, see :mod:`.preload`)."""
 
-    def __init__(self, preload: str = "") -> None:
+    def __init__(self, preload: str = "", learned: Optional[str] = None, ready: Optional[str] = None) -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, "MONARCH_PRELOAD": preload}
+        env.update({k: v for k, v in ((READY_ENV, ready), (LEARNED_ENV, learned)) if v})
         self.process = subprocess.Popen(
             [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno())],
             pass_fds=[child.fileno()],
@@ -93,10 +96,11 @@ class HostAgent:
         self.host = name or socket.gethostname()
         self.zygote = _Zygote()
         self.preload = _default_preload() if preload is None else preload
-        self._rank_zygote: Optional[_Zygote] = None
+        self.poller = zmq.Poller()
+        self._zygotes: Dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
+        self.warm = WarmRanks(self.host, self.preload, _Zygote, self._watch_zygote, self._unwatch_zygote)
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
-        self.poller = zmq.Poller()
         self.procs: Dict[int, _Proc] = {}  # by pid
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
         self.clients: Dict[str, _Client] = {}
@@ -120,12 +124,18 @@ class HostAgent:
         self._next_req += 1
         return self._next_req
 
-    def rank_zygote(self) -> _Zygote:
-        """The fork server for warm ranks (started on first use, or eagerly by ``warm_up``)."""
-        if self._rank_zygote is None or self._rank_zygote.process.poll() is not None:
-            self._rank_zygote = _Zygote(self.preload)
-            self.poller.register(self._rank_zygote.sock.fileno(), zmq.POLLIN)
-        return self._rank_zygote
+    def rank_zygote(self) -> None:
+        """Start the fork server for warm ranks now rather than at the first run."""
+        self.warm.warm_up()
+
+    def _watch_zygote(self, zygote: _Zygote) -> None:
+        self._zygotes[zygote.sock.fileno()] = zygote
+        self.poller.register(zygote.sock.fileno(), zmq.POLLIN)
+
+    def _unwatch_zygote(self, zygote: _Zygote) -> None:
+        if self._zygotes.pop(zygote.sock.fileno(), None) is not None:
+            self.poller.unregister(zygote.sock.fileno())
+            zygote.sock.close()
 
     def watch_fd(self, fd: int) -> None:
         self.poller.register(fd, zmq.POLLIN)
@@ -150,9 +160,9 @@ class HostAgent:
                 self._heartbeats()
             if self.zygote.sock.fileno() in events:
                 self._from_zygote(self.zygote)
-            rz = self._rank_zygote
-            if rz is not None and rz.sock.fileno() in events:
-                self._from_zygote(rz)
+            for fd in [fd for fd in self._zygotes if fd in events]:
+                if fd in self._zygotes:
+                    self._from_zygote(self._zygotes[fd])
             for fd in self.ranks.live_fds() & events.keys():
                 self.ranks.readable(fd)
             for fd in set(self.debug.by_fd) & events.keys():
@@ -173,8 +183,7 @@ class HostAgent:
         self._kill_all()
         self.ranks.kill_all()
         self.zygote.kill()
-        if self._rank_zygote is not None:
-            self._rank_zygote.kill()
+        self.warm.close()
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header, body = wire.parse(frames[1:])
@@ -191,6 +200,9 @@ class HostAgent:
             _, cid, reply_to, run_id, heartbeat_timeout = header
             self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
             self.reply(reply_to, cid, True, self.ranks.start(reply_to, run_id, wire.loads(body)))
+        elif kind == "forget_preload":
+            _, cid, reply_to = header
+            self.reply(reply_to, cid, True, self.warm.forget())
         elif kind == "signal_ranks":
             _, cid, reply_to, run_id, sig = header
             self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
@@ -226,6 +238,7 @@ class HostAgent:
             "cpus": os.cpu_count() or 1,
             "gpus": _count_gpus(),
             "preload": self.preload,
+            "warm": self.warm.info(),
         }
 
     def _heartbeats(self) -> None:
@@ -262,9 +275,10 @@ class HostAgent:
             if zygote is self.zygote:
                 print("monarch agent: the zygote died; exiting", file=sys.stderr)
                 self.running = False
-            else:  # the warm-rank zygote: the next warm run starts a new one
-                self.poller.unregister(zygote.sock.fileno())
-                self._rank_zygote = None
+            else:  # a warm-rank zygote: the next warm run starts a new one if it was in use
+                self.warm.gone(zygote)
+            return
+        if self.warm.on_message(zygote, msg):
             return
         if msg[0] == "forked":
             _, req, pid = msg

@@ -16,6 +16,8 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
+from .preload import REPORT_KEY
+
 if TYPE_CHECKING:
     from .agent import HostAgent
 
@@ -67,11 +69,14 @@ class RankHost:
         self.ports[run_id] = sock
         return sock.getsockname()[1]
 
-    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> List[str]:
-        """Start the ranks; returns the start-up variables that made warm ranks start cold."""
+    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> Dict[str, List[str]]:
+        """Start the ranks; returns ``made_cold``, the start-up variables that made warm ranks
+        start cold, and ``notices`` for the user (e.g. a fresh warm process, and why)."""
         held = self.ports.pop(run_id, None)
         base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
         made_cold: Set[str] = set()
+        notices: List[str] = []
+        warm_zygote: Any = None
         for spec in specs:
             spec["env"] = {**base, **spec["env"]}  # the controller's view wins over this host's
             differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
@@ -97,7 +102,11 @@ class RankHost:
             rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2})
             req = self.agent.next_request()
             self.pending[req] = rank
-            zygote = self.agent.rank_zygote() if spec["warm"] else self.agent.zygote
+            if spec["warm"]:
+                if warm_zygote is None:
+                    warm_zygote, notices = self.agent.warm.for_run()
+                spec[REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
+            zygote = warm_zygote if spec["warm"] else self.agent.zygote
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
             for fd in (devnull, out_w, err_w):
                 os.close(fd)
@@ -111,7 +120,7 @@ class RankHost:
                 self.agent.watch_fd(fd)
         if held is not None:
             held.close()
-        return sorted(made_cold)
+        return {"made_cold": sorted(made_cold), "notices": notices}
 
     def signal_run(self, run_id: str, sig: int) -> int:
         hit = 0
@@ -211,6 +220,7 @@ class RankHost:
         does: SIGTERM to each rank's process group, SIGKILL to what is left a grace later."""
         if any(r.run_id == run_id for r in (*self.by_pid.values(), *self.pending.values())):
             return
+        self.agent.warm.learn(run_id)
         kill_at = time.monotonic() + _EOF_GRACE
         for pgid in self.groups.pop(run_id, ()):
             if _signal_group(pgid, signal.SIGTERM):

@@ -20,6 +20,8 @@ import sys
 import traceback
 from typing import Any, Dict, List
 
+from . import preload
+
 _PR_SET_PDEATHSIG = 1
 PRELOAD_ENV = "MONARCH_PRELOAD"
 
@@ -76,6 +78,7 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[
 def serve(fd: int) -> None:
     die_with_parent()
     sock = socket.socket(fileno=fd)
+    preload.note_environment()
     from . import proc  # noqa: F401 - the point of the zygote: import once, fork many
 
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
@@ -83,6 +86,8 @@ def serve(fd: int) -> None:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001
             print(f"monarch zygote: could not preload {name}: {e}", file=sys.stderr)
+    _load_learned(sock)
+    preload.finish_environment()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -134,6 +139,19 @@ def serve(fd: int) -> None:
                 os.close(f)
             children.add(pid)
             sock.send(pickle.dumps(("forked", req_id, pid)))
+
+
+def _load_learned(sock: socket.socket) -> None:
+    """A warm-rank zygote: import what ranks were seen to import, then say it is ready."""
+    ready = os.environ.get(preload.READY_ENV)
+    if not ready:
+        return
+    learned = os.environ.get(preload.LEARNED_ENV)
+    held, left_out, offender = preload.import_learned(learned) if learned else ([], {}, None)
+    preload.write_ready(ready, held, left_out, offender)
+    sock.send(pickle.dumps(("ready",)))
+    if offender is not None:  # not safe to fork any more: the agent starts another without it
+        os._exit(0)
 
 
 if __name__ == "__main__":
