@@ -166,11 +166,11 @@ def status_cmd(
 
         out.print(slurm_line(info["slurm"]))
     table = Table(box=None, header_style="bold")
-    for col in ("host", "agent", "alive", "ranks running"):
+    for col in ("host", "agent", "alive", "ranks running", "warm process"):
         table.add_column(col)
     for h in info["hosts"]:
         table.add_row(h["name"], h["agent"], "[green]yes[/]" if h["alive"] else "[red]no[/]",
-                      "-" if h["ranks_running"] is None else str(h["ranks_running"]))
+                      "-" if h["ranks_running"] is None else str(h["ranks_running"]), _warm_cell(h.get("warm")))
     out.print(table)
     if info["default_command"]:
         out.print(f"default command: {escape(shlex.join(info['default_command']))}")
@@ -180,6 +180,31 @@ def status_cmd(
         out.print(f"last run: {last['run_id']} {outcome} in {last['duration']:.2f} s, "
                   f"{_age(time.time() - last['finished_at'])} ago")
     raise typer.Exit(0 if info["alive"] else 1)
+
+
+@app.command("warm")
+@friendly
+def warm_cmd(
+    forget: bool = typer.Option(False, "--forget", help="Forget the modules learned from past runs, on every host."),
+    state: Optional[Path] = StateOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Each host's warm process: modules it holds, learned from past runs, left out, memory."""
+    job = job_load(state)
+    if forget:
+        forgotten = job.forget_preload()
+        _done_msg(as_json, {"forgotten": forgotten},
+                  "forgot " + ", ".join(f"{n} module(s) on {h}" for h, n in forgotten.items()))
+        return
+    hosts = job.status()["hosts"]
+    if as_json:
+        emit_json({"hosts": [{"name": h["name"], "alive": h["alive"], "warm": h["warm"]} for h in hosts]})
+        return
+    for h in hosts:
+        out.print(f"[bold]{h['name']}[/]: {_warm_cell(h['warm'])}")
+        warm = h["warm"] or {}
+        for name, why in sorted(warm.get("excluded", {}).items()):
+            out.print(f"  left out: {escape(name)} ({escape(why)})")
 
 
 @app.command("stop")
@@ -309,6 +334,17 @@ def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> No
         if not follow or (run_dir / "result.json").exists():
             return
         time.sleep(0.2)
+
+
+def _warm_cell(warm: Optional[dict]) -> str:
+    if not warm:
+        return "-"
+    if not warm["ready"]:
+        return "starting"
+    rss = f", {warm['rss_bytes'] / 2**20:.0f} MiB" if warm.get("rss_bytes") else ""
+    learned = f" ({warm['learned_held']} learned)" if warm["learned_held"] else ""
+    warming = ", warming more" if warm["warming"] else ""
+    return f"{warm['modules']} modules{learned}{rss}, up {_age(time.time() - warm['since'])}{warming}"
 
 
 def _age(seconds: float) -> str:

@@ -227,7 +227,8 @@ class Job:
         for i, h in enumerate(self.state.hosts):
             info = hostset.infos[i] if hostset else None
             hosts.append({"name": h.name, "agent": h.agent, "alive": info is not None,
-                          "ranks_running": info["ranks"] if info else None})
+                          "ranks_running": info["ranks"] if info else None,
+                          "warm": info.get("warm") if info else None})
         return {
             "state_file": str(self.path),
             "scheduler": self.state.scheduler,
@@ -240,6 +241,13 @@ class Job:
             "last_run": self.state.last_run,
             **self.scheduler.describe(self.state),
         }
+
+    def forget_preload(self) -> Dict[str, int]:
+        """Forget the modules each host's warm process learned from past runs (per host: how
+        many); runs fork from one holding only the explicit preload until they teach it again."""
+        hs = self._hostset()
+        futures = [hs.mb.request(h.agent, lambda cid: ("forget_preload", cid, hs.mb.address)) for h in hs.hosts]
+        return {h.name: f.get(timeout=10) for h, f in zip(hs.hosts, futures)}
 
     def stop(self) -> None:
         """Release the reservation and forget it."""

@@ -418,6 +418,7 @@ class WarmRanks:
                 cur = None
         if cur is None:
             cur = self.current = self._spawn([])  # the explicit preload only: it may take forks at once
+            self._again = bool(self.store.wanted())  # the learned set follows once it is ready
         return cur.zygote, notices
 
     def warm_up(self) -> None:
@@ -445,7 +446,7 @@ class WarmRanks:
         if self.store.add(found):
             self.store.save()
             self._retries = 0
-            self._maybe_warm()
+        self._maybe_warm()
 
     def _maybe_warm(self) -> None:
         """Start the next zygote if the store has modules the current one lacks (one at a time:
