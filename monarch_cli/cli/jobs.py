@@ -12,7 +12,6 @@ from typing import Any, List, Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from ..jobs import RunResult, dryrun, job_load, serve
 from ..jobs.output import list_runs
@@ -122,6 +121,8 @@ def exec_cmd(
     if as_json:
         emit_json(result.to_json())
     else:
+        from rich.table import Table  # (rich.table and what it imports: only when there is a table)
+
         table = Table(box=None, show_header=True, header_style="bold")
         for col in ("host", "status", "time"):
             table.add_column(col)
@@ -165,6 +166,8 @@ def status_cmd(
         from .slurm import slurm_line
 
         out.print(slurm_line(info["slurm"]))
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold")
     for col in ("host", "agent", "alive", "ranks running", "warm process"):
         table.add_column(col)
@@ -303,6 +306,8 @@ def _render_result(result: RunResult) -> None:
         return
     headline = "interrupted" if result.interrupted else f"rank {result.first_failure.rank} failed first"
     err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
+    from rich.table import Table
+
     table = Table(header_style="bold", show_lines=False)
     for col in ("rank", "host", "status", "time", "last output"):
         table.add_column(col, overflow="fold")

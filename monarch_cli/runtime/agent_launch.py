@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .agent import READY_PREFIX
 from .keys import Keys
 
 _private: List[subprocess.Popen] = []
@@ -76,6 +75,8 @@ def start_private_agent(keys: Keys, timeout: float = 30.0) -> str:
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
+    from .agent import READY_PREFIX
+
     deadline = time.monotonic() + timeout
     buf = b""
     while b"\n" not in buf:

@@ -16,8 +16,6 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from .preload import REPORT_KEY
-
 if TYPE_CHECKING:
     from .agent import HostAgent
 
@@ -72,6 +70,8 @@ class RankHost:
     def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> Dict[str, List[str]]:
         """Start the ranks; returns ``made_cold``, the start-up variables that made warm ranks
         start cold, and ``notices`` for the user (e.g. a fresh warm process, and why)."""
+        from . import preload  # (the agent's side; controllers import this module too)
+
         held = self.ports.pop(run_id, None)
         base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
         made_cold: Set[str] = set()
@@ -105,7 +105,7 @@ class RankHost:
             if spec["warm"]:
                 if warm_zygote is None:
                     warm_zygote, notices = self.agent.warm.for_run()
-                spec[REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
+                spec[preload.REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
             zygote = warm_zygote if spec["warm"] else self.agent.zygote
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
             for fd in (devnull, out_w, err_w):

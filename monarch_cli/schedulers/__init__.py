@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Dict, Type
+import importlib
+from typing import Dict, Tuple
 
 from ..jobs.errors import JobError
 from .base import DryRun, HostStatus, Reservation, ReserveRequest, Scheduler, controller_host
-from .local import LocalScheduler
-from .slurm import SlurmScheduler
 
-_BACKENDS: Dict[str, Type[Scheduler]] = {"local": LocalScheduler, "slurm": SlurmScheduler}
+#: Backends by name: (module, class), imported when first used, so that a command that only
+#: talks to running agents does not pay for every backend's imports.
+_BACKENDS: Dict[str, Tuple[str, str]] = {"local": ("local", "LocalScheduler"), "slurm": ("slurm", "SlurmScheduler")}
 #: torchx scheduler names users already type, mapped to ours.
 ALIASES = {"local_cwd": "local"}
 
@@ -19,7 +20,8 @@ def get_scheduler(name: str) -> Scheduler:
     if key not in _BACKENDS:
         known = ", ".join(sorted([*_BACKENDS, *ALIASES]))
         raise JobError(f"unknown scheduler {name!r}; available: {known}")
-    return _BACKENDS[key]()
+    module, cls = _BACKENDS[key]
+    return getattr(importlib.import_module(f".{module}", __name__), cls)()
 
 
 __all__ = ["DryRun", "HostStatus", "Reservation", "ReserveRequest", "Scheduler", "controller_host", "get_scheduler",

@@ -16,10 +16,7 @@ import uuid
 from pathlib import Path
 from typing import List, Optional
 
-import psutil
-
 from ..jobs.state import HostRecord, JobState
-from ..runtime.agent_launch import launch_agent
 from ..runtime.keys import Keys
 from .base import DryRun, Progress, Reservation, ReserveRequest, Scheduler
 
@@ -58,6 +55,8 @@ class LocalScheduler(Scheduler):
             for i in range(request.hosts):
                 progress(f"starting agent local{i}")
                 with open(logs / f"local{i}.log", "ab") as log:
+                    from ..runtime.agent_launch import launch_agent  # (not needed to run on the hosts)
+
                     proc, address = launch_agent(
                         keys,
                         name=f"local{i}",
@@ -91,8 +90,9 @@ def _no_options(request: ReserveRequest) -> None:
 
 def _is_agent(pid: int) -> bool:
     try:
-        return "monarch_cli.runtime.agent" in " ".join(psutil.Process(pid).cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:  # Linux only, like the runtime; cheaper than psutil
+            return b"monarch_cli.runtime.agent" in f.read()
+    except OSError:
         return False
 
 
