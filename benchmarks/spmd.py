@@ -68,7 +68,10 @@ Row = Tuple[str, List[float], str]
 
 
 def run(cmd: List[str], cwd: Path, env: Dict[str, str]) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as e:
+        raise SystemExit(f"{' '.join(cmd)} hung (over {e.timeout:.0f} s)") from None
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
