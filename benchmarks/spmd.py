@@ -147,7 +147,8 @@ def main() -> None:
             cli = timed(bare.cli, n)
             cli_cold = timed(lambda: bare.cli("--cold"), n)
             os.chdir(bare.cwd)
-            os.environ.update(bare.env)
+            os.environ.update(bare.env)  # the same start-up variables as the agents, or ranks start cold
+            os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
             from monarch_cli.jobs import job_load
 
             job = job_load(bare.env["MONARCH_STATE"])
