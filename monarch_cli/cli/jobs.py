@@ -292,6 +292,10 @@ def demo_cmd(
                 result = job.run_spmd()
                 _render_result(result)
                 code = code or result.exit_code
+                if i == 0 and runs > 1:
+                    with err.status("the hosts' warm processes learn what the ranks imported (in the background; "
+                                    "a run would not wait for it)..."):
+                        job.wait_warm()
         finally:
             err.print(f"[bold]{runs + 2}.[/] monarch stop")
             job.stop()

@@ -242,6 +242,18 @@ class Job:
             **self.scheduler.describe(self.state),
         }
 
+    def wait_warm(self, timeout: float = 60.0) -> bool:
+        """Wait until every host's warm process holds what past runs taught it (learning runs in
+        the background after each run); False if that takes longer than ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            warm = [h["warm"] for h in self.status()["hosts"]]
+            if all(w and w["ready"] and not w["warming"] and w["learned_held"] for w in warm):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
     def forget_preload(self) -> Dict[str, int]:
         """Forget the modules each host's warm process learned from past runs (per host: how
         many); runs fork from one holding only the explicit preload until they teach it again."""
