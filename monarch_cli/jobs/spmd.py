@@ -226,11 +226,11 @@ class SpmdRunner:
                         wire.dumps(specs),
                     )
                 )
-            for n, started in zip(nodes, gather(acks).get(timeout=30)):
+            for n, reply in zip(nodes, gather(acks).get(timeout=30)):
                 if on_notice is not None:
-                    if started["made_cold"]:
-                        on_notice(_cold_notice(self.hs.hosts[n].name, started["made_cold"]))
-                    for notice in started["notices"]:
+                    if reply["made_cold"]:
+                        on_notice(_cold_notice(self.hs.hosts[n].name, reply["made_cold"]))
+                    for notice in reply["notices"]:
                         on_notice(f"{self.hs.hosts[n].name}: {notice}")
             stop_at: Optional[float] = None
             kill_at: Optional[float] = None
