@@ -135,3 +135,28 @@ def test_forget_preload(setup) -> None:
     take_marks(marks)
     run(job, work)
     assert "warmmark rank" in take_marks(marks)
+
+
+def test_warm_and_status_commands(setup) -> None:
+    """`monarch status` shows each host's warm process; `monarch warm --json` details it,
+    `monarch warm --forget --json` forgets what was learned."""
+    import json
+    import subprocess
+    import sys
+
+    job, work, site, marks = setup
+    run(job, work)
+    wait_warm(job)
+
+    def monarch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "monarch_cli", *args, "--state", str(job.path)],
+                              capture_output=True, text=True, timeout=60, cwd=work)
+
+    status = monarch("status")
+    assert status.returncode == 0 and "learned)" in status.stdout and "MiB" in status.stdout, status.stdout
+    shown = json.loads(monarch("warm", "--json").stdout)["hosts"][0]
+    assert shown["name"] == "local0" and shown["warm"]["learned_held"] > 0 and "warmthread" in shown["warm"]["excluded"]
+    human = monarch("warm").stdout
+    assert "left out: warmthread (it starts a thread)" in human, human
+    forgot = monarch("warm", "--forget", "--json")
+    assert forgot.returncode == 0 and json.loads(forgot.stdout)["forgotten"]["local0"] > 0, forgot.stderr
