@@ -160,3 +160,16 @@ def test_warm_and_status_commands(setup) -> None:
     assert "left out: warmthread (it starts a thread)" in human, human
     forgot = monarch("warm", "--forget", "--json")
     assert forgot.returncode == 0 and json.loads(forgot.stdout)["forgotten"]["local0"] > 0, forgot.stderr
+
+
+def test_what_was_learned_outlives_the_agents(setup, tmp_path: Path) -> None:
+    """A new reservation on the same host starts from what the last one learned, before any run."""
+    job, work, site, marks = setup
+    run(job, work)
+    wait_warm(job)
+    again = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
+    try:
+        warm = wait_warm(again)[0]
+        assert warm["learned_held"] > 0 and again.state.last_run is None
+    finally:
+        again.stop()
