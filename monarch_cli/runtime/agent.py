@@ -32,7 +32,8 @@ from . import wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
 from .debug_host import DebugHost
-from .preload import LEARNED_ENV, READY_ENV, WarmRanks
+from .preload import LEARNED_ENV, READY_ENV
+from .warm import WarmRanks
 from .ranks import RankHost
 from .transport import Transport
 
