@@ -101,7 +101,7 @@ def main() -> None:
         t = time.perf_counter()
         p = host.spawn_procs(per_host={"gpus": 1})
         spawn_times.append(time.perf_counter() - t)
-        p.stop()
+        p.stop().get()
     spawn = statistics.median(spawn_times)
     rows.append(("proc spawn until ready (median)", f"{spawn * 1e3:.0f} ms", "-", "<= 100 ms"))
 
@@ -109,14 +109,14 @@ def main() -> None:
     rss = psutil.Process(procs._members[0].pid).memory_info().rss
     uss = psutil.Process(procs._members[0].pid).memory_full_info().uss
     rows.append(("idle proc memory (RSS / unique)", f"{rss / 2**20:.0f} MB / {uss / 2**20:.0f} MB", "-", "RSS <= 40 MB"))
-    procs.stop()
+    procs.stop().get()
 
     for size in (1, 4, 16):
         mesh = host.spawn_procs(per_host={"gpus": size})
         actors = mesh.spawn("echo", Echo)
         lat = statistics.median(timed(lambda: actors.echo.call(PAYLOAD).get(), max(50, n // (4 * size)), warmup=20))
         rows.append((f"call() on {size:>2} procs (median)", f"{lat * 1e6:.0f} µs", f"{lat / floor:.2f}x floor", "reported"))
-        mesh.stop()
+        mesh.stop().get()
 
     print_table(f"runtime, Python {platform.python_version()}", ("measure", "result", "ratio", "target"), rows)
 

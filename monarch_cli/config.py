@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 
 @dataclasses.dataclass
@@ -27,6 +27,8 @@ class Settings:
     host: Optional[str] = None
     #: Grace period between SIGTERM and SIGKILL when a proc mesh stops.
     stop_grace: float = 5.0
+    #: Keep every TCP port this process (and the procs it spawns) listens on within [lo, hi].
+    port_range: Optional[Tuple[int, int]] = None
 
 
 _settings = Settings()
@@ -40,6 +42,11 @@ def configure(**kwargs: Any) -> Settings:
         raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(_FIELDS))}")
     if "transport" in kwargs and kwargs["transport"] not in ("tcp", "ipc"):
         raise ValueError(f"transport must be 'tcp' or 'ipc', not {kwargs['transport']!r}")
+    if kwargs.get("port_range") is not None:
+        lo, hi = kwargs["port_range"]
+        if not 0 < int(lo) <= int(hi) < 65536:
+            raise ValueError(f"port_range must be (lo, hi) with 0 < lo <= hi < 65536, not {kwargs['port_range']!r}")
+        kwargs["port_range"] = (int(lo), int(hi))
     for name, value in kwargs.items():
         setattr(_settings, name, value)
     return _settings
@@ -63,3 +70,18 @@ def advertised_host() -> str:
     except OSError:
         return "127.0.0.1"
     return addr or "127.0.0.1"
+
+
+def bind_port_candidates() -> "list[int]":
+    """Ports to try when binding a listening socket: [0] (any) unless a port range is set.
+
+    The range is tried from a random starting point, so processes sharing it rarely collide.
+    """
+    if _settings.port_range is None:
+        return [0]
+    import random
+
+    lo, hi = _settings.port_range
+    ports = list(range(lo, hi + 1))
+    start = random.randrange(len(ports))
+    return ports[start:] + ports[:start]

@@ -24,7 +24,7 @@ dist.destroy_process_group()
 
 
 def monarch(*args: str, cwd: Path, state: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ}
+    env = {k: v for k, v in os.environ.items() if k != "MONARCH_STATE"}
     if state is not None:
         env["MONARCH_STATE"] = str(state)
     return subprocess.run(
@@ -46,9 +46,37 @@ def test_dry_run_starts_nothing_and_says_what_it_would_do(tmp_path):
                    cwd=tmp_path, state=state)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["scheduler"] == "local"
-    assert plan["artifacts"]["commands"].count("monarch_cli.runtime.agent") == 2
-    assert not state.exists()
+    assert plan["scheduler"] == "local" and plan["hosts"] == 2
+    assert sum("monarch_cli.runtime.agent" in step for step in plan["steps"]) == 2
+    assert not state.exists() and not state.parent.exists()
+    text = monarch("serve", "--hosts", "2", "--dry-run", "--", "python", "t.py", cwd=tmp_path, state=state)
+    assert text.stdout.startswith("local: start 2 host agent(s)") and "default command: python t.py" in text.stdout
+
+
+@pytest.mark.slow
+def test_serve_reserves_exactly_the_plan_a_dry_run_printed(tmp_path):
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    printed = monarch("serve", "--hosts", "2", "--dry-run", "--json", "--", "python", "t.py", cwd=tmp_path, state=state)
+    assert printed.returncode == 0, printed.stderr
+    plan = json.loads(printed.stdout)
+    (tmp_path / "plan.json").write_text(printed.stdout)
+    served = monarch("serve", "--plan", "plan.json", "--json", cwd=tmp_path, state=state)
+    assert served.returncode == 0, served.stderr
+    try:
+        status = json.loads(served.stdout)
+        assert status["reservation_id"] == plan["reservation_id"] and status["default_command"] == ["python", "t.py"]
+        # each agent runs the very command line the plan printed (the keys went on stdin);
+        # its title in ps is its reservation, so the command it was started with is read from its log
+        for log, step in zip(plan["data"]["logs"], plan["steps"]):
+            started = [line for line in Path(log).read_text().splitlines() if line.startswith("monarch agent: started as: ")]
+            assert started and started[-1].removeprefix("monarch agent: started as: ") in step
+        again = monarch("serve", "--plan", "plan.json", cwd=tmp_path, state=state)
+        one_line_error(again, "--replace")  # a plan makes a new reservation; it never replaces one silently
+    finally:
+        monarch("stop", cwd=tmp_path, state=state)
+    (tmp_path / "broken.json").write_text('{"scheduler": "local"}')
+    broken = monarch("serve", "--plan", "broken.json", "--json", cwd=tmp_path, state=state)
+    assert broken.returncode == 2 and json.loads(broken.stdout)["kind"] == "plan", broken.stdout
 
 
 @pytest.mark.parametrize(
@@ -56,16 +84,111 @@ def test_dry_run_starts_nothing_and_says_what_it_would_do(tmp_path):
     [
         (("run-spmd",), "no reservation"),
         (("status",), "no reservation"),
-        (("stop",), "no reservation"),
         (("serve", "--scheduler", "pbs", "--", "python", "t.py"), "unknown scheduler 'pbs'"),
         (("serve", "--", "torchrun", "--bogus-flag", "t.py"), "--bogus-flag"),
         (("logs",), "no runs logged"),
         (("exec",), "give the command after"),
+        (("serve", "--hosts", "0", "--dry-run"), "--hosts must be at least 1, not 0"),
+        (("serve", "--hosts", "gpu1,gpu2", "--dry-run"), "the local scheduler takes a number of hosts, not names"),
+        (("serve", "--scheduler", "ssh", "--dry-run"), "the ssh scheduler needs hosts by name"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_a_non_zero_exit(tmp_path, args, needle):
     proc = monarch(*args, cwd=tmp_path, state=tmp_path / "none" / "job_state.pkl")
     one_line_error(proc, needle)
+
+
+def test_stop_with_nothing_to_stop_succeeds_every_time(tmp_path):
+    state = tmp_path / "none" / "job_state.pkl"
+    for _ in range(2):
+        plain = monarch("stop", cwd=tmp_path, state=state)
+        assert plain.returncode == 0 and "nothing to stop" in plain.stderr, plain.stderr
+    as_json = monarch("stop", "--json", cwd=tmp_path, state=state)
+    assert as_json.returncode == 0
+    assert json.loads(as_json.stdout) == {"stopped": None, "message": "nothing to stop"}
+
+
+def test_version(tmp_path):
+    from monarch_cli import __version__
+
+    flag = monarch("--version", cwd=tmp_path)
+    assert flag.returncode == 0 and flag.stdout == f"monarch-cli {__version__}\n"
+    info = monarch("version", "--json", cwd=tmp_path)
+    assert info.returncode == 0
+    assert json.loads(info.stdout)["monarch_cli"] == __version__
+
+
+def test_bash_completion_is_printed_installed_and_completes(tmp_path):
+    """`--show-completion` prints the bash script; `--install-completion` installs it, and a real
+    bash that sources its ~/.bashrc then completes `monarch ru<TAB>` and `monarch stop --<TAB>`."""
+    bindir = Path(sys.executable).parent  # the console script `monarch` the completion script calls
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+
+    def bash(script: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    # The shell is detected from monarch's parent: `$(...)` keeps bash from exec-ing it in its own place.
+    shown = bash('out=$(monarch --show-completion) && echo "$out"')
+    assert shown.returncode == 0, shown.stderr
+    assert "complete -o default -F _monarch_completion monarch" in shown.stdout
+    installed = bash('out=$(monarch --install-completion) && echo "$out"')
+    assert installed.returncode == 0 and "bash completion installed" in installed.stdout, installed.stderr
+    done = bash("""
+        source ~/.bashrc
+        COMP_WORDS=(monarch ru); COMP_CWORD=1; _monarch_completion monarch; echo "${COMPREPLY[*]}"
+        COMP_WORDS=(monarch stop --); COMP_CWORD=2; _monarch_completion monarch; echo "${COMPREPLY[*]}"
+    """)
+    assert done.returncode == 0, done.stderr
+    commands, options = done.stdout.splitlines()
+    assert commands == "run-spmd"
+    assert set(options.split()) >= {"--state", "--force", "--json"}
+
+
+@pytest.mark.slow
+def test_from_a_subdirectory_the_reservation_and_the_served_paths_are_found(tmp_path):
+    """Like git: serve in the project root, then work from anywhere below it."""
+    project, sub = tmp_path / "project", tmp_path / "project" / "examples"
+    sub.mkdir(parents=True)
+    (sub / "train.py").write_text("import os; print('served script in', os.getcwd())\n")
+    (sub / "local.py").write_text("import os; print('local script in', os.getcwd())\n")
+    (project / ".monarch").mkdir()  # hermetic: a .monarch/ in a parent of tmp_path must not be used
+    served = monarch("serve", "--", "torchrun", "--nproc-per-node=1", "--log-dir=tlogs", "examples/train.py",
+                     cwd=project)
+    assert served.returncode == 0, served.stderr
+    state = project / ".monarch" / "job_state.pkl"
+    try:
+        status = monarch("status", "--json", cwd=sub)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["state_file"] == str(state)
+
+        default = monarch("run-spmd", "--no-color", cwd=sub)  # the served relative path, from where it was served
+        assert default.returncode == 0, default.stderr
+        assert default.stdout == f"[rank0] served script in {project}\n"
+        assert [p.read_text() for p in project.glob("tlogs/*/attempt_0/0/stdout.log")] == [
+            f"served script in {project}\n"]  # the relative --log-dir too
+
+        explicit = monarch("run-spmd", "--no-color", "--", "torchrun", "--nproc-per-node=1", "local.py", cwd=sub)
+        assert explicit.returncode == 0, explicit.stderr  # a command typed here means paths from here
+        assert explicit.stdout == f"[rank0] local script in {sub}\n"
+
+        logs = monarch("logs", "--rank", "0", cwd=sub)
+        assert logs.returncode == 0 and logs.stdout == f"local script in {sub}\n"
+        assert not (sub / ".monarch").exists() and not (sub / "tlogs").exists()
+
+        again = monarch("serve", "--json", "--", "torchrun", "--nproc-per-node=1", "train.py", cwd=sub)
+        assert again.returncode == 0, again.stderr  # the same reservation, now serving sub/train.py
+        assert json.loads(again.stdout)["reservation_id"] == json.loads(status.stdout)["reservation_id"]
+        from_root = monarch("run-spmd", "--no-color", cwd=project)
+        assert from_root.stdout == f"[rank0] served script in {sub}\n", from_root.stderr
+    finally:
+        stopped = monarch("stop", cwd=sub)
+    assert stopped.returncode == 0 and "released reservation" in stopped.stderr, stopped.stderr
+    assert not state.exists()
+    twice = monarch("stop", cwd=sub)
+    assert twice.returncode == 0 and "nothing to stop" in twice.stderr
 
 
 def test_corrupt_state_is_reported_and_stop_force_clears_it(tmp_path):
@@ -176,4 +299,6 @@ def test_the_installed_monarch_command_runs() -> None:
 
 
 def test_the_example_is_the_script_the_demo_runs() -> None:
-    assert (REPO / "examples" / "train_ddp.py").read_text() == (REPO / "monarch_cli" / "templates" / "train_ddp.py").read_text()
+    """One source: the example is a link to the script the package ships (and the demo runs)."""
+    example = REPO / "examples" / "train_ddp.py"
+    assert example.is_symlink() and example.resolve() == (REPO / "monarch_cli" / "templates" / "train_ddp.py").resolve()

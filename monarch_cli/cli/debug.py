@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 import typer
 from rich.markup import escape
 
-from ..jobs import JobError, job_load
+from ..jobs.errors import JobError
 from ..jobs.debug import DebugClient, PausedRank, select_ranks, vscode_config
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out
 from .interrupts import reliable_ctrl_c
@@ -26,6 +26,8 @@ _HISTORY = Path(os.environ.get("MONARCH_DEBUG_HISTORY", Path.home() / ".monarch_
 
 
 def _client(state: Optional[Path], run: Optional[str]) -> DebugClient:
+    from ..jobs import job_load
+
     return DebugClient(job_load(state), run)
 
 
@@ -205,7 +207,7 @@ def debug_main(
     ctx: typer.Context,
     state: Optional[Path] = StateOpt,
     run: Optional[str] = typer.Option(None, "--run", help="Run id (default: the newest run with paused ranks)."),
-    dap: Optional[int] = typer.Option(None, "--dap", help="Make RANK listen for an IDE (debugpy / DAP) and print how to attach."),
+    dap: Optional[int] = typer.Option(None, "--dap", help="Relay an IDE (debugpy / DAP) to RANK from a local port only you can use; runs until the rank ends or Ctrl-C."),
     as_json: bool = JsonOpt,
 ) -> None:
     """The interactive prompt: list, attach RANK, cast RANKS CMD, continue [RANKS], quit."""
@@ -234,15 +236,27 @@ def debug_main(
 
 
 def _dap(client: DebugClient, rank: int, as_json: bool) -> None:
-    info = client.dap(rank)
-    config = vscode_config(rank, info)
-    if as_json:
-        emit_json({"rank": rank, **info, "vscode": config})
-        return
-    out.print(f"rank {rank} is listening for a DAP client at [bold]{info['host']}:{info['port']}[/]")
-    out.print("If it was paused in pdb it now waits for the IDE and then runs on under it.")
-    out.print("VS Code launch.json entry:")
-    print(json.dumps(config, indent=2))
+    """Relay an IDE to the rank from a port here that only this user can use, until the rank ends or Ctrl-C."""
+    relay = client.dap(rank)
+    try:
+        info = relay.info()
+        config = vscode_config(rank, info)
+        if as_json:  # one line, at once: a script reads it, then connects
+            print(json.dumps({"rank": rank, **info, "vscode": config}), flush=True)
+        else:
+            out.print(f"rank {rank}: attach your IDE (DAP) to [bold]{info['host']}:{info['port']}[/] "
+                      "(this machine, your user only)")
+            out.print("If it was paused in pdb it now waits for the IDE and then runs on under it.")
+            out.print("VS Code launch.json entry:")
+            print(json.dumps(config, indent=2))
+            out.print("[dim]relaying until the rank exits; Ctrl-C stops (the rank runs on)[/]")
+        with reliable_ctrl_c():
+            why = relay.serve(on_notice=lambda msg: err.print(f"[yellow]monarch debug:[/] {escape(msg)}"))
+        err.print(escape(why))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        relay.close()
 
 
 @debug_app.command("list")

@@ -8,64 +8,98 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import typer
 from rich.markup import escape
 
-from ..jobs import RunResult, dryrun, job_load, serve
+from ..jobs.console import CLOSED_PIPE_EXIT
 from ..jobs.output import list_runs
-from ..jobs.state import NoReservation, StateError, clear_state, state_path
+from ..jobs.state import NoReservation, StateError, state_path
 
+from .backend_options import BackendOptionsCommand, backend_options
 from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out, parse_ranks
+
+if TYPE_CHECKING:  # the job API loads the runtime: only the commands that need it import it
+    from ..jobs import RunResult
 
 
 # ------------------------------------------------------------------- commands
-@app.command("serve")
+@app.command("serve", cls=BackendOptionsCommand)
 @friendly
 def serve_cmd(
+    ctx: typer.Context,
     command: Optional[List[str]] = CmdArg,
-    scheduler: str = typer.Option("local", "--scheduler", "-s", help="local (alias: local_cwd) or slurm."),
-    hosts: Optional[int] = typer.Option(None, "--hosts", "-n", min=1,
-                                        help="Hosts to reserve (default 1; inside a Slurm allocation, all its nodes)."),
+    scheduler: str = typer.Option("local", "--scheduler", "-s", help="The backend: local (alias local_cwd), slurm, "
+                                  "or one a package registers; its options are listed below."),
+    hosts: Optional[str] = typer.Option(None, "--hosts", "-n", metavar="N|NAMES",
+                                        help="How many hosts to reserve (default 1; inside a Slurm allocation, all its "
+                                        "nodes), or, for a backend that reaches hosts by name (ssh), their names: h1,h2."),
     state: Optional[Path] = StateOpt,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be started, start nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (with --json: as JSON for --plan), start nothing."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Reserve exactly this plan (what --dry-run --json printed)."),
     replace: bool = typer.Option(False, "--replace", help="Release an existing reservation that cannot serve this."),
     preload: Optional[str] = typer.Option(None, "--preload", help="Modules warm ranks import up front (default: torch)."),
-    partition: Optional[str] = typer.Option(None, "--partition", "-p", help="Slurm partition.", rich_help_panel="Cluster"),
-    time_limit: Optional[str] = typer.Option(None, "--time", "-t", help="Slurm time limit.", rich_help_panel="Cluster"),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", rich_help_panel="Cluster"),
-    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", rich_help_panel="Cluster"),
-    mem: Optional[str] = typer.Option(None, "--mem", rich_help_panel="Cluster"),
-    account: Optional[str] = typer.Option(None, "--account", "-A", rich_help_panel="Cluster"),
-    qos: Optional[str] = typer.Option(None, "--qos", rich_help_panel="Cluster"),
-    constraint: Optional[str] = typer.Option(None, "--constraint", "-C", rich_help_panel="Cluster"),
-    exclusive: bool = typer.Option(False, "--exclusive", rich_help_panel="Cluster"),
-    sbatch_arg: Optional[List[str]] = typer.Option(None, "--sbatch-arg", help="Extra sbatch argument (repeatable).",
-                                                   rich_help_panel="Cluster"),
-    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts.", rich_help_panel="Cluster"),
+    agent_port: Optional[int] = typer.Option(None, "--agent-port", min=1, max=65535,
+                                             help="Agents listen on this port (local: port+i for host i)."),
+    port_range: Optional[str] = typer.Option(None, "--port-range", metavar="LO-HI",
+                                             help="Keep every port agents, procs and ranks open within LO-HI."),
+    option: Optional[List[str]] = typer.Option(None, "--option", "-o", metavar="KEY=VALUE",
+                                               help="A backend option (repeatable), e.g. -o partition=gpu."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Reserve hosts and leave them up; reuse a reservation that can serve the request."""
-    hosts = nodes or hosts
-    options = {k: v for k, v in dict(
-        partition=partition, time=time_limit, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, mem=mem,
-        account=account, qos=qos, constraint=constraint, exclusive=exclusive or None, sbatch_args=sbatch_arg or None,
-    ).items() if v is not None}
+    from ..jobs import dryrun, reserve_plan, serve
+
+    if plan_file is not None:
+        started = time.monotonic()
+        with err.status("reserving...") as spinner:
+            job = reserve_plan(_read_plan(plan_file), state=state, replace=replace,
+                               progress=lambda msg: spinner.update(escape(msg)))
+        _served(job, started, as_json)
+        return
+    hosts = str(nodes) if nodes is not None else hosts
+    options = backend_options(ctx, scheduler, option)
+    ports = _port_range(port_range)
     if dry_run:
-        plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload, **options)
+        plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload, agent_port=agent_port,
+                      port_range=ports, **options)
         if as_json:
             emit_json(plan.to_json())
-            return
-        out.print(f"[bold]{plan.scheduler}[/]: {escape(plan.summary)}")
-        for name, text in plan.artifacts.items():
-            out.print(f"\n[bold]# {name}[/]")
-            out.print(escape(text), soft_wrap=True)
+        else:
+            out.print(escape(plan.render()), soft_wrap=True)
         return
     started = time.monotonic()
     with err.status("reserving...") as spinner:
         job = serve(command, scheduler, hosts=hosts, state=state, replace=replace, preload=preload,
-                    progress=lambda msg: spinner.update(escape(msg)), **options)
+                    agent_port=agent_port, port_range=ports, progress=lambda msg: spinner.update(escape(msg)),
+                    **options)
+    _served(job, started, as_json)
+
+
+def _read_plan(path: Path) -> Any:
+    from ..errors import PlanError
+
+    try:
+        return (sys.stdin.read() if str(path) == "-" else path.read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read the plan {path}: {e.strerror or e}") from None
+
+
+def _port_range(text: Optional[str]) -> Optional["tuple[int, int]"]:
+    if text is None:
+        return None
+    from ..errors import UserError
+    from ..runtime.agent_command import parse_port_range
+
+    try:
+        return parse_port_range(text)
+    except ValueError as e:
+        raise UserError(f"--port-range: {e}") from None
+
+
+def _served(job: Any, started: float, as_json: bool) -> None:
     if as_json:
         emit_json(job.status())
         return
@@ -89,20 +123,54 @@ def run_spmd_cmd(
     cold: bool = typer.Option(False, "--cold", help="Start ranks in fresh interpreters (skip the warm start)."),
     color: Optional[bool] = typer.Option(None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."),
     post_mortem: bool = typer.Option(False, "--post-mortem", help="Keep a rank that raises paused in pdb at the failing frame."),
+    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="NAME=VALUE, or NAME to forward this shell's value, "
+                                                                   "to every rank (repeatable)."),
+    workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory mirrored to hosts that do not share "
+                                                                      "this filesystem (default: where the command runs)."),
+    no_sync: bool = typer.Option(False, "--no-sync", help="Do not mirror the workspace before the run."),
+    straggler_grace: float = typer.Option(30.0, "--straggler-grace", min=0, metavar="SECONDS",
+                                          help="Name the ranks still running this long after the first one ended."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Run the served command (or the one after `--`) on every host of the reservation."""
+    """Run the served command (or the one after `--`) on every host of the reservation.
+
+    Ctrl-C sends SIGINT to the ranks, a second Ctrl-C kills them. SIGTERM, SIGHUP or SIGQUIT
+    to monarch is forwarded to the ranks, which get torchrun's --shutdown-timeout (30 s)
+    before SIGKILL; the exit status is then 128+N. A run whose reservation is stopped exits 254.
+    """
+    from ..jobs import job_load
+    from ..jobs.spmd import parse_env_flags
+
     job = job_load(state)
     rank_set = parse_ranks(ranks)
     stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
     result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
-                          post_mortem=post_mortem,
-                          on_event=lambda msg: err.print(f"[yellow]monarch:[/] {escape(msg)}"))
+                          post_mortem=post_mortem, straggler_grace=straggler_grace, env=parse_env_flags(env or []),
+                          workspace=workspace, sync=not no_sync, on_event=_say)
+    if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
+        raise typer.Exit(CLOSED_PIPE_EXIT)
     if as_json:
         emit_json(result.to_json())
     else:
         _render_result(result)
     raise typer.Exit(result.exit_code)
+
+
+@app.command("sync")
+@friendly
+def sync_cmd(
+    workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory to mirror (default: here)."),
+    state: Optional[Path] = StateOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Mirror the workspace to the hosts that do not share this filesystem now (run-spmd does it too)."""
+    from ..jobs import job_load
+
+    report = job_load(state).sync(workspace)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        err.print(f"[green]✓[/] {escape(str(report))}")
 
 
 @app.command("exec", context_settings={"allow_interspersed_args": False})
@@ -116,8 +184,12 @@ def exec_cmd(
     """Run a shell command on every host, with host-prefixed output and per-host exit codes."""
     if not command:
         fail("give the command after `--`, e.g. monarch exec -- nvidia-smi")
+    from ..jobs import job_load
+
     job = job_load(state)
-    result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None)
+    result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None, on_event=_say)
+    if result.console_closed:
+        raise typer.Exit(CLOSED_PIPE_EXIT)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -130,6 +202,8 @@ def exec_cmd(
             mark = "[green]exit 0[/]" if r.ok else f"[red]{escape(r.how)}[/]"
             table.add_row(r.label, mark, f"{r.duration:.2f}s")
         err.print(table)
+        if result.ending:
+            err.print(f"[red]✗[/] {escape(result.ending)}; exit status {result.exit_code}")
     raise typer.Exit(result.exit_code)
 
 
@@ -142,10 +216,12 @@ def status_cmd(
 ) -> None:
     """The reservation: scheduler, hosts and agent liveness, age, last run."""
     if job_id is not None:
-        from .slurm import batch_status_cmd  # Slurm batch jobs (monarch sbatch)
+        from .slurm import batch_status_cmd  # batch jobs (monarch sbatch)
 
         batch_status_cmd(job_id, state, as_json)
         return
+    from ..jobs import job_load
+
     try:
         job = job_load(state)
     except NoReservation as e:
@@ -162,10 +238,8 @@ def status_cmd(
               f"made {_age(info['age_seconds'])} ago; state: {info['state_file']}")
     if info["stale"]:
         out.print(f"[red]{escape(info['stale'])}[/]")
-    if info.get("slurm"):
-        from .slurm import slurm_line
-
-        out.print(slurm_line(info["slurm"]))
+    for line in info.get("scheduler_lines", []):
+        out.print(escape(line))
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
@@ -176,7 +250,8 @@ def status_cmd(
                       "-" if h["ranks_running"] is None else str(h["ranks_running"]), _warm_cell(h.get("warm")))
     out.print(table)
     if info["default_command"]:
-        out.print(f"default command: {escape(shlex.join(info['default_command']))}")
+        where = f"  (in {info['default_cwd']})" if info.get("default_cwd") else ""
+        out.print(f"default command: {escape(shlex.join(info['default_command']))}{escape(where)}")
     last = info["last_run"]
     if last:
         outcome = "[green]ok[/]" if last["exit_code"] == 0 else f"[red]exit {last['exit_code']}[/]"
@@ -193,6 +268,8 @@ def warm_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Each host's warm process: modules it holds, learned from past runs, left out, memory."""
+    from ..jobs import job_load
+
     job = job_load(state)
     if forget:
         forgotten = job.forget_preload()
@@ -217,18 +294,27 @@ def stop_cmd(
     force: bool = typer.Option(False, "--force", help="Also clear an unreadable state file."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Release the reservation; none of its processes is left."""
+    """Release the reservation; none of its processes is left. Nothing to stop is not an error."""
+    from ..jobs import clear_unreadable, job_load
+
     try:
         job = job_load(state)
-    except StateError as e:
-        if not force or isinstance(e, NoReservation):
+    except NoReservation:
+        _done_msg(as_json, {"stopped": None, "message": "nothing to stop"},
+                  f"nothing to stop: no reservation at {state_path(state)}")
+        return
+    except StateError:
+        if not force:
             raise
-        clear_state(state_path(state))
-        _done_msg(as_json, {"stopped": None, "cleared": str(state_path(state))}, "cleared the unreadable state file")
+        cleared = clear_unreadable(state)
+        stopped = cleared["agents_stopped"]
+        _done_msg(as_json, {"stopped": None, **cleared}, "cleared the unreadable state file"
+                  + (f" and stopped its {len(stopped)} agent(s)" if stopped else ""))
         return
     rid = job.state.reservation_id
-    job.stop()
-    _done_msg(as_json, {"stopped": rid}, f"released reservation {rid}")
+    ended = job.stop()
+    told = f" (run {', '.join(ended)} in progress was told and ends with exit status 254)" if ended else ""
+    _done_msg(as_json, {"stopped": rid, "runs_ended": ended}, f"released reservation {rid}{told}")
 
 
 @app.command("logs")
@@ -277,6 +363,8 @@ def demo_cmd(
     runs: int = typer.Option(2, "--runs", min=1),
 ) -> None:
     """Serve local hosts, run the bundled DDP example a few times (timed), stop. No cluster needed."""
+    from ..jobs import serve
+
     script = Path(__file__).resolve().parents[1] / "templates" / "train_ddp.py"
     with tempfile.TemporaryDirectory(prefix="monarch-demo-") as tmp:
         state = Path(tmp) / ".monarch" / "job_state.pkl"
@@ -303,12 +391,12 @@ def demo_cmd(
 
 
 # -------------------------------------------------------------------- rendering
-def _render_result(result: RunResult) -> None:
+def _render_result(result: "RunResult") -> None:
     n = len(result.ranks)
     if result.exit_code == 0:
         err.print(f"[green]✓[/] {n} rank(s) finished in [bold]{result.duration:.2f} s[/] (run {result.run_id})")
         return
-    headline = "interrupted" if result.interrupted else f"rank {result.first_failure.rank} failed first"
+    headline = result.ending or f"rank {result.first_failure.rank} failed first"
     err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
     from rich.table import Table
 
@@ -320,6 +408,10 @@ def _render_result(result: RunResult) -> None:
         table.add_row(str(r.rank), r.host, status, f"{r.duration:.2f}s", escape("\n".join(r.tail[-3:])))
     err.print(table)
     err.print(f"full logs: {result.log_dir}  (monarch logs {result.run_id} --rank N)")
+
+
+def _say(msg: str) -> None:
+    err.print(f"[yellow]monarch:[/] {escape(msg)}")
 
 
 def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -35,8 +35,7 @@ def sbatch_cmd(ctx: typer.Context) -> None:
     Own options: --dry-run (print the script, submit nothing), --wait (wait; exit with the job's status), --json,
     --state PATH (where the job's state and logs go).
     """
-    from ..jobs.slurm_batch import batch_status, render_batch_script, split_sbatch_options, submit_batch
-    from ..jobs.state import state_path
+    from ..jobs.slurm_batch import batch_script, batch_status, split_sbatch_options, submit_batch
 
     own, options, command = split_sbatch_options(ctx.args, _OWN_FLAGS, _OWN_VALUES)
     state = Path(own["--state"]) if "--state" in own else None
@@ -44,11 +43,7 @@ def sbatch_cmd(ctx: typer.Context) -> None:
     if not command:
         fail("give the command after `--`, e.g. monarch sbatch -N 2 -- torchrun --nproc-per-node=2 train.py")
     if own.get("--dry-run"):
-        from ..jobs.torchrun import parse_command
-        import sys
-
-        parse_command(command)
-        script = render_batch_script(command, options, state_path(state).parent.resolve(), sys.executable)
+        script = batch_script(command, options, state)  # every check the real submit makes
         if as_json:
             emit_json({"script": script, "submit": "sbatch --parsable SCRIPT"})
         else:
@@ -84,7 +79,9 @@ def batch_status_cmd(job_id: str, state: Optional[Path], as_json: bool) -> None:
     phase = info.get("phase", "not started")
     out.print(f"[bold]Slurm job {job_id}[/] (monarch sbatch): {phase}{escape(where)}")
     if slurm:
-        out.print(slurm_line({"job_id": job_id, **slurm}))
+        from ..schedulers.slurm.scheduler import slurm_line
+
+        out.print(escape(slurm_line({"job_id": job_id, **slurm})))
     if info.get("command"):
         out.print(f"command: {escape(shlex.join(info['command']))}")
     res = info.get("reservation")
@@ -104,25 +101,4 @@ def batch_status_cmd(job_id: str, state: Optional[Path], as_json: bool) -> None:
     raise typer.Exit(0 if info["alive"] or info.get("exit_code") == 0 else 1)
 
 
-def slurm_line(slurm: Dict[str, Any]) -> str:
-    """One line of Slurm facts for ``monarch status``."""
-    head = f"slurm: job {slurm.get('job_id')}"
-    if slurm.get("step"):
-        head += f" (agents in step {slurm['step']})"
-    if slurm.get("state"):
-        head += f" {slurm['state']}"
-    if slurm.get("reason") not in (None, "", "None"):
-        head += f" ({slurm['reason']})"
-    facts = []
-    if slurm.get("nodes"):
-        facts.append(f"nodes {slurm['nodes']}")
-    if slurm.get("partition"):
-        facts.append(f"partition {slurm['partition']}")
-    if slurm.get("elapsed"):
-        facts.append(f"elapsed {slurm['elapsed']}")
-    if slurm.get("state") == "RUNNING" and slurm.get("time_left") not in (None, "", "INVALID"):
-        facts.append(f"time left {slurm['time_left']}")
-    return escape(", ".join([head, *facts]))
-
-
-__all__ = ["sbatch_cmd", "batch_status_cmd", "slurm_line"]
+__all__ = ["sbatch_cmd", "batch_status_cmd"]

@@ -1,7 +1,24 @@
-"""Jobs: reservations recorded in a state file, and SPMD runs on them."""
+"""Jobs: reservations recorded in a state file, and SPMD runs on them.
+
+Names load on first use, so a command that only reads files (``monarch logs``) does not
+import the runtime (zmq, cloudpickle).
+"""
+
+import importlib
+from typing import Any
 
 from .errors import JobError
-from .job import Job, dryrun, job_load, serve
-from .spmd import RankExit, RunResult, StaleReservation
 
-__all__ = ["Job", "JobError", "RankExit", "RunResult", "StaleReservation", "dryrun", "job_load", "serve"]
+_HOME = {
+    "Job": "job", "clear_unreadable": "job", "dryrun": "job", "job_load": "job", "reserve_plan": "job", "serve": "job",
+    "RankExit": "spmd", "RunResult": "spmd", "StaleReservation": "spmd",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Job", "JobError", "RankExit", "RunResult", "StaleReservation", "clear_unreadable", "dryrun", "job_load", "reserve_plan", "serve"]

@@ -10,14 +10,19 @@ import dataclasses
 import getpass
 import os
 import queue
+import select
 import socket
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..config import settings
+from ..runtime.dap_link import GOODBYE, LOOPBACK, DapFrames, accept_same_user, is_goodbye, listen_loopback
 from ..runtime.errors import ActorError
 from ..runtime.future import Future
 from .errors import JobError
-from .job import Job
+from .ranks import parse_rank_list
+
+if TYPE_CHECKING:  # the job (and the runtime) load when a client is made, not when the CLI starts
+    from .job import Job
 
 Event = Tuple[str, int, str, Any]  # (kind, rank, what, detail): ("output", 3, text, None), ("state", 3, "paused", where)
 
@@ -62,27 +67,16 @@ def select_ranks(expr: str, rows: List[PausedRank]) -> Set[int]:
                 picked &= {r.rank for r in rows if r.coords.get(dim.strip()) in allowed}
             return picked
         return _numbers(expr, 1 + max(known, default=0))
-    except ValueError:
+    except (ValueError, JobError):
         raise JobError(f"cannot read ranks {expr!r}: use *, 0,3, 2-5, 0:8:2 or hosts=1,gpus=0:2") from None
 
 
 def _numbers(text: str, size: int) -> Set[int]:
-    out: Set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if ":" in part:
-            bits = [int(b) if b else None for b in part.split(":")]
-            out.update(range(size)[slice(*bits)])
-        elif "-" in part:
-            lo, hi = part.split("-")
-            out.update(range(int(lo), int(hi) + 1))
-        elif part:
-            out.add(int(part))
-    return out
+    return parse_rank_list(text, size)
 
 
 class DebugClient:
-    def __init__(self, job: Job, run_id: Optional[str] = None) -> None:
+    def __init__(self, job: "Job", run_id: Optional[str] = None) -> None:
         self.job = job
         self.hs = job._hostset()
         self.mb = self.hs.mb
@@ -170,15 +164,160 @@ class DebugClient:
                 out[r] = f"error: {e}"
         return out
 
-    def dap(self, rank: int, timeout: float = 60.0) -> Dict[str, Any]:
-        """Make ``rank`` listen for a DAP client (debugpy); its address and working directory."""
-        return self._get(self._ask(rank, "debug_dap"), timeout)
+    def dap(self, rank: int, timeout: float = 60.0) -> "DapRelay":
+        """Connect ``rank``'s debugpy and open a port on this machine for an IDE (see :class:`DapRelay`)."""
+        relay = DapRelay(self, rank)
+        try:
+            relay.bind(timeout)
+        except BaseException:
+            relay.close()
+            raise
+        return relay
 
     def close(self) -> None:
         for r in list(self._rows):
             self.mb.unwatch_agent(self._rows[r].agent)
         for kind in ("debug_output", "debug_state"):
             self.mb.event_handlers.pop(kind, None)
+
+
+class DapRelay:
+    """An IDE's way to one rank's debugpy: a loopback port here that only this user may use.
+
+    Whole DAP messages go between the IDE and the rank over the reservation's authenticated
+    runtime (the rank itself listens on no port). One IDE at a time; when it disconnects,
+    the rank runs on without its breakpoints and the next IDE may attach. :meth:`serve`
+    relays until the rank exits or :meth:`close`.
+    """
+
+    def __init__(self, client: DebugClient, rank: int) -> None:
+        self.client = client
+        self.rank = rank
+        self.row = client._row(rank, everything=True)
+        self.cwd = ""
+        self._events: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
+        mb = client.mb
+        mine = lambda h: (h[2], h[3]) == (self.row.run_id, rank)  # noqa: E731
+        mb.event_handlers["debug_dap_data"] = lambda h, f: self._events.put(("data", h[4])) if mine(h) else None
+        mb.event_handlers["debug_dap_closed"] = lambda h, f: self._events.put(("closed", h[4])) if mine(h) else None
+        heartbeat = client.hs.infos[[h.agent for h in client.hs.hosts].index(self.row.agent)]["heartbeat"]
+        mb.watch_agent(self.row.agent, heartbeat,
+                       lambda agent, silence: self._events.put(("closed", f"its host agent stopped answering ({silence:.0f} s)")))
+        self.listener = listen_loopback()
+        self.host, self.port = LOOPBACK, self.listener.getsockname()[1]
+        self.ide: Optional[socket.socket] = None
+        self._frames = DapFrames()
+        self._ide_said_bye = False
+        self._bound = False
+        self._ended: Optional[str] = None
+
+    def info(self) -> Dict[str, Any]:
+        return {"host": self.host, "port": self.port, "cwd": self.cwd}
+
+    def bind(self, timeout: float = 60.0) -> None:
+        """Route the rank's debugger here (first time: it connects; paused in pdb: pdb hands over)."""
+        reply = self.client._get(self.client._ask(self.rank, "debug_dap", settings().heartbeat_timeout), timeout)
+        self.cwd = reply["cwd"]
+        self._bound = True
+        self._drain_stale()
+
+    def serve(self, on_notice: Optional[Callable[[str], None]] = None) -> str:
+        """Relay IDE sessions until the rank's debugger goes away; returns why it ended."""
+        say = on_notice or (lambda _msg: None)
+        while self._ended is None:
+            watch = [self.listener] + ([self.ide] if self.ide is not None else [])
+            readable = select.select(watch, [], [], 0.2)[0]
+            if self.listener in readable:
+                self._accept(say)
+            if self.ide is not None and self.ide in readable:
+                self._from_ide()
+            self._to_ide()
+        return self._ended
+
+    def close(self) -> None:
+        if self._bound and self._ended is None:
+            self._end_ide_session()
+        self.listener.close()
+        mb = self.client.mb
+        mb.unwatch_agent(self.row.agent)
+        for kind in ("debug_dap_data", "debug_dap_closed"):
+            mb.event_handlers.pop(kind, None)
+
+    # --------------------------------------------------------------- private
+    def _accept(self, say: Callable[[str], None]) -> None:
+        conn, refused = accept_same_user(self.listener)
+        if conn is None:
+            say(refused or "refused a connection")
+            return
+        if self.ide is not None:
+            conn.close()
+            say("refused a second IDE connection: one IDE at a time per rank")
+            return
+        if not self._bound:  # the last IDE left: route the rank here again (pdb hands over if it paused)
+            try:
+                self.bind()
+            except JobError as e:
+                conn.close()
+                self._ended = str(e)
+                return
+        self.ide, self._frames, self._ide_said_bye = conn, DapFrames(), False
+        say(f"IDE attached to rank {self.rank}")
+
+    def _from_ide(self) -> None:
+        assert self.ide is not None
+        try:
+            data = self.ide.recv(1 << 16)
+            messages = self._frames.feed(data) if data else []
+        except (OSError, ValueError):
+            data, messages = b"", []
+        mb = self.client.mb
+        for message in messages:
+            self._ide_said_bye = self._ide_said_bye or is_goodbye(message)
+            mb.send(self.row.agent, ("debug_dap_data", 0, mb.address, self.row.run_id, self.rank, message))
+        if not data:
+            self._end_ide_session()
+
+    def _to_ide(self) -> None:
+        while True:
+            try:
+                kind, what = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "closed":
+                self._ended = f"rank {self.rank}'s debugger is gone: {what}"
+                if self.ide is not None:
+                    self.ide.close()
+                    self.ide = None
+                return
+            if self.ide is not None:
+                try:
+                    self.ide.sendall(what)
+                except OSError:
+                    self._end_ide_session()
+
+    def _end_ide_session(self) -> None:
+        """The IDE left: a goodbye for the rank if it gave none, then unbind (its later output is dropped)."""
+        mb = self.client.mb
+        if self.ide is not None and not self._ide_said_bye:
+            mb.send(self.row.agent, ("debug_dap_data", 0, mb.address, self.row.run_id, self.rank, GOODBYE))
+        mb.send(self.row.agent, ("debug_dap_end", 0, mb.address, self.row.run_id, self.rank))
+        if self.ide is not None:
+            self.ide.close()
+            self.ide = None
+        self._bound = False
+
+    def _drain_stale(self) -> None:
+        """Drop rank output meant for an IDE that has left (a closed link still counts)."""
+        keep = []
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if event[0] == "closed":
+                keep.append(event)
+        for event in keep:
+            self._events.put(event)
 
 
 def vscode_config(rank: int, dap: Dict[str, Any]) -> Dict[str, Any]:

@@ -6,16 +6,28 @@ import json
 import os
 import re
 import shlex
+import sys
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from ..runtime.keys import Keys
+from ..runtime.mailbox import Mailbox
 from ..config import configure
-from ..schedulers import DryRun, ReserveRequest, Scheduler, controller_host, get_scheduler
+from ..errors import OptionError, PlanError
+from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
+from ..schedulers.agents import controller_host
+from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
-from .output import OutputSink, list_runs
-from .spmd import HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd
+from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
+from .output import OutputSink, list_runs, new_run_dir
+from .telemetry import Diagnosis, Inspector, RankRow, RunTelemetry, StackReport
+from .telemetry import enabled as telemetry_enabled
+from .spmd import (
+    HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd,
+    remote_environment, user_environment,
+)
+from .sync import SyncReport, sync_workspace
 from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
 
@@ -79,17 +91,18 @@ class Job:
     def scheduler(self) -> Scheduler:
         return get_scheduler(self.state.scheduler)
 
-    def _hostset(self) -> HostSet:
-        why = self.scheduler.gone(self.state)
-        if why:
+    def _hostset(self, require_all: bool = True) -> HostSet:
+        probe = self.scheduler.probe(self.state) if require_all else None
+        if probe is not None and probe.gone:
             raise StaleReservation(
-                f"reservation {self.state.reservation_id} is gone ({why}); "
+                f"reservation {self.state.reservation_id} is gone ({probe.reason}); "
                 "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
             )
         host = controller_host([h.agent for h in self.state.hosts])
         if host is not None:  # agents on other hosts could not reach a loopback address
             configure(host=host)
-        return HostSet(self.state.hosts, self.keys)
+        dead = [] if require_all else self.scheduler.dead_hosts(self.state)
+        return HostSet(self.state.hosts, self.keys, require_all=require_all, known_dead=dead)
 
     # ------------------------------------------------------------------ runs
     def run_spmd(
@@ -105,83 +118,156 @@ class Job:
         on_event: Optional[Callable[[str], None]] = None,
         post_mortem: bool = False,
         forward_signals: Sequence[int] = (),
+        workspace: Union[str, Path, None] = None,
+        sync: bool = True,
+        env: Optional[Dict[str, str]] = None,
+        shutdown_timeout: Optional[float] = None,
+        straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
+
+        The served command runs in the directory it was served from, so its relative paths
+        mean what they meant to ``serve``; ``command`` runs in the current directory, as any
+        command line typed here would.
 
         Every rank's output streams to ``stdout``/``stderr`` with a ``[rankN]`` prefix and is
         kept in ``logs_root/<run-id>/rank<N>.log``. A rank that calls ``breakpoint()`` pauses
         and is announced through ``on_event``; ``monarch debug`` attaches to it. With
         ``post_mortem``, a rank that raises stays paused at the failing frame.
         ``forward_signals`` (main thread only) are relayed to every rank while it runs, so a
-        batch job's time-limit warning reaches the training script.
+        batch job's time-limit warning reaches the training script. SIGTERM, SIGHUP and
+        SIGQUIT to the caller are forwarded and end the run as torchrun does: ranks get
+        ``shutdown_timeout`` seconds (default: torchrun's ``--shutdown-timeout``, then
+        ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30) before SIGKILL. Ranks still running
+        ``straggler_grace`` seconds after the first one ended are named through ``on_event``.
+
+        Hosts that do not share this filesystem first get ``workspace`` (default: the run's
+        directory) mirrored, unless ``sync`` is False, and their ranks run in the mirror at the
+        same relative directory. ``env`` is added to every rank's environment (``-e``).
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
+        cwd = self.state.default_cwd if command is None else None
         if not argv:
             raise JobError("no command to run: give one after `--`, or serve with a default command")
         spec = parse_command(argv)
         hostset = self._hostset()
         run_id = new_run_id()
-        log_dir = self.logs_root / run_id
+        if ranks is not None:  # refused before anything starts
+            _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0, cwd=cwd)))
+        log_dir = new_run_dir(self.logs_root, run_id)
         say = on_event or (lambda _msg: None)
+        node_cwd, node_environ = self._prepare_hosts(hostset, cwd or os.getcwd(), workspace, sync, env or {}, say)
         if spec.moot_flags():
             say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
                 "rendezvous, on rank 0's host")
         started = time.monotonic()
         exits: List[RankExit] = []
         attempt = 0
-        runner = SpmdRunner(hostset, log_dir, grace=grace)
+        runner = SpmdRunner(hostset, log_dir, grace=grace, say=say, straggler_grace=straggler_grace,
+                            shutdown_timeout=shutdown_timeout_from(
+                                shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout))
+        stdout, stderr = _consoles(stdout, stderr, runner)
+        telemetry = RunTelemetry(self.path.parent, run_id, argv, log_dir) if telemetry_enabled() else None
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
-            launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                 post_mortem=post_mortem)
-            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt)
+            try:
+                launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
+                                     post_mortem=post_mortem, cwd=cwd,
+                                     environ={**user_environment(), **(env or {})},
+                                     node_cwd=node_cwd, node_environ=node_environ)
+            except BaseException:
+                if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
+                    runner.release_port(0, run_id)
+                if telemetry is not None:
+                    telemetry.finish(None)
+                raise
+            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
                 exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
-                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals)
+                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals,
+                                   telemetry=telemetry, attempt=attempt)
+            except BaseException:
+                if telemetry is not None:
+                    telemetry.finish(None)
+                raise
             finally:
                 sink.close()
             self._explain_losses(exits)
             failed = [e for e in exits if not e.ok]
-            if not failed or runner.interrupted or attempt >= spec.max_restarts:
+            if not failed or runner.ended_from_outside or attempt >= spec.max_restarts:
                 break
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
-        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.interrupted)
+        result = _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control),
+                                  stdout, stderr)
+        if telemetry is not None:
+            telemetry.finish(result)
         self._record(result, argv)
         return result
 
+    def sync(self, workspace: Union[str, Path, None] = None, *, _hostset: Optional[HostSet] = None) -> SyncReport:
+        """Mirror ``workspace`` (default: here) to every host that does not share this filesystem."""
+        hostset = _hostset or self._hostset()
+        return sync_workspace(hostset.mb, self.state.hosts, self.state.reservation_id,
+                              str(workspace if workspace is not None else os.getcwd()), self.path.parent)
+
+    def _prepare_hosts(self, hostset: HostSet, cwd: str, workspace: Union[str, Path, None], sync: bool,
+                       env: Dict[str, str], say: Callable[[str], None]
+                       ) -> "tuple[Dict[int, str], Dict[int, Dict[str, str]]]":
+        """Sync the workspace; where ranks run, and with what environment, on synced hosts."""
+        if not sync:
+            return {}, {}
+        ws = os.path.abspath(workspace if workspace is not None else cwd)
+        rel = os.path.relpath(os.path.abspath(cwd), ws)
+        if rel == ".." or rel.startswith(".." + os.sep):
+            raise JobError(f"the run's directory {cwd} is outside the workspace {ws}; give --workspace a parent of it")
+        report = self.sync(ws, _hostset=hostset)
+        if report.changed or report.outside_links:
+            say(str(report))
+        remote_env = {"PYTHONUNBUFFERED": "1", **remote_environment(), **env}
+        node_cwd = {n: os.path.normpath(os.path.join(d, rel)) for n, d in report.directories.items()}
+        return node_cwd, {n: remote_env for n in report.directories}
+
     def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
-             stderr: Optional[BinaryIO] = None) -> RunResult:
-        """Run a shell command on every host; output is prefixed with the host's name."""
+             stderr: Optional[BinaryIO] = None, on_event: Optional[Callable[[str], None]] = None) -> RunResult:
+        """Run a shell command on every host; output is prefixed with the host's name.
+
+        It runs in this directory, or in its mirror on hosts that do not share it (synced first).
+        """
         argv = [command] if isinstance(command, str) else [str(c) for c in command]  # a string: for sh -c
         if not argv or not "".join(argv).strip():
             raise JobError("no command given to exec")
         hostset = self._hostset()
         run_id = "exec-" + new_run_id()
-        log_dir = self.logs_root / run_id
-        launches = plan_exec(argv, hostset)
+        log_dir = new_run_dir(self.logs_root, run_id)
+        node_cwd, node_environ = self._prepare_hosts(hostset, os.getcwd(), None, True, {}, lambda _msg: None)
+        launches = plan_exec(argv, hostset, node_cwd=node_cwd, node_environ=node_environ)
+        runner = SpmdRunner(hostset, log_dir, grace=float("inf"), say=on_event, straggler_grace=float("inf"),
+                            shutdown_timeout=shutdown_timeout_from(None))
+        stdout, stderr = _consoles(stdout, stderr, runner)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()
-        runner = SpmdRunner(hostset, log_dir, grace=float("inf"))
         try:
             exits = runner.run(launches, run_id, sink)
         finally:
             sink.close()
         exits.sort(key=lambda e: e.rank)
         self._explain_losses(exits)
-        return _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.interrupted)
+        return _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control),
+                                stdout, stderr)
 
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering most often because its allocation ended: ask the scheduler which."""
         if any(e.lost for e in exits):
-            why = self.scheduler.gone(self.state)
+            probe = self.scheduler.probe(self.state)
+            why = probe.reason if probe.gone else ""
             for e in exits:
                 if why and e.lost:
                     e.lost = f"{e.lost}: {why}"
 
     def _sink(self, spec: SpmdSpec, launches: List[Launch], log_dir: Path, ranks: Optional[Set[int]],
               color: Optional[bool], stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
-              run_id: str, attempt: int) -> OutputSink:
+              run_id: str, attempt: int, cwd: Optional[str] = None) -> OutputSink:
         labels = {l.rank: l.label for l in launches}
         nproc = 1 + max(int(l.spec["env"]["LOCAL_RANK"]) for l in launches)
         shown = set(labels) if ranks is None else set(ranks)
@@ -190,7 +276,7 @@ class Job:
         hidden = {r: _streams(spec.redirects, r % nproc) for r in labels}
         extra = {}
         if spec.log_dir:  # torchrun's layout, as well as ours
-            base = Path(spec.log_dir) / run_id / f"attempt_{attempt}"
+            base = Path(cwd or ".") / spec.log_dir / run_id / f"attempt_{attempt}"  # relative to the ranks' cwd
             for r in labels:
                 extra[(r, 1)] = base / str(r) / "stdout.log"
                 extra[(r, 2)] = base / str(r) / "stderr.log"
@@ -218,14 +304,21 @@ class Job:
     # --------------------------------------------------------------- control
     def status(self) -> Dict[str, Any]:
         """Scheduler, hosts with agent liveness, age and the last run; never raises for a stale job."""
-        try:
-            hostset: Optional[HostSet] = self._hostset()
-            stale = None
-        except StaleReservation as e:
-            hostset, stale = None, str(e)
+        hostset = self._hostset(require_all=False)  # each host answers, or not, for itself
+        dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
+        stale = None
+        probe = self.scheduler.probe(self.state)  # cheap; the scheduler may know better than a ping
+        if probe.gone and not dead:  # e.g. Slurm ended the job while its agents still answer
+            stale = (f"reservation {self.state.reservation_id} is gone ({probe.reason}); run `monarch serve "
+                     "--replace` for a new one, or `monarch stop` to clear it")
+        if dead:
+            why = probe.reason if probe.gone else None
+            how = "gone" if len(dead) == len(self.state.hosts) else "partly gone"
+            stale = (f"reservation {self.state.reservation_id} is {how}: {', '.join(dead)} not answering"
+                     f"{f' ({why})' if why else ''}; run `monarch serve --replace` for a new one, "
+                     "or `monarch stop` to clear it")
         hosts = []
-        for i, h in enumerate(self.state.hosts):
-            info = hostset.infos[i] if hostset else None
+        for h, info in zip(self.state.hosts, hostset.infos):
             hosts.append({"name": h.name, "agent": h.agent, "alive": info is not None,
                           "ranks_running": info["ranks"] if info else None,
                           "warm": info.get("warm") if info else None})
@@ -238,7 +331,9 @@ class Job:
             "stale": stale,
             "age_seconds": round(time.time() - self.state.created_at, 1),
             "default_command": self.state.default_command,
+            "default_cwd": self.state.default_cwd,
             "last_run": self.state.last_run,
+            "scheduler_lines": self.scheduler.status_lines(self.state),
             **self.scheduler.describe(self.state),
         }
 
@@ -261,19 +356,108 @@ class Job:
         futures = [hs.mb.request(h.agent, lambda cid: ("forget_preload", cid, hs.mb.address)) for h in hs.hosts]
         return {h.name: f.get(timeout=10) for h, f in zip(hs.hosts, futures)}
 
-    def stop(self) -> None:
-        """Release the reservation and forget it."""
+    def stop(self, by: str = "monarch stop") -> List[str]:
+        """Release the reservation and forget it; returns the runs that were in progress.
+
+        Those runs are told first who stopped them (``by``, this pid, user@host), so they end
+        saying so, with exit status 254, instead of as lost hosts.
+        """
+        ended = self._announce_stop(by)
         self.scheduler.release(self.state)
         clear_state(self.path)
+        return ended
+
+    def _announce_stop(self, by: str, timeout: float = 2.0) -> List[str]:
+        """Best effort: an agent that does not answer in ``timeout`` has no run to tell."""
+        if self.scheduler.probe(self.state).gone:
+            return []
+        host = controller_host([h.agent for h in self.state.hosts])
+        if host is not None:
+            configure(host=host)
+        mb = Mailbox.for_keys(self.keys)
+        who = _stopper(by)
+        asks = [mb.request(h.agent, lambda cid: ("stopping", cid, mb.address, who)) for h in self.state.hosts]
+        deadline = time.monotonic() + timeout
+        ended: Set[str] = set()
+        for ask in asks:
+            try:
+                ended.update(ask.get(timeout=max(0.01, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - a dead or old agent: nothing to tell
+                pass
+        return sorted(ended)
 
     def runs(self) -> List[Path]:
         return list_runs(self.logs_root)
+
+    # ------------------------------------------------------------- telemetry
+    def sql(self, statement: str, params: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+        """A read-only query of the reservation's telemetry store (``monarch sql --schema``)."""
+        return Inspector(self).sql(statement, params)
+
+    def stacks(self, ranks: Optional[Set[int]] = None, native: bool = False) -> StackReport:
+        """The Python stacks of the current run's live ranks, grouped by identical stack (and stored)."""
+        return Inspector(self).stacks(ranks, native)
+
+    def diagnose(self, silence: float = 60.0) -> Diagnosis:
+        """Which rank differs from the rest and why; ``exit_code`` 0 healthy, 1 suspect, 2 cannot tell."""
+        return Inspector(self).diagnose(silence)
+
+    def top(self) -> "tuple[Optional[str], List[RankRow]]":
+        """(run id, one row per rank, most suspicious first)."""
+        return Inspector(self).top()
+
+
+def _stopper(by: str) -> str:
+    """``monarch stop (pid 123, from alice@login1 on /dev/pts/4)``: enough to find who and where."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    tty = ""
+    for fd in (0, 1, 2):
+        try:
+            tty = f" on {os.ttyname(fd)}"
+            break
+        except OSError:
+            continue
+    return f"{by} (pid {os.getpid()}, from {user}@{socket.gethostname()}{tty})"
 
 
 def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
     what = "stopped after an uncaught exception" if where.get("reason") == "post-mortem" else "paused"
     return (f"rank {rank} {what} at {where.get('file')}:{where.get('line')} in {where.get('function')}() "
             f"on {host}; attach with: monarch debug attach {rank}")
+
+
+def _consoles(stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
+              runner: SpmdRunner) -> "tuple[BinaryIO, BinaryIO]":
+    """The run's output streams; when their reader goes away (``| head``), the run ends quietly."""
+    return (cast(BinaryIO, ConsoleStream(stdout or sys.stdout.buffer, runner.console_closed)),
+            cast(BinaryIO, ConsoleStream(stderr or sys.stderr.buffer, runner.console_closed)))
+
+
+def _reader_gone(*streams: BinaryIO) -> bool:
+    return any(getattr(s, "reader_gone", False) for s in streams)
+
+
+def _console_verdict(result: RunResult, *streams: BinaryIO) -> RunResult:
+    """A run whose output lost its reader exits as a tool under SIGPIPE does (141)."""
+    if _reader_gone(*streams):
+        result.console_closed, result.exit_code = True, CLOSED_PIPE_EXIT
+    return result
+
+
+def _check_ranks(ranks: Set[int], world_size: int) -> None:
+    """Ranks to show that the run does not have are a mistake, not a silent console."""
+    unknown = sorted(r for r in ranks if not 0 <= r < world_size)
+    have = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
+    if not ranks:
+        raise JobError(f"--ranks names no rank; this run has {have}")
+    if unknown:
+        raise JobError(f"--ranks {','.join(map(str, unknown))}: no such rank; this run has {have}")
 
 
 def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:
@@ -288,46 +472,82 @@ def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:
 
 
 def _result(run_id: str, exits: List[RankExit], duration: float, log_dir: Path, restarts: int,
-            interrupted: bool) -> RunResult:
+            control: Optional[RunControl]) -> RunResult:
     first = next((e for e in exits if not e.ok), None)
-    return RunResult(run_id, first.status if first else 0, exits, duration, log_dir, first, restarts, interrupted)
+    status = first.status if first else 0
+    if control is None:
+        return RunResult(run_id, status, exits, duration, log_dir, first, restarts)
+    return RunResult(run_id, control.exit_code(status), exits, duration, log_dir, first, restarts,
+                     interrupted=control.interrupts > 0, ending=control.ending(), received_signal=control.received,
+                     stopped_by=control.stopped_by, stragglers=control.stragglers)
 
 
 # ---------------------------------------------------------------------- entry points
-def serve(
-    command: Command = None,
-    scheduler: str = "local",
-    *,
-    hosts: Optional[int] = None,
-    state: Union[str, Path, None] = None,
-    replace: bool = False,
-    preload: Optional[str] = None,
-    progress: Optional[Callable[[str], None]] = None,
-    **options: Any,
-) -> Job:
-    """Reserve hosts (or reuse a reservation that can serve this request) and return the job."""
-    backend = get_scheduler(scheduler)
-    argv, nhosts = _command_and_hosts(command, hosts)
+Hosts = Union[int, str, Sequence[str], None]  # a count, or host names ("h1,h2" or a list) for a backend that takes them
+
+
+def _host_names(backend: Scheduler, hosts: Hosts) -> "tuple[Optional[int], List[str]]":
+    """``hosts`` as (count, names): a number (or its text) is a count; anything else names hosts."""
+    if hosts is None or isinstance(hosts, int):
+        return hosts, []
+    if isinstance(hosts, str):
+        text = hosts.strip()
+        if text.lstrip("-").isdigit():
+            return int(text), []
+        names = [h.strip() for h in text.split(",") if h.strip()]
+    else:
+        names = [str(h).strip() for h in hosts if str(h).strip()]
+    if not names:
+        raise OptionError(f"--hosts takes a number or host names (h1,h2), not {hosts!r}")
+    if not backend.takes_host_names:
+        raise OptionError(f"the {backend.name} scheduler takes a number of hosts, not names ({', '.join(names)})")
+    return len(names), names
+
+
+def _request(backend: Scheduler, command: Command, hosts: Hosts, preload: Optional[str],
+             agent_port: Optional[int], port_range: Optional[Tuple[int, int]], options: Dict[str, Any]) -> ReserveRequest:
+    count, names = _host_names(backend, hosts)
+    if count is not None and count < 1:
+        raise JobError(f"--hosts must be at least 1, not {count}")
+    argv, nhosts = _command_and_hosts(command, count)
     nhosts = nhosts or backend.default_hosts() or 1
     if nhosts < 1:
         raise JobError(f"--hosts must be at least 1, not {nhosts}")
     if argv:
         parse_command(argv)  # a bad default command is an error now, not at the first run
-    request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
+    return ReserveRequest(hosts=nhosts, command=argv, options=backend.check_options(options), preload=preload,
+                          agent_port=agent_port, port_range=port_range, host_names=names)
+
+
+def serve(
+    command: Command = None,
+    scheduler: str = "local",
+    *,
+    hosts: Hosts = None,
+    state: Union[str, Path, None] = None,
+    replace: bool = False,
+    preload: Optional[str] = None,
+    agent_port: Optional[int] = None,
+    port_range: Optional[Tuple[int, int]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+    cwd: Union[str, Path, None] = None,
+    **options: Any,
+) -> Job:
+    """Reserve hosts (or reuse a reservation that can serve this request) and return the job.
+
+    The served command will run in ``cwd`` (default: the current directory), wherever
+    ``run_spmd()`` is later called from, so its relative paths keep their meaning.
+    """
+    backend = get_scheduler(scheduler)
+    request = _request(backend, command, hosts, preload, agent_port, port_range, options)
     path = state_path(state)
+    request.state_file = str(path.resolve())
     say = progress or (lambda _msg: None)
-    try:
-        existing: Optional[Job] = job_load(path)
-    except NoReservation:
-        existing = None
-    except StateError:
-        if not replace:
-            raise
-        say(f"replacing unreadable state file {path}")
-        clear_state(path)
-        existing = None
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if request.command else None
+    existing = _existing(path, replace, say)
     if existing is not None:
-        why_not = backend.can_serve(existing.state, request)
+        why_not = backend.can_serve(existing.state, request) if existing.state.scheduler == backend.name else \
+            f"it is a {existing.state.scheduler} reservation, not {backend.name}"
         gone = False
         try:
             existing._hostset()
@@ -335,42 +555,102 @@ def serve(
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
-            if argv and argv != existing.state.default_command:
-                existing.state.default_command = argv
+            argv = request.command
+            if argv and (argv, served_in) != (existing.state.default_command, existing.state.default_cwd):
+                existing.state.default_command, existing.state.default_cwd = argv, served_in
                 save_state(existing.state, path)
             return existing
-        if not replace and not gone:
-            raise JobError(
-                f"a reservation already exists at {path} and cannot serve this request ({why_not}); "
-                "use --replace to release it and make a new one, or --state for a second one"
-            )
-        say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
-        existing.stop()
+        _release_for(existing, why_not, replace or gone, path, say)
+    return _reserve(backend, backend.plan(request, path.parent), path, say, served_in)
+
+
+def reserve_plan(plan: Union[Plan, Dict[str, Any], str], *, state: Union[str, Path, None] = None,
+                 replace: bool = False, cwd: Union[str, Path, None] = None,
+                 progress: Optional[Callable[[str], None]] = None) -> Job:
+    """Carry out a plan that :func:`dryrun` returned (or its JSON, as ``serve --dry-run --json`` prints it).
+
+    The plan's command will run in ``cwd`` (default: the current directory), as with :func:`serve`.
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    backend = get_scheduler(plan.scheduler)
+    if plan.command:
+        parse_command(plan.command)
+    if backend.check_options(plan.options) != plan.options:
+        raise PlanError(f"the plan's options {plan.options} are not valid {plan.scheduler} options")
+    path = state_path(state)
+    say = progress or (lambda _msg: None)
+    existing = _existing(path, replace, say)
+    if existing is not None:
+        try:
+            existing._hostset()
+            gone = False
+        except StaleReservation:
+            gone = True
+        _release_for(existing, "a plan always makes a new reservation", replace or gone, path, say)
+    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if plan.command else None
+    return _reserve(backend, plan, path, say, served_in)
+
+
+def _existing(path: Path, replace: bool, say: Callable[[str], None]) -> Optional[Job]:
+    try:
+        return job_load(path)
+    except NoReservation:
+        return None
+    except StateError:
+        if not replace:
+            raise
+        say(f"replacing unreadable state file {path}")
+        clear_unreadable(path)
+        return None
+
+
+def _release_for(existing: Job, why_not: str, replace: bool, path: Path, say: Callable[[str], None]) -> None:
+    if not replace:
+        raise JobError(
+            f"a reservation already exists at {path} and cannot serve this request ({why_not}); "
+            "use --replace to release it and make a new one, or --state for a second one"
+        )
+    say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
+    existing.stop(by="monarch serve --replace")
+
+
+def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: Optional[str]) -> Job:
     keys = Keys.generate()
-    reservation = backend.reserve(request, keys, path.parent, say)
+    reservation = backend.reserve(plan, keys, say)
     job_state = JobState(
         scheduler=backend.name,
         reservation_id=reservation.reservation_id,
         hosts=reservation.hosts,
         keys=keys.encode(),
-        default_command=argv,
+        default_command=list(plan.command),
         created_at=time.time(),
         scheduler_data=reservation.scheduler_data,
+        default_cwd=served_in,
     )
     save_state(job_state, path)
     return Job(job_state, path)
 
 
-def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Optional[int] = None,
-           state: Union[str, Path, None] = None, preload: Optional[str] = None, **options: Any) -> DryRun:
-    """What :func:`serve` would start, without starting anything."""
+def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Hosts = None,
+           state: Union[str, Path, None] = None, preload: Optional[str] = None, agent_port: Optional[int] = None,
+           port_range: Optional[Tuple[int, int]] = None, **options: Any) -> Plan:
+    """The plan :func:`serve` would carry out, without starting anything; :func:`reserve_plan` carries it out."""
     backend = get_scheduler(scheduler)
-    argv, nhosts = _command_and_hosts(command, hosts)
-    nhosts = nhosts or backend.default_hosts() or 1
-    if argv:
-        parse_command(argv)
-    request = ReserveRequest(hosts=nhosts, command=argv, options=options, preload=preload)
-    return backend.dryrun(request, state_path(state).parent)
+    request = _request(backend, command, hosts, preload, agent_port, port_range, options)
+    request.state_file = str(state_path(state).resolve())  # as serve() sets it: the plan is what serve runs
+    return backend.plan(request, state_path(state).parent)
+
+
+def clear_unreadable(state: Union[str, Path, None] = None) -> Dict[str, Any]:
+    """What ``stop --force`` does to an unreadable state file: stop the agents registered for
+    it on this machine (local backend), then delete it."""
+    path = state_path(state)
+    stopped: List[int] = []
+    for name in sorted(set(available()) - set(ALIASES)):
+        stopped += get_scheduler(name).release_unreadable(path)
+    clear_state(path)
+    return {"cleared": str(path), "agents_stopped": stopped}
 
 
 def job_load(path: Union[str, Path, None] = None) -> Job:

@@ -6,6 +6,15 @@ kept. Log files are unbuffered (``monarch logs -f`` reads them while the run goe
 get exactly what the rank wrote, nothing added, a segment at a time: stdout
 and stderr arrive through separate pipes, so an unfinished line of one stream is held back
 until it ends rather than having the other stream's lines written into its middle.
+
+Every byte is looked at a bounded number of times, whatever the shape of the output: only
+the new chunk is searched for line ends, never the held-back part, and a line longer than
+:data:`MAX_HELD_LINE` is not held whole: what has come of it goes to the log and, wrapped, to
+the console, so a 10 MB line with no newline costs memory of one chunk, not of the line.
+
+Logs are private (files 0600 in 0700 directories): ranks print tokens and paths. Only the
+last ``MONARCH_KEEP_RUNS`` runs (default 20) are kept; older run directories are removed
+when a new run starts.
 """
 
 from __future__ import annotations
@@ -13,14 +22,27 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import sys
 import threading
 from pathlib import Path
-from typing import BinaryIO, Deque, Dict, Iterable, List, Optional, Set, Tuple
+from typing import BinaryIO, Deque, Dict, List, Optional, Set, Tuple
+
+from .errors import JobError
 
 _COLORS = [36, 33, 32, 35, 34, 31, 96, 93, 92, 95, 94, 91]
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 _TAIL_LINES = 5
+#: A tail line (failure table, ``--json``'s ``last_lines``) is cut to this many characters.
+TAIL_WIDTH = 200
+_TAIL_BYTES = 4 * TAIL_WIDTH  # enough bytes for TAIL_WIDTH characters of UTF-8
+_TAIL_SCAN = 64  # segments looked at, from the end of a chunk, to find non-blank tail lines
+#: An unfinished line held back longer than this is written out (logged, shown wrapped).
+MAX_HELD_LINE = 1 << 20
+#: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
+DEFAULT_KEEP_RUNS = 20
+_LOG_MODE = 0o600
+_DIR_MODE = 0o700
 
 
 class OutputSink:
@@ -38,7 +60,7 @@ class OutputSink:
     ) -> None:
         """``console``: ranks shown (None = all); ``hidden_streams``: rank -> streams (1, 2) kept off the console."""
         self.log_dir = log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
+        _private_dir(log_dir)
         self.labels = labels
         self.console = console
         self.hidden = hidden_streams or {}
@@ -52,13 +74,17 @@ class OutputSink:
             if use_color:
                 text = f"\x1b[{_COLORS[rank % len(_COLORS)]}m{text}\x1b[0m"
             self.prefix[rank] = text.encode()
-        self.partial: Dict[Tuple[int, int], bytes] = {}
+        self.partial: Dict[Tuple[int, int], bytearray] = {}
+        #: Streams whose current line was already written out in part (it was too long to hold).
+        self.continued: Set[Tuple[int, int]] = set()
         self.tails: Dict[int, Deque[str]] = {r: collections.deque(maxlen=_TAIL_LINES) for r in labels}
-        self.logs: Dict[int, BinaryIO] = {r: open(log_dir / f"rank{r}.log", "ab", buffering=0) for r in labels}  # noqa: SIM115
+        self.logs: Dict[int, BinaryIO] = {r: _open_private(log_dir / f"rank{r}.log") for r in labels}
         self.extra: Dict[Tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.extra[key] = open(path, "ab", buffering=0)  # noqa: SIM115
+            self.extra[key] = _open_private(path)
+        #: Bytes searched for line ends and tail lines, for tests that the cost is linear.
+        self.scanned = 0
         self._lock = threading.Lock()
 
     def write(self, rank: int, stream: int, data: bytes) -> None:
@@ -69,31 +95,46 @@ class OutputSink:
             extra = self.extra.get((rank, stream))
             if extra is not None:
                 extra.write(data)
-            buf = self.partial.pop((rank, stream), b"") + data
-            end = 0
-            segments: List[bytes] = []
-            for m in _SEGMENT.finditer(buf):
-                segments.append(m.group(0))
-                end = m.end()
-            if end < len(buf):
-                self.partial[(rank, stream)] = buf[end:]
-            if end:
-                log.write(buf[:end] if end < len(buf) else buf)
-            self._emit(rank, stream, segments)
+            key = (rank, stream)
+            self.scanned += len(data)
+            # Only the new bytes are searched: the held-back part has no line end by construction.
+            last = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+            held = self.partial.get(key)
+            if last == 0:
+                if held is None:
+                    held = self.partial[key] = bytearray()
+                held += data
+                if len(held) >= MAX_HELD_LINE:
+                    self._write_held(rank, stream, log)
+                return
+            block = bytes(held) + data[:last] if held else bytes(data[:last])
+            self.scanned += len(block)  # copied once, then shown and searched for tail lines
+            rest = data[last:]
+            if rest:
+                self.partial[key] = bytearray(rest)
+            else:
+                self.partial.pop(key, None)
+            log.write(block)
+            self._emit(rank, stream, block, continued=key in self.continued)
+            self.continued.discard(key)
+            if len(rest) >= MAX_HELD_LINE:
+                self._write_held(rank, stream, log)
 
     def end_of_rank(self, rank: int) -> None:
         """The rank exited: show an unterminated last line, and flush its log."""
         with self._lock:
             for stream in (1, 2):
-                rest = self.partial.pop((rank, stream), b"")
+                rest = self.partial.pop((rank, stream), None)
                 if rest:
                     if rank in self.logs:
                         self.logs[rank].write(rest)  # as written: no line end added to the log
-                    self._emit(rank, stream, [rest + b"\n"])
+                    self._emit(rank, stream, bytes(rest) + b"\n", continued=(rank, stream) in self.continued)
+                self.continued.discard((rank, stream))
             if rank in self.logs:
                 self.logs[rank].flush()
 
     def tail(self, rank: int) -> List[str]:
+        """The rank's last few non-blank lines, each at most :data:`TAIL_WIDTH` characters."""
         return list(self.tails.get(rank, ()))
 
     def close(self) -> None:
@@ -107,20 +148,142 @@ class OutputSink:
             self.logs.clear()
             self.extra.clear()
 
-    def _emit(self, rank: int, stream: int, segments: Iterable[bytes]) -> None:
-        tail = self.tails[rank]
-        shown = (self.console is None or rank in self.console) and stream not in self.hidden.get(rank, ())
-        target = self.out if stream == 1 else self.err
-        chunk = bytearray()
-        for seg in segments:
-            text = seg.rstrip(b"\r\n").decode("utf-8", "backslashreplace")
-            if text.strip():
-                tail.append(text)
-            if shown:
-                chunk += self.prefix[rank] + seg
-        if chunk:
-            target.write(bytes(chunk))
-            target.flush()
+    def _write_held(self, rank: int, stream: int, log: BinaryIO) -> None:
+        """Write out a held line grown too long: all of it to the log, a wrapped piece to the console."""
+        key = (rank, stream)
+        held = self.partial[key]
+        cut = _utf8_boundary(held)  # never split a character across two console lines
+        piece = bytes(held[:cut])
+        del held[:cut]  # at most 3 bytes are left
+        self.scanned += len(piece)
+        log.write(piece)
+        first = key not in self.continued
+        self.continued.add(key)
+        if self._shown(rank, stream):
+            self._target(stream).write(self.prefix[rank] + piece + b"\n")
+            self._target(stream).flush()
+        if first and piece.strip():
+            self.tails[rank].append(_tail_text(piece, cut_short=True))
+
+    def _shown(self, rank: int, stream: int) -> bool:
+        return (self.console is None or rank in self.console) and stream not in self.hidden.get(rank, ())
+
+    def _target(self, stream: int) -> BinaryIO:
+        return self.out if stream == 1 else self.err
+
+    def _emit(self, rank: int, stream: int, block: bytes, continued: bool) -> None:
+        """Show ``block`` (whole segments: it ends with a line end) and note its last lines."""
+        if self._shown(rank, stream):
+            prefix = self.prefix[rank]
+            if b"\r" in block:
+                shown = prefix + prefix.join(_SEGMENT.findall(block))
+            else:  # the usual case: one C-level pass
+                shown = prefix + block[:-1].replace(b"\n", b"\n" + prefix) + b"\n"
+            self._target(stream).write(shown)
+            self._target(stream).flush()
+        start = 0
+        if continued:  # the first segment ends a line whose start is already in the tail
+            start = _first_segment_end(block)
+        for line, cut_short in _last_lines(block, start):
+            self.tails[rank].append(_tail_text(line, cut_short))
+
+
+def _first_segment_end(block: bytes) -> int:
+    ends = [i for i in (block.find(b"\n"), block.find(b"\r")) if i >= 0]
+    i = min(ends)
+    if block[i:i + 2] == b"\r\n":
+        i += 1
+    return i + 1
+
+
+def _last_lines(block: bytes, start: int) -> List[Tuple[bytes, bool]]:
+    """Up to the last few non-blank segments of ``block[start:]``, oldest first, each cut
+    to a displayable length (with whether it was cut). Work is bounded by the segments
+    looked at, not by the block: each search resumes where the last one stopped."""
+    found: List[Tuple[bytes, bool]] = []
+    end = len(block)
+    last_lf = last_cr = len(block)  # positions known to be the last of each at or after the stop
+    has_cr = b"\r" in block
+    looked = 0
+    while end > start and len(found) < _TAIL_LINES and looked < _TAIL_SCAN:
+        looked += 1
+        stop = end - 1  # drop this segment's line end
+        if stop > start and block[stop] == 0x0A and block[stop - 1] == 0x0D:
+            stop -= 1
+        if last_lf >= stop:
+            last_lf = block.rfind(b"\n", start, stop)
+        if has_cr and last_cr >= stop:
+            last_cr = block.rfind(b"\r", start, stop)
+        begin = max(last_lf, last_cr if has_cr else -1) + 1
+        begin = max(begin, start)
+        line = block[begin:min(stop, begin + _TAIL_BYTES)]
+        if line.strip():
+            found.append((line, stop - begin > _TAIL_BYTES))
+        end = begin
+    found.reverse()
+    return found
+
+
+def _tail_text(line: bytes, cut_short: bool) -> str:
+    text = line[:_TAIL_BYTES].decode("utf-8", "backslashreplace").rstrip("\r\n")
+    if cut_short or len(text) > TAIL_WIDTH:
+        return text[:TAIL_WIDTH] + "…"
+    return text
+
+
+def _utf8_boundary(data: bytearray) -> int:
+    """The largest cut point of ``data`` that does not split a UTF-8 character."""
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        byte = data[n - back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: its lead byte is further back
+            continue
+        if byte < 0xC0:  # ASCII, or a stray byte: nothing to keep together
+            return n
+        need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+        return n - back if need > back else n
+    return n
+
+
+# ---------------------------------------------------------------------- run directories
+def keep_runs() -> int:
+    """How many runs' logs to keep (``MONARCH_KEEP_RUNS``; 0 keeps every run)."""
+    raw = os.environ.get("MONARCH_KEEP_RUNS", "").strip()
+    if not raw:
+        return DEFAULT_KEEP_RUNS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise JobError(f"MONARCH_KEEP_RUNS must be a whole number (0 keeps every run), not {raw!r}")
+    return value
+
+
+def new_run_dir(logs_root: Path, run_id: str, keep: Optional[int] = None) -> Path:
+    """Create ``logs_root/run_id`` (private), removing the oldest runs beyond ``keep`` (counting this one)."""
+    keep = keep_runs() if keep is None else keep
+    _private_dir(logs_root)
+    if keep > 0:
+        old = [p for p in list_runs(logs_root) if p.name != run_id]
+        for path in old[: max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+    run_dir = logs_root / run_id
+    _private_dir(run_dir)
+    return run_dir
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o777 != _DIR_MODE:
+        os.chmod(path, _DIR_MODE)
+
+
+def _open_private(path: Path) -> BinaryIO:
+    """Open for appending, unbuffered, readable by its owner only (also if it existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, _LOG_MODE)
+    os.fchmod(fd, _LOG_MODE)
+    return open(fd, "ab", buffering=0)  # noqa: SIM115
 
 
 def list_runs(logs_root: Path) -> List[Path]:

@@ -1,9 +1,8 @@
-"""``monarch sbatch``: unattended runs inside a Slurm allocation, and the node-side entry points.
+"""``monarch sbatch``: unattended runs inside a Slurm allocation.
 
-``python -m monarch_cli.jobs.slurm_batch agent --dir D`` runs on every node (one srun task
-each): it becomes the host agent, named after the Slurm node, and writes its address to
-``D/agents/<node>.addr``. ``... run --state-dir D -- CMD`` is what a ``monarch sbatch``
-script runs in the allocation: it serves the allocation's nodes (agents in an ``srun
+``python -m monarch_cli.jobs.slurm_batch run --state-dir D -- CMD`` is what a ``monarch sbatch``
+script runs in the allocation (the per-node agent entry point is the Slurm backend's
+:mod:`monarch_cli.schedulers.slurm.node`): it serves the allocation's nodes (agents in an ``srun
 --overlap`` step), runs CMD once with ``Job.run_spmd`` (rank-prefixed output into the Slurm
 output file, per-rank logs under ``D/logs``), relays Slurm's warning signals to the ranks,
 stops the agents and exits with the run's status, which becomes the job's exit code.
@@ -16,17 +15,17 @@ import json
 import os
 import shlex
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..schedulers.slurm import load_template, sbatch_lines
-from ..schedulers.slurm_commands import (SlurmError, allocation_id, job_info, job_workdir, parse_job_id, submit,
+from ..schedulers.slurm.commands import (SlurmError, allocation_id, job_info, job_workdir, parse_job_id, submit,
                                          submit_and_wait)
+from ..schedulers.slurm.scheduler import load_template, sbatch_lines
+from ..sysutil import atomic_write
 from .errors import JobError
-from .state import state_path
+from .state import find_state_dir, state_path
 from .torchrun import parse_command
 
 #: Signals a batch run relays to its ranks: Slurm's usual warning signals before a time limit
@@ -103,17 +102,21 @@ def render_batch_script(command: Sequence[str], options: Sequence[str], state_ro
     )
 
 
-def write_batch_script(command: Sequence[str], options: Sequence[str], state: Optional[Path] = None) -> Path:
-    """Render the ``monarch sbatch`` script into the state directory and return its path."""
+def batch_script(command: Sequence[str], options: Sequence[str], state: Optional[Path] = None) -> str:
+    """The ``monarch sbatch`` script, after every check a submit makes (``--dry-run`` prints this)."""
     if not command:
         raise JobError("give the command to run after `--`, e.g. monarch sbatch -N 2 -- torchrun --nproc-per-node=2 train.py")
     parse_command(list(command))  # a bad command is an error now, not in the allocation
     cli_only = [o for o in options if o.split("=")[0] in _COMMAND_LINE_ONLY]
     if cli_only:
         raise JobError(f"{' '.join(cli_only)}: not an option here; use `monarch sbatch --wait` to wait for the job")
-    root = state_path(state).parent.resolve()
-    script = render_batch_script(command, options, root, sys.executable)
-    scripts = root / "slurm" / "scripts"
+    return render_batch_script(command, options, state_path(state).parent.resolve(), sys.executable)
+
+
+def write_batch_script(command: Sequence[str], options: Sequence[str], state: Optional[Path] = None) -> Path:
+    """Render the ``monarch sbatch`` script into the state directory and return its path."""
+    script = batch_script(command, options, state)
+    scripts = state_path(state).parent.resolve() / "slurm" / "scripts"
     scripts.mkdir(parents=True, exist_ok=True)
     path = scripts / f"batch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch"
     path.write_text(script)
@@ -142,7 +145,7 @@ def batch_dir(job_id: str, state: Optional[Path] = None) -> Path:
     info = job_info(job_id) or {}
     workdir = job_workdir(job_id) if info else None
     if workdir is not None:
-        candidate = workdir / ".monarch" / "slurm" / f"job-{job_id}"
+        candidate = (find_state_dir(workdir) or workdir / ".monarch") / "slurm" / f"job-{job_id}"
         if candidate.exists():
             return candidate
     if info:
@@ -181,52 +184,10 @@ def _read_json(path: Path) -> Optional[Dict[str, Any]]:
 
 
 def _write_json(path: Path, data: Dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=1), 0o644)
 
 
-# ------------------------------------------------------------------- on the nodes
-def _node_address(node: str) -> str:
-    """The address other nodes reach this one at: the node name's, else any non-loopback one."""
-    candidates = []
-    for name in (node, socket.gethostname()):
-        try:
-            candidates += [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET)]
-        except OSError:
-            pass
-    for addr in candidates:
-        if not addr.startswith("127."):
-            return addr
-    submit_host = os.environ.get("SLURM_SUBMIT_HOST")
-    if submit_host:
-        try:  # the interface that routes towards the submit host (a UDP connect sends nothing)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((socket.gethostbyname(submit_host), 9))
-                return probe.getsockname()[0]
-        except OSError:
-            pass
-    return candidates[0] if candidates else "127.0.0.1"
-
-
-def agent_main(directory: Path, preload: Optional[str]) -> None:
-    """Become this node's host agent (exec), named after the Slurm node."""
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    if not os.environ.get("MONARCH_KEY_FILE"):
-        sys.exit("monarch slurm agent: $MONARCH_KEY_FILE is not set")
-    # Slurm's --signal without B: signals every process of the job's steps: the agent must
-    # not die of it. Ranks inherit the ignore and still get it (directly, from Slurm); a
-    # script that installs a handler (the checkpoint pattern) is unaffected.
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
-    argv = [sys.executable, "-m", "monarch_cli.runtime.agent", "--address-file",
-            str(directory / "agents" / f"{node}.addr"), "--name", node, "--host", _node_address(node), "--warm-up"]
-    if preload is not None:
-        argv += ["--preload", preload]
-    os.environ.pop("MONARCH_HOST", None)  # the submitter's, not this node's
-    os.execv(sys.executable, argv)
-
-
+# ------------------------------------------------------------------- in the allocation
 def run_main(state_dir: Path, command: List[str]) -> int:
     """Serve this allocation, run ``command`` once, stop, and return the run's exit status."""
     from .job import serve
@@ -270,16 +231,10 @@ def run_main(state_dir: Path, command: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m monarch_cli.jobs.slurm_batch", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    agent = sub.add_parser("agent", help="become this node's host agent (one srun task per node)")
-    agent.add_argument("--dir", type=Path, required=True)
-    agent.add_argument("--preload")
     run = sub.add_parser("run", help="serve this allocation, run the command once, exit with its status")
     run.add_argument("--state-dir", type=Path, required=True)
     run.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    if args.what == "agent":
-        agent_main(args.dir, args.preload)
-        return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command after --")
@@ -290,5 +245,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["FORWARDED", "split_sbatch_options", "render_batch_script", "write_batch_script", "submit_batch",
+__all__ = ["FORWARDED", "split_sbatch_options", "render_batch_script", "batch_script", "write_batch_script", "submit_batch",
            "batch_dir", "batch_status", "SlurmError", "parse_job_id"]

@@ -2,8 +2,9 @@
 
 The runner places ranks on hosts, hands each host agent its ranks with torchrun's whole
 environment contract, streams output to an :class:`OutputSink`, and decides the outcome:
-the first rank to fail sets the exit status, the rest are stopped after a grace period,
-and the first Ctrl-C is passed to the ranks as SIGINT (the second kills them).
+the first rank to fail sets the exit status, the rest are stopped after a grace period.
+How a run is ended from outside (Ctrl-C, SIGTERM, ``monarch stop``) is decided in
+:mod:`.lifecycle`.
 """
 
 from __future__ import annotations
@@ -15,19 +16,28 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import settings
 from ..runtime import wire
+from ..runtime.errors import CallTimeout
 from ..runtime.future import Future, gather
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
 from ..runtime.ranks import describe_status
 from .errors import JobError
+from .lifecycle import (DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGLER_GRACE, EXIT_LOST, EXIT_STOPPED,
+                        RunControl, SignalRelay, signal_name)
 from .output import OutputSink
 from .state import HostRecord
+from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
 
+if TYPE_CHECKING:
+    from .telemetry import RunTelemetry
+
+#: Output bytes from one host after which the runner credits them back (see ``ranks.OUTPUT_WINDOW``).
+_CREDIT_EVERY = 1 << 20
 _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MONARCH_KEY_FILE", "TERM_SESSION_ID"}
 
 
@@ -48,16 +58,21 @@ class RankExit:
     pid: Optional[int] = None
     tail: List[str] = dataclasses.field(default_factory=list)
     lost: str = ""  # set when the rank's host went away instead of reporting
+    cause: str = ""  # what ended it from outside, as its agent saw it (e.g. its warm process died)
+    stopped: str = ""  # set when the reservation was released (monarch stop) while the rank ran
 
     @property
     def status(self) -> int:
+        if self.stopped:
+            return EXIT_STOPPED
         if self.lost:
-            return 255
+            return EXIT_LOST
         return describe_status(self.exitcode, self.signal)[1]
 
     @property
     def how(self) -> str:
-        return self.lost or describe_status(self.exitcode, self.signal)[0]
+        how = self.stopped or self.lost or describe_status(self.exitcode, self.signal)[0]
+        return f"{how}: {self.cause}" if self.cause and not (self.stopped or self.lost) else how
 
     @property
     def ok(self) -> bool:
@@ -74,6 +89,12 @@ class RunResult:
     first_failure: Optional[RankExit] = None
     restarts: int = 0
     interrupted: bool = False
+    #: How the run was ended from outside ("received SIGTERM; forwarded to ranks; ..."), or "".
+    ending: str = ""
+    received_signal: Optional[int] = None  # SIGTERM/SIGHUP/SIGQUIT sent to the caller
+    stopped_by: Optional[str] = None  # who released the reservation during the run
+    stragglers: List[int] = dataclasses.field(default_factory=list)  # named as still running after the grace
+    console_closed: bool = False  # its output's reader went away (`| head`): the run was ended
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -83,6 +104,11 @@ class RunResult:
             "log_dir": str(self.log_dir),
             "restarts": self.restarts,
             "interrupted": self.interrupted,
+            "ending": self.ending,
+            "received_signal": signal_name(self.received_signal) if self.received_signal else None,
+            "stopped_by": self.stopped_by,
+            "stragglers": self.stragglers,
+            "console_closed": self.console_closed,
             "first_failure": self.first_failure.rank if self.first_failure else None,
             "ranks": [
                 {
@@ -121,18 +147,53 @@ def user_environment() -> Dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _HOST_SPECIFIC and not k.startswith("SLURM_")}
 
 
+#: What reaches ranks on a host that does not share this machine's filesystem (a synced host)
+#: without ``-e``: the client's PATH, HOME, PYTHONPATH or VIRTUAL_ENV would be wrong there.
+FORWARDED_PREFIXES = ("TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "HF_", "WANDB_",
+                      "TOKENIZERS_", "LOGLEVEL")
+FORWARDED_NAMES = ("PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "CUBLAS_WORKSPACE_CONFIG", "LANG", "LC_ALL")
+
+
+def remote_environment() -> Dict[str, str]:
+    """The caller's variables that ranks on a synced host get by default (see docs/sync.md)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+
+
+def parse_env_flags(items: Sequence[str]) -> Dict[str, str]:
+    """``-e NAME=VALUE`` sets, ``-e NAME`` forwards this shell's value; an unset NAME is an error."""
+    out: Dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not name or not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c == "_" for c in name):
+            raise JobError(f"-e takes NAME or NAME=VALUE, not {item!r}")
+        if not eq:
+            if name not in os.environ:
+                raise JobError(f"-e {name}: {name} is not set here; give a value with -e {name}=VALUE")
+            value = os.environ[name]
+        out[name] = value
+    return out
+
+
 class HostSet:
     """The reservation's agents as this controller talks to them."""
 
-    def __init__(self, hosts: List[HostRecord], keys: Keys, timeout: float = 5.0) -> None:
+    def __init__(self, hosts: List[HostRecord], keys: Keys, timeout: float = 5.0, *, require_all: bool = True,
+                 known_dead: Sequence[str] = ()) -> None:
         self.hosts = hosts
         self.mb = Mailbox.for_keys(keys)
-        pings = [self.mb.request(h.agent, lambda cid: ("ping", cid, self.mb.address)) for h in hosts]
+        pings = [None if h.name in known_dead else self.mb.request(h.agent, lambda cid: ("ping", cid, self.mb.address))
+                 for h in hosts]
         self.infos: List[Dict[str, Any]] = []
+        deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
         for host, fut in zip(hosts, pings):
             try:
-                self.infos.append(fut.get(timeout=timeout))
+                if fut is None:
+                    raise LookupError(host.name)  # no need to wait for an answer that cannot come
+                self.infos.append(fut.get(timeout=max(0.0, deadline - time.monotonic())))
             except Exception:  # noqa: BLE001 - any failure to answer means the same thing here
+                if not require_all:  # `status`: this host is dead, the others may be fine
+                    self.infos.append(None)  # type: ignore[arg-type]
+                    continue
                 raise StaleReservation(
                     f"host {host.name} (agent {host.agent}) is not answering: the reservation is gone or unreachable; "
                     "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
@@ -140,13 +201,31 @@ class HostSet:
 
 
 class SpmdRunner:
-    """Runs launches on a :class:`HostSet` and reports how each ended."""
+    """Runs launches on a :class:`HostSet` and reports how each ended.
 
-    def __init__(self, hostset: HostSet, log_dir: Path, *, grace: float = 3.0) -> None:
+    ``grace``: after a rank fails, the others get SIGTERM, and SIGKILL one grace later.
+    ``shutdown_timeout``: after SIGTERM/SIGHUP/SIGQUIT to the caller, how long ranks have
+    before SIGKILL. ``straggler_grace``: how long after the first rank ends the ranks still
+    running are named (once) through ``say``.
+    """
+
+    def __init__(self, hostset: HostSet, log_dir: Path, *, grace: float = 3.0,
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+                 straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
+                 say: Optional[Callable[[str], None]] = None) -> None:
         self.hs = hostset
         self.mb = hostset.mb
         self.log_dir = log_dir
         self.grace = grace
+        self.shutdown_timeout = shutdown_timeout
+        self.straggler_grace = straggler_grace
+        self.say = say or (lambda _msg: None)
+        self.control: Optional[RunControl] = None  # the last run's
+        self._console_closed = threading.Event()
+
+    def console_closed(self) -> None:
+        """From any thread: the run's output has no reader any more (`| head`); end the run."""
+        self._console_closed.set()
 
     def run(
         self,
@@ -159,6 +238,8 @@ class SpmdRunner:
         on_pause: Optional[Callable[[int, str, Dict[str, Any]], None]] = None,
         on_notice: Optional[Callable[[str], None]] = None,
         forward_signals: Sequence[int] = (),
+        telemetry: Optional["RunTelemetry"] = None,
+        attempt: int = 0,
     ) -> List[RankExit]:
         mb = self.mb
         by_rank = {l.rank: l for l in launches}
@@ -169,11 +250,31 @@ class SpmdRunner:
         started = time.monotonic()
         lock = threading.Lock()
         nodes = sorted({l.node for l in launches})
+        owed: Dict[int, int] = {n: 0 for n in nodes}  # node -> output bytes printed, not yet credited
+        host_of = {l.rank: self.hs.hosts[l.node].name for l in launches}
+        control = self.control = RunControl(
+            host_of, lambda sig: self._signal(nodes, run_id, sig), self.say, failure_grace=self.grace,
+            shutdown_timeout=self.shutdown_timeout, straggler_grace=self.straggler_grace)
+
+        def running() -> Dict[int, str]:
+            return {r: h for r, h in host_of.items() if r not in exits}
 
         def on_output(header: Any, body: List[Any]) -> None:
             _, _, rid, rank, stream = header
-            if rid == run_id:
-                sink.write(rank, stream, bytes(body[0]))
+            if rid == run_id and rank in by_rank:
+                data = bytes(body[0])
+                try:
+                    sink.write(rank, stream, data)
+                    if telemetry is not None:
+                        telemetry.output(rank, stream, data)
+                finally:  # credited even if the console failed (a closed pipe): never stall the ranks
+                    # Credit once printed: a host sends only a window ahead, so a slow console
+                    # holds the ranks back instead of letting output pile up in memory.
+                    node = by_rank[rank].node
+                    owed[node] += len(data)
+                    if owed[node] >= _CREDIT_EVERY:
+                        mb.send(self.hs.hosts[node].agent, ("output_credit", run_id, owed[node]))
+                        owed[node] = 0
 
         def finish(rank: int, exit_: RankExit) -> None:
             with lock:
@@ -182,17 +283,22 @@ class SpmdRunner:
                 sink.end_of_rank(rank)
                 exit_.tail = sink.tail(rank)
                 exits[rank] = exit_
+                if telemetry is not None:
+                    telemetry.rank_exit(exit_)
+                control.exited(rank, exit_.ok, time.monotonic())
                 if not exit_.ok and not first_failure:
                     first_failure.append(rank)
                 if len(exits) == len(launches) and not done.done():
                     done.set_result(None)
 
         def on_exit(header: Any, body: List[Any]) -> None:
-            _, _, rid, rank, exitcode, sig, duration, pid = header
+            _, _, rid, rank, exitcode, sig, duration, pid, cause = header
             if rid != run_id or rank not in by_rank:
                 return
             launch = by_rank[rank]
-            finish(rank, RankExit(rank, launch.label, self.hs.hosts[launch.node].name, exitcode, sig, duration, pid))
+            lost = cause if exitcode is None and sig is None else ""  # never started: no status of its own
+            finish(rank, RankExit(rank, launch.label, self.hs.hosts[launch.node].name, exitcode, sig, duration, pid,
+                                  lost=lost, cause=cause))
 
         def on_lost(agent: str, silence: float) -> None:
             for l in launches:
@@ -200,6 +306,17 @@ class SpmdRunner:
                     why = f"lost: host {self.hs.hosts[l.node].name} stopped answering ({silence:.1f} s)"
                     finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
                                             time.monotonic() - started, lost=why))
+
+        def on_stopped(header: Any, body: List[Any]) -> None:
+            _, _, rid, agent, who = header
+            if rid != run_id:
+                return
+            with lock:
+                control.stopped(who)
+            here = [l for l in launches if self.hs.hosts[l.node].agent == agent]
+            for l in here or launches:  # an agent known by another address: the whole reservation goes
+                finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
+                                        time.monotonic() - started, stopped="reservation stopped"))
 
         def on_paused(header: Any, body: List[Any]) -> None:
             _, _, rid, rank, host, where = header
@@ -209,12 +326,15 @@ class SpmdRunner:
         mb.event_handlers["output"] = on_output
         mb.event_handlers["rank_exit"] = on_exit
         mb.event_handlers["rank_paused"] = on_paused
+        mb.event_handlers["reservation_stopped"] = on_stopped
+        if telemetry is not None:
+            mb.event_handlers["telemetry"] = telemetry.on_agent_event
+            telemetry.started(launches, self.hs, attempt)
         for n in nodes:
             info = self.hs.infos[n]
             mb.watch_agent(self.hs.hosts[n].agent, info["heartbeat"], on_lost)
-        # Ctrl-C, plus what the caller forwards (e.g. Slurm's warning before a time limit).
-        relay = _SignalRelay([signal.SIGINT, *(s for s in forward_signals if s != signal.SIGINT)])
-        interrupts = 0
+        # Ctrl-C, torchrun's death signals, plus what the caller forwards (e.g. Slurm's SIGUSR1).
+        relay = SignalRelay([signal.SIGINT, *DEATH_SIGNALS, *forward_signals])
         try:
             acks = []
             for n in nodes:
@@ -226,46 +346,58 @@ class SpmdRunner:
                         wire.dumps(specs),
                     )
                 )
-            for n, reply in zip(nodes, gather(acks).get(timeout=30)):
-                if on_notice is not None:
-                    if reply["made_cold"]:
-                        on_notice(_cold_notice(self.hs.hosts[n].name, reply["made_cold"]))
-                    for notice in reply["notices"]:
-                        on_notice(f"{self.hs.hosts[n].name}: {notice}")
-            stop_at: Optional[float] = None
-            kill_at: Optional[float] = None
+            started_all, early = gather(acks), []
+            ack_deadline = time.monotonic() + 30
+            while not early:  # a Ctrl-C while a host is slow to start its ranks is not left waiting
+                try:
+                    made = started_all.get(timeout=0.2)
+                except CallTimeout:
+                    if time.monotonic() > ack_deadline:
+                        raise
+                    early = relay.take()
+                    continue
+                for n, reply in zip(nodes, made):
+                    if on_notice is not None:
+                        if reply["made_cold"]:
+                            on_notice(_cold_notice(self.hs.hosts[n].name, reply["made_cold"]))
+                        for notice in reply["notices"]:
+                            on_notice(f"{self.hs.hosts[n].name}: {notice}")
+                break
             while not done.done():
                 try:
                     done.get(timeout=0.2)
                 except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
                     pass
-                now = time.monotonic()
-                for sig in relay.take():
-                    if sig == signal.SIGINT:  # the first Ctrl-C is passed on; a second kills
-                        interrupts += 1
-                        sig = signal.SIGINT if interrupts == 1 else signal.SIGKILL
-                        if on_interrupt is not None:
-                            on_interrupt(interrupts)
-                    self._signal(nodes, run_id, sig)
-                if first_failure and stop_at is None:
-                    stop_at = now + self.grace
-                if stop_at is not None and kill_at is None and now >= stop_at:
-                    self._signal(nodes, run_id, signal.SIGTERM)
-                    kill_at = now + self.grace
-                if kill_at is not None and now >= kill_at:
-                    self._signal(nodes, run_id, signal.SIGKILL)
-                    kill_at = float("inf")
+                with lock:
+                    if self._console_closed.is_set():
+                        control.console_closed(time.monotonic())
+                    for sig in [*early, *relay.take()]:
+                        control.signal(sig, time.monotonic(), sorted(running()))
+                        if sig == signal.SIGINT and on_interrupt is not None:
+                            on_interrupt(control.interrupts)
+                    early = []
+                    abandon, why = control.tick(time.monotonic(), running())
+                for rank in abandon:  # Ctrl-C always ends the wait, even for ranks whose exits never come
+                    l = by_rank[rank]
+                    finish(rank, RankExit(rank, l.label, host_of[rank], None, None, time.monotonic() - started,
+                                          lost=f"lost: {why}"))
         finally:
             relay.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
-            for kind in ("output", "rank_exit", "rank_paused"):
+            for kind in ("output", "rank_exit", "rank_paused", "reservation_stopped", "telemetry"):
                 mb.event_handlers.pop(kind, None)
         ordered = [exits[r] for r in sorted(exits)]
-        if first_failure:
+        if first_failure and not control.stopped_by:  # stopped: no rank failed first
             ordered.sort(key=lambda e: (e.rank != first_failure[0], e.rank))
-        self.interrupted = interrupts > 0
+        self.interrupted = control.interrupts > 0
         return ordered
+
+    @property
+    def ended_from_outside(self) -> bool:
+        """Ctrl-C, a death signal or ``monarch stop`` ended the last run: never restart it."""
+        c = self.control
+        return c is not None and bool(c.interrupts or c.received is not None or c.stopped_by or c.console_gone)
 
     def _signal(self, nodes: List[int], run_id: str, sig: int) -> None:
         for n in nodes:
@@ -274,30 +406,9 @@ class SpmdRunner:
     def reserve_port(self, node: int, run_id: str) -> int:
         return self.mb.request(self.hs.hosts[node].agent, lambda cid: ("reserve_port", cid, self.mb.address, run_id)).get(timeout=10)
 
-
-class _SignalRelay:
-    """Catches ``signals`` while a run is in progress so the run loop can pass them to the ranks.
-
-    Handlers only record the signal; the loop sends it (no socket work inside a handler).
-    Only the main thread can install handlers; elsewhere this relays nothing.
-    """
-
-    def __init__(self, signals: Sequence[int]) -> None:
-        self._pending: List[int] = []
-        self._old: Dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in signals:
-                self._old[sig] = signal.signal(sig, lambda s, _f: self._pending.append(s))
-
-    def take(self) -> List[int]:
-        taken = []
-        while self._pending:  # pop, not copy-and-clear: a signal may land in between
-            taken.append(self._pending.pop(0))
-        return taken
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+    def release_port(self, node: int, run_id: str) -> None:
+        """Give back a port reserved for a run that will not start."""
+        self.mb.request(self.hs.hosts[node].agent, lambda cid: ("release_port", cid, self.mb.address, run_id)).get(timeout=10)
 
 
 def _cold_notice(host: str, names: List[str]) -> str:
@@ -311,7 +422,9 @@ def warm_capable(spec: SpmdSpec) -> bool:
     return spec.mode != "no_python" and all(a == "-u" for a in spec.python_args)
 
 
-def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, str]] = None) -> List[Launch]:
+def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, str]] = None,
+              node_cwd: Optional[Dict[int, str]] = None,
+              node_environ: Optional[Dict[int, Dict[str, str]]] = None) -> List[Launch]:
     """One shell per host for ``monarch exec``; GROUP_RANK/NODE_RANK tell the hosts apart."""
     env = dict(environ if environ is not None else user_environment())
     shell = command if len(command) > 1 else ["/bin/sh", "-c", command[0]]
@@ -320,8 +433,8 @@ def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, 
             node,
             host.name,
             node,
-            {"rank": node, "env": {**env, "GROUP_RANK": str(node), "NODE_RANK": str(node)},
-             "cwd": os.getcwd(), "mode": "no_python", "program": shell,
+            {"rank": node, "env": {**(node_environ or {}).get(node, env), "GROUP_RANK": str(node), "NODE_RANK": str(node)},
+             "cwd": (node_cwd or {}).get(node, os.getcwd()), "mode": "no_python", "program": shell,
              "python_args": [], "warm": False, "host_store": False},
         )
         for node, host in enumerate(hostset.hosts)
@@ -338,8 +451,14 @@ def plan_spmd(
     restart_count: int = 0,
     environ: Optional[Dict[str, str]] = None,
     post_mortem: bool = False,
+    cwd: Optional[str] = None,
+    node_cwd: Optional[Dict[int, str]] = None,
+    node_environ: Optional[Dict[int, Dict[str, str]]] = None,
 ) -> List[Launch]:
-    """Place ranks on hosts and build each one's environment and program."""
+    """Place ranks on hosts and build each one's environment and program (run in ``cwd``, default here).
+
+    ``node_cwd``/``node_environ`` override both for some hosts (those that run in a synced mirror).
+    """
     hosts = hostset.hosts
     nnodes = spec.nnodes or len(hosts)
     if nnodes > len(hosts):
@@ -358,11 +477,12 @@ def plan_spmd(
     if port is None:
         raise JobError("no master port")
     launches = []
-    cwd = os.getcwd()
+    cwd = cwd or os.getcwd()
     for node in range(nnodes):
+        node_base = (node_environ or {}).get(node, base)
         for local in range(nproc):
             env = {
-                **base,
+                **node_base,
                 **rank_environment(
                     spec,
                     node_rank=node,
@@ -374,7 +494,7 @@ def plan_spmd(
                     run_id=spec.rdzv_id or run_id,
                     restart_count=restart_count,
                     cpus_on_host=hostset.infos[node]["cpus"],
-                    environ=base,
+                    environ=node_base,
                 ),
             }
             rank = node * nproc + local
@@ -383,7 +503,7 @@ def plan_spmd(
             launch_spec = {
                 "rank": rank,
                 "env": env,
-                "cwd": cwd,
+                "cwd": (node_cwd or {}).get(node, cwd),
                 "mode": spec.mode,
                 "program": spec.program,
                 "python_args": spec.python_args,
@@ -391,5 +511,8 @@ def plan_spmd(
                 "host_store": host_store and rank == 0,
                 "post_mortem": post_mortem,
             }
+            if telemetry_enabled():  # lets the rank's agent trace it, dump its stack, time its steps
+                launch_spec["telemetry"] = {"run_id": run_id, "agent_pid": hostset.infos[node].get("pid"),
+                                            "dir": hostset.infos[node].get("telemetry_dir")}
             launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
     return launches

@@ -13,11 +13,13 @@ import io
 import os
 import pickle
 import pickletools
-import tempfile
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..schedulers.base import HostRecord
+from ..sysutil import atomic_write
 from .errors import JobError
 
 __all__ = [
@@ -29,12 +31,13 @@ __all__ = [
     "StateError",
     "NoReservation",
     "state_path",
+    "find_state_dir",
     "save_state",
     "load_state",
     "clear_state",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: default_cwd (version-1 files still load, with default_cwd None)
 DEFAULT_STATE_PATH = Path(".monarch/job_state.pkl")
 STATE_ENV = "MONARCH_STATE"
 
@@ -53,16 +56,6 @@ class NoReservation(StateError):
 
 
 @dataclass
-class HostRecord:
-    """One reserved host: where its agent listens and which node rank it plays."""
-
-    name: str
-    agent: str
-    pid: int | None
-    node_rank: int
-
-
-@dataclass
 class JobState:
     """Everything later commands need to reach a reservation without asking the scheduler."""
 
@@ -74,6 +67,7 @@ class JobState:
     created_at: float
     scheduler_data: dict = field(default_factory=dict)
     last_run: dict | None = None
+    default_cwd: str | None = None  # where `serve` ran: the default command's relative paths resolve there
     schema_version: int = SCHEMA_VERSION
 
 
@@ -124,13 +118,57 @@ class _NoGlobals(pickle.Unpickler):
 
 
 def state_path(path: str | Path | None = None) -> Path:
-    """Where the state lives: explicit path, else ``$MONARCH_STATE``, else the default."""
+    """Where the state lives: explicit path, else ``$MONARCH_STATE``, else the nearest ``.monarch/``.
+
+    The nearest ``.monarch/`` is found as git finds ``.git`` (see :func:`find_state_dir`),
+    so every command works from any subdirectory of the directory that was served from;
+    with none found it is ``.monarch/`` here, where ``serve`` makes a new one.
+    """
     if path is not None and str(path) != "":
         return Path(path).expanduser()
     from_env = os.environ.get(STATE_ENV)
     if from_env:
         return Path(from_env).expanduser()
-    return DEFAULT_STATE_PATH
+    found = find_state_dir()
+    if found is None or found == Path(os.getcwd()) / DEFAULT_STATE_PATH.parent:
+        return DEFAULT_STATE_PATH
+    return found / DEFAULT_STATE_PATH.name
+
+
+def find_state_dir(start: str | Path | None = None) -> Path | None:
+    """The nearest ``.monarch`` directory at or above ``start`` (default: the current directory).
+
+    The walk stops at a filesystem boundary and below ``$HOME`` (a ``~/.monarch`` is found
+    only from ``$HOME`` itself, so one served there does not capture every project), and it
+    skips a ``.monarch`` owned by another user: that user's agents would get our programs
+    and environment.
+    """
+    try:
+        here = Path(os.path.abspath(start if start is not None else os.getcwd()))
+        device = here.stat().st_dev
+    except OSError:
+        return None
+    try:
+        home: Path | None = Path(os.path.abspath(Path.home()))
+    except (KeyError, RuntimeError):  # no home directory for this uid
+        home = None
+    below_home = home is not None and home in here.parents
+    for directory in (here, *here.parents):
+        if below_home and directory == home:
+            return None
+        candidate = directory / DEFAULT_STATE_PATH.parent
+        try:
+            if directory.stat().st_dev != device:
+                return None
+        except OSError:
+            return None
+        try:
+            info = candidate.stat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            return candidate
+    return None
 
 
 def _check_plain(value: Any, where: str) -> None:
@@ -161,50 +199,15 @@ def save_state(state: JobState, path: Path | None = None) -> Path:
     """Write ``state`` atomically with mode 0600 and return the path written."""
     target = state_path(path)
     data = _encode(state)
-    parent = target.parent
-    tmp_name: str | None = None
     try:
-        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # mkstemp opens with O_CREAT|O_EXCL and mode 0600 via os.open: the key pair is
-        # never readable by others, not even for the moment before the rename.
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "wb", closefd=False) as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp_name, target)
-        tmp_name = None
-        _fsync_dir(parent)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atomic_write(target, data, 0o600, durable=True)
     except OSError as err:
         raise StateError(
             f"cannot write job state to {target}: {err.strerror or err}; "
             "check that the directory is writable, or set $MONARCH_STATE to another path"
         ) from err
-    finally:
-        if tmp_name is not None:
-            try:
-                os.unlink(tmp_name)
-            except OSError:
-                pass
     return target
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable; best effort, since some filesystems refuse it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _corrupt(target: Path, why: str) -> StateError:
@@ -317,6 +320,7 @@ def _decode(body: Any) -> JobState:
         created_at=float(_field(body, "created_at", (float, int))),
         scheduler_data=_field(body, "scheduler_data", (dict,), {}),
         last_run=_field(body, "last_run", (dict, type(None)), None),
+        default_cwd=_field(body, "default_cwd", (str, type(None)), None),
         schema_version=SCHEMA_VERSION,
     )
 

@@ -57,6 +57,7 @@ class SpmdSpec:
     max_restarts: int = 0
     node_rank: int | None = None
     python_args: list[str] = field(default_factory=list)
+    shutdown_timeout: int | None = None  # seconds from a forwarded SIGTERM to SIGKILL
 
     def moot_flags(self) -> list[str]:
         """Flags given that the reservation makes moot: its agents do torchrun's rendezvous."""
@@ -164,6 +165,7 @@ _VALUE_FLAGS: dict[str, tuple[str | None, Callable[[str, str], Any]]] = {
     "--node-rank": ("node_rank", _int),
     "--master-addr": ("master_addr", _nonempty),
     "--master-port": ("master_port", _port),
+    "--shutdown-timeout": ("shutdown_timeout", _int),
 }
 _BOOL_FLAGS = {
     "--standalone": "standalone",
@@ -181,7 +183,6 @@ _UNSUPPORTED = {
     "--virtual-local-rank": "per-rank CUDA_VISIBLE_DEVICES remapping is not implemented yet",
     "--duplicate-stdout-filters": "log duplication filters are not implemented",
     "--duplicate-stderr-filters": "log duplication filters are not implemented",
-    "--shutdown-timeout": "monarch uses its own shutdown grace period",
 }
 _KNOWN = sorted({*_VALUE_FLAGS, *_BOOL_FLAGS, *_UNSUPPORTED})
 

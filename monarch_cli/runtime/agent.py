@@ -7,7 +7,11 @@ a free port, writes its address, and then:
 * forks procs from its zygote on request and reports each proc's exit (code or signal) to
   the process that owns it at once;
 * kills a client's procs when the client says it exits or stops heartbeating, so no mesh
-  outlives its owner.
+  outlives its owner;
+* is a child subreaper: when a fork server (zygote) dies, its ranks and procs, killed with it,
+  are re-parented here, reaped and reported with the cause, and a new fork server starts;
+* with ``--state-file``, registers itself (see :mod:`.agent_registry`) and exits on its own
+  once that state file no longer records its reservation.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import dataclasses
 import os
 import pickle
+import shlex
 import signal
 import socket
 import subprocess
@@ -28,16 +33,20 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import zmq
 
 from ..config import configure
-from . import wire
+from ..sysutil import atomic_write, signal_if_alive as _signal
+from . import agent_command, agent_registry, lineage, wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
 from .debug_host import DebugHost
 from .preload import LEARNED_ENV, READY_ENV
 from .warm import WarmRanks
 from .ranks import RankHost
+from .telemetry_host import TelemetryHost
+from .title import set_title
 from .transport import Transport
 
-READY_PREFIX = "MONARCH_AGENT_READY "
+READY_PREFIX = agent_command.READY_PREFIX
+_STATE_FIRST_SEEN = 120.0  # seconds `serve` has to record a new agent in its state file
 
 
 @dataclasses.dataclass
@@ -47,6 +56,7 @@ class _Proc:
     pid: int
     stopping: bool = False
     kill_at: Optional[float] = None
+    cause: str = ""
 
 
 @dataclasses.dataclass
@@ -59,23 +69,28 @@ class _Zygote:
     """The agent's handle on a fork server (``preload``: modules it imports up front; ``learned``
     and ``ready``: a warm-rank zygote's learned modules and report file, see :mod:`.preload`)."""
 
-    def __init__(self, preload: str = "", learned: Optional[str] = None, ready: Optional[str] = None) -> None:
+    def __init__(self, preload: str = "", title: str = "monarch fork-server", learned: Optional[str] = None,
+                 ready: Optional[str] = None) -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, "MONARCH_PRELOAD": preload}
         env.update({k: v for k, v in ((READY_ENV, ready), (LEARNED_ENV, learned)) if v})
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno())],
+            [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno()), title],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,
         )
         child.close()
+        self.started = time.monotonic()
 
     def fork(self, req_id: int, boot: Dict[str, Any], fds: List[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
         socket.send_fds(self.sock, [pickle.dumps(("fork", req_id, kind, boot))], list(fds))
 
     def receive(self) -> Optional[Tuple[Any, ...]]:
-        data = self.sock.recv(1 << 16)
+        try:
+            data = self.sock.recv(1 << 16)
+        except ConnectionResetError:  # it died with our last request unread
+            return None
         return pickle.loads(data) if data else None
 
     def kill(self) -> None:
@@ -84,24 +99,42 @@ class _Zygote:
         except ProcessLookupError:
             pass
 
+    def how_it_died(self) -> str:
+        """``signal SIGKILL`` or ``exit 1``, once its socket has closed."""
+        try:
+            code = self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:  # closed its socket but lives on: useless, end it
+            self.kill()
+            code = self.process.wait()
+        if code < 0:
+            try:
+                return f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"signal {-code}"
+        return f"exit {code}"
+
 
 class HostAgent:
-    def __init__(self, keys: Keys, name: Optional[str] = None, preload: Optional[str] = None) -> None:
+    def __init__(self, keys: Keys, name: Optional[str] = None, preload: Optional[str] = None,
+                 reservation: str = "", port: Optional[int] = None) -> None:
         self.keys = keys
         self.transport = Transport(keys)
-        self.inbox, self.address = self.transport.bind_router()
+        self.inbox, self.address = self.transport.bind_router(port)
         # Heartbeats get their own context (its own I/O thread), so a multi-GiB transfer
         # on the inbox cannot delay them past the timeout.
         self.hb_transport = Transport(keys)
         self.hb, self.heartbeat_address = self.hb_transport.bind_router()
         self.host = name or socket.gethostname()
-        self.zygote = _Zygote()
+        self.label = f"{reservation} host {self.host}" if reservation else f"host {self.host}"
+        lineage.become_subreaper()
+        self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
         self._zygotes: Dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
-        self.warm = WarmRanks(self.host, self.preload, _Zygote, self._watch_zygote, self._unwatch_zygote)
+        self.warm = WarmRanks(self.host, self.preload, self._start_warm, self._watch_zygote, self._unwatch_zygote)
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
+        self.telemetry = TelemetryHost(self)
         self.procs: Dict[int, _Proc] = {}  # by pid
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
         self.clients: Dict[str, _Client] = {}
@@ -109,6 +142,10 @@ class HostAgent:
         self._socks: Dict[str, zmq.Socket] = {}
         self._next_req = 0
         self.running = True
+        self.reservation = reservation
+        self.state_file: Optional[str] = None
+        self._state_check = (0.0, 0.0, 0)  # (interval, next check, misses in a row)
+        self._state_seen_by: Optional[float] = None  # until the file first records us: when to give up
 
     # ------------------------------------------------------------------ sending
     def send(self, address: str, header: Tuple[Any, ...], body: List[Any] = ()) -> None:  # type: ignore[assignment]
@@ -129,6 +166,10 @@ class HostAgent:
         """Start the fork server for warm ranks now rather than at the first run."""
         self.warm.warm_up()
 
+    def _start_warm(self, preload: str, learned: Optional[str], ready: str) -> _Zygote:
+        # Every warm process, the first and each re-warmed one, carries the same title.
+        return _Zygote(preload, title=f"monarch warm {self.label}", learned=learned, ready=ready)
+
     def _watch_zygote(self, zygote: _Zygote) -> None:
         self._zygotes[zygote.sock.fileno()] = zygote
         self.poller.register(zygote.sock.fileno(), zmq.POLLIN)
@@ -137,6 +178,19 @@ class HostAgent:
         if self._zygotes.pop(zygote.sock.fileno(), None) is not None:
             self.poller.unregister(zygote.sock.fileno())
             zygote.sock.close()
+
+    def _own_zygotes(self) -> List[_Zygote]:
+        return [self.zygote, *self.warm.zygotes()]
+
+    def zygote_pids(self) -> Set[int]:
+        return {z.process.pid for z in self._own_zygotes()}
+
+    def watch_state_file(self, state_file: str, interval: float) -> None:
+        """Exit once ``state_file`` no longer records this agent's reservation (local hosts only:
+        elsewhere the controller's files are not visible)."""
+        self.state_file = state_file
+        self._state_check = (interval, time.monotonic() + interval, 0)
+        self._state_seen_by = time.monotonic() + _STATE_FIRST_SEEN
 
     def watch_fd(self, fd: int) -> None:
         self.poller.register(fd, zmq.POLLIN)
@@ -180,16 +234,26 @@ class HostAgent:
                         print(f"monarch agent: bad request: {type(e).__name__}: {e}", file=sys.stderr)
             self._check_clients()
             self._check_stops()
+            self._reap_adopted()
             self.ranks.tick()
+            self._check_state_file()
+            self.telemetry.tick(events)
+        self.telemetry.close()
         self._kill_all()
         self.ranks.kill_all()
+        lineage.kill_tree()  # whatever else is below us, even in sessions of its own
         self.zygote.kill()
         self.warm.close()
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header, body = wire.parse(frames[1:])
         kind = header[0]
-        if self.debug.handle(header):
+        if self.debug.handle(header) or self.telemetry.handle(header, body):
+            return
+        if kind.startswith("sync_"):  # workspace sync: runtime/sync_host.py
+            from . import sync_host
+
+            sync_host.handle(self, header, body)
             return
         if kind == "ping":
             _, cid, reply_to = header
@@ -197,6 +261,9 @@ class HostAgent:
         elif kind == "reserve_port":
             _, cid, reply_to, run_id = header
             self.reply(reply_to, cid, True, self.ranks.reserve_port(run_id))
+        elif kind == "release_port":
+            _, cid, reply_to, run_id = header
+            self.reply(reply_to, cid, True, self.ranks.release_port(run_id))
         elif kind == "run_ranks":
             _, cid, reply_to, run_id, heartbeat_timeout = header
             self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
@@ -204,9 +271,15 @@ class HostAgent:
         elif kind == "forget_preload":
             _, cid, reply_to = header
             self.reply(reply_to, cid, True, self.warm.forget())
+        elif kind == "output_credit":
+            _, run_id, nbytes = header
+            self.ranks.credit(run_id, int(nbytes))
         elif kind == "signal_ranks":
             _, cid, reply_to, run_id, sig = header
             self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
+        elif kind == "stopping":  # the reservation is being released: tell running runs who did it
+            _, cid, reply_to, who = header
+            self.reply(reply_to, cid, True, self.ranks.announce_stop(who))
         elif kind == "spawn_procs":
             _, cid, reply_to = header
             specs, client_settings, import_context = wire.loads(body)
@@ -240,6 +313,7 @@ class HostAgent:
             "gpus": _count_gpus(),
             "preload": self.preload,
             "warm": self.warm.info(),
+            **self.telemetry.info(),
         }
 
     def _heartbeats(self) -> None:
@@ -273,11 +347,7 @@ class HostAgent:
     def _from_zygote(self, zygote: _Zygote) -> None:
         msg = zygote.receive()
         if msg is None:
-            if zygote is self.zygote:
-                print("monarch agent: the zygote died; exiting", file=sys.stderr)
-                self.running = False
-            else:  # a warm-rank zygote: the next warm run starts a new one if it was in use
-                self.warm.gone(zygote)
+            self._zygote_died(zygote)
             return
         if self.warm.on_message(zygote, msg):
             return
@@ -289,22 +359,68 @@ class HostAgent:
             self.procs[pid] = _Proc(proc_id, owner, pid)
         elif msg[0] == "exit":
             _, pid, status = msg
-            if self.ranks.exited(pid, status):
-                return
-            proc = self.procs.pop(pid, None)
-            if proc is None:
-                return
-            failure = Failure(
-                proc=proc.proc_id,
-                host=self.host,
-                pid=pid,
-                exitcode=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-                signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-                reason="stopped" if proc.stopping else "",
-            )
-            self.send(proc.owner, ("event", "proc_exit", proc.proc_id, failure, proc.stopping))
-            for _, _, left in self.stops:
-                left.discard(proc.proc_id)
+            self._child_exited(pid, status)
+
+    def _child_exited(self, pid: int, status: int) -> None:
+        if self.ranks.exited(pid, status):
+            return
+        proc = self.procs.pop(pid, None)
+        if proc is None:
+            return
+        failure = Failure(
+            proc=proc.proc_id,
+            host=self.host,
+            pid=pid,
+            exitcode=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            reason="stopped" if proc.stopping else proc.cause,
+        )
+        self.send(proc.owner, ("event", "proc_exit", proc.proc_id, failure, proc.stopping))
+        for _, _, left in self.stops:
+            left.discard(proc.proc_id)
+
+    def _zygote_died(self, zygote: _Zygote) -> None:
+        """Its children die with it (PDEATHSIG) and come to us to be reaped: report them with
+        the cause, and start a new fork server for what comes next."""
+        warm = zygote is not self.zygote
+        if not warm:
+            self.poller.unregister(zygote.sock.fileno())
+            zygote.sock.close()
+        cause = f"{'warm process' if warm else 'fork server'} on {self.host} died ({zygote.how_it_died()})"
+        print(f"monarch agent: the {cause}; a new one takes its place", file=sys.stderr, flush=True)
+        self.ranks.zygote_died(zygote.process.pid, cause)
+        if warm:
+            in_use = self.warm.gone(zygote)  # unwatches it
+            if in_use and time.monotonic() - zygote.started > 10:  # else the next run starts it: no crash loop
+                self.rank_zygote()
+            return
+        for proc in self.procs.values():
+            proc.cause = cause
+        for proc_id, owner in self.forking.values():  # never started
+            self.send(owner, ("event", "proc_exit", proc_id, Failure(proc_id, self.host, None, reason=cause), False))
+        self.forking.clear()
+        self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
+        self.poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
+
+    def _reap_adopted(self) -> None:
+        own = {z.process.pid: z.process for z in self._own_zygotes()}
+        for pid, status in lineage.reap_adopted(own):
+            self._child_exited(pid, status)
+
+    def _check_state_file(self) -> None:
+        interval, next_check, misses = self._state_check
+        if self.state_file is None or time.monotonic() < next_check:
+            return
+        present = agent_registry.reservation_present(self.state_file, self.reservation)
+        if present and self._state_seen_by is not None:
+            self._state_seen_by = None  # `serve` saves the file once every agent is up
+        waiting = self._state_seen_by is not None and time.monotonic() < self._state_seen_by
+        misses = misses + 1 if present is False and not waiting else 0
+        self._state_check = (interval, time.monotonic() + interval, misses)
+        if misses >= 2:  # twice in a row: not a state file being rewritten
+            print(f"monarch agent: {self.state_file} no longer records reservation {self.reservation}; exiting",
+                  file=sys.stderr, flush=True)
+            self.running = False
 
     # ----------------------------------------------------------------- stopping
     def _stop(self, cid: int, reply_to: str, proc_ids: Set[str], grace: float) -> None:
@@ -371,13 +487,6 @@ def _count_gpus() -> int:
         return 0
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def _watch_stdin(agent: HostAgent) -> None:
     while sys.stdin.buffer.read(4096):
         pass
@@ -386,16 +495,11 @@ def _watch_stdin(agent: HostAgent) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m monarch_cli.runtime.agent", description=__doc__.splitlines()[0])
-    parser.add_argument("--address-file", type=Path, help="write the agent's address here once it listens")
-    parser.add_argument("--ready-fd", type=int, help="write the address to this inherited fd")
-    parser.add_argument("--keys-stdin", action="store_true", help="read the reservation keys from stdin's first line")
-    parser.add_argument("--exit-with-stdin", action="store_true", help="exit (killing all procs) when stdin closes")
-    parser.add_argument("--host", help="address to advertise to peers (default: $MONARCH_HOST or this host's IP)")
-    parser.add_argument("--preload", help="comma-separated modules warm ranks import up front (default: torch if installed)")
-    parser.add_argument("--warm-up", action="store_true", help="start the warm-rank zygote now, not at the first run")
-    parser.add_argument("--name", help="host name to report (default: the hostname); lets several agents on one machine act as separate hosts")
+    parser = agent_command.parser()
+    parser.add_argument("--state-check-interval", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.port_range:
+        configure(port_range=args.port_range)
     if args.host:
         configure(host=args.host)
     try:
@@ -410,22 +514,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
-    agent = HostAgent(keys, name=args.name, preload=args.preload)
+    try:
+        agent = HostAgent(keys, name=args.name, preload=args.preload, reservation=args.reservation, port=args.port)
+    except OSError as e:
+        print(f"monarch agent: {e}", file=sys.stderr)
+        return 2
+    # The title below replaces the command line in ps; the log keeps what was started.
+    print(f"monarch agent: started as: {shlex.join(sys.orig_argv)}", file=sys.stderr, flush=True)
+    set_title(f"monarch agent {agent.label}")
+    registered: Optional[Path] = None
+    if args.state_file and args.reservation:
+        registered = agent_registry.register(args.state_file, args.reservation, agent.host)
+        agent.watch_state_file(args.state_file, args.state_check_interval)
     if args.warm_up:
         agent.rank_zygote()
     if args.exit_with_stdin:
         threading.Thread(target=_watch_stdin, args=(agent,), daemon=True).start()
     line = f"{READY_PREFIX}{agent.address}\n"
     if args.address_file:
-        tmp = args.address_file.with_name(args.address_file.name + ".tmp")
-        tmp.write_text(line)
-        os.replace(tmp, args.address_file)
+        atomic_write(args.address_file, line, 0o644)
     if args.ready_fd is not None:
         os.write(args.ready_fd, line.encode())
         os.close(args.ready_fd)
     if not args.address_file and args.ready_fd is None:
         print(line, end="", flush=True)
-    agent.serve()
+    try:
+        agent.serve()
+    finally:
+        if registered is not None:
+            registered.unlink(missing_ok=True)
     return 0
 
 

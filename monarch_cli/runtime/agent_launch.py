@@ -6,13 +6,14 @@ Schedulers use :func:`launch_agent`; a controller's ``this_host()`` uses
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import subprocess
-import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from .agent_command import READY_PREFIX, AgentCommand
 from .keys import Keys
 
 _private: List[subprocess.Popen] = []
@@ -24,6 +25,9 @@ def launch_agent(
     name: Optional[str] = None,
     preload: Optional[str] = None,
     warm_up: bool = False,
+    reservation: str = "",
+    state_file: Optional[str] = None,
+    command: Optional[AgentCommand] = None,
     exit_with_parent: bool = True,
     detach: bool = False,
     env: Optional[Dict[str, str]] = None,
@@ -35,17 +39,14 @@ def launch_agent(
     The keys go through the agent's stdin, never its command line. With
     ``exit_with_parent`` the agent (and every proc it runs) exits when this process does;
     ``detach`` puts it in its own session so it outlives the terminal that started it.
+    ``reservation`` names it in ``ps``; with ``state_file`` it registers itself and exits
+    once that file no longer records the reservation. ``command`` (a backend's plan)
+    replaces ``name``/``preload``/``warm_up``/``reservation``/``state_file``.
     """
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "monarch_cli.runtime.agent", "--ready-fd", str(w), "--keys-stdin"]
-    if exit_with_parent:
-        cmd.append("--exit-with-stdin")
-    if name:
-        cmd += ["--name", name]
-    if preload is not None:
-        cmd += ["--preload", preload]
-    if warm_up:
-        cmd.append("--warm-up")
+    base = command or AgentCommand(name=name, preload=preload, warm_up=warm_up, reservation=reservation,
+                                   state_file=state_file)
+    cmd = dataclasses.replace(base, ready_fd=w, keys_stdin=True, exit_with_stdin=exit_with_parent).argv()
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,
@@ -75,8 +76,6 @@ def start_private_agent(keys: Keys, timeout: float = 30.0) -> str:
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
-    from .agent import READY_PREFIX
-
     deadline = time.monotonic() + timeout
     buf = b""
     while b"\n" not in buf:

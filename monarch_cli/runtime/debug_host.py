@@ -4,6 +4,10 @@ The agent keeps each rank's pdb transcript, so output produced while nobody was 
 (or after a client vanished) is replayed on the next attach. A rank is held by one client
 at a time; others get a clear answer naming the holder. A holder that stops heartbeating
 loses its holds, never the rank.
+
+DAP: the rank's debugpy connects to a loopback listener here that accepts only this user's
+sockets (see :mod:`.dap_link`); whole DAP messages then travel between that connection and
+the ``monarch debug --dap`` client that has bound the rank, over the authenticated runtime.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from .dap_link import GOODBYE, DapFrames, accept_same_user, listen_loopback
 
 if TYPE_CHECKING:
     from .agent import HostAgent
@@ -21,6 +28,7 @@ _PROMPTS = ("(Pdb) ", ">>> ", "... ")
 _STEPS = {"n", "next", "s", "step", "unt", "until", "r", "return", "j", "jump"}
 _TRANSCRIPT_CHARS = 1 << 18
 _KEEP_EXITED = 600.0  # seconds a finished rank's session is remembered
+_DAP_SEND_TIMEOUT = 2.0  # seconds a rank's debugpy may take to read what the IDE sent
 
 
 @dataclasses.dataclass
@@ -44,6 +52,12 @@ class _Session:
     last_input: str = ""
     exit_how: str = ""
     ended_at: Optional[float] = None
+    dap_listener: Optional[socket.socket] = None  # waiting for the rank's debugpy to connect
+    dap_sock: Optional[socket.socket] = None  # the rank's debugpy
+    dap_frames: DapFrames = dataclasses.field(default_factory=DapFrames)
+    dap_pending: List[bytes] = dataclasses.field(default_factory=list)  # from the IDE, before the rank connected
+    dap_client: Optional[str] = None  # the `monarch debug --dap` relay bound to this rank
+    dap_lost: str = ""
 
     def describe(self, host: str) -> Dict[str, Any]:
         return {
@@ -79,6 +93,9 @@ class DebugHost:
         session = self.by_fd.get(fd)
         if session is None:
             return False
+        if session.sock is None or fd != session.sock.fileno():
+            self._dap_readable(session, fd)
+            return True
         while session.sock is not None:
             try:
                 data = session.sock.recv(1 << 16)
@@ -106,6 +123,7 @@ class DebugHost:
         for cid, reply_to in session.dap:
             self.agent.reply(reply_to, cid, False, f"rank {rank} exited ({how})")
         session.dap.clear()
+        self._dap_close(session, f"rank {rank} exited ({how})")
         if session.holder:
             self.agent.send(session.holder, ("event", "debug_state", run_id, rank, "exited", how))
 
@@ -139,7 +157,9 @@ class DebugHost:
                     self.agent.send(s.holder, ("event", "debug_state", s.run_id, s.rank, "running", ""))
         elif kind in ("dap_ready", "dap_error"):
             ok = kind == "dap_ready"
-            value = {k: msg[k] for k in ("host", "port", "cwd")} if ok else msg["error"]
+            if not ok:
+                self._dap_close(s, msg["error"])
+            value = {"cwd": msg["cwd"]} if ok else msg["error"]
             for cid, reply_to in s.dap:
                 self.agent.reply(reply_to, cid, ok, value)
             s.dap.clear()
@@ -230,26 +250,114 @@ class DebugHost:
             self._to_rank(s, {"type": "input", "line": "continue\n"})
             self.agent.reply(reply_to, cid, True, "continued")
         elif kind == "debug_dap":
-            from ..config import advertised_host
-
-            s.dap.append((cid, reply_to))
-            self._to_rank(s, {"type": "dap", "host": advertised_host(), "handoff": s.state == "paused"})
+            self._dap_bind(s, cid, reply_to, header[5])
+        elif kind == "debug_dap_data":
+            if s.dap_client == reply_to:
+                self._dap_to_rank(s, header[5])
+        elif kind == "debug_dap_end":
+            if s.dap_client == reply_to:
+                s.dap_client = None
         return True
+
+    # ------------------------------------------------------------------- DAP
+    def _dap_bind(self, s: _Session, cid: int, client: str, heartbeat_timeout: float) -> None:
+        """Route the rank's debugpy to ``client`` (connecting it first if this is the first IDE)."""
+        if s.dap_client is not None and s.dap_client != client:
+            self.agent.reply(client, cid, False, f"rank {s.rank} is already relayed to an IDE by another "
+                                                 "`monarch debug --dap`; stop that one first")
+            return
+        if s.dap_lost:
+            self.agent.reply(client, cid, False, f"rank {s.rank}'s debugger link is gone ({s.dap_lost})")
+            return
+        s.dap_client = client
+        self.agent.register_client(client, heartbeat_timeout)
+        s.dap.append((cid, client))
+        port = 0  # the rank's debugpy is connected (or connecting) already: this IDE reuses that link
+        if s.dap_sock is None and s.dap_listener is None:
+            s.dap_listener = listen_loopback()
+            self.by_fd[s.dap_listener.fileno()] = s
+            self.agent.watch_fd(s.dap_listener.fileno())
+            port = s.dap_listener.getsockname()[1]
+        self._to_rank(s, {"type": "dap", "port": port, "handoff": s.state == "paused"})
+
+    def _dap_readable(self, s: _Session, fd: int) -> None:
+        if s.dap_listener is not None and fd == s.dap_listener.fileno():
+            conn, refused = accept_same_user(s.dap_listener)
+            if conn is None:
+                print(f"monarch agent: rank {s.rank}: {refused}", file=sys.stderr, flush=True)
+                return
+            self._unwatch(s.dap_listener)
+            s.dap_listener.close()
+            s.dap_listener = None
+            conn.settimeout(_DAP_SEND_TIMEOUT)
+            s.dap_sock = conn
+            self.by_fd[conn.fileno()] = s
+            self.agent.watch_fd(conn.fileno())
+            pending, s.dap_pending = s.dap_pending, []
+            for message in pending:
+                self._dap_to_rank(s, message)
+            return
+        if s.dap_sock is None or fd != s.dap_sock.fileno():
+            return
+        try:
+            data = s.dap_sock.recv(1 << 16)
+            messages = s.dap_frames.feed(data) if data else []
+        except (OSError, ValueError) as e:
+            data, messages = b"", []
+            print(f"monarch agent: rank {s.rank}: debugger link: {e}", file=sys.stderr, flush=True)
+        if s.dap_client is not None:
+            for message in messages:
+                self.agent.send(s.dap_client, ("event", "debug_dap_data", s.run_id, s.rank, message))
+        if not data:
+            self._dap_close(s, "the rank's debugger closed its connection")
+
+    def _dap_to_rank(self, s: _Session, message: bytes) -> None:
+        if s.dap_sock is None:
+            if s.dap_listener is not None:
+                s.dap_pending.append(message)  # the rank is connecting: keep it for then
+            return
+        try:
+            s.dap_sock.sendall(message)
+        except OSError as e:
+            self._dap_close(s, f"the rank's debugger stopped reading ({e})")
+
+    def _dap_close(self, s: _Session, why: str) -> None:
+        """The rank's debugger link is over: tell the relay bound to it, and free the sockets."""
+        for sock in (s.dap_listener, s.dap_sock):
+            if sock is not None:
+                self._unwatch(sock)
+                sock.close()
+        if s.dap_sock is not None or s.dap_listener is not None:
+            s.dap_lost = why
+        s.dap_listener = s.dap_sock = None
+        if s.dap_client is not None:
+            self.agent.send(s.dap_client, ("event", "debug_dap_closed", s.run_id, s.rank, why))
+            s.dap_client = None
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        self.by_fd.pop(sock.fileno(), None)
+        self.agent.unwatch_fd(sock.fileno())
 
     def _refuse(self, kind: str, s: _Session, client: str) -> Optional[str]:
         """Why ``client`` may not do ``kind`` on this rank now, or None."""
         if s.state == "exited" and kind != "debug_detach":
             return f"rank {s.rank} has finished ({s.exit_how})"
-        if s.holder and s.holder != client and kind not in ("debug_detach", "debug_dap"):
+        if s.holder and s.holder != client and kind not in ("debug_detach", "debug_dap", "debug_dap_data", "debug_dap_end"):
             return f"rank {s.rank} is attached by {s.holder_name}; detach there first"
         if kind in ("debug_cast", "debug_input") and s.state != "paused":
             return f"rank {s.rank} is not paused (it is {s.state})"
         return None
 
     def client_gone(self, client: str) -> None:
-        """A holder vanished: release its ranks, and show its undelivered output to the next one."""
+        """A holder vanished: release its ranks, and show its undelivered output to the next one.
+
+        A vanished DAP relay's IDE never said goodbye: the rank's debugger is told, so its
+        breakpoints go and its threads run on, as when an IDE disconnects."""
         for s in self.sessions.values():
             if s.holder == client:
                 s.holder, s.holder_name = None, ""
                 s.seen = s.confirmed
             s.casts = [c for c in s.casts if c[1] != client]
+            if s.dap_client == client:
+                s.dap_client = None
+                self._dap_to_rank(s, GOODBYE)

@@ -5,7 +5,8 @@ and post-mortem open a :class:`RemotePdb` whose stdin and stdout are messages on
 socket; the agent relays them to whichever ``monarch debug`` client is attached and keeps
 what nobody has seen yet. A daemon thread reads the socket, so a DAP (debugpy) request is
 served whether or not the rank is paused. With no client attached, a paused rank simply
-waits for input.
+waits for input. For DAP, debugpy connects out to the agent, which relays it over the
+authenticated runtime: the rank listens on no port.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _send_lock = threading.Lock()
 _lines: "queue.Queue[Optional[str]]" = queue.Queue()
 _DAP_HANDOFF = "\x00monarch-dap\x00"
 _CHUNK = 16000  # characters per output message (JSON-escaped, under the packet limit)
+_dap_connecting = False  # debugpy connects to the agent once; that connection serves every IDE session
+_dap_configured = threading.Event()  # the first IDE has configured debugpy (or connecting failed)
+_dap_failed = False
 
 
 def _send(msg: Dict[str, Any]) -> None:
@@ -154,7 +158,10 @@ class RemotePdb(pdb.Pdb):
         while frame is not None:
             frame.f_trace = None
             frame = frame.f_back
-        debugpy.wait_for_client()
+        _dap_configured.wait()  # debugpy.connect returns once the first IDE is configured
+        if _dap_failed:
+            return  # no debugger after all: the rank runs on
+        debugpy.wait_for_client()  # at once for the first IDE; a later one: once it is configured
         debugpy.debug_this_thread()  # installs its tracer on this thread's frames
         self._handed_over = True
 
@@ -209,17 +216,35 @@ def post_mortem(tb: Optional[TracebackType]) -> None:
 
 
 def _serve_dap(msg: Dict[str, Any]) -> None:
-    try:
-        os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # no frozen-modules nag in the rank's output
-        import debugpy
-
-        host, port = debugpy.listen((msg.get("host") or "127.0.0.1", 0))
-    except Exception as e:  # noqa: BLE001 - reported to the user who asked
-        _send({"type": "dap_error", "error": f"{type(e).__name__}: {e}"})
-        return
-    _send({"type": "dap_ready", "host": host, "port": port, "cwd": os.getcwd()})
+    """Connect debugpy out to the agent (never listen: a port here would be open to every local user)."""
+    global _dap_connecting
+    if not _dap_connecting:
+        try:
+            os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # no frozen-modules nag in the rank's output
+            import debugpy  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - reported to the user who asked
+            _send({"type": "dap_error", "error": f"{type(e).__name__}: {e}"})
+            return
+        _dap_connecting = True
+        threading.Thread(target=_connect_dap, args=(int(msg["port"]),), name="monarch-dap", daemon=True).start()
+    _send({"type": "dap_ready", "cwd": os.getcwd()})
     if msg.get("handoff"):
         _lines.put(_DAP_HANDOFF + "\n")
+
+
+def _connect_dap(port: int) -> None:
+    import debugpy
+
+    try:
+        # Not into the rank's subprocesses (DataLoader workers...): they would dial a port that is closed by then.
+        debugpy.configure(subProcess=False)
+        debugpy.connect(("127.0.0.1", port))  # the agent's same-user-only listener; returns once the IDE is configured
+    except Exception as e:  # noqa: BLE001 - reported to the user who asked
+        global _dap_failed
+        _dap_failed = True
+        _send({"type": "dap_error", "error": f"{type(e).__name__}: {e}"})
+    finally:
+        _dap_configured.set()
 
 
 def _service() -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-
-class MonarchError(Exception):
-    """Base of every error raised by the runtime."""
+from ..errors import MonarchError
 
 
 class ActorError(MonarchError):

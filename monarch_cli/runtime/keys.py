@@ -47,13 +47,11 @@ class Keys:
 
     def write(self, path: Path) -> None:
         """Write to ``path`` with mode 0600 from the start (no window where it is readable)."""
+        from ..sysutil import atomic_write
+
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.encode())
-        os.replace(tmp, path)
+        atomic_write(path, self.encode(), 0o600)
 
     @classmethod
     def read(cls, path: Path) -> "Keys":

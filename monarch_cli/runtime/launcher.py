@@ -24,6 +24,8 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional
 
+from .title import rank_title, set_title
+
 SPEC_ENV = "MONARCH_RANK_SPEC"
 _store: Any = None  # keeps the rendezvous store alive for the whole run
 
@@ -201,7 +203,9 @@ def run_program(spec: Dict[str, Any]) -> int:
         return _finish(_exit_code(e))
     except KeyboardInterrupt:
         _print_traceback()
-        return _finish(128 + signal.SIGINT)
+        _finish(0)
+        _die_of_sigint()
+        return 128 + signal.SIGINT
     except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: traceback, status 1
         _print_traceback()
         if spec.get("post_mortem") and "monarch_cli.runtime.debugger" in sys.modules:
@@ -211,6 +215,14 @@ def run_program(spec: Dict[str, Any]) -> int:
             debugger.post_mortem(sys.exc_info()[2])
         return _finish(1)
     return _finish(0)
+
+
+def _die_of_sigint() -> None:
+    """What python does after an uncaught KeyboardInterrupt (3.8+): end by SIGINT itself, so the
+    rank is reported as killed by SIGINT, as under torchrun or in a shell, not as exit 130."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
@@ -235,12 +247,21 @@ def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
     _reseed()
     if spec["mode"] == "no_python":
         _exec(spec, extra)
+    set_title(rank_title(spec["rank"], spec["mode"], spec["program"]))
+    _install_telemetry(spec)
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, env)
     code = run_program(spec)
     preload.report_imports(spec)  # after interpreter-shutdown work: it is not the user's time
     return code
+
+
+def _install_telemetry(spec: Dict[str, Any]) -> None:
+    if spec.get("telemetry"):
+        from . import telemetry_rank
+
+        telemetry_rank.install(spec)
 
 
 def _install_debugger(fd: Optional[int]) -> None:
@@ -293,7 +314,9 @@ def main() -> int:
     spec = json.loads(os.environ.pop(SPEC_ENV))
     extra = spec.pop("extra_fds", {})
     listen_fd = extra.get("listen")
+    set_title(rank_title(spec["rank"], spec["mode"], spec["program"]))
     _apply_threads(spec["env"])
+    _install_telemetry(spec)
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, spec["env"])

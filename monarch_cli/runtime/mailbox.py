@@ -1,14 +1,21 @@
-"""The per-process messaging endpoint: one authenticated reply socket, one I/O thread.
+"""The per-process messaging endpoint: one authenticated reply socket, an I/O thread.
 
 Every process of the runtime (controller, proc) has exactly one :class:`Mailbox`. Outgoing
 messages leave on a DEALER socket owned by the sending thread, so a send never waits for
-another thread. Replies, agent events and heartbeat answers arrive on the mailbox's ROUTER.
+another thread. Replies and agent events arrive on the mailbox's ROUTER.
 
 Who reads that ROUTER: a thread blocked in ``Future.get()`` reads it itself (``pump``), so a
 round trip costs no hand-off between threads; whenever nobody is waiting that way, the I/O
 thread reads it. A lock decides who may touch the socket; the I/O thread only ever tries
 it, backing off for a couple of milliseconds when a waiter holds it, so it never blocks
 heartbeats or ZAP handshakes behind a long wait.
+
+Liveness never depends on how busy this process is: heartbeats have a thread of their own
+(started when the first agent is watched) and their own ZeroMQ context, so no handler, such
+as a run's output being printed to a slow terminal, can hold them up; an agent counts as
+lost only when a heartbeat this process *sent* has gone unanswered for the timeout. A
+reader also handles at most :data:`_DRAIN_BATCH` messages at a time, so a waiter under a
+flood of output gets back to its own deadlines.
 """
 
 from __future__ import annotations
@@ -36,12 +43,16 @@ EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 Header = Tuple[Any, ...]
 
+#: Messages one reader handles before heartbeats get their turn.
+_DRAIN_BATCH = 64
+
 
 @dataclasses.dataclass
 class _AgentWatch:
     heartbeat: str  # the agent's heartbeat address
     last_ack: float
     sock: Optional[zmq.Socket] = None
+    unanswered_since: Optional[float] = None  # when the oldest heartbeat not yet answered was sent
 
 
 @dataclasses.dataclass
@@ -83,11 +94,14 @@ class Mailbox:
         self._closing = False
         self._reader = threading.Lock()  # held by whoever is reading self._reply
         self._backoff_until = 0.0
+        self._more = False  # a reader stopped with replies still queued: the I/O thread goes on
         self._wake_addr = f"inproc://mailbox-wake-{id(self)}"
         self._wake_rx = self.transport.ctx.socket(zmq.PULL)
         self._wake_rx.bind(self._wake_addr)
         self._thread = threading.Thread(target=self._io_loop, name="monarch-mailbox", daemon=True)
         self._thread.start()
+        self._hb_thread: Optional[threading.Thread] = None
+        self._hb_wake = threading.Event()
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -229,13 +243,21 @@ class Mailbox:
         self._procs[proc_id] = _OwnedProc(agent, host, weakref.ref(mesh) if mesh is not None else None, owner_actor)
         if agent not in self._agents:
             self._agents[agent] = _AgentWatch(heartbeat, time.monotonic())
+        self._start_heartbeats()
 
     def watch_agent(self, agent: str, heartbeat: str, on_lost: Callable[[str, float], None]) -> None:
         """Heartbeat ``agent`` until :meth:`unwatch_agent`; call ``on_lost(agent, silence)`` if it goes quiet."""
         self._watchers[agent] = on_lost
         if agent not in self._agents:
             self._agents[agent] = _AgentWatch(heartbeat, time.monotonic())
-        self._send_wake()  # start heartbeating now, not at the next tick
+        self._start_heartbeats()
+        self._hb_wake.set()  # start heartbeating now, not at the next tick
+
+    def _start_heartbeats(self) -> None:
+        with self._lock:
+            if self._hb_thread is None:
+                self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="monarch-heartbeat", daemon=True)
+                self._hb_thread.start()
 
     def unwatch_agent(self, agent: str) -> None:
         self._watchers.pop(agent, None)
@@ -305,23 +327,31 @@ class Mailbox:
                 if zmq.zmq_poll(watch, wait_ms):
                     self._drain_reply(one=True)
         finally:
-            # Leave nothing queued: the I/O thread's edge-triggered fd will not fire for it.
-            self._drain_reply()
+            # The I/O thread's edge-triggered fd will not fire for what is left queued: read
+            # a batch, and if more is left, tell the I/O thread to go on (never an unbounded
+            # drain here: under a flood of output the caller must get back to its deadlines).
+            more = self._drain_reply()
             self._reader.release()
+            if more:
+                self._more = True
+                self._send_wake()
         return True
 
     def _drain_reply(self, one: bool = False) -> bool:
-        got = False
+        """Handle queued messages, at most a batch; True when more may be queued."""
         sock = self._reply
+        handled = 0
         while one or sock.getsockopt(EVENTS) & POLLIN:  # ints: cheaper than zmq.Again, or enum flags
+            if handled >= _DRAIN_BATCH:
+                return True
             one = False
             frames = wire.recv_frames(sock)
-            got = True
+            handled += 1
             try:
                 self._handle(frames)
             except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                 traceback.print_exc()
-        return got
+        return False
 
     def _io_loop(self) -> None:
         reply_fd = self._reply.getsockopt(zmq.FD)
@@ -331,14 +361,12 @@ class Mailbox:
             p.register(self.transport.zap, zmq.POLLIN)
             p.register(self._wake_rx, zmq.POLLIN)
         watching.register(reply_fd, zmq.POLLIN)
-        self._pollers = (watching, backing_off)
-        next_beat = 0.0
         while not self._closing:
             now = time.monotonic()
-            timeout = next_beat - now if self._agents else 1.0
+            timeout = 0.0 if self._more else 1.0  # more queued: read it now
             if now < self._backoff_until:
                 poller = backing_off
-                timeout = min(timeout, self._backoff_until - now)
+                timeout = self._backoff_until - now
             else:
                 poller = watching
             events = dict(poller.poll(max(0.0, timeout) * 1000))
@@ -348,22 +376,15 @@ class Mailbox:
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
-            for watch in list(self._agents.values()):
-                if watch.sock is not None and watch.sock in events:
-                    while watch.sock.poll(0):
-                        watch.sock.recv()
-                        watch.last_ack = time.monotonic()
-            if poller is watching and (reply_fd in events or not events):
+            if poller is watching and (reply_fd in events or not events or self._more):
                 if self._reader.acquire(blocking=False):
                     try:
-                        self._drain_reply()
+                        self._more = False
+                        self._more = self._drain_reply()
                     finally:
                         self._reader.release()
                 else:  # a waiter is reading; look again shortly
                     self._backoff_until = time.monotonic() + 0.002
-            if self._agents and time.monotonic() >= next_beat:
-                self._heartbeat()
-                next_beat = time.monotonic() + settings().heartbeat_interval
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header, body = wire.parse(frames[1:])
@@ -418,35 +439,56 @@ class Mailbox:
             _, _, message = header
             print(f"monarch: {message}", file=sys.stderr, flush=True)
 
-    def _heartbeat(self) -> None:
-        if self._hb_transport is None:
-            from .transport import Transport
+    def _heartbeat_loop(self) -> None:
+        """Heartbeat the watched agents and read their answers; nothing else runs here."""
+        from .transport import Transport
 
-            self._hb_transport = Transport(self.keys, zap=False)
+        self._hb_transport = Transport(self.keys, zap=False)
+        poller = zmq.Poller()
+        next_beat = 0.0
+        while not self._closing:
+            events = dict(poller.poll(max(0.0, min(next_beat - time.monotonic(), 0.1)) * 1000))
+            for watch in list(self._agents.values()):
+                if watch.sock is not None and watch.sock in events:
+                    while watch.sock.poll(0):
+                        watch.sock.recv()
+                        watch.last_ack = time.monotonic()
+                        watch.unanswered_since = None
+            if self._hb_wake.is_set() or time.monotonic() >= next_beat:
+                self._hb_wake.clear()
+                self._heartbeat(poller)
+                next_beat = time.monotonic() + settings().heartbeat_interval
+        for watch in list(self._agents.values()):
+            if watch.sock is not None:
+                watch.sock.close(linger=0)
+
+    def _heartbeat(self, poller: zmq.Poller) -> None:
         now = time.monotonic()
         limit = settings().heartbeat_timeout
         live_agents = {rec.agent for rec in self._procs.values()} | set(self._watchers)
         for agent, watch in list(self._agents.items()):
             if agent not in live_agents:
-                self._unwatch(agent)
-            elif now - watch.last_ack > limit:
-                self._agent_lost(agent, now - watch.last_ack)
+                self._unwatch(agent, poller)
+            elif watch.unanswered_since is not None and now - watch.unanswered_since > limit:
+                # Silence counted from a heartbeat we sent, not from the last answer we got
+                # round to reading: a busy process does not make its agents look dead.
+                self._agent_lost(agent, now - watch.unanswered_since, poller)
             else:
                 if watch.sock is None:
                     watch.sock = self._hb_transport.dealer(watch.heartbeat)
-                    for poller in self._pollers:
-                        poller.register(watch.sock, zmq.POLLIN)
+                    poller.register(watch.sock, zmq.POLLIN)
                 watch.sock.send(self.address.encode(), zmq.NOBLOCK)
+                if watch.unanswered_since is None:
+                    watch.unanswered_since = now
 
-    def _unwatch(self, agent: str) -> None:
+    def _unwatch(self, agent: str, poller: zmq.Poller) -> None:
         watch = self._agents.pop(agent, None)
         if watch is not None and watch.sock is not None:
-            for poller in self._pollers:
-                poller.unregister(watch.sock)
+            poller.unregister(watch.sock)
             watch.sock.close(linger=0)
 
-    def _agent_lost(self, agent: str, silent_for: float) -> None:
-        self._unwatch(agent)
+    def _agent_lost(self, agent: str, silent_for: float, poller: zmq.Poller) -> None:
+        self._unwatch(agent, poller)
         watcher = self._watchers.pop(agent, None)
         if watcher is not None:
             watcher(agent, silent_for)

@@ -10,9 +10,10 @@ import dataclasses
 import itertools
 import os
 import queue
+import threading
 import sys
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from ..config import settings
 from . import wire
@@ -181,18 +182,25 @@ class ProcMesh(_Mesh):
         members = [ActorRef(p, key) for p in self._members]
         return ActorMesh(self._shape, members, name, endpoints_of(actor_class), actor_class.__name__)
 
-    def stop(self) -> None:
-        """Stop every proc once it has handled what was already sent to it, and wait for it.
+    def stop(self) -> "Future[None]":
+        """Stop every proc once it has handled what was already sent to it; a future of when they are gone.
 
-        Procs that do not stop within ``stop_grace`` get SIGTERM, then SIGKILL.
+        As in Monarch: ``procs.stop().get()`` from threads, ``await procs.stop()`` from
+        coroutines. The stop starts at once, whether or not the future is waited on. Procs
+        that do not stop within ``stop_grace`` get SIGTERM, then SIGKILL.
         """
         mb = Mailbox.get()
         mb.expect_exit(p.proc_id for p in self._members)
+        # Sent from the caller's thread, so they queue behind what this thread already sent.
         drained = [
             mb.request(p.inbox, lambda cid: ("stop", cid, mb.address), proc_id=p.proc_id)
             for p in self._members
             if mb.failure_of(p.proc_id) is None
         ]
+        return _in_background(lambda: self._stop(drained), f"stop {self._name}")
+
+    def _stop(self, drained: "List[Future[Any]]") -> None:
+        mb = Mailbox.get()
         for fut in drained:
             try:
                 fut.get(timeout=settings().stop_grace)
@@ -243,14 +251,14 @@ class ActorMesh(_Mesh):
             )
         return EndpointRef(self, attr)
 
-    def stop(self) -> None:
-        """Remove the actors once the messages already sent to them are handled."""
+    def stop(self) -> "Future[None]":
+        """Remove the actors once the messages already sent to them are handled; a future of when that is done."""
         mb = Mailbox.get()
         futs = [
             mb.request(a.proc.inbox, lambda cid, a=a: ("stop_actor", cid, mb.address, a.key), proc_id=a.proc.proc_id)
             for a in self._members
         ]
-        gather(futs).get(timeout=settings().stop_grace + 10)
+        return gather(futs).then(lambda _results: None)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -394,3 +402,19 @@ __all__ = [
     "this_host",
     "this_proc",
 ]
+
+
+def _in_background(work: Callable[[], None], name: str) -> "Future[None]":
+    """Run ``work`` on a thread now; its outcome resolves the returned future."""
+    out: Future[None] = Future()
+
+    def _run() -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            out.set_exception(e)
+        else:
+            out.set_result(None)
+
+    threading.Thread(target=_run, name=name, daemon=True).start()
+    return out

@@ -262,6 +262,9 @@ def main(boot: Dict[str, Any]) -> int:
     global _boot, _server
     boot["pid"] = os.getpid()
     _boot = boot
+    from .title import set_title
+
+    set_title(f"monarch proc {boot['proc_id']}")
     configure(**boot["settings"])
     _adopt_import_context(boot.get("import") or {})
     mb = Mailbox(Keys.decode(boot["keys"]), owner=boot["owner"], proc_id=boot["proc_id"])

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import zmq
 from zmq.utils import z85
 
-from ..config import advertised_host, settings
+from ..config import advertised_host, bind_port_candidates, settings
 from .keys import Keys
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -50,7 +50,8 @@ class Transport:
         status = (b"200", b"OK") if ok else (b"400", b"unknown key")
         self.zap.send_multipart([version, request_id, *status, b"", b""])
 
-    def bind_router(self) -> Tuple[zmq.Socket, str]:
+    def bind_router(self, port: Optional[int] = None) -> Tuple[zmq.Socket, str]:
+        """A CURVE ROUTER on ``port``, else on a port of ``settings().port_range``, else any free one."""
         if self.zap is None:
             raise RuntimeError("a client-only transport cannot bind a server socket")
         sock = self.ctx.socket(zmq.ROUTER)
@@ -65,7 +66,15 @@ class Transport:
             sock.bind(f"ipc://{_ipc_dir()}/{uuid.uuid4().hex[:16]}")
             return sock, sock.last_endpoint.decode()
         host = advertised_host()
-        sock.bind(f"tcp://{host}:*")
+        candidates = [port] if port is not None else bind_port_candidates()
+        for i, candidate in enumerate(candidates):
+            try:
+                sock.bind(f"tcp://{host}:{candidate or '*'}")
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or i == len(candidates) - 1:
+                    sock.close(0)
+                    raise OSError(e.errno, f"cannot listen on {host}:{candidate or '*'}: {e}") from None
         return sock, sock.last_endpoint.decode()
 
     def dealer(self, address: str) -> zmq.Socket:

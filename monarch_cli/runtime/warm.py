@@ -178,6 +178,11 @@ class WarmRanks:
     def warm_up(self) -> None:
         if self.current is None:
             self.current = self._spawn([])
+            self._again = bool(self.store.wanted())  # the learned set follows once it is ready
+
+    def zygotes(self) -> List[Any]:
+        """Every warm-rank fork server alive now (the one runs fork from, the next, retired ones)."""
+        return [w.zygote for w in self._all()]
 
     def learn(self, run_id: str) -> None:
         """A run ended here: merge what its ranks imported; warm a new zygote if that is new."""
@@ -264,12 +269,13 @@ class WarmRanks:
             self._maybe_warm()
 
     def gone(self, zygote: Any) -> bool:
-        """A zygote's socket closed; True if it was one of ours."""
+        """A zygote's socket closed; True if runs were forking from it (it wants replacing)."""
         warm = next((w for w in self._all() if w.zygote is zygote), None)
         if warm is None:
             return False
+        was_current = warm is self.current
         self._drop(warm)
-        return True
+        return was_current
 
     def _retire(self, warm: _Warm) -> None:
         """No more runs fork from it; it goes when its last rank has exited."""

@@ -17,6 +17,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import traceback
 from typing import Any, Dict, List
 
@@ -75,10 +76,25 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[
             os._exit(code)
 
 
-def serve(fd: int) -> None:
+def _exit_if_orphaned(parent: int, done: "threading.Event") -> None:
+    while not done.wait(0.2):
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def serve(fd: int, title: str = "monarch fork-server") -> None:
     die_with_parent()
+    from .title import set_title
+
+    set_title(title)
     sock = socket.socket(fileno=fd)
     preload.note_environment()
+    # Importing torch takes seconds, during which the zygote cannot see its agent's socket
+    # close; where PR_SET_PDEATHSIG is not delivered (some sandboxes), watch the parent
+    # meanwhile. The thread ends before the first fork: forks still happen single-threaded.
+    importing = threading.Event()
+    watchdog = threading.Thread(target=_exit_if_orphaned, args=(os.getppid(), importing), daemon=True)
+    watchdog.start()
     from . import proc  # noqa: F401 - the point of the zygote: import once, fork many
 
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
@@ -86,8 +102,10 @@ def serve(fd: int) -> None:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001
             print(f"monarch zygote: could not preload {name}: {e}", file=sys.stderr)
-    _load_learned(sock)
+    _load_learned(sock)  # (the watchdog counts in its thread baseline: it lives until now)
     preload.finish_environment()
+    importing.set()
+    watchdog.join()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -155,4 +173,4 @@ def _load_learned(sock: socket.socket) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), *sys.argv[2:3])

@@ -1,28 +1,60 @@
-"""Scheduler backends: one module each, all behind :class:`~.base.Scheduler`."""
+"""Scheduler backends: one module (or subpackage) each, all behind :class:`~.base.Scheduler`.
+
+The registry below is lazy: a backend's module is imported only when it is used. A new
+backend in this package is one line in ``_BUILTIN``; a third-party package registers
+its own through the ``monarch_cli.schedulers`` entry-point group::
+
+    [project.entry-points."monarch_cli.schedulers"]
+    mycluster = "mypackage.monarch_backend:MyClusterScheduler"
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import Dict, Tuple
+from typing import Dict, List, Type
 
-from ..jobs.errors import JobError
-from .base import DryRun, HostStatus, Reservation, ReserveRequest, Scheduler, controller_host
+from ..errors import JobError
+from .base import (HostRecord, Liveness, Option, Plan, Probe, Reservation, ReservationRecord, ReserveRequest, Scheduler,
+                   parse_option_pairs)
 
-#: Backends by name: (module, class), imported when first used, so that a command that only
-#: talks to running agents does not pay for every backend's imports.
-_BACKENDS: Dict[str, Tuple[str, str]] = {"local": ("local", "LocalScheduler"), "slurm": ("slurm", "SlurmScheduler")}
+#: name -> "module:Class", imported on first use.
+_BUILTIN: Dict[str, str] = {
+    "local": "monarch_cli.schedulers.local:LocalScheduler",
+    "slurm": "monarch_cli.schedulers.slurm:SlurmScheduler",
+    "ssh": "monarch_cli.schedulers.ssh:SshScheduler",
+}
 #: torchx scheduler names users already type, mapped to ours.
 ALIASES = {"local_cwd": "local"}
+ENTRY_POINT_GROUP = "monarch_cli.schedulers"
+
+
+def _entry_points() -> Dict[str, str]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available() -> List[str]:
+    """Every backend name (built-in, third-party and aliases), sorted."""
+    return sorted({*_BUILTIN, *_entry_points(), *ALIASES})
+
+
+def scheduler_class(name: str) -> Type[Scheduler]:
+    key = ALIASES.get(name, name)
+    target = _BUILTIN.get(key) or _entry_points().get(key)
+    if target is None:
+        raise JobError(f"unknown scheduler {name!r}; available: {', '.join(available())}")
+    module, _, attr = target.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise JobError(f"scheduler {name!r} ({target}) is not a monarch_cli.schedulers.Scheduler")
+    return cls
 
 
 def get_scheduler(name: str) -> Scheduler:
-    key = ALIASES.get(name, name)
-    if key not in _BACKENDS:
-        known = ", ".join(sorted([*_BACKENDS, *ALIASES]))
-        raise JobError(f"unknown scheduler {name!r}; available: {known}")
-    module, cls = _BACKENDS[key]
-    return getattr(importlib.import_module(f".{module}", __name__), cls)()
+    return scheduler_class(name)()
 
 
-__all__ = ["DryRun", "HostStatus", "Reservation", "ReserveRequest", "Scheduler", "controller_host", "get_scheduler",
-           "ALIASES"]
+__all__ = ["HostRecord", "Liveness", "Option", "Plan", "Probe", "Reservation", "ReservationRecord", "ReserveRequest",
+           "Scheduler", "get_scheduler", "scheduler_class", "available", "parse_option_pairs", "ALIASES",
+           "ENTRY_POINT_GROUP"]

@@ -2,108 +2,149 @@
 
 Each agent has its own name (``local0``, ``local1``...), so it gets its own GROUP_RANK
 and rank range, which makes multi-node logic testable on a laptop. Agents run in their
-own sessions and outlive the CLI that started them.
+own sessions and outlive the CLI that started them, named after their reservation in
+``ps``; they are found through the address files they write, like agents on a cluster.
+Each registers itself (:mod:`..runtime.agent_registry`), so ``stop --force`` finds it
+even when the state file is unreadable, and exits on its own once the state file no
+longer records its reservation (deleted, or replaced by another).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
-import sys
+import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List
 
-from ..jobs.state import HostRecord, JobState
-from ..runtime.keys import Keys
-from .base import DryRun, Progress, Reservation, ReserveRequest, Scheduler
+import psutil
+
+from ..errors import SchedulerError
+from ..runtime import agent_registry
+from ..runtime.agent_command import AGENT_MODULE, AgentCommand
+from ..sysutil import signal_if_alive
+from .agents import read_address_files, wait_for_agents
+from .base import HostRecord, Liveness, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
+
+if TYPE_CHECKING:
+    from ..runtime.keys import Keys
+
+#: How long agents may take to listen (they import torch to warm up, on a busy laptop).
+AGENT_START_TIMEOUT = 60.0
 
 
 class LocalScheduler(Scheduler):
     name = "local"
+    options = ()
 
-    def _agent_command(self, i: int, request: ReserveRequest) -> List[str]:
-        cmd = [sys.executable, "-m", "monarch_cli.runtime.agent", "--keys-stdin", "--name", f"local{i}", "--warm-up"]
-        if request.preload is not None:
-            cmd += ["--preload", request.preload]
-        return cmd
+    def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
+        self.check_options(request.options)
+        rid = f"local-{uuid.uuid4().hex[:8]}"
+        root = workdir.resolve() / "agents"
+        agents = [AgentCommand(name=f"local{i}", warm_up=True, keys_stdin=True, preload=request.preload,
+                               port=None if request.agent_port is None else request.agent_port + i,
+                               port_range=request.port_range, address_file=str(root / rid / f"local{i}.addr"),
+                               reservation=rid, state_file=request.state_file)
+                  for i in range(request.hosts)]
+        logs = [str(root / f"local{i}.log") for i in range(request.hosts)]
+        steps = [f"MONARCH_HOST=127.0.0.1 {shlex.join(a.argv())}  # keys on stdin; log: {log}"
+                 for a, log in zip(agents, logs)]
+        steps.append(f"wait until {request.hosts} agent(s) have written their address files")
+        summary = (f"start {request.hosts} host agent(s) on this machine, each in its own session, with a fresh key "
+                   "pair written 0600 to the job state")
+        return Plan(self.name, rid, request.hosts, list(request.command), str(workdir.resolve()), summary, steps,
+                    data={"agents": [a.to_json() for a in agents], "logs": logs})
 
-    def dryrun(self, request: ReserveRequest, workdir: Path) -> DryRun:
-        _no_options(request)
-        commands = "\n".join(
-            f"MONARCH_HOST=127.0.0.1 {shlex.join(self._agent_command(i, request))}  "
-            f"# keys on stdin; log: {workdir / 'agents' / f'local{i}.log'}"
-            for i in range(request.hosts)
-        )
-        summary = (
-            f"start {request.hosts} host agent(s) on this machine, each in its own session, "
-            f"with a fresh key pair written 0600 to the job state; default command: "
-            f"{shlex.join(request.command) if request.command else '(none)'}"
-        )
-        return DryRun(self.name, summary, {"commands": commands})
-
-    def reserve(self, request: ReserveRequest, keys: Keys, workdir: Path, progress: Progress) -> Reservation:
-        _no_options(request)
-        logs = workdir / "agents"
-        logs.mkdir(parents=True, exist_ok=True)
+    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+        self.check_plan(plan)
+        agents = [AgentCommand.from_json(a) for a in plan.data["agents"]]
+        logs = [Path(p) for p in plan.data["logs"]]
+        addr_dir = Path(str(agents[0].address_file)).parent if agents else Path(plan.workdir)
+        addr_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "MONARCH_HOST": "127.0.0.1"}
         env.pop("MONARCH_KEYS", None)
-        hosts: List[HostRecord] = []
+        procs: List[subprocess.Popen] = []
         try:
-            for i in range(request.hosts):
-                progress(f"starting agent local{i}")
-                with open(logs / f"local{i}.log", "ab") as log:
-                    from ..runtime.agent_launch import launch_agent  # (not needed to run on the hosts)
+            for agent, log_path in zip(agents, logs):
+                progress(f"starting agent {agent.name}")
+                with open(log_path, "ab") as log:
+                    proc = subprocess.Popen(agent.argv(), stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
+                                            start_new_session=True)
+                procs.append(proc)
+                assert proc.stdin is not None
+                proc.stdin.write(keys.encode().encode() + b"\n")
+                proc.stdin.close()
+            names = [str(a.name) for a in agents]
 
-                    proc, address = launch_agent(
-                        keys,
-                        name=f"local{i}",
-                        preload=request.preload,
-                        warm_up=True,
-                        exit_with_parent=False,
-                        detach=True,
-                        env=env,
-                        stdout=log,
-                    )
-                hosts.append(HostRecord(name=f"local{i}", agent=address, pid=proc.pid, node_rank=i))
-                progress(f"local{i} ready at {address}")
+            def check() -> None:
+                for agent, proc, log_path in zip(agents, procs, logs):
+                    if proc.poll() is not None:
+                        raise SchedulerError(f"agent {agent.name} exited with status {proc.returncode} during start-up: "
+                                             f"{_tail(log_path)}")
+
+            hosts = wait_for_agents(lambda: read_address_files(addr_dir, names), names, progress,
+                                    timeout=AGENT_START_TIMEOUT, check=check)
         except BaseException:
-            _kill_agents(hosts)
+            _kill_agents([p.pid for p in procs])
+            shutil.rmtree(addr_dir, ignore_errors=True)
             raise
-        return Reservation(f"local-{uuid.uuid4().hex[:8]}", hosts, {"logs": str(logs)})
+        hosts = [HostRecord(h.name, h.agent, p.pid, h.node_rank) for h, p in zip(hosts, procs)]
+        return Reservation(plan.reservation_id, hosts, {"logs": str(logs[0].parent) if logs else "",
+                                                         "addresses": str(addr_dir)})
 
-    def release(self, state: JobState) -> None:
-        _kill_agents(state.hosts)
+    def release(self, reservation: ReservationRecord) -> None:
+        _kill_agents([h.pid for h in reservation.hosts if h.pid])
+        agent_registry.stop_agents(agent_registry.agents_of(reservation=reservation.reservation_id))
+        if reservation.scheduler_data.get("addresses"):
+            shutil.rmtree(reservation.scheduler_data["addresses"], ignore_errors=True)
 
-    def gone(self, state: JobState) -> Optional[str]:
-        dead = [h.name for h in state.hosts if not (h.pid and _is_agent(h.pid))]
-        return f"agent process of {', '.join(dead)} is not running" if dead else None
+    def release_unreadable(self, state_file: Path) -> List[int]:
+        """Stop the agents registered for a state file that cannot be read; their pids."""
+        found = agent_registry.agents_of(state_file=str(state_file.resolve()))
+        agent_registry.stop_agents(found)
+        return [e.pid for e in found]
+
+    def dead_hosts(self, reservation: ReservationRecord) -> List[str]:
+        return [h.name for h in reservation.hosts if not (h.pid and _is_agent(h.pid))]
+
+    def probe(self, reservation: ReservationRecord) -> Probe:
+        dead = self.dead_hosts(reservation)
+        if dead:
+            return Probe(Liveness.GONE, f"agent process of {', '.join(dead)} is not running")
+        return Probe(Liveness.ALIVE)
 
 
-def _no_options(request: ReserveRequest) -> None:
-    if request.options:
-        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(request.options))
-        raise ValueError(f"the local scheduler takes no cluster options (got {flags}); use --scheduler slurm")
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        text = []
+    return " | ".join(text[-lines:]) + f" (log: {path})" if text else f"no output (log: {path})"
 
 
 def _is_agent(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:  # Linux only, like the runtime; cheaper than psutil
-            return b"monarch_cli.runtime.agent" in f.read()
-    except OSError:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+        return AGENT_MODULE in cmd or cmd.startswith("monarch agent ")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 
 
-def _kill_agents(hosts: List[HostRecord]) -> None:
+def _kill_agents(pids: List[int]) -> None:
     """SIGTERM each agent (it kills its procs and ranks), then SIGKILL what is left."""
-    pids = [h.pid for h in hosts if h.pid and _is_agent(h.pid)]
+    pids = [p for p in pids if _is_agent(p)]
     for pid in pids:
-        os.kill(pid, signal.SIGTERM)
+        signal_if_alive(pid, signal.SIGTERM)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(_is_agent(p) for p in pids):
         time.sleep(0.05)
     for pid in pids:
         if _is_agent(pid):
-            os.kill(pid, signal.SIGKILL)  # its zygotes and their children follow (PDEATHSIG)
+            signal_if_alive(pid, signal.SIGKILL)  # its zygotes and their children follow (PDEATHSIG)
+
+
+__all__ = ["LocalScheduler"]

@@ -22,6 +22,8 @@ import pytest
 from monarch_cli.jobs import job_load, serve
 from monarch_cli.jobs.debug import DebugClient
 
+from ..conftest import wait_until
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = """\
@@ -56,15 +58,28 @@ value = 40 + rank
 print(f"value {value}", flush=True)   # line 5: the IDE's breakpoint
 """
 
+DAP_AGAIN_SCRIPT = """\
+import os, time
+breakpoint()
+step = 0
+while not os.path.exists("dap-done"):
+    step += 1   # line 5: the IDEs' breakpoint
+    with open("dap-step", "w") as f:
+        f.write(str(step))
+    time.sleep(0.02)
+print(f"steps {step}", flush=True)
+"""
+
 
 @pytest.fixture(scope="module")
 def reservation(tmp_path_factory) -> Iterator[Path]:
     work = tmp_path_factory.mktemp("debug")
     (work / "dbg.py").write_text(SCRIPT)
     (work / "dap.py").write_text(DAP_SCRIPT)
+    (work / "dap_again.py").write_text(DAP_AGAIN_SCRIPT)
     (work / "settrace.py").write_text(SET_TRACE_SCRIPT)
     state = work / ".monarch" / "job_state.pkl"
-    job = serve(["torchrun", "--nproc-per-node=2", "dbg.py"], hosts=2, state=state)
+    job = serve(["torchrun", "--nproc-per-node=2", "dbg.py"], hosts=2, state=state, cwd=work)
     yield state
     job.stop()
 
@@ -106,12 +121,14 @@ class Run:
         self.out.close()
 
 
-def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Optional[str] = None) -> List[Any]:
+def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Optional[str] = None,
+                line: Optional[int] = None) -> List[Any]:
     client = DebugClient(job_load(state))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            rows = [r for r in client.list() if r.state == "paused" and (reason is None or r.reason == reason)]
+            rows = [r for r in client.list() if r.state == "paused" and (reason is None or r.reason == reason)
+                    and (line is None or r.line == line)]
             if len(rows) >= ranks:
                 return rows
             time.sleep(0.2)
@@ -193,8 +210,8 @@ def test_list_attach_print_step_cast_continue(reservation):
             shell.expect_exact(f"[rank{rank}] continued")
         shell.expect("monarch_dbg> ")
         # rank 1 stops again at the breakpoint set at line 12
-        paused = wait_paused(reservation, ranks=1)
-        assert (paused[0].rank, paused[0].line) == (1, 12)
+        paused = wait_paused(reservation, ranks=1, line=12)  # the others may not have reported running yet
+        assert [(r.rank, r.line) for r in paused] == [(1, 12)]
         shell.sendline("continue 1")
         shell.expect_exact("[rank1] continued")
         shell.sendline("quit")
@@ -331,31 +348,252 @@ class DapClient:
         return response.get("body", {})
 
 
-def test_dap_attach_breakpoint_continue_and_variables(reservation):
+# Run as `nobody` (system python, no access to this checkout): every port given on argv gets
+# a DAP session that would run os.system in the rank; prints what each port sent back.
+ATTACK = """
+import json, socket, sys, threading
+marker = sys.argv[1]
+def frame(seq, command, **arguments):
+    body = json.dumps({"seq": seq, "type": "request", "command": command, "arguments": arguments}).encode()
+    return b"Content-Length: %d\\r\\n\\r\\n" % len(body) + body
+payload = (frame(1, "initialize", adapterID="debugpy") + frame(2, "attach", justMyCode=False)
+           + frame(3, "configurationDone")
+           + frame(4, "evaluate", expression=f"__import__('os').system('touch {marker}')", context="repl"))
+got = {}
+def attack(port):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=3)
+        s.sendall(payload)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        got[port] = data.decode("latin-1")
+    except OSError as e:
+        got[port] = type(e).__name__
+threads = [threading.Thread(target=attack, args=(int(p),)) for p in sys.argv[2:]]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(got))
+"""
+
+
+def _tcp_listeners(pids: List[int]) -> Dict[int, List[int]]:
+    """Listening TCP ports of each pid."""
+    import psutil
+
+    ports: Dict[int, List[int]] = {}
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        ports[pid] = sorted(c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN)
+    return ports
+
+
+def _run_processes(state: Path, rank_pid: int) -> List[int]:
+    """The rank, its agent and everything the agent started (zygotes, ranks)."""
+    import psutil
+
+    agents = {h.pid for h in job_load(state).state.hosts}
+    agent = next(p for p in psutil.Process(rank_pid).parents() if p.pid in agents)
+    return [agent.pid, *(c.pid for c in agent.children(recursive=True))]
+
+
+_AS_ANOTHER_USER = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user (runuser -u nobody) needs root")
+
+
+@_AS_ANOTHER_USER
+def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(reservation, tmp_path):
     with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py") as run:
+        rank_pid = wait_paused(reservation, ranks=1)[0].pid
+        before = _tcp_listeners(_run_processes(reservation, rank_pid))
+        relay_err = open(tmp_path / "relay.err", "w+")
+        relay = subprocess.Popen([sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
+                                 env=_env(reservation), cwd=reservation.parent.parent, stdout=subprocess.PIPE,
+                                 stderr=relay_err, text=True)
+        try:
+            info = json.loads(relay.stdout.readline())
+            assert info["host"] == "127.0.0.1"
+            assert info["vscode"]["request"] == "attach" and info["vscode"]["connect"]["port"] == info["port"]
+            assert info["vscode"]["pathMappings"][0]["remoteRoot"] == str(reservation.parent.parent)
+
+            # Another local user tries the IDE port and every TCP port of the run's processes.
+            processes = _run_processes(reservation, rank_pid)
+            after = _tcp_listeners(processes)
+            assert after.get(rank_pid) == before.get(rank_pid), "the rank opened a port for DAP"
+            ports = {port for listed in after.values() for port in listed}
+            ports |= set(_tcp_listeners([relay.pid])[relay.pid])
+            assert info["port"] in ports
+            marker = tmp_path / "pwned"
+            attack = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", ATTACK, str(marker),
+                                     *map(str, sorted(ports))], capture_output=True, text=True, timeout=60, cwd="/")
+            assert attack.returncode == 0, attack.stderr
+            answers = json.loads(attack.stdout)
+            assert answers[str(info["port"])] in ("", "ConnectionResetError"), "the IDE port answered another user"
+            assert not any("Content-Length" in a for a in answers.values()), answers
+            time.sleep(0.5)
+            assert not marker.exists(), "another user ran code in the rank"
+            relay_err.seek(0)
+            assert "refused a debugger connection from uid 65534" in relay_err.read()
+
+            # The holder's IDE still attaches, stops at its breakpoint, reads a variable, continues.
+            dap = DapClient(info["host"], info["port"])
+            dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
+                        columnsStartAt1=True, pathFormat="path")
+            attach_seq = dap.send("attach", justMyCode=False)
+            dap.wait(lambda m: m.get("event") == "initialized")
+            path = str(reservation.parent.parent / "dap.py")
+            bps = dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
+            assert bps["breakpoints"][0]["verified"]
+            dap.request("configurationDone")
+            dap.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == attach_seq)
+            stopped = dap.wait(lambda m: m.get("event") == "stopped", timeout=60)
+            frames = dap.request("stackTrace", threadId=stopped["body"]["threadId"])["stackFrames"]
+            assert frames[0]["line"] == 5 and frames[0]["source"]["path"].endswith("dap.py")
+            scopes = dap.request("scopes", frameId=frames[0]["id"])["scopes"]
+            local = next(s for s in scopes if s["name"].lower().startswith(("locals", "globals")))
+            variables = dap.request("variables", variablesReference=local["variablesReference"])["variables"]
+            assert {v["name"]: v["value"] for v in variables}["value"] == "40"
+            dap.request("continue", threadId=stopped["body"]["threadId"])
+            assert run.wait() == 0
+            assert "[rank0] value 40" in run.output()
+            assert relay.wait(30) == 0  # the rank is gone: so is the relay
+            assert not marker.exists()
+        finally:
+            if relay.poll() is None:
+                relay.kill()
+            relay.wait()
+
+
+def _ide_stops_at(info: Dict[str, Any], path: str, line: int) -> "tuple[DapClient, int, Dict[str, str]]":
+    """An IDE session that sets one breakpoint and waits there: (client, thread id, local variables)."""
+    dap = DapClient(info["host"], info["port"])
+    dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
+                columnsStartAt1=True, pathFormat="path")
+    attach_seq = dap.send("attach", justMyCode=False)
+    dap.wait(lambda m: m.get("event") == "initialized")
+    assert dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": line}])["breakpoints"][0]["verified"]
+    dap.request("configurationDone")
+    dap.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == attach_seq)
+    thread = dap.wait(lambda m: m.get("event") == "stopped", timeout=60)["body"]["threadId"]
+    frame = dap.request("stackTrace", threadId=thread)["stackFrames"][0]
+    assert frame["line"] == line
+    scope = dap.request("scopes", frameId=frame["id"])["scopes"][0]
+    variables = dap.request("variables", variablesReference=scope["variablesReference"])["variables"]
+    return dap, thread, {v["name"]: v["value"] for v in variables}
+
+
+def test_dap_ide_that_vanishes_lets_the_rank_run_on_and_the_next_ide_attaches(reservation):
+    work = reservation.parent.parent
+    (work / "dap-done").unlink(missing_ok=True)
+    (work / "dap-step").unlink(missing_ok=True)
+    with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap_again.py") as run:
         wait_paused(reservation, ranks=1)
-        proc = debug_cmd(reservation, "--dap", "0", "--json")
-        assert proc.returncode == 0, proc.stderr
-        info = json.loads(proc.stdout)
-        assert info["vscode"]["request"] == "attach" and info["vscode"]["connect"]["port"] == info["port"]
-        assert info["vscode"]["pathMappings"][0]["remoteRoot"] == str(reservation.parent.parent)
-        dap = DapClient(info["host"], info["port"])
-        dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
-                    columnsStartAt1=True, pathFormat="path")
-        attach_seq = dap.send("attach", justMyCode=False)
-        dap.wait(lambda m: m.get("event") == "initialized")
-        path = str(reservation.parent.parent / "dap.py")
-        bps = dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}])
-        assert bps["breakpoints"][0]["verified"]
-        dap.request("configurationDone")
-        dap.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == attach_seq)
-        stopped = dap.wait(lambda m: m.get("event") == "stopped", timeout=60)
-        frames = dap.request("stackTrace", threadId=stopped["body"]["threadId"])["stackFrames"]
-        assert frames[0]["line"] == 5 and frames[0]["source"]["path"].endswith("dap.py")
-        scopes = dap.request("scopes", frameId=frames[0]["id"])["scopes"]
-        local = next(s for s in scopes if s["name"].lower().startswith(("locals", "globals")))
-        variables = dap.request("variables", variablesReference=local["variablesReference"])["variables"]
-        assert {v["name"]: v["value"] for v in variables}["value"] == "40"
-        dap.request("continue", threadId=stopped["body"]["threadId"])
+        relay = subprocess.Popen([sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
+                                 env=_env(reservation), cwd=work, stdout=subprocess.PIPE, text=True)
+        try:
+            info = json.loads(relay.stdout.readline())
+            first, _, seen = _ide_stops_at(info, str(work / "dap_again.py"), 5)
+            first.sock.close()  # the IDE crashes: no `disconnect`
+            # Its breakpoint is gone and the rank runs on.
+            steps = work / "dap-step"
+            assert wait_until(lambda: steps.exists() and int(steps.read_text() or 0) > int(seen["step"]) + 5, 30)
+            second, thread, later = _ide_stops_at(info, str(work / "dap_again.py"), 5)
+            assert int(later["step"]) > int(seen["step"]) + 5
+            (work / "dap-done").touch()
+            second.request("disconnect")
+            assert run.wait() == 0
+            assert relay.wait(30) == 0
+        finally:
+            if relay.poll() is None:
+                relay.kill()
+            relay.wait()
+
+
+# Run as `nobody` with a copy of pyzmq: sends the agent what `monarch debug` sends (pdb lines
+# that would run os.system in a paused rank, and a pickle that would run it in the agent),
+# first without CURVE, then with a key pair of its own and the reservation's public key.
+PDB_ATTACK = """
+import sys, time, zmq
+agent, server_public = sys.argv[1], sys.argv[2].encode()
+frames = [bytes.fromhex(h) for h in sys.argv[3:]]
+ctx = zmq.Context()
+for curve in (False, True):
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if curve:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = server_public
+    sock.connect(agent)
+    for frame in frames:
+        sock.send(frame)
+    time.sleep(1.0)
+    sock.close()
+ctx.destroy(linger=0)
+print("sent")
+"""
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.fixture
+def zmq_for_nobody() -> Iterator[Path]:
+    """A world-readable copy of this pyzmq (the real one lives where `nobody` cannot read)."""
+    import shutil
+    import tempfile
+
+    import zmq
+
+    site = Path(zmq.__file__).parent.parent
+    with tempfile.TemporaryDirectory(prefix="monarch-nobody-") as tmp:
+        target = Path(tmp)
+        for name in ("zmq", "pyzmq.libs"):
+            if (site / name).exists():
+                shutil.copytree(site / name, target / name)
+        for path in [target, *target.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644 | (path.stat().st_mode & 0o111))
+        yield target
+
+
+@_AS_ANOTHER_USER
+def test_pdb_relay_takes_nothing_from_another_user(reservation, tmp_path, zmq_for_nobody):
+    import pickle
+    import struct
+
+    from monarch_cli.jobs import job_load
+
+    with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap.py") as run:
+        row = wait_paused(reservation, ranks=1)[0]
+        job = job_load(reservation)
+        agent = job.state.hosts[0].agent
+        assert agent.startswith("tcp://")
+        marker, marker2 = tmp_path / "pwned-rank", tmp_path / "pwned-agent"
+        line = f"import os; os.system('touch {marker}')\n"
+        headers = [("debug_input", 1, "tcp://127.0.0.1:1", row.run_id, 0, line),
+                   ("debug_cast", 2, "tcp://127.0.0.1:1", row.run_id, 0, line),
+                   ("debug_continue", 3, "tcp://127.0.0.1:1", row.run_id, 0)]
+        frames = [struct.pack("<I", len(h)) + h for h in (pickle.dumps(x, 5) for x in headers)]
+        evil = pickle.dumps(_Evil(str(marker2)))
+        frames.append(struct.pack("<I", len(evil)) + evil)
+        attack = subprocess.run(["runuser", "-u", "nobody", "--", "env", f"PYTHONPATH={zmq_for_nobody}", "/usr/bin/python3",
+                                 "-c", PDB_ATTACK, agent, job.keys.public.decode(), *(f.hex() for f in frames)],
+                                capture_output=True, text=True, timeout=60, cwd="/")
+        assert attack.returncode == 0 and attack.stdout.strip() == "sent", attack.stderr
+        time.sleep(0.5)
+        assert not marker.exists() and not marker2.exists(), "another user got code run"
+        assert [r.state for r in wait_paused(reservation, ranks=1)] == ["paused"]  # not continued either
+        # The holder still drives it.
+        cast = json.loads(debug_cmd(reservation, "cast", "0", "p rank + 1", "--json").stdout)
+        assert cast["0"]["output"].strip() == "1"
+        assert debug_cmd(reservation, "continue").returncode == 0
         assert run.wait() == 0
-        assert "[rank0] value 40" in run.output()

@@ -32,7 +32,8 @@ def rank_processes(job: Job) -> List[str]:
         for p in psutil.Process(host.pid).children(recursive=True):
             try:
                 cmd = " ".join(p.cmdline())
-                if "monarch_cli.runtime.zygote" not in cmd and p.status() != psutil.STATUS_ZOMBIE:
+                zygote = cmd.startswith(("monarch warm ", "monarch fork-server "))
+                if not zygote and p.status() != psutil.STATUS_ZOMBIE:
                     found.append(f"{p.pid}: {cmd}")
             except psutil.NoSuchProcess:
                 pass

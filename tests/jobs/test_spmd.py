@@ -226,7 +226,7 @@ sys.exit(7)
 '''
 
 # Inherently different between two runs / processes, however they start.
-RUN_SPECIFIC_ENV = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "PROBE_OUT"}
+RUN_SPECIFIC_ENV = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "MONARCH_RUN_ID", "PROBE_OUT"}
 PROCESS_SPECIFIC = {"preloaded", "learned", "torch_seed", "hash"}
 WARM_MODES = ("warm", "warm2", "learned")
 

@@ -23,6 +23,7 @@ from monarch_cli.jobs.state import (
     NoReservation,
     StateError,
     clear_state,
+    find_state_dir,
     load_state,
     save_state,
     state_path,
@@ -42,6 +43,7 @@ def make_state(**overrides: Any) -> JobState:
         created_at=1700000000.5,
         scheduler_data={"job_id": 77, "nested": {"t": (1, 2), "s": {3}, "b": b"\x00"}},
         last_run={"run_id": "r1", "started_at": 1.0, "exit_code": 0, "duration": 2.5},
+        default_cwd="/srv/project",
     )
     fields.update(overrides)
     return JobState(**fields)
@@ -111,6 +113,7 @@ def test_existing_parent_dir_is_left_alone(tmp_path: Path) -> None:
 
 def test_path_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(STATE_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
     assert state_path() == DEFAULT_STATE_PATH == Path(".monarch/job_state.pkl")
     monkeypatch.setenv(STATE_ENV, str(tmp_path / "env.pkl"))
     assert state_path() == tmp_path / "env.pkl"
@@ -118,6 +121,56 @@ def test_path_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert state_path(str(tmp_path / "s.pkl")) == tmp_path / "s.pkl"
     monkeypatch.setenv(STATE_ENV, "")
     assert state_path() == DEFAULT_STATE_PATH
+
+
+def test_the_nearest_monarch_dir_above_is_found_like_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(STATE_ENV, raising=False)
+    project = tmp_path / "project"
+    deep = project / "src" / "pkg"
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep)
+    assert find_state_dir() is None and state_path() == DEFAULT_STATE_PATH  # serve would make ./.monarch
+    save_state(make_state(), project / ".monarch" / "job_state.pkl")
+    assert state_path() == project / ".monarch" / "job_state.pkl"
+    assert load_state().reservation_id == "res-42"
+    (project / "src" / ".monarch").mkdir()  # the nearest wins, as with nested git repositories
+    assert find_state_dir() == project / "src" / ".monarch"
+    monkeypatch.setenv(STATE_ENV, str(tmp_path / "env.pkl"))  # $MONARCH_STATE and --state still decide
+    assert state_path() == tmp_path / "env.pkl"
+    assert state_path(tmp_path / "x.pkl") == tmp_path / "x.pkl"
+    monkeypatch.delenv(STATE_ENV)
+    monkeypatch.chdir(project)
+    assert state_path() == DEFAULT_STATE_PATH  # found right here: the short relative path
+
+
+def test_the_walk_stops_below_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reservation served from $HOME is not every project's reservation."""
+    home = tmp_path / "home"
+    (home / ".monarch").mkdir(parents=True)
+    (home / "proj" / "sub").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    assert find_state_dir(home / "proj" / "sub") is None
+    assert find_state_dir(home) == home / ".monarch"
+    (home / "proj" / ".monarch").mkdir()
+    assert find_state_dir(home / "proj" / "sub") == home / "proj" / ".monarch"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user owns needs root")
+def test_another_users_monarch_dir_is_not_used(tmp_path: Path) -> None:
+    """Their agents would receive our programs and environment."""
+    (tmp_path / ".monarch").mkdir()
+    (tmp_path / "sub").mkdir()
+    os.chown(tmp_path / ".monarch", 65534, 65534)  # nobody
+    assert find_state_dir(tmp_path / "sub") is None
+
+
+def test_a_version_1_file_loads_without_a_served_directory(target: Path) -> None:
+    payload = valid_payload()
+    payload["schema_version"] = payload["state"]["schema_version"] = 1
+    del payload["state"]["default_cwd"]
+    target.parent.mkdir()
+    write_payload(target, payload)
+    assert load_state(target).default_cwd is None
 
 
 def test_default_and_env_paths_are_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

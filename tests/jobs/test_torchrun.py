@@ -58,6 +58,7 @@ OK_CASES: list[tuple[list[str], dict[str, Any]]] = [
      {"tee": "3", "redirects": "0:1,1:2", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "-t1", "--redirects=2", "t.py"], {"tee": "1", "redirects": "2", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "-t=0", "-r3", "t.py"], {"tee": "0", "redirects": "3", "program": ["t.py"], "python_args": ["-u"]}),
+    ([T, "--shutdown_timeout", "5", "t.py"], {"shutdown_timeout": 5, "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--log-dir", "/tmp/logs", "t.py"], {"log_dir": "/tmp/logs", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--log_dir=/tmp/l", "t.py"], {"log_dir": "/tmp/l", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--role", "", "t.py"], {"role": "", "program": ["t.py"], "python_args": ["-u"]}),  # torchx's dist.ddp passes --role ''
@@ -135,7 +136,7 @@ ERROR_CASES: list[tuple[list[str], list[str]]] = [
     ([T, "--virtual-local-rank", "t.py"], ["--virtual-local-rank is not supported"]),
     ([T, "--duplicate-stdout-filters", "a", "t.py"], ["--duplicate-stdout-filters is not supported"]),
     ([T, "--duplicate_stderr_filters=a", "t.py"], ["--duplicate_stderr_filters is not supported"]),
-    ([T, "--shutdown-timeout=5", "t.py"], ["--shutdown-timeout is not supported"]),
+    ([T, "--shutdown-timeout=-5", "t.py"], ["--shutdown-timeout=-5 is out of range"]),
     ([T, "--start-method=thread", "t.py"], ["spawn, fork or forkserver"]),
     ([T, "--foo", "t.py"], ["unknown torchrun flag --foo", "after the script"]),
     ([T, "--nproc", "2", "t.py"], ["unknown torchrun flag --nproc", "did you mean --nproc-per-node?"]),

@@ -74,14 +74,14 @@ class Counter(Actor):
 def procs():
     mesh = this_host().spawn_procs(per_host={"gpus": 4})
     yield mesh
-    mesh.stop()
+    mesh.stop().get()
 
 
 @pytest.fixture()
 def counters(procs):
     mesh = procs.spawn("counter", Counter, 10)
     yield mesh
-    mesh.stop()
+    mesh.stop().get()
 
 
 def test_call_returns_a_value_mesh_with_one_result_per_actor(counters):
@@ -96,7 +96,7 @@ def test_spawn_passes_keyword_arguments_to_the_constructor(procs):
     try:
         assert mesh.incr.call(n=2).get(timeout=10).values() == [102] * 4
     finally:
-        mesh.stop()
+        mesh.stop().get()
 
 
 def test_actors_live_in_separate_processes_and_know_their_rank(counters):
@@ -197,7 +197,7 @@ def test_closures_and_local_classes_travel_by_value(procs):
 
 def test_stopped_actor_mesh_refuses_calls_clearly(procs):
     mesh = procs.spawn("short", Counter)
-    mesh.stop()
+    mesh.stop().get()
     with pytest.raises(ActorError, match="was stopped or never spawned"):
         mesh.slice(gpus=0).incr.call_one(1).get(timeout=10)
 
@@ -240,7 +240,7 @@ class Spawner(Actor):
         procs = this_host().spawn_procs(per_host={"workers": 2})
         mesh = procs.spawn("grandchild", Counter)
         values = mesh.whoami.call().get(timeout=20).values()
-        procs.stop()
+        procs.stop().get()
         return [v["pid"] for v in values]
 
 
@@ -277,7 +277,7 @@ def test_multi_dimensional_mesh_across_two_hosts(agents):
             {"hosts": 1, "gpus": 1},
         ]
     finally:
-        procs.stop()
+        procs.stop().get()
 
 
 def test_this_proc_outside_an_actor_is_a_clear_error():
@@ -313,7 +313,7 @@ def test_ipc_transport_works_end_to_end():
         mesh = procs.spawn("echo", Echo)
         print(mesh.echo.call("hi").get(timeout=20).values())
         print(procs._members[0].inbox.split(":")[0])
-        procs.stop()
+        procs.stop().get()
         """
     )
     assert proc.returncode == 0, proc.stderr
@@ -327,7 +327,26 @@ def test_stopping_a_proc_mesh_drains_what_was_sent_first(capfd):
         mesh.record.broadcast(i)
     mesh.sleep.broadcast(0.3)  # still queued when stop() is called
     t = time.monotonic()
-    procs.stop()
+    procs.stop().get()
     assert time.monotonic() - t >= 0.3  # it waited for the queued work instead of killing it
     assert not procs.failures  # a requested stop is not a failure
     assert "unhandled failure" not in capfd.readouterr().err
+
+
+def test_stop_returns_a_future_that_coroutines_can_await():
+    """As in Monarch: `await procs.stop()`; the stop starts at once and the future resolves when procs are gone."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    mesh = procs.spawn("counter", Counter)
+    pids = [v["pid"] for v in mesh.whoami.call().get(timeout=20).values()]
+    mesh.sleep.broadcast(0.3)
+    t = time.monotonic()
+    stopping = procs.stop()
+    assert time.monotonic() - t < 0.3 and not stopping.done()  # returned before the queued work finished
+
+    async def main() -> None:
+        await stopping
+
+    asyncio.run(main())
+    assert time.monotonic() - t >= 0.3
+    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+               for pid in pids)

@@ -62,7 +62,7 @@ def test_crafted_pickle_from_an_unauthenticated_peer_runs_nothing(tmp_path, agen
     assert not marker.exists(), "an unauthenticated peer got code executed"
     # Everything still works for the key holder.
     assert procs.spawn("plain", Plain).pid.call_one().get(timeout=10) == proc.pid
-    procs.stop()
+    procs.stop().get()
 
 
 def test_keys_never_appear_on_a_command_line_or_in_proc_environments():
@@ -71,7 +71,7 @@ def test_keys_never_appear_on_a_command_line_or_in_proc_environments():
     runtime = [
         p
         for p in psutil.process_iter(["cmdline"])
-        if "monarch_cli.runtime" in " ".join(p.info["cmdline"] or [])
+        if " ".join(p.info["cmdline"] or []).startswith(("monarch agent ", "monarch proc ", "monarch fork-server "))
     ]
     pids = {p.pid for p in procs._members}
     assert runtime
@@ -80,7 +80,7 @@ def test_keys_never_appear_on_a_command_line_or_in_proc_environments():
     for pid in pids:
         environ = psutil.Process(pid).environ()
         assert "MONARCH_KEYS" not in environ and secret not in " ".join(environ.values())
-    procs.stop()
+    procs.stop().get()
 
 
 def test_key_files_must_be_private(tmp_path):

@@ -66,7 +66,7 @@ def test_dying_proc_fails_every_pending_call_quickly_and_says_why(how, expected)
         victim.pid.call_one().get(timeout=1)
     assert mesh.slice(gpus=0).pid.call_one().get(timeout=5) != pid
     assert any(expected in f.describe() for f in procs.failures)
-    procs.stop()
+    procs.stop().get()
 
 
 class Owner(Actor):
@@ -99,7 +99,7 @@ def test_supervise_handles_a_child_failure():
     assert "exited with code 3" in owner.seen_failures.call_one().get(timeout=5)[0]
     time.sleep(0.3)
     assert len(Mailbox.get().unhandled) == before  # handled: nothing reached the controller
-    procs.stop()
+    procs.stop().get()
 
 
 def test_unhandled_child_failure_propagates_to_the_controller(capfd):
@@ -112,7 +112,7 @@ def test_unhandled_child_failure_propagates_to_the_controller(capfd):
     with pytest.raises(SupervisionError, match="did not handle"):
         owner.seen_failures.call_one().get(timeout=5)
     assert "monarch: unhandled failure" in capfd.readouterr().err
-    procs.stop()
+    procs.stop().get()
 
 
 CONTROLLER = """
@@ -136,7 +136,7 @@ def _children_of_agents() -> set:
     found = set()
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "monarch_cli.runtime.agent" in cmd or "monarch_cli.runtime.zygote" in cmd:
+        if cmd.startswith(("monarch agent ", "monarch fork-server ", "monarch warm ")):
             found.add(p.pid)
     return found
 
@@ -186,4 +186,24 @@ def test_agent_killed_under_a_pending_call(keys):
         assert wait_until(lambda: all_gone(pids), 5), "procs outlived their agent"
     finally:
         configure(heartbeat_interval=old[0], heartbeat_timeout=old[1])
+        agent.wait(10)
+
+
+@pytest.mark.slow
+def test_a_killed_fork_server_fails_its_procs_with_the_cause_and_is_replaced(keys):
+    agent, address = launch_agent(keys, name="forky")
+    try:
+        procs = HostMesh.connect([address]).spawn_procs(per_host={"gpus": 2})
+        mesh = procs.spawn("mortal", Mortal)
+        pids = list(mesh.pid.call().get(timeout=10).values())
+        pending = mesh.sleep.call(30)
+        (server,) = [c for c in psutil.Process(agent.pid).children() if c.cmdline()[0].startswith("monarch fork-server")]
+        server.kill()
+        with pytest.raises(SupervisionError, match=r"fork server on forky died \(signal SIGKILL\)"):
+            pending.get(timeout=10)
+        assert wait_until(lambda: all_gone(pids), 5)
+        again = HostMesh.connect([address]).spawn_procs(per_host={"n": 1}).spawn("m", Mortal)
+        assert again.pid.call_one().get(timeout=20) not in pids
+    finally:
+        agent.stdin.close()
         agent.wait(10)

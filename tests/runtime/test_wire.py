@@ -43,7 +43,7 @@ class Store(Actor):
 def store():
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     yield procs.spawn("store", Store)
-    procs.stop()
+    procs.stop().get()
 
 
 def test_large_buffers_leave_the_pickle_out_of_band():

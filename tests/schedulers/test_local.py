@@ -106,6 +106,9 @@ def test_serve_reuses_a_matching_reservation_and_replaces_only_when_asked(tmp_pa
         again = serve(["torchrun", "--nproc-per-node=1", "train.py"], hosts=1, state=state)
         assert again.state.reservation_id == first.state.reservation_id
         assert job_load(state).state.default_command == ["torchrun", "--nproc-per-node=1", "train.py"]
+        assert job_load(state).state.default_cwd == os.getcwd()  # where its relative paths resolve
+        serve(["torchrun", "--nproc-per-node=1", "train.py"], hosts=1, state=state, cwd=tmp_path)
+        assert job_load(state).state.default_cwd == str(tmp_path)  # the same command, served from elsewhere
 
         with pytest.raises(JobError) as info:
             serve(None, hosts=2, state=state)
@@ -186,17 +189,17 @@ def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
         stopped = True
         assert wait_until(lambda: not living(everything), 10), living(everything)
         left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-                if p.info["pid"] in everything and "monarch_cli.runtime" in " ".join(p.info["cmdline"] or [])]
+                if p.info["pid"] in everything and " ".join(p.info["cmdline"] or []).startswith("monarch ")]
         assert left == []
         with pytest.raises(NoReservation):
             job_load(state)
 
-        # The interrupted run ends (its hosts are lost) instead of hanging.
+        # The interrupted run ends, saying it was stopped, instead of hanging.
         runner.join(timeout=20)
         assert not runner.is_alive(), "run_spmd did not return after the reservation was stopped"
         result = results[0].result
-        assert result.exit_code != 0
-        assert all(r.lost for r in result.ranks), [r.how for r in result.ranks]
+        assert result.exit_code == 254 and result.stopped_by and result.stopped_by.startswith("monarch stop (pid ")
+        assert all(r.how == "reservation stopped" for r in result.ranks), [r.how for r in result.ranks]
     finally:
         if not stopped:
             job.stop()
@@ -229,8 +232,8 @@ def test_appdef_replicas_become_hosts(tmp_path: Path) -> None:
     plan = dryrun(trainer(3, "--lr", "0.1"), state=tmp_path / "job_state.pkl")
     assert plan.scheduler == "local"
     assert "start 3 host agent(s)" in plan.summary
-    assert "torchrun --nproc-per-node=2 train.py --lr 0.1" in plan.summary
-    commands = plan.artifacts["commands"].splitlines()
+    assert "default command: torchrun --nproc-per-node=2 train.py --lr 0.1" in plan.render()
+    commands = [line for line in plan.steps if "monarch_cli.runtime.agent" in line]
     assert len(commands) == 3
     assert all(f"--name local{i}" in line for i, line in enumerate(commands))
     assert not (tmp_path / "job_state.pkl").exists()  # a dry run starts and writes nothing
@@ -275,7 +278,7 @@ def test_appdef_shaped_like_torchx_dist_ddp(tmp_path: Path) -> None:
     app = AppDef("train", [Role("train", "local", "bash", ["-c", command], num_replicas=2)])
     plan = dryrun(app, state=tmp_path / "job_state.pkl")
     assert "start 2 host agent(s)" in plan.summary
-    assert "default command: torchrun --rdzv_backend c10d --rdzv_endpoint localhost:29500 --rdzv_id monarch" in plan.summary
+    assert "default command: torchrun --rdzv_backend c10d --rdzv_endpoint localhost:29500 --rdzv_id monarch" in plan.render()
 
 
 def test_torchx_scheduler_names_reach_the_local_backend() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from monarch_cli.errors import UserError
 from monarch_cli.jobs import JobError, dryrun
 from monarch_cli.jobs.slurm_batch import render_batch_script, split_sbatch_options
 
@@ -99,11 +100,11 @@ def test_option_without_its_value_is_an_error() -> None:
     [
         ({"partition": "a b"}, "--partition for Slurm must be non-empty and without spaces"),
         ({"sbatch_args": ["reservation=x"]}, "--sbatch-arg takes one sbatch option"),
-        ({"colour": "blue"}, "unknown Slurm option(s): colour"),
+        ({"colour": "blue"}, "unknown slurm option(s): colour"),
     ],
 )
 def test_bad_slurm_options_are_refused_before_anything_starts(tmp_path: Path, options, needle) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(UserError) as info:
         dryrun(TORCHRUN, "slurm", hosts=1, state=tmp_path / "s.pkl", **options)
     assert needle in str(info.value) and "\n" not in str(info.value)
 
@@ -130,3 +131,13 @@ def test_serve_dry_run_through_the_cli_prints_the_same_script(tmp_path: Path) ->
     )
     assert done.returncode == 0, done.stderr
     assert (GOLDEN / "serve_all_options.sbatch").read_text() in _normalize(done.stdout, tmp_path), done.stdout
+
+
+def test_sbatch_dry_run_makes_the_checks_the_real_submit_makes(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"PYTHONPATH": str(REPO)}
+    for args, needle in ((["--parsable"], "not an option here"), (["--", "torchrun", "--nnode=2", "t.py"], "--nnodes")):
+        argv = [*args, "--", "python", "t.py"] if args[0] != "--" else args
+        done = subprocess.run([sys.executable, "-m", "monarch_cli", "sbatch", "--dry-run", *argv], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60, env=env)
+        lines = [l for l in done.stderr.splitlines() if l.strip()]
+        assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr

@@ -22,12 +22,14 @@ from .conftest import ALLREDUCE, Served, clean_env, job_state, slurm, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.timeout(1800)]
 
 
-def _agent_processes(job_dir: str):
-    """Processes whose command line names this reservation's directory (agents, srun, their children)."""
+def _agent_processes(job_dir: str, job_id: str):
+    """Processes whose command line names this reservation's directory (srun, its children) or
+    whose title names its Slurm job (agents, warm processes)."""
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if any(job_dir in part for part in p.info["cmdline"] or []):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if job_dir in cmd or f" slurm-{job_id} " in cmd:
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -61,7 +63,8 @@ def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path
         key_file = Path(job_dir) / "keys"
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         secret = Keys.read(key_file).secret.decode()
-        for p in _agent_processes(job_dir):
+        assert any(" ".join(p.cmdline()).startswith("monarch agent ") for p in _agent_processes(job_dir, job_id))
+        for p in _agent_processes(job_dir, job_id):
             assert secret not in " ".join(p.cmdline())
 
         for _ in range(2):
@@ -84,7 +87,7 @@ def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path
         assert status.returncode == 1 and f"Slurm job {job_id} is CANCELLED" in status.stdout, status.stdout
         one_line_error(job("run-spmd"), f"Slurm job {job_id} is CANCELLED", "monarch serve")
         one_line_error(job("exec", "--", "true"), f"Slurm job {job_id} is CANCELLED")
-        wait_for(lambda: not _agent_processes(job_dir), 30, "Slurm to end the agents")
+        wait_for(lambda: not _agent_processes(job_dir, job_id), 30, "Slurm to end the agents")
 
         # serve makes a new one (the old one is gone: nothing to lose, no --replace needed).
         again = job("serve", "--scheduler", "slurm", "--nodes", "2")
@@ -99,7 +102,8 @@ def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path
         assert job_state(info2["slurm"]["job_id"]) in ("CANCELLED", "")
         assert not job.state.exists()
         assert not (Path(info2["slurm"]["dir"]) / "keys").exists()
-        wait_for(lambda: not _agent_processes(info2["slurm"]["dir"]), 30, "every agent to exit")
+        wait_for(lambda: not _agent_processes(info2["slurm"]["dir"], info2["slurm"]["job_id"]), 30,
+                 "every agent to exit")
     finally:
         job("stop")  # whatever failed, leave no job behind
 
@@ -293,3 +297,27 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
             slurm("scontrol", "update", f"nodename={failed_node}", "state=resume", check=False)
         for job in (limited, failing):
             job("stop")
+
+
+def test_serve_reserves_exactly_the_plan_a_dry_run_printed(slurm_cluster, tmp_path):
+    job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
+    write_script(tmp_path, "planned.py", "print('planned')\n")
+    printed = job("serve", "--scheduler", "slurm", "--nodes", "2", "-o", "time=30", "--dry-run", "--json", "--",
+                  "python", "planned.py")
+    assert printed.returncode == 0, printed.stderr
+    plan = json.loads(printed.stdout)
+    assert plan["scheduler"] == "slurm" and plan["options"] == {"time": "30"} and "keys" not in plan["data"]
+    (tmp_path / "plan.json").write_text(printed.stdout)
+    try:
+        served = job("serve", "--plan", str(tmp_path / "plan.json"))
+        assert served.returncode == 0, served.stderr
+        info = job.status()
+        assert info["alive"] and info["reservation_id"] == plan["reservation_id"]
+        assert info["slurm"]["dir"] == plan["data"]["job_dir"]
+        # the script Slurm ran is, byte for byte, the one the dry run printed
+        assert (Path(plan["data"]["job_dir"]) / "serve.sbatch").read_text() == plan["artifacts"]["sbatch script"]
+        run = job("run-spmd", "--no-color")
+        assert run.returncode == 0 and "[rank0] planned" in run.stdout, run.stdout + run.stderr
+    finally:
+        stopped = job("stop")
+    assert stopped.returncode == 0, stopped.stderr

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..jobs.errors import JobError
+from ...errors import SchedulerError
 
 _CMD_TIMEOUT = 30.0
 
 
-class SlurmError(JobError):
+class SlurmError(SchedulerError):
     """A Slurm command failed; the message quotes what Slurm said."""
 
 

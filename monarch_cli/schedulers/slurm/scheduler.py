@@ -22,30 +22,39 @@ import time
 import uuid
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import psutil
 
-from ..jobs.errors import JobError
-from ..jobs.state import HostRecord, JobState
-from ..runtime.agent import READY_PREFIX
-from ..runtime.keys import Keys
-from .base import DryRun, Progress, Reservation, ReserveRequest, Scheduler
-from .slurm_commands import SlurmError, allocation_id, find_step, hostnames, job_info, run, steps, submit
+from ...errors import OptionError, PlanError, UserError
+from ...runtime.agent_command import format_port_range
+from ...sysutil import signal_if_alive
+from ..agents import read_address_files, wait_for_agents
+from ..base import (HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest,
+                    Scheduler)
+from .commands import SlurmError, allocation_id, find_step, hostnames, job_info, run, steps, submit
 
-#: serve's Slurm options (the ``**options`` of ``serve``) and the sbatch flag each becomes.
-OPTION_FLAGS = {
-    "partition": "--partition",
-    "time": "--time",
-    "gpus_per_node": "--gpus-per-node",
-    "cpus_per_task": "--cpus-per-task",
-    "mem": "--mem",
-    "account": "--account",
-    "qos": "--qos",
-    "constraint": "--constraint",
-    "exclusive": "--exclusive",
-    "sbatch_args": None,
-}
+if TYPE_CHECKING:
+    from ...runtime.keys import Keys
+
+#: The node-side entry point that every srun task runs (it becomes the node's host agent).
+NODE_MODULE = "monarch_cli.schedulers.slurm.node"
+#: serve's Slurm options, as data: each becomes a ``monarch serve`` flag, ``-o name=value`` and an sbatch option.
+OPTIONS = (
+    Option("partition", str, None, "Slurm partition.", short="-p"),
+    Option("time", str, None, "Slurm time limit (e.g. 1:00:00).", short="-t"),
+    Option("gpus_per_node", int, None, "GPUs per node (also given to the agents' srun step)."),
+    Option("cpus_per_task", int, None, "CPUs per node's agent task (its ranks share them)."),
+    Option("mem", str, None, "Memory per node (e.g. 64G)."),
+    Option("account", str, None, "Slurm account to charge.", short="-A"),
+    Option("qos", str, None, "Slurm quality of service."),
+    Option("constraint", str, None, "Node features the nodes must have.", short="-C"),
+    Option("exclusive", bool, False, "Nodes not shared with other jobs."),
+    Option("sbatch_args", list, None, "Extra sbatch argument such as --reservation=x (repeatable).",
+           flag="--sbatch-arg"),
+)
+#: serve's Slurm options and the sbatch flag each becomes (None: passed through as given).
+OPTION_FLAGS = {o.name: (None if o.type is list else o.cli_flag) for o in OPTIONS}
 #: How long agents may take to come up once the job runs (they import torch to warm up).
 AGENT_START_TIMEOUT = 180.0
 _TERMINAL_GRACE = 20.0
@@ -68,6 +77,7 @@ _ENDINGS = {
 
 class SlurmScheduler(Scheduler):
     name = "slurm"
+    options = OPTIONS
 
     # ------------------------------------------------------------ planning
     def default_hosts(self) -> Optional[int]:
@@ -75,56 +85,67 @@ class SlurmScheduler(Scheduler):
         nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
         return int(nodes) if allocation_id() and nodes and nodes.isdigit() else None
 
-    def dryrun(self, request: ReserveRequest, workdir: Path) -> DryRun:
-        options = _check_options(request.options)
+    def check_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
+        return _check_options(super().check_options(options))
+
+    def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
+        options = self.check_options(request.options)
         rid = _new_id()
         job_dir = _job_dir(workdir, rid)
+        node_args = _node_args(request)
+        data: Dict[str, Any] = {"job_dir": str(job_dir)}
+        keys = f"write a fresh key pair to {job_dir / 'keys'} (0600; the nodes read it from the shared filesystem)"
         if allocation_id():
             _allocation_options(options)
             nodes = _allocation_nodes(request.hosts)
-            cmd = _step_command(job_dir, len(nodes), nodes, request, options)
+            cmd = _step_command(job_dir, nodes, options, node_args)
+            data.update(mode="allocation", job_id=allocation_id(), nodes=nodes, srun=cmd)
             summary = (f"inside Slurm allocation {allocation_id()}: start {len(nodes)} host agent(s) on "
-                       f"{','.join(nodes)} as a background `srun --overlap` step; keys in {job_dir / 'keys'} (0600)")
-            return DryRun(self.name, summary, {"srun command": shlex.join(cmd)})
+                       f"{','.join(nodes)} as a background `srun --overlap` step")
+            steps = [keys, f"run in the background: {shlex.join(cmd)}",
+                     f"wait until {len(nodes)} agent(s) have written {job_dir / 'agents'}/<node>.addr"]
+            return Plan(self.name, rid, len(nodes), list(request.command), str(workdir.resolve()), summary, steps,
+                        {"srun command": shlex.join(cmd)}, _plain(options), data)
         script = render_serve_script(request.hosts, f"monarch-{rid[6:]}", job_dir, sys.executable, options,
-                                     request.preload)
-        summary = (f"submit this script with `sbatch --parsable`: {request.hosts} node(s), one host agent each; "
-                   f"default command: {shlex.join(request.command) if request.command else '(none)'}")
-        return DryRun(self.name, summary, {"sbatch script": script})
+                                     node_args=node_args)
+        data.update(mode="batch")
+        summary = f"submit an sbatch script: {request.hosts} node(s), one host agent each"
+        steps = [keys, f"write the script below to {job_dir / 'serve.sbatch'} and submit it with `sbatch --parsable`",
+                 "report the job's state while it pends",
+                 f"wait until {request.hosts} agent(s) have written {job_dir / 'agents'}/<node>.addr"]
+        return Plan(self.name, rid, request.hosts, list(request.command), str(workdir.resolve()), summary, steps,
+                    {"sbatch script": script}, _plain(options), data)
 
     # ----------------------------------------------------------- reserving
-    def reserve(self, request: ReserveRequest, keys: Keys, workdir: Path, progress: Progress) -> Reservation:
-        options = _check_options(request.options)
-        rid = _new_id()
-        job_dir = _job_dir(workdir, rid)
-        if allocation_id():
-            _allocation_options(options)
-            nodes = _allocation_nodes(request.hosts)  # errors before anything is written
+    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+        self.check_plan(plan)
+        job_dir = Path(plan.data["job_dir"])
+        if plan.data.get("mode") == "allocation":
+            if allocation_id() != plan.data.get("job_id"):
+                raise PlanError(f"this plan starts agents inside Slurm allocation {plan.data.get('job_id')}, but this "
+                                f"process runs {'in ' + str(allocation_id()) if allocation_id() else 'outside any'}")
             _make_job_dir(job_dir, keys)
-            return self._reserve_in_allocation(rid, request, options, nodes, job_dir, progress)
-        script = render_serve_script(request.hosts, f"monarch-{rid[6:]}", job_dir, sys.executable, options,
-                                     request.preload)
+            return self._reserve_in_allocation(plan, job_dir, progress)
         _make_job_dir(job_dir, keys)
-        (job_dir / "serve.sbatch").write_text(script)
+        (job_dir / "serve.sbatch").write_text(plan.artifacts["sbatch script"])
         try:
             job_id = submit(job_dir / "serve.sbatch")
         except BaseException:
             _forget_keys(job_dir)
             raise
-        data = {"mode": "batch", "job_id": job_id, "dir": str(job_dir), "options": _plain(options),
+        data = {"mode": "batch", "job_id": job_id, "dir": str(job_dir), "options": plan.options,
                 "output": str(job_dir / f"slurm-{job_id}.out")}
         try:
-            hosts = _wait_for_agents(job_id, None, job_dir, request.hosts, progress, data["output"])
+            hosts = _wait_for_agents(job_id, None, job_dir, plan.hosts, progress, data["output"])
         except BaseException:
             run(["scancel", job_id], check=False)
             _forget_keys(job_dir)
             raise
-        return Reservation(rid, hosts, data)
+        return Reservation(plan.reservation_id, hosts, data)
 
-    def _reserve_in_allocation(self, rid: str, request: ReserveRequest, options: Dict[str, Any], nodes: List[str],
-                               job_dir: Path, progress: Progress) -> Reservation:
+    def _reserve_in_allocation(self, plan: Plan, job_dir: Path, progress: Progress) -> Reservation:
         job_id = allocation_id() or ""
-        cmd = _step_command(job_dir, len(nodes), nodes, request, options)
+        cmd, nodes = list(plan.data["srun"]), list(plan.data["nodes"])
         env = {k: v for k, v in os.environ.items() if k != "MONARCH_KEYS"}
         env["MONARCH_KEY_FILE"] = str(job_dir / "keys")
         log_path = job_dir / "agents.log"
@@ -137,25 +158,25 @@ class SlurmScheduler(Scheduler):
                 _forget_keys(job_dir)
                 raise SlurmError("srun not found on PATH, though $SLURM_JOB_ID is set") from None
         data: Dict[str, Any] = {"mode": "allocation", "job_id": job_id, "dir": str(job_dir), "srun_pid": srun.pid,
-                                "options": _plain(options), "output": str(log_path)}
+                                "options": plan.options, "output": str(log_path)}
         try:
             hosts = _wait_for_agents(job_id, srun, job_dir, len(nodes), progress, str(log_path), names=nodes)
-            data["step"] = find_step(job_id, f"monarch-agents-{rid[6:]}")
+            data["step"] = find_step(job_id, f"monarch-agents-{plan.reservation_id[6:]}")
         except BaseException:
             _end_step(data)
             _forget_keys(job_dir)
             raise
-        return Reservation(rid, hosts, data)
+        return Reservation(plan.reservation_id, hosts, data)
 
     # ------------------------------------------------------------ checking
-    def can_serve(self, state: JobState, request: ReserveRequest) -> Optional[str]:
-        why = super().can_serve(state, request)
-        if why is None and request.options and request.options != state.scheduler_data.get("options"):
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+        why = super().can_serve(reservation, request)
+        if why is None and request.options and request.options != reservation.scheduler_data.get("options"):
             why = "it was reserved with other Slurm options"
         return why
 
-    def gone(self, state: JobState) -> Optional[str]:
-        data = state.scheduler_data
+    def probe(self, reservation: ReservationRecord) -> Probe:
+        data = reservation.scheduler_data
         job_id = str(data.get("job_id", ""))
         info = job_info(job_id)
         settle = time.monotonic() + _SETTLE_S
@@ -163,18 +184,18 @@ class SlurmScheduler(Scheduler):
             time.sleep(0.5)  # ending now: wait for the state that says why (TIMEOUT, NODE_FAIL...)
             info = job_info(job_id)
         if info is None:
-            return None  # Slurm did not answer: let the agents' ping decide
+            return Probe(Liveness.UNKNOWN, "squeue did not answer")
         if not info:
-            return f"Slurm job {job_id} has ended and is no longer known to Slurm"
+            return Probe(Liveness.GONE, f"Slurm job {job_id} has ended and is no longer known to Slurm")
         if info["state"] != "RUNNING":
-            return f"Slurm job {job_id} is {info['state']}{_explain(info['state'], info['reason'])}"
+            return Probe(Liveness.GONE, f"Slurm job {job_id} is {info['state']}{_explain(info['state'], info['reason'])}")
         step = data.get("step")
         if data.get("mode") == "allocation" and step and step not in steps(job_id):
-            return f"agent step {step} of Slurm allocation {job_id} has ended"
-        return None
+            return Probe(Liveness.GONE, f"agent step {step} of Slurm allocation {job_id} has ended")
+        return Probe(Liveness.ALIVE)
 
-    def describe(self, state: JobState) -> Dict[str, Any]:
-        data = state.scheduler_data
+    def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
+        data = reservation.scheduler_data
         raw = job_info(str(data.get("job_id", "")))
         info = raw or {}
         known = "no longer known to Slurm" if raw == {} else "unknown (squeue did not answer)"
@@ -185,9 +206,12 @@ class SlurmScheduler(Scheduler):
                           "partition": info.get("partition"), "output": data.get("output"),
                           "dir": data.get("dir")}}
 
+    def status_lines(self, reservation: ReservationRecord) -> List[str]:
+        return [slurm_line(self.describe(reservation)["slurm"])]
+
     # ----------------------------------------------------------- releasing
-    def release(self, state: JobState) -> None:
-        data = state.scheduler_data
+    def release(self, reservation: ReservationRecord) -> None:
+        data = reservation.scheduler_data
         if data.get("mode") == "allocation":
             _end_step(data)
         elif data.get("job_id"):
@@ -197,6 +221,27 @@ class SlurmScheduler(Scheduler):
             _forget_keys(Path(data["dir"]))
 
 
+def slurm_line(slurm: Dict[str, Any]) -> str:
+    """One line of Slurm facts for ``monarch status``."""
+    head = f"slurm: job {slurm.get('job_id')}"
+    if slurm.get("step"):
+        head += f" (agents in step {slurm['step']})"
+    if slurm.get("state"):
+        head += f" {slurm['state']}"
+    if slurm.get("reason") not in (None, "", "None"):
+        head += f" ({slurm['reason']})"
+    facts = []
+    if slurm.get("nodes"):
+        facts.append(f"nodes {slurm['nodes']}")
+    if slurm.get("partition"):
+        facts.append(f"partition {slurm['partition']}")
+    if slurm.get("elapsed"):
+        facts.append(f"elapsed {slurm['elapsed']}")
+    if slurm.get("state") == "RUNNING" and slurm.get("time_left") not in (None, "", "INVALID"):
+        facts.append(f"time left {slurm['time_left']}")
+    return ", ".join([head, *facts])
+
+
 # ---------------------------------------------------------------------- rendering
 def _explain(state: str, reason: str) -> str:
     words = [w for w in (_ENDINGS.get(state.split()[0], ""), reason) if w and w not in ("None", "TimeLimit")]
@@ -204,11 +249,13 @@ def _explain(state: str, reason: str) -> str:
 
 
 def render_serve_script(nodes: int, job_name: str, job_dir: Path, python: str, options: Dict[str, Any],
-                        preload: Optional[str] = None) -> str:
+                        preload: Optional[str] = None, node_args: Optional[List[str]] = None) -> str:
     """The sbatch script of a reservation (``monarch serve --scheduler slurm``)."""
     _no_whitespace(str(job_dir), "the state directory")
     srun_extra = f" --gpus-per-node={options['gpus_per_node']}" if options.get("gpus_per_node") else ""
-    agent_args = f" --preload {shlex.quote(preload)}" if preload is not None else ""
+    if node_args is None:
+        node_args = ["--preload", preload] if preload is not None else []
+    agent_args = "".join(f" {shlex.quote(a)}" for a in node_args)
     return load_template("slurm_serve.sbatch").substitute(
         job_name=job_name,
         nodes=nodes,
@@ -216,6 +263,7 @@ def render_serve_script(nodes: int, job_name: str, job_dir: Path, python: str, o
         sbatch_lines=sbatch_lines(sbatch_option_args(options)),
         key_file=shlex.quote(str(job_dir / "keys")),
         python=shlex.quote(python),
+        node_module=NODE_MODULE,
         srun_extra=srun_extra,
         agent_args=agent_args,
     )
@@ -243,9 +291,6 @@ def load_template(name: str) -> string.Template:
 
 
 def _check_options(options: Dict[str, Any]) -> Dict[str, Any]:
-    unknown = sorted(set(options) - set(OPTION_FLAGS))
-    if unknown:
-        raise ValueError(f"unknown Slurm option(s): {', '.join(unknown)}; known: {', '.join(OPTION_FLAGS)}")
     checked: Dict[str, Any] = {}
     for key, value in options.items():
         if value is None:
@@ -254,7 +299,7 @@ def _check_options(options: Dict[str, Any]) -> Dict[str, Any]:
             value = [value] if isinstance(value, str) else list(value)
             for arg in value:
                 if "\n" in str(arg) or not str(arg).startswith("-"):
-                    raise ValueError(f"--sbatch-arg takes one sbatch option such as --reservation=x, not {arg!r}")
+                    raise OptionError(f"--sbatch-arg takes one sbatch option such as --reservation=x, not {arg!r}")
             checked[key] = [str(a) for a in value]
         elif key == "exclusive":
             checked[key] = bool(value)
@@ -266,7 +311,7 @@ def _check_options(options: Dict[str, Any]) -> Dict[str, Any]:
 
 def _no_whitespace(value: str, what: str) -> None:
     if not value or any(c.isspace() for c in value):
-        raise ValueError(f"{what} for Slurm must be non-empty and without spaces, not {value!r}")
+        raise OptionError(f"{what} for Slurm must be non-empty and without spaces, not {value!r}")
 
 
 def _plain(options: Dict[str, Any]) -> Dict[str, Any]:
@@ -281,7 +326,7 @@ def _job_dir(workdir: Path, rid: str) -> Path:
     return workdir.resolve() / "slurm" / rid
 
 
-def _make_job_dir(job_dir: Path, keys: Keys) -> None:
+def _make_job_dir(job_dir: Path, keys: "Keys") -> None:
     """The reservation's directory (0700) with its keys (0600) and an empty agents/."""
     (job_dir / "agents").mkdir(parents=True, mode=0o700)
     os.chmod(job_dir, 0o700)
@@ -293,7 +338,7 @@ def _allocation_options(options: Dict[str, Any]) -> None:
     moot = sorted(k for k in options if k != "gpus_per_node")
     if moot:
         flags = ", ".join("--" + k.replace("_", "-") for k in moot)
-        raise ValueError(f"inside Slurm allocation {allocation_id()}, {flags} cannot apply (the allocation is "
+        raise OptionError(f"inside Slurm allocation {allocation_id()}, {flags} cannot apply (the allocation is "
                          "already made); leave them out, or run `monarch serve` outside the allocation")
 
 
@@ -303,87 +348,78 @@ def _allocation_nodes(count: int) -> List[str]:
         raise SlurmError(f"inside Slurm job {allocation_id()} but $SLURM_JOB_NODELIST is not set")
     nodes = hostnames(nodelist)
     if count > len(nodes):
-        raise JobError(f"--nodes {count} is more than the {len(nodes)} node(s) of allocation {allocation_id()} "
+        raise UserError(f"--nodes {count} is more than the {len(nodes)} node(s) of allocation {allocation_id()} "
                        f"({nodelist}); ask for at most {len(nodes)}")
     return nodes[:count]
 
 
-def _step_command(job_dir: Path, count: int, nodes: List[str], request: ReserveRequest,
-                  options: Dict[str, Any]) -> List[str]:
+def _node_args(request: ReserveRequest) -> List[str]:
+    """The node entry point's agent options (the node adds its own name, address and address file)."""
+    args: List[str] = []
+    if request.preload is not None:
+        args += ["--preload", request.preload]
+    if request.agent_port is not None:
+        args += ["--port", str(request.agent_port)]
+    if request.port_range is not None:
+        args += ["--port-range", format_port_range(request.port_range)]
+    return args
+
+
+def _step_command(job_dir: Path, nodes: List[str], options: Dict[str, Any], node_args: List[str]) -> List[str]:
     """``srun`` for agents inside an existing allocation: overlapping, so the user's own steps still fit."""
+    count = len(nodes)
     cmd = ["srun", "--overlap", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
            f"--nodelist={','.join(nodes)}", f"--job-name=monarch-agents-{job_dir.name[6:]}",
            "--kill-on-bad-exit=0", "--cpu-bind=none"]
     if options.get("gpus_per_node"):
         cmd.append(f"--gpus-per-node={options['gpus_per_node']}")
-    cmd += [sys.executable, "-m", "monarch_cli.jobs.slurm_batch", "agent", "--dir", str(job_dir)]
-    if request.preload is not None:
-        cmd += ["--preload", request.preload]
-    return cmd
+    return cmd + [sys.executable, "-m", NODE_MODULE, "--dir", str(job_dir), *node_args]
 
 
 # ------------------------------------------------------------------- waiting
 def _wait_for_agents(job_id: str, srun: Optional[subprocess.Popen], job_dir: Path, count: int,
                      progress: Progress, output: str, names: Optional[List[str]] = None) -> List[HostRecord]:
-    """Report the job's progress until one agent per node has written its address."""
+    """Report the job's progress while it pends, then wait until one agent per node has written its address."""
     started = time.monotonic()
-    running_since: Optional[float] = None
     last = ""
-    while True:
-        elapsed = time.monotonic() - started
+    while names is None:
+        info = job_info(job_id)
+        if info == {}:
+            raise SlurmError(f"Slurm job {job_id} ended before its agents came up: {_tail(output)}")
+        state = (info or {}).get("state", "UNKNOWN")
+        if state == "RUNNING" and info:
+            names = hostnames(info["nodes"])
+        elif state in ("PENDING", "CONFIGURING", "UNKNOWN", "REQUEUED", "RESIZING"):
+            reason = (info or {}).get("reason", "")
+            why = f" ({reason})" if reason not in ("", "None") else ""
+            msg = f"Slurm job {job_id} {state.lower()}{why} for {_clock(time.monotonic() - started)}"
+            if msg != last:
+                progress(msg)
+                last = msg
+            time.sleep(0.5)
+        else:
+            raise SlurmError(f"Slurm job {job_id} is {state} ({info.get('reason') if info else ''}) "
+                             f"before its agents came up: {_tail(output)}")
+    found_names: List[str] = names
+
+    def check() -> None:
         if srun is not None and srun.poll() is not None:
             raise SlurmError(f"the agent step (srun) exited with status {srun.returncode} before the agents "
                              f"came up: {_tail(output)}")
-        if names is None:
-            info = job_info(job_id)
-            if info == {}:
-                raise SlurmError(f"Slurm job {job_id} ended before its agents came up: {_tail(output)}")
-            state = (info or {}).get("state", "UNKNOWN")
-            if state == "RUNNING" and info:
-                names = hostnames(info["nodes"])
-            elif state in ("PENDING", "CONFIGURING", "UNKNOWN", "REQUEUED", "RESIZING"):
-                reason = (info or {}).get("reason", "")
-                why = f" ({reason})" if reason not in ("", "None") else ""
-                msg = f"Slurm job {job_id} {state.lower()}{why} for {_clock(elapsed)}"
-                if msg != last:
-                    progress(msg)
-                    last = msg
-                time.sleep(0.5)
-                continue
-            else:
-                raise SlurmError(f"Slurm job {job_id} is {state} ({info.get('reason') if info else ''}) "
-                                 f"before its agents came up: {_tail(output)}")
-        if running_since is None:
-            running_since = time.monotonic()
-        ready = _read_addresses(job_dir, names)
-        msg = f"Slurm job {job_id} running on {','.join(names)}; agents up: {len(ready)}/{count}"
-        if msg != last:
-            progress(msg)
-            last = msg
-        if len(ready) == count:
-            return [HostRecord(name=n, agent=ready[n], pid=None, node_rank=i) for i, n in enumerate(names)]
-        if time.monotonic() - running_since > AGENT_START_TIMEOUT:
-            missing = ", ".join(n for n in names if n not in ready)
-            raise SlurmError(f"agents on {missing} did not come up within {AGENT_START_TIMEOUT:.0f} s of job "
-                             f"{job_id} starting: {_tail(output)}")
         if srun is None:  # our own job: it may fail on the nodes (no Python there, a bad path...)
             info = job_info(job_id)
             if info == {} or (info and info["state"] != "RUNNING"):
                 how = f"is {info['state']}" if info else "ended"
                 raise SlurmError(f"Slurm job {job_id} {how} before its agents came up: {_tail(output)}")
-        time.sleep(0.3)
 
-
-def _read_addresses(job_dir: Path, names: List[str]) -> Dict[str, str]:
-    found = {}
-    for name in names:
-        try:
-            text = (job_dir / "agents" / f"{name}.addr").read_text()
-        except OSError:
-            continue
-        if text.startswith(READY_PREFIX) and text.endswith("\n"):
-            found[name] = text[len(READY_PREFIX):].strip()
-    return found
+    try:
+        return wait_for_agents(lambda: read_address_files(job_dir / "agents", found_names), found_names, progress,
+                               timeout=AGENT_START_TIMEOUT, check=check, interval=0.3,
+                               label=f"Slurm job {job_id} running on {','.join(found_names)}; agents up")
+    except SlurmError:
+        raise
+    except UserError as e:  # the timeout: say which job, and show its output
+        raise SlurmError(f"{e} of job {job_id} starting: {_tail(output)}") from None
 
 
 def _tail(path: str, lines: int = 3) -> str:
@@ -405,7 +441,7 @@ def _end_step(data: Dict[str, Any]) -> None:
         run(["scancel", str(data["step"])], check=False)
     pid = data.get("srun_pid")
     if pid and _is_agent_srun(int(pid), Path(str(data.get("dir", "")))) and not _wait_gone(int(pid), _TERMINAL_GRACE):
-        _signal(int(pid), signal.SIGKILL)
+        signal_if_alive(int(pid), signal.SIGKILL)
         _wait_gone(int(pid), 5)
 
 
@@ -445,13 +481,6 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _forget_keys(job_dir: Path) -> None:
     """The keys are useless once the agents are gone; do not leave them lying around."""
     try:
@@ -461,4 +490,4 @@ def _forget_keys(job_dir: Path) -> None:
 
 
 __all__ = ["SlurmScheduler", "SlurmError", "render_serve_script", "sbatch_option_args", "sbatch_lines", "load_template",
-           "OPTION_FLAGS"]
+           "slurm_line", "OPTIONS", "OPTION_FLAGS", "NODE_MODULE"]

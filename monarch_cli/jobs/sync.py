@@ -1,0 +1,195 @@
+"""Mirroring the client's workspace to the hosts that do not share its filesystem (client side).
+
+First one small round trip per host: does it see the workspace directory itself (same path,
+inode, size and mtime)? Hosts that do are left alone, and when all do nothing is scanned.
+Otherwise the reply carries the mirror's digest; the scan is cached by ``stat`` in the job's
+``.monarch/`` directory, so when nothing changed that is all. When something changed, a second
+request fetches the host's manifest and a third carries the changed files (hashed first when
+only their time differs) and the deletions. See docs/sync.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..runtime import wire
+from ..runtime.future import gather
+from ..runtime.mailbox import Mailbox
+from ..runtime.sync_host import SyncApply, SyncCheck, SyncStatus
+from ..runtime.workspace import (
+    DEFAULT_MAX_BYTES, FileUpdate, WorkspaceError, check_size, diff, human_bytes, load_scanner, save_scanner,
+)
+from .errors import JobError
+from .state import HostRecord
+
+_BATCH_BYTES = 32 << 20  # bytes per apply request: bounds memory on both sides
+
+
+@dataclasses.dataclass
+class SyncReport:
+    """What one sync did. ``directories``: host index -> where that host's mirror is."""
+
+    workspace: str
+    files: int = 0
+    nbytes: int = 0
+    deleted: int = 0
+    synced_hosts: int = 0
+    shared_hosts: int = 0
+    total_files: int = 0
+    seconds: float = 0.0
+    directories: Dict[int, str] = dataclasses.field(default_factory=dict)
+    outside_links: List[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.files or self.deleted)
+
+    def __str__(self) -> str:
+        ms = f"{self.seconds * 1000:.0f} ms"
+        hosts = f"{self.synced_hosts} host{'s' if self.synced_hosts != 1 else ''}"
+        if not self.synced_hosts:
+            return f"no sync needed: all {self.shared_hosts} host(s) share this filesystem ({ms})"
+        if not self.changed:
+            text = f"workspace up to date on {hosts} ({self.total_files} files checked in {ms})"
+        else:
+            text = f"synced {self.files} file{'s' if self.files != 1 else ''}, {human_bytes(self.nbytes)}"
+            if self.deleted:
+                text += f", {self.deleted} deleted"
+            text += f" to {hosts} in {ms}"
+        if self.outside_links:
+            text += f"; not synced (symlinks leaving the workspace): {', '.join(self.outside_links[:3])}"
+            if len(self.outside_links) > 3:
+                text += f" and {len(self.outside_links) - 3} more"
+        return text
+
+    def to_json(self) -> Dict[str, Any]:
+        return {**dataclasses.asdict(self), "seconds": round(self.seconds, 4), "message": str(self)}
+
+
+def mirror_name(workspace: str) -> str:
+    """One mirror per client workspace on each host: its basename plus a hash of its path."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(workspace.rstrip("/")) or "root").lstrip(".-_") or "ws"
+    return f"{base[:40]}-{hashlib.blake2b(workspace.encode(), digest_size=4).hexdigest()}"
+
+
+def sync_workspace(
+    mb: Mailbox,
+    hosts: Sequence[HostRecord],
+    reservation: str,
+    workspace: str,
+    cache_dir: Path,
+    *,
+    max_bytes: Optional[int] = None,
+    timeout: float = 60.0,
+) -> SyncReport:
+    """Bring every host that does not share ``workspace`` up to date with it."""
+    started = time.perf_counter()
+    workspace = os.path.abspath(workspace)
+    if not os.path.isdir(workspace):
+        raise JobError(f"workspace {workspace} is not a directory")
+    name = mirror_name(workspace)
+    try:  # first: which hosts see this directory themselves (the same inode and mtime at the same path)?
+        st = os.stat(workspace)
+    except OSError as e:
+        raise JobError(f"cannot read workspace {workspace}: {e.strerror}") from None
+    probe = wire.dumps(SyncCheck(reservation, name, "", workspace, "", (st.st_ino, st.st_size, st.st_mtime_ns)))
+    statuses: List[SyncStatus] = _gather(
+        [mb.request(h.agent, lambda cid: ("sync_manifest", cid, mb.address), probe) for h in hosts], hosts, timeout)
+    report = SyncReport(workspace)
+    far = [i for i, s in enumerate(statuses) if not s.shared]
+    report.shared_hosts = len(hosts) - len(far)
+    report.synced_hosts = len(far)
+    report.directories = {i: statuses[i].directory for i in far}
+    if not far:  # nothing to mirror: no scan at all
+        report.seconds = time.perf_counter() - started
+        return report
+    limit = max_bytes if max_bytes is not None else int(os.environ.get("MONARCH_SYNC_MAX_BYTES", DEFAULT_MAX_BYTES))
+    cache_file = cache_dir / "sync" / f"{name}.pkl"
+    scanner = load_scanner(cache_file, workspace)
+    try:
+        scan, client_digest = scanner.manifest_and_digest()
+        check_size(scan.manifest, limit, workspace)
+    except WorkspaceError as e:
+        raise JobError(str(e)) from None
+    report.total_files, report.outside_links = len(scan.manifest), scan.outside_links
+    stale = [i for i in far if statuses[i].digest != client_digest]
+    synced = scanner.synced
+    known = {synced[0]: {p: (e, None) for p, e in synced[1].items()}} if synced else {}
+    unknown = [i for i in stale if statuses[i].digest not in known]
+    if unknown:  # hosts in a state this client did not leave them in: fetch their manifests
+        ask = wire.dumps(SyncCheck(reservation, name, client_digest, workspace, "", (0, 0, 0)))
+        got = _gather([mb.request(hosts[i].agent, lambda cid: ("sync_manifest", cid, mb.address), ask) for i in unknown],
+                      [hosts[i] for i in unknown], timeout)
+        for i, status in zip(unknown, got):
+            statuses[i] = status
+    for i in stale:
+        if statuses[i].files is None and statuses[i].digest in known:
+            statuses[i].files = known[statuses[i].digest]
+    pending: List[Tuple[int, Any]] = []  # (host index, future)
+    plans: Dict[str, Tuple[List[List[FileUpdate]], List[str], int, int]] = {}
+    for i in stale:
+        st = statuses[i]
+        if st.digest == client_digest or st.files is None:
+            continue
+        plan = plans.get(st.digest)
+        if plan is None:  # hosts in the same state share one plan (usually all of them)
+            plan = plans[st.digest] = _plan(scanner, scan.manifest, st.files)
+        batches, deleted, nfiles, nbytes = plan
+        report.files, report.deleted = max(report.files, nfiles), max(report.deleted, len(deleted))
+        report.nbytes = max(report.nbytes, nbytes)
+        for j, batch in enumerate(batches):
+            body = wire.dumps(SyncApply(reservation, name, batch, deleted if j == 0 else [], st.digest if j == 0 else ""))
+            pending.append((i, mb.request(hosts[i].agent, lambda cid: ("sync_apply", cid, mb.address), body)))
+    if pending:
+        applied = _gather([f for _, f in pending], [hosts[i] for i, _ in pending], timeout)
+        final = {i: a.digest for (i, _), a in zip(pending, applied)}  # each host's last batch
+        if all(d == client_digest for d in final.values()):  # the next change is diffed here, not fetched
+            scanner.synced = (client_digest, scan.manifest)
+            scanner.dirty = True
+    if scanner.dirty:
+        try:
+            save_scanner(scanner, cache_file)
+        except OSError:
+            pass  # only the cache: the next sync scans afresh
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _plan(scanner: Any, manifest: Dict[str, Any], host_files: Dict[str, Any]) -> Tuple[List[List[FileUpdate]], List[str], int, int]:
+    changes = diff(manifest, host_files)
+    batches: List[List[FileUpdate]] = [[]]
+    size = nbytes = 0
+    for path, entry, host_entry, host_sha in changes.changed:
+        try:
+            update = scanner.update_for(path, entry, host_sha, host_entry)
+        except FileNotFoundError:
+            continue  # deleted since the scan: the next sync deletes it there too
+        except WorkspaceError as e:
+            raise JobError(str(e)) from None
+        n = len(update.data) if update.data is not None else 0
+        if size and size + n > _BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(update)
+        size += n
+        nbytes += n
+    return batches, changes.deleted, len(changes.changed), nbytes
+
+
+def _gather(futures: List[Any], hosts: Sequence[HostRecord], timeout: float) -> List[Any]:
+    try:
+        return gather(futures).get(timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - name the host that failed, in one line
+        for h, f in zip(hosts, futures):
+            if f.done():
+                try:
+                    f.get(timeout=0)
+                except Exception as one:  # noqa: BLE001
+                    raise JobError(f"workspace sync to {h.name} failed: {str(one).splitlines()[0]}") from None
+        raise JobError(f"workspace sync did not finish within {timeout:.0f} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

@@ -1,0 +1,131 @@
+"""The host agent's command line, built and parsed in one place.
+
+Every backend (and ``this_host()``) starts agents through :class:`AgentCommand`, and the
+agent parses its arguments with :func:`parser`, so the two cannot disagree. Keys never
+appear here: they travel on stdin or in a 0600 file named by ``$MONARCH_KEY_FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+AGENT_MODULE = "monarch_cli.runtime.agent"
+#: What an agent writes (address file, ready fd, stdout) once it listens, before its address.
+READY_PREFIX = "MONARCH_AGENT_READY "
+
+
+@dataclasses.dataclass
+class AgentCommand:
+    """How to start one host agent."""
+
+    python: str = dataclasses.field(default_factory=lambda: sys.executable)
+    #: Host name to report (default: the hostname); several agents on one machine act as separate hosts.
+    name: Optional[str] = None
+    #: Address to advertise to peers (default: ``$MONARCH_HOST`` or this host's IP).
+    host: Optional[str] = None
+    #: Listen on this port (default: any free one); Kubernetes and clouds need a known port.
+    port: Optional[int] = None
+    #: Keep every port the agent, its procs and its ranks open within [lo, hi].
+    port_range: Optional[Tuple[int, int]] = None
+    #: Comma-separated modules warm ranks import up front (None: torch if installed).
+    preload: Optional[str] = None
+    #: Start the warm-rank zygote now, not at the first run.
+    warm_up: bool = False
+    #: Read the reservation keys from stdin's first line.
+    keys_stdin: bool = False
+    #: Exit (killing all procs) when stdin closes: the agent lives as long as its starter.
+    exit_with_stdin: bool = False
+    #: Write the ready line here once listening (atomically; discovery through a shared directory).
+    address_file: Optional[str] = None
+    #: Write the ready line to this inherited fd.
+    ready_fd: Optional[int] = None
+    #: The reservation's name, shown in ``ps`` (``monarch agent <reservation> host <name>``).
+    reservation: str = ""
+    #: The client's state file (local agents): the agent registers itself under it and exits
+    #: once that file no longer records ``reservation``.
+    state_file: Optional[str] = None
+
+    def argv(self) -> List[str]:
+        cmd = [self.python, "-m", AGENT_MODULE]
+        if self.address_file is not None:
+            cmd += ["--address-file", str(self.address_file)]
+        if self.ready_fd is not None:
+            cmd += ["--ready-fd", str(self.ready_fd)]
+        if self.keys_stdin:
+            cmd.append("--keys-stdin")
+        if self.exit_with_stdin:
+            cmd.append("--exit-with-stdin")
+        if self.name:
+            cmd += ["--name", self.name]
+        if self.host:
+            cmd += ["--host", self.host]
+        if self.port is not None:
+            cmd += ["--port", str(self.port)]
+        if self.port_range is not None:
+            cmd += ["--port-range", format_port_range(self.port_range)]
+        if self.preload is not None:
+            cmd += ["--preload", self.preload]
+        if self.warm_up:
+            cmd.append("--warm-up")
+        if self.reservation:
+            cmd += ["--reservation", self.reservation]
+        if self.state_file:
+            cmd += ["--state-file", self.state_file]
+        return cmd
+
+    def to_json(self) -> Dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["port_range"] = list(self.port_range) if self.port_range else None
+        return data
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "AgentCommand":
+        data = dict(data)
+        if data.get("port_range") is not None:
+            data["port_range"] = tuple(data["port_range"])
+        return cls(**data)
+
+
+def parse_port_range(text: str) -> Tuple[int, int]:
+    """``LO-HI`` (inclusive) as a pair; ValueError with a readable message otherwise."""
+    lo, sep, hi = text.partition("-")
+    try:
+        pair = (int(lo), int(hi)) if sep else (-1, -1)
+    except ValueError:
+        pair = (-1, -1)
+    if not (0 < pair[0] <= pair[1] < 65536):
+        raise ValueError(f"a port range is LO-HI with 0 < LO <= HI < 65536, not {text!r}")
+    return pair
+
+
+def format_port_range(pair: Tuple[int, int]) -> str:
+    return f"{pair[0]}-{pair[1]}"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The agent's argument parser (``python -m monarch_cli.runtime.agent``)."""
+    p = argparse.ArgumentParser(prog=f"python -m {AGENT_MODULE}",
+                                description="The host agent: one long-lived process per host.")
+    p.add_argument("--address-file", type=Path, help="write the agent's address here once it listens")
+    p.add_argument("--ready-fd", type=int, help="write the address to this inherited fd")
+    p.add_argument("--keys-stdin", action="store_true", help="read the reservation keys from stdin's first line")
+    p.add_argument("--exit-with-stdin", action="store_true", help="exit (killing all procs) when stdin closes")
+    p.add_argument("--host", help="address to advertise to peers (default: $MONARCH_HOST or this host's IP)")
+    p.add_argument("--port", type=int, help="listen on this port (default: any free port)")
+    p.add_argument("--port-range", type=parse_port_range, metavar="LO-HI",
+                   help="keep every port the agent, its procs and ranks open within LO-HI")
+    p.add_argument("--preload", help="comma-separated modules warm ranks import up front (default: torch if installed)")
+    p.add_argument("--warm-up", action="store_true", help="start the warm-rank zygote now, not at the first run")
+    p.add_argument("--name", help="host name to report (default: the hostname); lets several agents on one machine "
+                                  "act as separate hosts")
+    p.add_argument("--reservation", default="", help="the reservation's name, shown in ps")
+    p.add_argument("--state-file", help="register under this client state file and exit once it no longer names "
+                                        "--reservation (local agents)")
+    return p
+
+
+__all__ = ["AgentCommand", "AGENT_MODULE", "READY_PREFIX", "parser", "parse_port_range", "format_port_range"]

@@ -1,0 +1,129 @@
+"""The agent's side of workspace sync: answer manifest checks, apply change sets to the mirror.
+
+Requests arrive on the agent's authenticated inbox like every other request (so a backend
+reached only through one forwarded port gets sync too):
+
+* ``("sync_manifest", cid, reply_to)`` with a :class:`SyncCheck` body: tells whether this host
+  sees the client's workspace itself (one of its files at the same path with the same inode,
+  size and mtime), and otherwise the mirror's directory and digest, plus its manifest when
+  the client's digest differs.
+* ``("sync_apply", cid, reply_to)`` with a :class:`SyncApply` body: deletions and files (bytes
+  out of band) written atomically into the mirror.
+
+A mirror lives at ``$MONARCH_REMOTE_DIR/<reservation>/workspace/<name>`` (default
+``~/.monarch-cli``): private to the reservation, removed with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from . import wire
+from .workspace import Entry, FileUpdate, Mirror
+
+if TYPE_CHECKING:
+    from .agent import HostAgent
+
+_mirrors: Dict[str, Mirror] = {}
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclasses.dataclass
+class SyncCheck:
+    """Client -> host: which mirror, the client's digest, and the probe for a shared filesystem."""
+
+    reservation: str
+    name: str
+    digest: str  # "" asks only whether the workspace is shared, and the mirror's digest
+    workspace: str  # the client's absolute workspace path
+    probe: str  # a file of the workspace (relative; "" for the directory itself) ...
+    probe_stat: Tuple[int, int, int]  # ... and its (inode, size, mtime_ns) as the client sees it
+
+
+@dataclasses.dataclass
+class SyncStatus:
+    """Host -> client: ``files`` is the mirror's manifest (with hashes), sent only when digests differ."""
+
+    shared: bool
+    directory: str
+    digest: str
+    files: Optional[Dict[str, Tuple[Entry, str]]]
+
+
+@dataclasses.dataclass
+class SyncApply:
+    reservation: str
+    name: str
+    updates: List[FileUpdate]
+    deleted: List[str]
+    base: str  # the mirror digest these changes were computed against ("" for a later batch)
+
+
+@dataclasses.dataclass
+class SyncApplied:
+    written: int
+    nbytes: int
+    digest: str
+
+
+def remote_root() -> str:
+    return os.environ.get("MONARCH_REMOTE_DIR") or os.path.join(os.path.expanduser("~"), ".monarch-cli")
+
+
+def mirror_dir(reservation: str, name: str) -> str:
+    for part in (reservation, name):
+        if not _SAFE.match(part):
+            raise ValueError(f"bad mirror name {part!r}")
+    return os.path.join(remote_root(), reservation, "workspace", name)
+
+
+def _mirror(reservation: str, name: str) -> Mirror:
+    directory = mirror_dir(reservation, name)
+    mirror = _mirrors.get(directory)
+    if mirror is None:
+        mirror = _mirrors[directory] = Mirror(directory)
+    return mirror
+
+
+def _shares_filesystem(check: SyncCheck) -> bool:
+    """The same file at the same path with the same inode, size and ns mtime: the same filesystem.
+
+    Nothing is written for this; a host's stale attribute cache can only make it answer "no"
+    (the run then uses a mirror: slower, still right).
+    """
+    try:
+        st = os.stat(os.path.join(check.workspace, check.probe))
+    except OSError:
+        return False
+    return (st.st_ino, st.st_size, st.st_mtime_ns) == tuple(check.probe_stat)
+
+
+def check(req: SyncCheck) -> SyncStatus:
+    if _shares_filesystem(req):
+        return SyncStatus(True, req.workspace, "", None)
+    mirror = _mirror(req.reservation, req.name)
+    files = None if not req.digest or mirror.digest == req.digest else mirror.files
+    return SyncStatus(False, mirror.dir, mirror.digest, files)
+
+
+def apply(req: SyncApply) -> SyncApplied:
+    mirror = _mirror(req.reservation, req.name)
+    if req.base and mirror.digest != req.base:  # changed since the client looked (another client syncing?)
+        raise RuntimeError("the mirror changed during the sync; sync again")
+    written, nbytes = mirror.apply(req.updates, req.deleted)
+    return SyncApplied(written, nbytes, mirror.digest)
+
+
+def handle(agent: "HostAgent", header: Tuple[Any, ...], body: List[Any]) -> None:
+    """Answer one ``sync_*`` request; a failure is the caller's error naming this host."""
+    kind, cid, reply_to = header[:3]
+    try:
+        req = wire.loads(body)
+        value: Any = check(req) if kind == "sync_manifest" else apply(req)
+    except Exception as e:  # noqa: BLE001 - a full disk or bad path must reach the client, not kill the agent
+        agent.reply(reply_to, cid, False, f"workspace sync on {agent.host} failed: {type(e).__name__}: {e}")
+        return
+    agent.reply(reply_to, cid, True, value)

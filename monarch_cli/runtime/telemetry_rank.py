@@ -1,0 +1,137 @@
+"""Inside every rank, before the user's code: what the host agent needs to observe it.
+
+* ``prctl(PR_SET_PTRACER, agent)``: where Yama restricts ptrace, the rank's own agent (and
+  py-spy, its child) may still read its stack; no root needed.
+* ``faulthandler`` on :data:`STACK_SIGNAL`: the interpreter's own dump of every thread,
+  appended to a file the agent reads, for when py-spy cannot attach.
+* a global ``optimizer.step()`` post-hook that appends one 24-byte record per step to a
+  file the agent reads (one ``write`` per step; no change to the user's code). In a cold
+  rank torch is not imported yet: the hook is installed when ``torch.optim.optimizer`` is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+STACK_SIGNAL = signal.SIGRTMIN + 7
+STEP_RECORD = struct.Struct("<qdd")  # step, unix time, ms since the previous step
+_PR_SET_PTRACER = 0x59616D61
+_OPTIMIZER_MODULE = "torch.optim.optimizer"
+
+
+def paths(directory: str, run_id: str, rank: int) -> Dict[str, str]:
+    base = os.path.join(directory, f"{run_id}.{rank}")
+    return {"steps": base + ".steps", "stack": base + ".stack"}
+
+
+def install(spec: Dict[str, Any]) -> None:
+    """Called by the launcher in the rank process; never lets a failure reach the user's run."""
+    info = spec.get("telemetry")
+    if not info:
+        return
+    try:
+        _allow_tracer(info.get("agent_pid"))
+        directory = info.get("dir")
+        if directory and os.path.isdir(directory):
+            files = paths(directory, info["run_id"], int(spec["rank"]))
+            _install_stack_dump(files["stack"])
+            _install_step_hook(files["steps"])
+    except Exception as e:  # noqa: BLE001 - telemetry is best effort
+        print(f"monarch: telemetry not installed in this rank: {e}", file=sys.stderr)
+
+
+def _allow_tracer(agent_pid: Optional[int]) -> None:
+    if not agent_pid:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PTRACER, int(agent_pid), 0, 0, 0)  # EINVAL without Yama: nothing to allow
+    except (OSError, AttributeError):
+        pass
+
+
+def _install_stack_dump(path: str) -> None:
+    import faulthandler
+
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=False)
+    # Written after registering: a non-empty file tells the agent the signal is safe to send.
+    os.write(fd, f"main 0x{threading.main_thread().ident:016x}\n".encode())
+
+
+class _StepTimer:
+    """The post-hook: counts the steps of the first optimizer that steps (one per training step)."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.owner: Optional[int] = None
+        self.step = 0
+        self.last = time.monotonic()  # durations from the monotonic clock; the wall clock may be stepped
+
+    def __call__(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self.owner is None:
+            self.owner = id(optimizer)
+        elif id(optimizer) != self.owner:
+            return
+        now = time.monotonic()
+        self.step += 1
+        try:
+            os.write(self.fd, STEP_RECORD.pack(self.step, time.time(), (now - self.last) * 1000.0))
+        except OSError:
+            pass
+        self.last = now
+
+
+def _install_step_hook(path: str) -> None:
+    timer = _StepTimer(path)
+
+    def register(module: Any) -> None:
+        module.register_optimizer_step_post_hook(timer)
+
+    module = sys.modules.get(_OPTIMIZER_MODULE)
+    if module is not None:
+        register(module)
+    else:
+        sys.meta_path.insert(0, _AfterImport(_OPTIMIZER_MODULE, register))
+
+
+class _AfterImport:
+    """A meta-path finder that runs ``then(module)`` right after ``name`` is first imported."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+        then = self.then
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            try:
+                then(module)
+            except Exception:  # noqa: BLE001
+                pass
+
+        loader.exec_module = exec_module
+        return spec

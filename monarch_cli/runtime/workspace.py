@@ -1,0 +1,466 @@
+"""Workspace mirroring: the manifest both sides compare, and applying a change set to a mirror.
+
+Runs on the client (:func:`scan`, :func:`diff`) and on each host (:class:`Mirror`). A
+manifest maps a workspace-relative POSIX path to an :class:`Entry` (size, mtime in ns, mode
+bits, symlink target); both sides digest it the same way, so "nothing changed" is one digest
+compared per host. Only regular files and symlinks are mirrored; directories follow them.
+
+Decisions a user can notice (docs/sync.md):
+
+* Skipped always: ``.git``, ``.monarch``, ``__pycache__``, any directory holding a
+  ``pyvenv.cfg`` (a virtualenv), sockets, fifos and devices. ``.gitignore`` files (nested,
+  git's precedence: the deepest file with a matching pattern decides) and ``.monarchignore``
+  files (same syntax, same places) are honoured.
+* A symlink whose target stays inside the workspace is mirrored as that symlink. One that
+  points outside (or dangles outside) is not mirrored and is reported: following it could
+  copy unbounded data or secrets (``~/.ssh``), and recreating it would point at whatever that
+  path is on the host.
+* Deletions propagate only to what an earlier sync put there: files that ranks wrote into
+  the mirror (checkpoints, logs) are left alone.
+* Every file is written to a temporary file in its own directory and renamed into place,
+  with the client's mode and mtime, so a rank never reads a half-written file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+from .errors import MonarchError
+
+SKIPPED_NAMES = frozenset({".git", ".monarch", "__pycache__"})
+IGNORE_FILES = (".gitignore", ".monarchignore")
+DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: past that, a workspace is data, not code
+
+
+class WorkspaceError(MonarchError):
+    """The workspace cannot be mirrored as it is (too big, unreadable); the message says why."""
+
+
+#: One mirrored path: (size, mtime_ns, mode bits, symlink target or ""). A plain tuple, not a
+#: NamedTuple: manifests of thousands of entries are pickled on every sync, and a NamedTuple
+#: costs a Python call per entry to pickle.
+Entry = Tuple[int, int, int, str]
+
+
+Manifest = Dict[str, Entry]
+
+
+class FileUpdate(NamedTuple):
+    """A path to (re)write on a host: ``data`` None means only mode/mtime changed (content equal)."""
+
+    path: str
+    entry: Entry
+    sha256: str
+    data: Optional[bytes]
+
+
+def digest(manifest: Manifest) -> str:
+    """The same on both sides for equal manifests; what a no-change check compares."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in sorted(manifest):
+        e = manifest[path]
+        h.update(f"{path}\0{e[0]}\0{e[1]}\0{e[2]}\0{e[3]}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- client side
+class _Rules:
+    """The ignore files in effect for one directory: (base, spec) pairs, outermost first."""
+
+    def __init__(self, chain: Tuple[Tuple[str, object], ...]) -> None:
+        self.chain = chain
+
+    def ignored(self, rel: str, is_dir: bool) -> bool:
+        for base, spec in reversed(self.chain):  # the deepest file that has an opinion decides
+            sub = rel[len(base) + 1:] if base else rel
+            result = spec.check_file(sub + "/" if is_dir else sub)  # type: ignore[attr-defined]
+            if result.include is not None:
+                return bool(result.include)
+        return False
+
+
+def _load_spec(path: str) -> Optional[object]:
+    import pathspec  # gitignore semantics (negation, anchoring, **) done right
+
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            return pathspec.GitIgnoreSpec.from_lines(f)
+    except OSError:
+        return None
+
+
+class _DirListing(NamedTuple):
+    mtime_ns: int
+    rules_key: Tuple[Tuple[str, int, int], ...]  # (ignore file, size, mtime) in effect
+    files: Tuple[str, ...]  # regular files and symlinks kept, by name
+    paths: Tuple[str, ...]  # the same, relative to the workspace (built once, not per scan)
+    dirs: Tuple[str, ...]  # subdirectories descended into, by name
+
+
+class ScanResult(NamedTuple):
+    manifest: Manifest
+    outside_links: List[str]  # symlinks not mirrored because they leave the workspace
+
+
+class Scanner:
+    """Scans one workspace, remembering per directory what its ignore rules kept.
+
+    A directory whose mtime and ignore files are unchanged is not listed or matched again:
+    a no-change scan costs one ``stat`` per directory and one ``lstat`` per file. Pickle it
+    (see :func:`load_scanner`) to keep that across processes.
+    """
+
+    version = 5
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.dirs: Dict[str, _DirListing] = {}
+        self.entries: Dict[str, Tuple[int, int, int, int, Entry]] = {}  # rel -> (ino, mtime, size, st_mode, entry)
+        self._unchanged = False  # the last scan found exactly the manifest before it
+        self.hashes: Dict[str, Tuple[Entry, str]] = {}  # rel -> (entry it was hashed at, sha256)
+        self.last_digest: Optional[str] = None  # the digest of the last scan's manifest
+        self.dirty = True  # something worth saving changed since the last save
+        self.synced: Optional[Tuple[str, Manifest]] = None  # the digest and manifest last pushed to hosts
+
+    def scan(self) -> ScanResult:
+        manifest: Manifest = {}
+        outside: List[str] = []
+        seen_dirs: Dict[str, _DirListing] = {}
+        entries: Dict[str, Tuple[int, int, int, int, Entry]] = {}
+        old = self.entries
+        specs: Dict[str, object] = {}
+        stack: List[Tuple[str, Tuple[Tuple[str, str, int, int], ...]]] = [("", ())]
+        root = self.root
+        changed = False
+        lstat, S_ISREG, S_ISLNK, S_IMODE = os.lstat, stat.S_ISREG, stat.S_ISLNK, stat.S_IMODE
+        while stack:
+            rel, inherited = stack.pop()
+            absdir = os.path.join(root, rel) if rel else root
+            try:
+                fd = os.open(absdir, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                changed = True
+                continue
+            try:  # stat names relative to the directory: no path walk per file
+                dir_mtime = os.fstat(fd).st_mtime_ns
+                chain = list(inherited)
+                for name in IGNORE_FILES:
+                    try:
+                        st = os.stat(name, dir_fd=fd)
+                    except OSError:
+                        continue
+                    chain.append((rel, os.path.join(absdir, name), st.st_size, st.st_mtime_ns))
+                key = tuple((p, sz, m) for _, p, sz, m in chain)
+                listing = self.dirs.get(rel)
+                if listing is None or listing.mtime_ns != dir_mtime or listing.rules_key != key:
+                    rules = _Rules(tuple((b, sp) for b, p, _, _ in chain if (sp := specs.get(p) or _cache_spec(specs, p))))
+                    listing = self._list(rel, absdir, dir_mtime, key, rules)
+                    self.dirty = changed = True
+                seen_dirs[rel] = listing
+                prefix = rel + "/" if rel else ""
+                for name, r in zip(listing.files, listing.paths):
+                    try:
+                        st = lstat(name, dir_fd=fd)
+                    except OSError:
+                        changed = True
+                        continue
+                    known = old.get(r)
+                    if (known is not None and known[1] == st.st_mtime_ns and known[0] == st.st_ino
+                            and known[2] == st.st_size and known[3] == st.st_mode):
+                        entries[r] = known  # the common case: nothing new to build
+                        manifest[r] = known[4]
+                        continue
+                    else:
+                        changed = True
+                        if S_ISLNK(st.st_mode):
+                            target = os.readlink(name, dir_fd=fd)
+                            if not _inside(root, absdir, target):
+                                outside.append(f"{r} -> {target}")
+                                continue
+                            entry = (0, st.st_mtime_ns, 0, target)
+                        elif S_ISREG(st.st_mode):
+                            entry = (st.st_size, st.st_mtime_ns, S_IMODE(st.st_mode), "")
+                        else:
+                            continue
+                    entries[r] = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode, entry)
+                    manifest[r] = entry
+            finally:
+                os.close(fd)
+            for name in listing.dirs:
+                stack.append((prefix + name, tuple(chain)))
+        if len(entries) != len(old):
+            changed = True
+        self.dirs = seen_dirs
+        self.entries = entries
+        self._unchanged = not changed
+        return ScanResult(manifest, outside)
+
+    def _list(self, rel: str, absdir: str, mtime_ns: int, key: Tuple[Tuple[str, int, int], ...],
+              rules: _Rules) -> _DirListing:
+        files: List[str] = []
+        dirs: List[str] = []
+        prefix = rel + "/" if rel else ""
+        try:
+            it = list(os.scandir(absdir))
+        except OSError as e:
+            raise WorkspaceError(f"cannot read {absdir}: {e.strerror}") from None
+        for d in it:
+            name = d.name
+            if name in SKIPPED_NAMES:
+                continue
+            try:
+                is_dir = d.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if rules.ignored(prefix + name, is_dir):
+                continue
+            if is_dir:
+                if not os.path.exists(os.path.join(d.path, "pyvenv.cfg")):
+                    dirs.append(name)
+            elif d.is_symlink() or d.is_file(follow_symlinks=False):
+                files.append(name)
+        return _DirListing(mtime_ns, key, tuple(files), tuple(prefix + f for f in files), tuple(dirs))
+
+    def manifest_and_digest(self) -> Tuple[ScanResult, str]:
+        """Scan, and digest the manifest (the digest is reused when the manifest did not change)."""
+        result = self.scan()
+        if self.last_digest is not None and self._unchanged:
+            return result, self.last_digest
+        d = self.last_digest = digest(result.manifest)
+        self.dirty = True
+        return result, d
+
+    def sha256(self, rel: str, entry: Entry) -> str:
+        """A file's content hash (a symlink's: its target's text), cached while its entry holds."""
+        known = self.hashes.get(rel)
+        if known is not None and known[0] == entry:
+            return known[1]
+        if entry[3]:
+            h = hashlib.sha256(entry[3].encode("utf-8", "surrogateescape")).hexdigest()
+        else:
+            h = hashlib.sha256(self.read(rel, entry)).hexdigest()
+        self.hashes[rel] = (entry, h)
+        self.dirty = True
+        return h
+
+    def read(self, rel: str, entry: Entry) -> bytes:
+        """The file's bytes as of ``entry``; a file rewritten while read is read again."""
+        path = os.path.join(self.root, rel)
+        for _ in range(5):
+            with open(path, "rb") as f:
+                data = f.read()
+                st = os.fstat(f.fileno())
+            if st.st_size == len(data) and (st.st_size, st.st_mtime_ns) == (entry[0], entry[1]):
+                return data
+            entry = (st.st_size, st.st_mtime_ns, entry[2], "")
+        raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
+
+    def update_for(self, rel: str, entry: Entry, host_sha: Optional[str], host_entry: Optional[Entry]) -> FileUpdate:
+        """What to send for one changed path: metadata only when the host has the same content."""
+        if entry[3]:
+            return FileUpdate(rel, entry, self.sha256(rel, entry), None)
+        if host_sha is not None and host_entry is not None and host_entry[0] == entry[0] and not host_entry[3]:
+            sha = self.sha256(rel, entry)  # same size, other time: hash to tell a touch from an edit
+            if sha == host_sha:
+                return FileUpdate(rel, entry, sha, None)
+        path = os.path.join(self.root, rel)
+        for _ in range(5):  # the entry must describe the bytes we send
+            data = self.read(rel, entry)
+            st = os.lstat(path)
+            now = (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), "")
+            if now == entry:
+                return FileUpdate(rel, entry, hashlib.sha256(data).hexdigest(), data)
+            entry = now
+        raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
+
+
+def _cache_spec(specs: Dict[str, object], path: str) -> Optional[object]:
+    spec = _load_spec(path)
+    if spec is not None:
+        specs[path] = spec
+    return spec
+
+
+def _inside(root: str, absdir: str, target: str) -> bool:
+    resolved = os.path.normpath(os.path.join(absdir, target))
+    return resolved == root or resolved.startswith(root + os.sep)
+
+
+def check_size(manifest: Manifest, limit: int, root: str) -> None:
+    """A workspace over ``limit`` bytes is an error naming its biggest paths."""
+    total = sum(e[0] for e in manifest.values())
+    if total <= limit:
+        return
+    biggest = sorted(manifest.items(), key=lambda kv: kv[1][0], reverse=True)[:3]
+    names = ", ".join(f"{p} ({human_bytes(e[0])})" for p, e in biggest)
+    raise WorkspaceError(
+        f"workspace {root} is {human_bytes(total)}, over the {human_bytes(limit)} sync limit; biggest: {names}; "
+        "list them in .monarchignore, or raise the limit with MONARCH_SYNC_MAX_BYTES, or use --no-sync"
+    )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}".replace(".0 ", " ")
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class Changes(NamedTuple):
+    """What a host lacks: paths to send (with the host's entry and hash, if it has one) and to delete."""
+
+    changed: List[Tuple[str, Entry, Optional[Entry], Optional[str]]]
+    deleted: List[str]
+
+
+def diff(client: Manifest, host: Dict[str, Tuple[Entry, str]]) -> Changes:
+    changed = []
+    for path, entry in client.items():
+        had = host.get(path)
+        if had is None or had[0] != entry:
+            changed.append((path, entry, had[0] if had else None, had[1] if had else None))
+    deleted = [p for p in host if p not in client]
+    return Changes(changed, deleted)
+
+
+# ---------------------------------------------------------------------------- host side
+class Mirror:
+    """A host's copy of one client workspace, with the manifest of what syncs put there.
+
+    The manifest (with each file's content hash) is kept in memory and in ``<dir>.manifest``,
+    so an agent that restarts still knows what it mirrored.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.dir = os.path.abspath(directory)
+        self._state_file = self.dir.rstrip("/") + ".manifest"
+        self.files: Dict[str, Tuple[Entry, str]] = {}
+        self.digest = digest({})
+        try:
+            with open(self._state_file, "rb") as f:
+                self.files, self.digest = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+            pass
+
+    def apply(self, updates: Sequence[FileUpdate], deleted: Iterable[str]) -> Tuple[int, int]:
+        """Delete, then write each update atomically; returns (files written, bytes written)."""
+        os.makedirs(self.dir, exist_ok=True)
+        dirs_touched = set()
+        for rel in sorted(deleted, reverse=True):
+            path = self._path(rel)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self.files.pop(rel, None)
+            dirs_touched.add(os.path.dirname(path))
+        written = nbytes = 0
+        for u in updates:
+            path = self._path(u.path)
+            parent = os.path.dirname(path)
+            _make_dirs(parent, self.dir)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)  # a directory became a file or a link
+            if u.entry[3]:
+                tmp = os.path.join(parent, f".{os.path.basename(path)}.monarch-{os.urandom(4).hex()}")
+                os.symlink(u.entry[3], tmp)
+                os.utime(tmp, ns=(u.entry[1], u.entry[1]), follow_symlinks=False)
+                os.replace(tmp, path)
+            elif u.data is None:
+                try:
+                    os.chmod(path, u.entry[2])
+                    os.utime(path, ns=(u.entry[1], u.entry[1]))
+                except FileNotFoundError:  # removed here since (by a rank): the next sync sends it again
+                    self.files.pop(u.path, None)
+                    continue
+            else:
+                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".monarch", dir=parent)
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(u.data)
+                    os.chmod(tmp, u.entry[2])
+                    os.utime(tmp, ns=(u.entry[1], u.entry[1]))
+                    os.replace(tmp, path)
+                except BaseException:
+                    _unlink_quietly(tmp)
+                    raise
+                nbytes += len(u.data)
+            written += 1
+            self.files[u.path] = (u.entry, u.sha256)
+        for d in sorted(dirs_touched, key=len, reverse=True):
+            _prune_empty(d, self.dir)
+        self.digest = digest({p: e for p, (e, _) in self.files.items()})
+        tmp_state = self._state_file + ".tmp"
+        with open(tmp_state, "wb") as f:
+            pickle.dump((self.files, self.digest), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp_state, self._state_file)
+        return written, nbytes
+
+    def _path(self, rel: str) -> str:
+        path = os.path.normpath(os.path.join(self.dir, rel))
+        if not path.startswith(self.dir + os.sep) or os.path.isabs(rel):
+            raise WorkspaceError(f"refusing to write outside the mirror: {rel!r}")
+        return path
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        _unlink_quietly(self._state_file)
+
+
+def _make_dirs(path: str, root: str) -> None:
+    """Create ``path``'s missing directories, replacing a file or link that is in the way."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        return
+    if path != root:
+        _make_dirs(os.path.dirname(path), root)
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.mkdir(path)
+
+
+def _prune_empty(path: str, root: str) -> None:
+    while path != root and path.startswith(root + os.sep):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+        path = os.path.dirname(path)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def load_scanner(cache_file: Path, root: str) -> Scanner:
+    """The scanner saved for ``root`` in ``cache_file``, or a fresh one."""
+    try:
+        with open(cache_file, "rb") as f:
+            scanner = pickle.load(f)
+        if isinstance(scanner, Scanner) and scanner.root == os.path.abspath(root) and scanner.version == Scanner.version:
+            return scanner
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError):
+        pass
+    return Scanner(root)
+
+
+def save_scanner(scanner: Scanner, cache_file: Path) -> None:
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp")
+    scanner.dirty = False
+    with open(tmp, "wb") as f:
+        pickle.dump(scanner, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, cache_file)

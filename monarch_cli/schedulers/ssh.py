@@ -1,0 +1,474 @@
+"""The ssh backend: one detached host agent per machine you reach by SSH (paramiko).
+
+Hosts come from ``--hosts h1,h2`` (:attr:`ReserveRequest.host_names`), ``--host`` and
+``--hostfile``, and resolve through the SSH config. ``plan()`` resolves every target and
+writes, per host, exactly what will be checked, uploaded and run (keys redacted: they are
+never in the plan). ``reserve(plan)`` does that per host, in parallel: connect (the host key
+checked against known_hosts: an unknown key is refused unless ``accept_new_host_keys``, which
+records it; a changed key is always refused), check that the remote interpreter has this
+monarch-cli version, upload the reservation's keys over SFTP into a 0700 directory as a 0600
+file (never on a command line or in an environment), and start the agent detached with a pid
+file. ``release`` ends it (TERM, then KILL its process group) and removes the directory,
+which also holds the workspace mirror. A host that fails leaves nothing behind on the others.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import getpass
+import os
+import shlex
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+from .. import __version__
+from ..errors import OptionError, PlanError, SchedulerError
+from ..runtime.agent_command import READY_PREFIX, AgentCommand
+from .agents import wait_for_agents
+from .base import (HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest,
+                   Scheduler)
+
+if TYPE_CHECKING:
+    from ..runtime.keys import Keys
+
+#: How long an agent may take to listen (it imports torch to warm up).
+AGENT_START_TIMEOUT = 60.0
+#: How long ``probe`` waits for a host's sshd before answering "cannot tell".
+PROBE_TIMEOUT = 5.0
+DEFAULT_PYTHON = "python3"
+DEFAULT_REMOTE_DIR = "~/.monarch-cli"
+
+
+@dataclasses.dataclass
+class SshTarget:
+    """One host as the SSH config resolves it (what the plan prints)."""
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    identities: List[str]
+    known_hosts: str
+    strict: str  # StrictHostKeyChecking: yes / accept-new / no
+    proxy_jump: Optional[str]
+    config_path: str = ""  # the SSH config it came from (its jump host resolves there too)
+
+    def describe(self) -> str:
+        via = f" via {self.proxy_jump}" if self.proxy_jump else ""
+        return f"{self.user}@{self.hostname}:{self.port}{via}"
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "SshTarget":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+def host_names(request: ReserveRequest) -> List[str]:
+    """The hosts named by ``--hosts h1,h2``, ``--host`` (repeatable) and ``--hostfile``, in that order."""
+    opts = request.options
+    names = list(request.host_names)
+    for item in opts.get("host") or []:
+        names += [h.strip() for h in str(item).split(",") if h.strip()]
+    if opts.get("hostfile"):
+        try:
+            text = Path(opts["hostfile"]).expanduser().read_text()
+        except OSError as e:
+            raise OptionError(f"cannot read --hostfile {opts['hostfile']}: {e.strerror}") from None
+        names += [line.split("#")[0].strip() for line in text.splitlines() if line.split("#")[0].strip()]
+    if not names:
+        raise OptionError("the ssh scheduler needs hosts by name: --hosts h1,h2 or --hostfile FILE")
+    if len(set(names)) != len(names):
+        raise OptionError(f"a host is named twice: {','.join(names)}")
+    return names
+
+
+def resolve(alias: str, opts: Dict[str, Any]) -> SshTarget:
+    """``alias`` through the SSH config (``~/.ssh/config`` or ``ssh_config``); flags win over it."""
+    import paramiko
+
+    path = Path(opts.get("ssh_config") or "~/.ssh/config").expanduser()
+    config = paramiko.SSHConfig()
+    if path.exists():
+        try:
+            config = paramiko.SSHConfig.from_path(str(path))
+        except Exception as e:  # noqa: BLE001 - a malformed config is the user's to fix
+            raise OptionError(f"cannot parse SSH config {path}: {e}") from None
+    elif opts.get("ssh_config"):
+        raise OptionError(f"--ssh-config {path} does not exist")
+    c = config.lookup(alias)
+    identities = [str(Path(opts["identity"]).expanduser())] if opts.get("identity") else [
+        os.path.expanduser(p) for p in c.get("identityfile", [])]
+    known = os.path.expanduser(str(c.get("userknownhostsfile", "~/.ssh/known_hosts")).split()[0])
+    return SshTarget(alias, c.get("hostname", alias), int(c.get("port", 22)),
+                     opts.get("user") or c.get("user") or getpass.getuser(), identities, known,
+                     str(c.get("stricthostkeychecking", "yes")).lower(), c.get("proxyjump"),
+                     str(path) if path.exists() else "")
+
+
+def _host_error(target: SshTarget, what: str) -> SchedulerError:
+    return SchedulerError(f"host {target.alias} ({target.hostname}:{target.port}): {what}")
+
+
+class _KeyPolicy:
+    """Unknown key: refuse, or record it (accept-new). A changed key paramiko refuses itself."""
+
+    def __init__(self, target: SshTarget, accept_new: bool) -> None:
+        self.target, self.accept_new = target, accept_new
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        if not self.accept_new:
+            raise _host_error(self.target, f"unknown host key ({key.get_name()} {key.get_fingerprint().hex()}); "
+                              "check it and pass --accept-new-host-keys to record it")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        known = Path(self.target.known_hosts)
+        known.parent.mkdir(parents=True, exist_ok=True)
+        with open(known, "a") as f:
+            f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+def connect(target: SshTarget, accept_new: bool, timeout: float = 15.0) -> Any:
+    """An authenticated paramiko client for ``target`` (through its ProxyJump, if any)."""
+    import paramiko
+
+    sock = None
+    if target.proxy_jump:
+        jump_alias = target.proxy_jump.split(",")[0]
+        jump = connect(resolve(jump_alias, {"ssh_config": target.config_path or None}), accept_new, timeout)
+        try:
+            sock = jump.get_transport().open_channel("direct-tcpip", (target.hostname, target.port), ("", 0))
+        except Exception as e:  # noqa: BLE001 - paramiko's ChannelException and friends
+            jump.close()
+            raise SchedulerError(f"host {target.alias}: jump host {jump_alias} cannot reach "
+                                 f"{target.hostname}:{target.port}: {e}") from None
+    client = paramiko.SSHClient()
+    if os.path.exists(target.known_hosts):
+        client.load_host_keys(target.known_hosts)
+    client.set_missing_host_key_policy(_KeyPolicy(target, accept_new or target.strict in ("accept-new", "no")))
+    known_name = target.hostname if target.port == 22 else f"[{target.hostname}]:{target.port}"
+    try:
+        client.connect(target.hostname, port=target.port, username=target.user, key_filename=target.identities or None,
+                       allow_agent=True, look_for_keys=not target.identities, timeout=timeout, banner_timeout=timeout,
+                       auth_timeout=timeout, sock=sock)
+    except SchedulerError:
+        raise
+    except paramiko.BadHostKeyException:
+        raise _host_error(target, f"the host key has CHANGED since it was recorded in {target.known_hosts} "
+                          f"(entry {known_name}); refusing to connect") from None
+    except paramiko.AuthenticationException as e:
+        raise SchedulerError(f"host {target.alias}: authentication as {target.user} failed ({e})") from None
+    except (OSError, EOFError, paramiko.SSHException) as e:
+        raise SchedulerError(f"host {target.alias} ({target.hostname}:{target.port}) is unreachable: "
+                             f"{e or type(e).__name__}") from None
+    if sock is not None:
+        client._monarch_jump = jump  # type: ignore[attr-defined]  # lives as long as the connection through it
+    return client
+
+
+def _run(client: Any, command: str, timeout: float = 60.0) -> Tuple[int, str]:
+    _, out, err = client.exec_command(command, timeout=timeout)
+    text = out.read().decode(errors="replace") + err.read().decode(errors="replace")
+    return out.channel.recv_exit_status(), text
+
+
+def _shell_path(path: str) -> str:
+    """``path`` for the remote shell: a leading ``~/`` expands there, the rest is quoted."""
+    if path == "~" or path.startswith("~/"):
+        rest = path[2:]
+        return '"$HOME"' + ("/" + shlex.quote(rest) if rest else "")
+    return shlex.quote(path)
+
+
+def _version_check(python: str) -> str:
+    return f"{python} -c 'import monarch_cli; print(monarch_cli.__version__)'"
+
+
+def _start_command(python: str, directory: str, root: str, target: SshTarget, agent: AgentCommand) -> str:
+    """The one shell line that starts ``agent`` detached in ``directory`` (which holds its keys)."""
+    argv = [*shlex.split(python), *agent.argv()[1:]]
+    env = (f'MONARCH_KEY_FILE="$PWD/keys" MONARCH_HOST={shlex.quote(target.hostname)} '
+           f"MONARCH_REMOTE_DIR={_shell_path(root)}")
+    # Not `cd && agent &`: that backgrounds a subshell, whose pid $! would be, and which keeps
+    # the SSH channel open. setsid does not fork here (a background job is no group leader).
+    return (f"cd {_shell_path(directory)} || exit 1; {env} nohup setsid {shlex.join(argv)} > agent.log 2>&1 "
+            "< /dev/null & echo $! > agent.pid")
+
+
+class SshScheduler(Scheduler):
+    name = "ssh"
+    takes_host_names = True
+    options = (
+        Option("host", list, help="A host to reserve, by name (repeatable); same as --hosts h1,h2."),
+        Option("hostfile", str, help="A file of host names, one a line (# starts a comment)."),
+        Option("ssh_config", str, help="The SSH config that resolves host names (default ~/.ssh/config)."),
+        Option("identity", str, help="The private key file (default: the SSH config's, ssh-agent, ~/.ssh/id_*)."),
+        Option("user", str, help="The remote user (default: the SSH config's, else yours)."),
+        Option("python", str, default=DEFAULT_PYTHON,
+               help=f"The remote interpreter command; it must have this monarch-cli (default {DEFAULT_PYTHON})."),
+        Option("remote_dir", str, default=DEFAULT_REMOTE_DIR,
+               help=f"Where serve puts its files on each host (default {DEFAULT_REMOTE_DIR})."),
+        Option("accept_new_host_keys", bool, default=False,
+               help="Record unknown host keys in known_hosts (a changed key is always refused)."),
+    )
+
+    # ---------------------------------------------------------------- planning
+    def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
+        opts = self.check_options(request.options)
+        names = host_names(request)
+        if not request.host_names and request.hosts not in (1, len(names)):
+            raise OptionError(f"{len(names)} host(s) are named but {request.hosts} were asked for")
+        python = opts.get("python") or DEFAULT_PYTHON
+        root = (opts.get("remote_dir") or DEFAULT_REMOTE_DIR).rstrip("/") or "/"
+        rid = f"ssh-{uuid.uuid4().hex[:8]}"
+        directory = f"{root}/{rid}"
+        hosts, steps = [], []
+        for alias in names:
+            target = resolve(alias, opts)
+            agent = AgentCommand(python=python, name=alias, host=target.hostname, port=request.agent_port,
+                                 port_range=request.port_range, preload=request.preload, warm_up=True,
+                                 address_file="agent.addr", reservation=rid)
+            command = _start_command(python, directory, root, target, agent)
+            hosts.append({"target": dataclasses.asdict(target), "directory": directory, "agent": agent.to_json(),
+                          "command": command})
+            keys = ", ".join(target.identities) or "ssh-agent / default keys"
+            steps += [f"{alias}: connect to {target.describe()} (keys: {keys}; known hosts: {target.known_hosts}, "
+                      f"{'record unknown keys' if opts.get('accept_new_host_keys') else 'unknown keys refused'})",
+                      f"{alias}: check: {_version_check(python)}  (must print {__version__})",
+                      f"{alias}: upload over SFTP: {directory}/keys  (0600 in a 0700 directory; the reservation's "
+                      "keys: <redacted>)",
+                      f"{alias}: run: {command}"]
+        steps.append(f"wait until {len(names)} agent(s) have written agent.addr; a host that fails is reported by "
+                     "name and the others are cleaned up")
+        summary = (f"start a detached host agent on {len(names)} SSH host(s) ({', '.join(names)}), set up in "
+                   "parallel, with a fresh key pair (0600 in the job state here, uploaded over SFTP there)")
+        data = {"hosts": hosts, "python": python, "remote_dir": root, "version": __version__,
+                "accept_new_host_keys": bool(opts.get("accept_new_host_keys"))}
+        return Plan(self.name, rid, len(names), list(request.command), str(workdir.resolve()), summary, steps,
+                    options=opts, data=data)
+
+    # ---------------------------------------------------------------- reserving
+    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+        self.check_plan(plan)
+        try:
+            hosts = plan.data["hosts"]
+            python, root, accept_new = plan.data["python"], plan.data["remote_dir"], plan.data["accept_new_host_keys"]
+            targets = [SshTarget.from_json(h["target"]) for h in hosts]
+            agents = [AgentCommand.from_json(h["agent"]) for h in hosts]
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"malformed ssh plan ({type(e).__name__}: {e}); make a new one with --dry-run") from None
+        if plan.data.get("version") != __version__:
+            raise PlanError(f"this plan was made by monarch-cli {plan.data.get('version')}, not {__version__}")
+        started: Dict[int, Dict[str, Any]] = {}
+        errors: List[str] = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(hosts)))) as pool:
+            futures = {pool.submit(self._start_host, targets[i], h["directory"], h["command"], python, keys,
+                                   accept_new, progress, started, i): i
+                       for i, h in enumerate(hosts)}
+            for fut in concurrent.futures.as_completed(futures):
+                i = futures[fut]
+                try:
+                    fut.result()
+                except Exception as e:  # noqa: BLE001 - every host's failure is reported, then all are undone
+                    errors.append(str(e) if isinstance(e, SchedulerError)
+                                  else f"host {targets[i].alias}: {type(e).__name__}: {e}")
+        found: List[HostRecord] = []
+        try:
+            if not errors:
+                names = [str(a.name) for a in agents]
+                try:
+                    found = wait_for_agents(lambda: self._discover(started, names), names, progress,
+                                            timeout=AGENT_START_TIMEOUT, check=lambda: self._check(started, names),
+                                            interval=0.2)
+                except SchedulerError as e:
+                    errors.append(str(e))
+            if errors:
+                raise SchedulerError(errors[0] + (f" (and {len(errors) - 1} more host(s) failed)"
+                                                  if len(errors) > 1 else ""))
+        except BaseException:  # a failed host or Ctrl-C: no half reservation is left behind
+            self._release_hosts([started[i]["record"] for i in sorted(started)], accept_new)
+            raise
+        finally:
+            for entry in started.values():
+                _close(entry)
+        records = [started[i]["record"] for i in range(len(hosts))]
+        for rec, host in zip(records, found):
+            rec["address"] = host.agent
+        return Reservation(plan.reservation_id,
+                           [HostRecord(h.name, h.agent, rec["pid"], h.node_rank) for h, rec in zip(found, records)],
+                           {"ssh_hosts": records, "accept_new_host_keys": accept_new, "remote_dir": root})
+
+    def _start_host(self, target: SshTarget, directory: str, command: str, python: str, keys: "Keys",
+                    accept_new: bool, progress: Progress, started: Dict[int, Dict[str, Any]], index: int) -> None:
+        """Connect, check the version, upload the keys, start the agent; leaves the connection in ``started``."""
+        progress(f"{target.alias}: connecting to {target.describe()}")
+        client = connect(target, accept_new)
+        record: Dict[str, Any] = {**dataclasses.asdict(target), "directory": directory, "pid": None, "address": ""}
+        made = False
+        try:
+            code, text = _run(client, _version_check(python))
+            version = text.strip().splitlines()[-1] if code == 0 and text.strip() else None
+            if version != __version__:
+                found = f"has monarch-cli {version}" if version else "has no monarch-cli (or no such interpreter)"
+                raise SchedulerError(f"host {target.alias}: {python} {found}, this client is {__version__}; install "
+                                     f"it there with: {python} -m pip install 'monarch-cli=={__version__}' "
+                                     "(or pass --python)")
+            sftp = client.open_sftp()
+            try:
+                path = _remote_path(sftp, directory)
+                _sftp_makedirs(sftp, path)
+                record["directory"], made = path, True  # from here on, release removes it
+                sftp.chmod(path, 0o700)
+                with sftp.open(f"{path}/keys", "w") as f:
+                    f.chmod(0o600)  # before the secret is written
+                    f.write(keys.encode().encode() + b"\n")
+                progress(f"{target.alias}: starting the agent")
+                code, text = _run(client, command)
+                if code != 0:
+                    raise _host_error(target, f"could not start the agent: {text.strip()[-300:] or f'status {code}'}")
+                record["pid"] = int(_read(sftp, f"{path}/agent.pid").strip())
+            except OSError as e:  # SFTP: a full disk, a read-only home, permissions
+                raise _host_error(target, f"cannot set up {directory}: {e.strerror or e}") from None
+            finally:
+                sftp.close()
+        except BaseException:
+            if made:
+                _stop_host(client, record)
+            client.close()
+            raise
+        started[index] = {"client": client, "record": record, "target": target}
+
+    def _discover(self, started: Dict[int, Dict[str, Any]], names: List[str]) -> Dict[str, str]:
+        found = {}
+        for i, entry in started.items():
+            try:
+                if "sftp" not in entry:
+                    entry["sftp"] = entry["client"].open_sftp()
+                text = _read(entry["sftp"], f"{entry['record']['directory']}/agent.addr")
+            except (OSError, EOFError):
+                continue
+            if text.startswith(READY_PREFIX) and text.endswith("\n"):
+                found[names[i]] = text[len(READY_PREFIX):].strip()
+        return found
+
+    def _check(self, started: Dict[int, Dict[str, Any]], names: List[str]) -> None:
+        """Raise, naming the host, when an agent exited at start-up."""
+        for i, entry in started.items():
+            rec, target = entry["record"], entry["target"]
+            if _run(entry["client"], f"kill -0 {int(rec['pid'])}", timeout=15)[0] != 0:
+                code, log = _run(entry["client"], f"tail -n 3 {shlex.quote(rec['directory'] + '/agent.log')}", 15)
+                raise _host_error(target, f"the agent exited at start-up: {log.strip() or 'no log'}")
+
+    # ---------------------------------------------------------------- the reservation
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+        names = host_names(request)
+        had = [r["alias"] for r in reservation.scheduler_data.get("ssh_hosts", [])]
+        if names != had:
+            return f"it has hosts {','.join(had)}, not {','.join(names)}"
+        return None
+
+    def release(self, reservation: ReservationRecord) -> None:
+        self._release_hosts(reservation.scheduler_data.get("ssh_hosts", []),
+                            bool(reservation.scheduler_data.get("accept_new_host_keys")))
+
+    def _release_hosts(self, records: List[Dict[str, Any]], accept_new: bool = False) -> None:
+        _each_host(records, accept_new, _stop_host, timeout=15.0)
+
+    def probe(self, reservation: ReservationRecord) -> Probe:
+        """Over SSH: GONE when a reachable host has no agent process; UNKNOWN when a host cannot be reached."""
+        records = reservation.scheduler_data.get("ssh_hosts", [])
+        answers = _each_host(records, bool(reservation.scheduler_data.get("accept_new_host_keys")), _agent_running,
+                             timeout=PROBE_TIMEOUT)
+        gone = [r["alias"] for r, a in zip(records, answers) if a is False]
+        if gone:
+            return Probe(Liveness.GONE, f"the agent process on {', '.join(gone)} is not running")
+        unknown = [r["alias"] for r, a in zip(records, answers) if a is None]
+        if unknown:
+            return Probe(Liveness.UNKNOWN, f"{', '.join(unknown)} cannot be reached over SSH")
+        return Probe(Liveness.ALIVE)
+
+    def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
+        return {"ssh": [{"host": r["alias"], "target": f"{r['user']}@{r['hostname']}:{r['port']}", "pid": r["pid"],
+                           "directory": r["directory"]} for r in reservation.scheduler_data.get("ssh_hosts", [])]}
+
+    def status_lines(self, reservation: ReservationRecord) -> List[str]:
+        return [f"{r['alias']}: {r['user']}@{r['hostname']}:{r['port']}"
+                f"{' via ' + r['proxy_jump'] if r.get('proxy_jump') else ''}, agent pid {r['pid']}, files in "
+                f"{r['directory']}" for r in reservation.scheduler_data.get("ssh_hosts", [])]
+
+
+def _each_host(records: List[Dict[str, Any]], accept_new: bool, action: Callable[[Any, Dict[str, Any]], Any],
+               timeout: float) -> List[Any]:
+    """``action(client, record)`` on every host in parallel; None for a host that cannot be reached."""
+    def one(rec: Dict[str, Any]) -> Any:
+        try:
+            client = connect(SshTarget.from_json(rec), accept_new, timeout=timeout)
+        except SchedulerError:
+            return None  # unreachable: nothing more can be done from here
+        try:
+            return action(client, rec)
+        except Exception:  # noqa: BLE001 - a connection that drops mid-way: cannot tell
+            return None
+        finally:
+            client.close()
+
+    if not records:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(records)))) as pool:
+        return list(pool.map(one, records))
+
+
+def _close(entry: Dict[str, Any]) -> None:
+    if "sftp" in entry:
+        entry["sftp"].close()
+    entry["client"].close()
+
+
+def _agent_running(client: Any, rec: Dict[str, Any]) -> bool:
+    """Is ``rec``'s agent (by pid and command line) still running on the host?"""
+    pid = int(rec.get("pid") or 0)
+    if not pid:
+        return False
+    code, text = _run(client, f"cat /proc/{pid}/cmdline 2>/dev/null | tr '\\0' ' '", timeout=PROBE_TIMEOUT)
+    return code == 0 and ("monarch_cli.runtime.agent" in text or text.startswith("monarch agent "))
+
+
+def _stop_host(client: Any, rec: Dict[str, Any]) -> None:
+    """TERM the agent (it ends its ranks and procs), KILL its process group after 5 s, remove its directory."""
+    pid = int(rec.get("pid") or 0)
+    script = ""
+    if pid:
+        script += (f"kill -TERM {pid} 2>/dev/null; for i in $(seq 50); do kill -0 {pid} 2>/dev/null || break; "
+                   f"sleep 0.1; done; kill -KILL -- -{pid} 2>/dev/null; kill -KILL {pid} 2>/dev/null; ")
+    if rec.get("directory") and not rec["directory"].startswith("~"):
+        script += f"rm -rf {shlex.quote(rec['directory'])}"
+    if script:
+        _run(client, script, timeout=30)
+
+
+def _remote_path(sftp: Any, path: str) -> str:
+    """``path`` with a leading ``~`` made absolute (SFTP starts in the home directory)."""
+    if path == "~" or path.startswith("~/"):
+        home = sftp.normalize(".")
+        return home + path[1:]
+    return path
+
+
+def _sftp_makedirs(sftp: Any, path: str) -> None:
+    parts = path.split("/")
+    for i in range(2, len(parts) + 1):
+        sub = "/".join(parts[:i])
+        if not sub:
+            continue
+        try:
+            sftp.stat(sub)
+        except IOError:
+            sftp.mkdir(sub, mode=0o700)
+
+
+def _read(sftp: Any, path: str) -> str:
+    with sftp.open(path, "r") as f:
+        return f.read().decode()
+
+
+__all__ = ["SshScheduler", "SshTarget", "connect", "resolve", "host_names"]

@@ -1,0 +1,75 @@
+"""Small OS helpers every layer shares: atomic file writes, signalling, route probes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+__all__ = ["atomic_write", "signal_if_alive", "source_address_towards"]
+
+
+def atomic_write(path: Union[str, Path], data: Union[str, bytes], mode: int = 0o600, *, durable: bool = False) -> Path:
+    """Write ``data`` to ``path`` through a temporary file and a rename.
+
+    Readers see the old file or the whole new one, never half of it, and the file has
+    ``mode`` from its first byte (mkstemp creates it 0600), so a secret is never readable
+    by others, not even for a moment. ``durable`` also fsyncs the file and its directory.
+    """
+    target = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "wb", closefd=False) as handle:
+                handle.write(raw)
+                handle.flush()
+                if durable:
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+        tmp = ""
+    finally:
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    if durable:
+        try:
+            dfd = os.open(target.parent, os.O_RDONLY)
+        except OSError:
+            return target
+        try:
+            os.fsync(dfd)
+        except OSError:
+            pass  # some filesystems refuse it: best effort
+        finally:
+            os.close(dfd)
+    return target
+
+
+def signal_if_alive(pid: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` if it still exists (and is ours to signal); True if sent."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def source_address_towards(host: str) -> Optional[str]:
+    """This machine's address on the route towards ``host`` (a UDP connect sends nothing).
+
+    None when ``host`` cannot be resolved or no route leads there.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(host), 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None

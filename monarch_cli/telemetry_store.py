@@ -1,0 +1,395 @@
+"""The telemetry store: one SQLite file per reservation (``.monarch/telemetry.db``).
+
+Standard library only, so ``monarch sql`` starts in a few tens of milliseconds. The file is
+in WAL mode: a run writes through one :class:`TelemetryWriter` (a thread that batches rows,
+so the run never waits on the disk) while any other process reads it with
+:func:`query` over a read-only connection. Retention is by run: the oldest runs past
+:data:`KEEP_RUNS` are deleted, with all their rows, when a new run starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    import sqlite3  # imported where used: a run's client loads it in the writer thread, off its path
+
+DB_NAME = "telemetry.db"
+SCHEMA_VERSION = 1
+#: Runs kept per reservation ($MONARCH_TELEMETRY_RUNS overrides).
+KEEP_RUNS = int(os.environ.get("MONARCH_TELEMETRY_RUNS", "50") or 50)
+
+#: table -> (what it holds, [(column, type, meaning)]). The DDL and `monarch sql --schema` both come from here.
+TABLES: Dict[str, Tuple[str, List[Tuple[str, str, str]]]] = {
+    "runs": ("one row per `run-spmd` run", [
+        ("run_id", "TEXT PRIMARY KEY", "run id, sortable by start time (also the log directory's name)"),
+        ("command", "TEXT", "the command line, shell-quoted"),
+        ("started_at", "REAL", "unix time the run started"),
+        ("ended_at", "REAL", "unix time it ended; NULL while it runs (or if the client died)"),
+        ("exit_code", "INTEGER", "the run's exit status (the first failing rank's; 128+N for signal N)"),
+        ("world_size", "INTEGER", "number of ranks"),
+        ("hosts", "INTEGER", "number of hosts used"),
+        ("restarts", "INTEGER", "torchrun --max-restarts attempts used"),
+        ("interrupted", "INTEGER", "1 if Ctrl-C (or a forwarded signal) stopped it"),
+        ("log_dir", "TEXT", "where the raw per-rank logs are"),
+    ]),
+    "ranks": ("one row per rank of a run (its last attempt)", [
+        ("run_id", "TEXT", "run id"),
+        ("rank", "INTEGER", "global rank"),
+        ("local_rank", "INTEGER", "rank on its host"),
+        ("node", "INTEGER", "host index (GROUP_RANK)"),
+        ("host", "TEXT", "host name"),
+        ("pid", "INTEGER", "process id on its host (set once it exits)"),
+        ("exit_code", "INTEGER", "exit code; NULL if killed by a signal or still running"),
+        ("signal", "INTEGER", "signal that killed it, else NULL"),
+        ("status", "INTEGER", "shell-style status: 0 ok, N exit code, 128+N signal, 255 host lost"),
+        ("how", "TEXT", "'exit 0', 'killed by SIGKILL', 'lost: ...'"),
+        ("started_at", "REAL", "unix time it was started"),
+        ("ended_at", "REAL", "unix time its exit was reported; NULL while it runs"),
+        ("last_output_at", "REAL", "unix time of its last output line"),
+        ("lines", "INTEGER", "output lines so far"),
+    ]),
+    "logs": ("every output line of every rank", [
+        ("run_id", "TEXT", "run id"),
+        ("rank", "INTEGER", "rank"),
+        ("ts", "REAL", "unix time the controller received it"),
+        ("stream", "TEXT", "'stdout' or 'stderr'"),
+        ("line", "TEXT", "the line, without its line end (invalid UTF-8 backslash-escaped)"),
+    ]),
+    "hosts": ("the hosts a run used", [
+        ("run_id", "TEXT", "run id"),
+        ("node", "INTEGER", "host index"),
+        ("host", "TEXT", "host name"),
+        ("agent", "TEXT", "the host agent's address"),
+        ("agent_pid", "INTEGER", "the host agent's process id"),
+        ("cpus", "INTEGER", "CPUs on the host"),
+        ("gpus", "INTEGER", "NVIDIA GPUs visible on the host"),
+    ]),
+    "events": ("what happened to a run, in order", [
+        ("run_id", "TEXT", "run id"),
+        ("ts", "REAL", "unix time"),
+        ("rank", "INTEGER", "the rank concerned, or NULL"),
+        ("kind", "TEXT", "run_start, rank_failed, rank_lost, restart, interrupt, run_end"),
+        ("detail", "TEXT", "free text"),
+    ]),
+    "samples": ("each live rank's process, sampled by its host agent about once a second", [
+        ("run_id", "TEXT", "run id"),
+        ("rank", "INTEGER", "rank"),
+        ("host", "TEXT", "host name"),
+        ("ts", "REAL", "unix time of the sample (the host's clock)"),
+        ("pid", "INTEGER", "process id"),
+        ("state", "TEXT", "process state: running, sleeping, disk-sleep, stopped, zombie..."),
+        ("cpu_percent", "REAL", "CPU use since the previous sample (100 = one core)"),
+        ("rss_mb", "REAL", "resident memory, MiB"),
+        ("threads", "INTEGER", "OS threads"),
+        ("gpu_index", "INTEGER", "GPU the rank's process uses (NVML); NULL without a GPU"),
+        ("gpu_util", "REAL", "that GPU's utilisation, percent; NULL without a GPU"),
+        ("gpu_mem_mb", "REAL", "GPU memory the process uses, MiB; NULL without a GPU"),
+        ("gpu_power_w", "REAL", "that GPU's power draw, watts; NULL without a GPU"),
+        ("gpu_temp_c", "REAL", "that GPU's temperature, Celsius; NULL without a GPU"),
+    ]),
+    "steps": ("optimizer steps, from a hook monarch installs in every rank (no change to your code)", [
+        ("run_id", "TEXT", "run id"),
+        ("rank", "INTEGER", "rank"),
+        ("step", "INTEGER", "1 for the first optimizer.step() of the run, then 2, 3..."),
+        ("ts", "REAL", "unix time the step ended (the host's clock)"),
+        ("dt_ms", "REAL", "milliseconds since the previous step ended (since the hook was installed for step 1)"),
+    ]),
+    "stacks": ("stacks captured by `monarch stack` / `monarch diagnose`, one row per thread", [
+        ("capture_id", "TEXT", "one id per capture command"),
+        ("run_id", "TEXT", "run id"),
+        ("rank", "INTEGER", "rank"),
+        ("host", "TEXT", "host name"),
+        ("pid", "INTEGER", "process id"),
+        ("ts", "REAL", "unix time of the capture"),
+        ("method", "TEXT", "'py-spy' or 'faulthandler' (the interpreter's own dump, when py-spy cannot attach)"),
+        ("thread", "TEXT", "thread name (py-spy) or id"),
+        ("is_main", "INTEGER", "1 for the main thread"),
+        ("stack", "TEXT", "frames, innermost first, one 'function (file:line)' per line"),
+        ("error", "TEXT", "why no stack was captured, else NULL"),
+    ]),
+}
+
+_INDEXES = [
+    "CREATE INDEX IF NOT EXISTS logs_run_rank ON logs(run_id, rank, ts)",
+    "CREATE INDEX IF NOT EXISTS samples_run_rank ON samples(run_id, rank, ts)",
+    "CREATE INDEX IF NOT EXISTS steps_run_rank ON steps(run_id, rank, step)",
+    "CREATE INDEX IF NOT EXISTS events_run ON events(run_id, ts)",
+    "CREATE INDEX IF NOT EXISTS stacks_run ON stacks(run_id, capture_id)",
+]
+_KEYS = {"ranks": "PRIMARY KEY (run_id, rank)", "hosts": "PRIMARY KEY (run_id, node)"}
+
+EXAMPLES: List[Tuple[str, str]] = [
+    ("the last 5 runs", "SELECT run_id, exit_code, ended_at - started_at AS seconds, command FROM runs ORDER BY started_at DESC LIMIT 5"),
+    ("how each rank of the latest run ended", "SELECT rank, host, how, last_output_at FROM ranks WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY rank"),
+    ("the last lines of the first rank that failed", "SELECT rank, line FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) AND rank = (SELECT rank FROM ranks WHERE run_id = logs.run_id AND status != 0 ORDER BY ended_at LIMIT 1) ORDER BY ts DESC LIMIT 20"),
+    ("step time per rank (slowest first)", "SELECT rank, count(*) AS steps, avg(dt_ms) AS mean_ms, max(dt_ms) AS worst_ms FROM steps WHERE run_id = (SELECT max(run_id) FROM runs) AND step > 1 GROUP BY rank ORDER BY mean_ms DESC"),
+    ("peak memory per rank", "SELECT rank, max(rss_mb), max(gpu_mem_mb) FROM samples WHERE run_id = (SELECT max(run_id) FROM runs) GROUP BY rank"),
+    ("grep every run's output", "SELECT run_id, rank, line FROM logs WHERE line LIKE '%NCCL%' ORDER BY ts"),
+]
+
+
+def db_path(state_dir: Path) -> Path:
+    return Path(state_dir) / DB_NAME
+
+
+def _ddl() -> List[str]:
+    out = []
+    for table, (_, cols) in TABLES.items():
+        parts = [f"{name} {kind}" for name, kind, _ in cols]
+        if table in _KEYS:
+            parts.append(_KEYS[table])
+        out.append(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(parts)})")
+    return out + _INDEXES
+
+
+class StoreError(Exception):
+    """A query the store refuses or cannot answer (the message is one line for the user)."""
+
+
+def _connect_rw(path: Path) -> "sqlite3.Connection":
+    import sqlite3
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        # Rows hold output lines: never world-readable (-wal and -shm take this mode too). Only a
+        # file nobody has open yet may be opened and closed here: closing any descriptor of a
+        # database file drops every POSIX lock this process holds on it.
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
+    conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-consistent
+    if conn.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+        conn.execute("BEGIN IMMEDIATE")
+        for stmt in _ddl():
+            conn.execute(stmt)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    return conn
+
+
+def _deny_attach(action: int, *_: Any) -> int:
+    import sqlite3
+
+    return sqlite3.SQLITE_DENY if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH) else sqlite3.SQLITE_OK
+
+
+def connect_readonly(path: Path) -> "sqlite3.Connection":
+    """A connection that cannot change the store: ``mode=ro``, ``query_only``, no ATTACH."""
+    import sqlite3
+
+    path = Path(path)
+    if not path.exists():
+        raise StoreError(f"no telemetry store at {path}: nothing has run on this reservation yet")
+    conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=10.0)
+    conn.execute("PRAGMA query_only=1")
+    conn.set_authorizer(_deny_attach)
+    return conn
+
+
+def query(path: Path, sql: str, params: Sequence[Any] = ()) -> Tuple[List[str], List[Tuple[Any, ...]]]:
+    """Run one read-only statement; returns (column names, rows). Errors are :class:`StoreError`."""
+    import sqlite3
+
+    conn = connect_readonly(path)
+    try:
+        cur = conn.execute(sql, params)
+        cols = [d[0] for d in cur.description or ()]
+        return cols, cur.fetchall()
+    except sqlite3.Error as e:
+        msg = str(e)
+        if "readonly" in msg or "not authorized" in msg:
+            msg = f"the telemetry store is read-only here ({msg}); use SELECT"
+        raise StoreError(f"sql: {msg}") from None
+    except sqlite3.Warning as e:  # e.g. "You can only execute one statement at a time."
+        raise StoreError(f"sql: {e}") from None
+    finally:
+        conn.close()
+
+
+def schema_text() -> str:
+    """The tables, their columns, what they mean, and example queries: for a person or a coding agent."""
+    lines = [f"Telemetry store (SQLite, read-only here). Times are unix seconds; the latest run is "
+             f"(SELECT max(run_id) FROM runs). Kept: the last {KEEP_RUNS} runs.", ""]
+    for table, (what, cols) in TABLES.items():
+        lines.append(f"{table}: {what}")
+        for name, kind, meaning in cols:
+            lines.append(f"  {name:<15} {kind.split()[0]:<8} {meaning}")
+        lines.append("")
+    lines.append("Examples:")
+    for what, sql in EXAMPLES:
+        lines += [f"  -- {what}", f"  {sql};"]
+    return "\n".join(lines)
+
+
+def schema_json() -> Dict[str, Any]:
+    return {
+        "tables": {t: {"description": what, "columns": [{"name": n, "type": k.split()[0], "meaning": m} for n, k, m in cols]}
+                   for t, (what, cols) in TABLES.items()},
+        "examples": [{"description": what, "sql": sql} for what, sql in EXAMPLES],
+        "keep_runs": KEEP_RUNS,
+    }
+
+
+class TelemetryWriter:
+    """Writes one run's rows from a background thread, a batch (one transaction) at a time.
+
+    Every method only appends to a queue, so the caller (the run's event loop) never waits
+    on SQLite. A failure inside the thread disables telemetry for the run, with one warning;
+    it never fails the run.
+    """
+
+    def __init__(self, path: Path, run_id: str, *, keep_runs: int = KEEP_RUNS) -> None:
+        self.path = Path(path)
+        self.run_id = run_id
+        self.keep_runs = keep_runs
+        self._queue: Deque[Tuple[str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._closing = False
+        self._committed = threading.Event()  # set once everything queued before close() is committed
+        self._partial: Dict[Tuple[int, int], bytes] = {}
+        self.error: Optional[str] = None
+        self._thread = threading.Thread(target=self._loop, name="monarch-telemetry", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ producers
+    def sql(self, statement: str, params: Sequence[Any]) -> None:
+        self._queue.append(("sql", (statement, params)))
+
+    def output(self, rank: int, stream: int, data: bytes) -> None:
+        if self.error is None:
+            self._queue.append(("out", (rank, stream, time.time(), data)))
+
+    def rows(self, table: str, rows: Iterable[Sequence[Any]]) -> None:
+        rows = list(rows)
+        if rows and self.error is None:
+            self._queue.append(("rows", (table, rows)))
+            self._wake.set()
+
+    def event(self, kind: str, rank: Optional[int] = None, detail: str = "") -> None:
+        self.rows("events", [(self.run_id, time.time(), rank, kind, detail)])
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until everything queued so far is committed."""
+        done = threading.Event()
+        self._queue.append(("flush", done))
+        self._wake.set()
+        done.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Returns once every row is committed; the connection closes (and checkpoints) in the background."""
+        self._closing = True
+        self._wake.set()
+        self._committed.wait(timeout)
+
+    # --------------------------------------------------------------- thread
+    def _loop(self) -> None:
+        import sqlite3
+
+        try:
+            conn = _connect_rw(self.path)
+            self._prune(conn)
+        except (sqlite3.Error, OSError) as e:
+            self._fail(e)
+            return
+        try:
+            self._serve(conn)
+        finally:
+            self._queue.clear()
+            self._committed.set()
+            conn.close()
+
+    def _serve(self, conn: "sqlite3.Connection") -> None:
+        import sqlite3
+
+        while True:
+            self._wake.wait(0.25)
+            self._wake.clear()
+            closing = self._closing  # read after the wake: close() sets it, then wakes us
+            if self._queue:
+                try:
+                    self._write(conn)
+                except (sqlite3.Error, OSError, ValueError) as e:
+                    self._fail(e)
+                    return
+            if closing and not self._queue:
+                return
+
+    def _write(self, conn: "sqlite3.Connection") -> None:
+        logs: List[Tuple[Any, ...]] = []
+        last: Dict[int, Tuple[float, int]] = {}
+        waiters = []
+        conn.execute("BEGIN")
+        while self._queue:
+            kind, item = self._queue.popleft()
+            if kind == "out":
+                rank, stream, ts, data = item
+                buf = self._partial.pop((rank, stream), b"") + data
+                *lines, rest = buf.split(b"\n")
+                if rest:
+                    self._partial[(rank, stream)] = rest
+                name = "stdout" if stream == 1 else "stderr"
+                for raw in lines:
+                    logs.append((self.run_id, rank, ts, name, raw.rstrip(b"\r").decode("utf-8", "backslashreplace")))
+                if lines:
+                    n = last.get(rank, (0.0, 0))[1]
+                    last[rank] = (ts, n + len(lines))
+            elif kind == "end_rank":
+                rank, ts = item
+                for stream in (1, 2):
+                    rest = self._partial.pop((rank, stream), b"")
+                    if rest:
+                        logs.append((self.run_id, rank, ts, "stdout" if stream == 1 else "stderr",
+                                     rest.decode("utf-8", "backslashreplace")))
+                        last[rank] = (ts, last.get(rank, (0.0, 0))[1] + 1)
+            elif kind == "sql":
+                conn.execute(*item)
+            elif kind == "rows":
+                table, rows = item
+                marks = ",".join("?" * len(rows[0]))
+                conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
+            elif kind == "flush":
+                waiters.append(item)
+        if logs:
+            conn.executemany("INSERT INTO logs VALUES (?,?,?,?,?)", logs)
+        for rank, (ts, n) in last.items():
+            conn.execute("UPDATE ranks SET last_output_at = ?, lines = coalesce(lines, 0) + ? WHERE run_id = ? AND rank = ?",
+                         (ts, n, self.run_id, rank))
+        conn.execute("COMMIT")
+        for w in waiters:
+            w.set()
+
+    def end_of_rank(self, rank: int) -> None:
+        """The rank's output is complete: store an unterminated last line."""
+        self._queue.append(("end_rank", (rank, time.time())))
+
+    def _prune(self, conn: "sqlite3.Connection") -> None:
+        """Retention by run: delete the oldest runs past ``keep_runs`` (this one not yet inserted)."""
+        (count,) = conn.execute("SELECT count(*) FROM runs").fetchone()
+        if count < self.keep_runs:
+            return
+        old = [r for (r,) in conn.execute("SELECT run_id FROM runs ORDER BY run_id DESC LIMIT -1 OFFSET ?",
+                                          (max(self.keep_runs - 1, 0),))]
+        conn.execute("BEGIN IMMEDIATE")
+        for table in TABLES:
+            conn.executemany(f"DELETE FROM {table} WHERE run_id = ?", [(r,) for r in old])
+        conn.execute("COMMIT")
+
+    def _fail(self, e: BaseException) -> None:
+        import sys
+
+        self.error = f"{type(e).__name__}: {e}"
+        for kind, item in list(self._queue):
+            if kind == "flush":
+                item.set()
+        self._queue.clear()
+        self._committed.set()
+        print(f"monarch: telemetry disabled for this run ({self.error})", file=sys.stderr, flush=True)

@@ -1,0 +1,196 @@
+"""The host agent's side of process lifecycle, with real processes: a warm process killed
+mid-run, ranks' descendants in sessions of their own, agents found without (or outliving)
+their state file, refused runs that must not leak, per-host liveness, process titles.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import psutil
+import pytest
+
+from monarch_cli.jobs import Job, JobError, job_load, serve
+
+from ..conftest import REPO, alive, wait_until, write_script
+from .conftest import living, reservation_pids, spmd
+
+# Each rank records its pid, then starts three descendants that leave its process group:
+# one in its own session, one orphaned at once by a double fork, one with a scrubbed
+# environment; each writes its pid to a file before becoming `sleep`.
+ESCAPERS = r"""
+import os, subprocess, sys, time
+marks = sys.argv[1]
+rank = os.environ["RANK"]
+open(os.path.join(marks, f"rank.{rank}"), "w").write(str(os.getpid()))
+mark = lambda kind: os.path.join(marks, f"{kind}.{rank}")
+subprocess.Popen(["setsid", "sh", "-c", f"echo $$ > {mark('session')}; exec sleep 300"])
+subprocess.Popen(["sh", "-c", f"setsid sh -c 'echo $$ > {mark('orphan')}; exec sleep 300' & exit 0"])
+subprocess.Popen(["env", "-i", "/usr/bin/setsid", "sh", "-c", f"echo $$ > {mark('scrubbed')}; exec sleep 300"])
+time.sleep(float(sys.argv[2]))
+"""
+KINDS = ("session", "orphan", "scrubbed")
+
+
+def marked(marks: Path, kind: str) -> Dict[int, int]:
+    """rank -> pid, from the files the ranks (or their descendants) wrote."""
+    found = {}
+    for f in marks.glob(f"{kind}.*"):
+        text = f.read_text().strip()
+        if text:
+            found[int(f.suffix[1:])] = int(text)
+    return found
+
+
+def escapers(marks: Path, ranks: int) -> List[int]:
+    assert wait_until(lambda: all(len(marked(marks, k)) == ranks for k in KINDS), 30)
+    pids = [pid for k in KINDS for pid in marked(marks, k).values()]
+    assert all(alive(p) for p in pids)
+    assert all(os.getsid(p) != os.getsid(r) for p in pids for r in marked(marks, "rank").values())
+    return pids
+
+
+def children_titled(pid: int, prefix: str) -> List[psutil.Process]:
+    return [c for c in psutil.Process(pid).children() if " ".join(c.cmdline()).startswith(prefix)]
+
+
+@pytest.mark.slow
+def test_a_killed_warm_process_ends_the_run_naming_it_and_a_new_one_serves_the_next(job: Job, tmp_path: Path):
+    script = write_script(tmp_path, "sleepy.py", ESCAPERS)
+    results: list = []
+    runner = threading.Thread(target=lambda: results.append(spmd(job, script, str(tmp_path), "120")))
+    runner.start()
+    escapers(tmp_path, 4)  # every rank is running
+    agent1 = job.state.hosts[1].pid
+    (warm,) = children_titled(agent1, "monarch warm ")
+    killed_at = time.monotonic()
+    warm.kill()
+    runner.join(timeout=30)
+    assert not runner.is_alive(), "the run hangs after its warm process died"
+    run = results[0]
+    assert time.monotonic() - killed_at < 15
+    assert run.result.exit_code != 0
+    how = {e.rank: e.how for e in run.result.ranks}
+    for rank in (2, 3):  # local1's ranks: killed with their warm process, and said so
+        assert "warm process on local1 died (signal SIGKILL)" in how[rank], how
+    assert all(h["ranks_running"] == 0 for h in job.status()["hosts"])
+    assert spmd(job, write_script(tmp_path, "ok.py", "print('ok')\n")).result.exit_code == 0
+    assert len(children_titled(agent1, "monarch warm ")) == 1  # a new one
+
+
+@pytest.mark.slow
+def test_descendants_in_sessions_of_their_own_end_with_the_run(job: Job, tmp_path: Path):
+    script = write_script(tmp_path, "escape.py", ESCAPERS)
+    results: list = []
+    runner = threading.Thread(target=lambda: results.append(spmd(job, script, str(tmp_path), "2")))
+    runner.start()
+    pids = escapers(tmp_path, 4)
+    runner.join(timeout=60)
+    assert results[0].result.exit_code == 0
+    assert wait_until(lambda: not living(pids), 10), living(pids)
+
+
+@pytest.mark.slow
+def test_stop_ends_descendants_in_sessions_of_their_own(tmp_path: Path):
+    job = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl", preload="")
+    try:
+        script = write_script(tmp_path, "escape.py", ESCAPERS)
+        threading.Thread(target=lambda: spmd(job, script, str(tmp_path), "120", nproc=1), daemon=True).start()
+        pids = escapers(tmp_path, 1) + list(reservation_pids(job))
+    finally:
+        job.stop()
+    assert wait_until(lambda: not living(pids), 10), living(pids)
+
+
+def monarch(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+@pytest.mark.slow
+def test_stop_force_on_a_corrupt_state_file_stops_its_agents(tmp_path: Path):
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    job = serve(None, hosts=2, state=state, preload="")
+    pids = reservation_pids(job)
+    assert len(pids) >= 6  # two agents, each with two fork servers
+    # Corrupt, but still naming the reservation: only `stop --force` can end these agents.
+    state.write_bytes(b"\x80\x04 garbage " + job.state.reservation_id.encode())
+    with pytest.raises(JobError, match="corrupt"):
+        job_load(state)
+    done = monarch("stop", "--force", "--state", str(state), "--json")
+    assert done.returncode == 0, done.stderr
+    assert '"agents_stopped"' in done.stdout and str(job.state.hosts[0].pid) in done.stdout
+    assert not state.exists()
+    assert wait_until(lambda: not living(pids), 3), living(pids)
+
+
+@pytest.mark.slow
+def test_agents_of_a_forgotten_reservation_exit_on_their_own(tmp_path: Path):
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    job = serve(None, hosts=1, state=state, preload="")
+    pids = reservation_pids(job)
+    try:
+        time.sleep(4)  # the agent has seen its state file record it (checked every 2 s)
+        assert len(living(pids)) == len(pids), "agents must stay while their state file records them"
+        state.unlink()  # e.g. `rm -rf .monarch`
+        assert wait_until(lambda: not living(pids), 20), living(pids)
+    finally:
+        job.scheduler.release(job.state)
+
+
+def _listening(pid: int) -> int:
+    return len([c for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN])
+
+
+def test_too_many_nodes_is_refused_without_leaking_a_socket(job: Job, tmp_path: Path):
+    script = write_script(tmp_path, "ok.py", "print('ok')\n")
+    agent0 = psutil.Process(job.state.hosts[0].pid)
+    spmd(job, script)  # whatever a first run opens for good is open before counting
+    fds, listening = agent0.num_fds(), _listening(agent0.pid)
+    for _ in range(5):
+        with pytest.raises(JobError, match="--nnodes 3"):
+            spmd(job, script, flags=["--nnodes=3"])
+    assert _listening(agent0.pid) == listening and agent0.num_fds() <= fds
+
+
+@pytest.mark.slow
+def test_status_tells_a_dead_host_from_a_live_one(tmp_path: Path):
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    job = serve(None, hosts=2, state=state, preload="")
+    try:
+        os.kill(job.state.hosts[1].pid, signal.SIGKILL)
+        status = job_load(state).status()
+        assert [h["alive"] for h in status["hosts"]] == [True, False]
+        assert status["alive"] is False and "local1" in status["stale"] and "local0" not in status["stale"]
+    finally:
+        job.stop()
+
+
+def test_processes_are_titled_by_what_they_are(job: Job, tmp_path: Path):
+    script = write_script(tmp_path, "train.py", "import time, sys; time.sleep(float(sys.argv[1]))\n")
+    rid = job.state.reservation_id
+    run = threading.Thread(target=lambda: spmd(job, script, "3", "--lr", "0.1"))
+    run.start()
+    agent0 = job.state.hosts[0].pid
+
+    def cmdline(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+    def ranks() -> List[str]:
+        return sorted(cmdline(p.pid) for p in psutil.Process(agent0).children(recursive=True)
+                      if cmdline(p.pid).startswith("monarch rank"))
+
+    assert wait_until(lambda: len(ranks()) == 2, 30)
+    assert ranks() == ["monarch rank 0: train.py 3 --lr 0.1", "monarch rank 1: train.py 3 --lr 0.1"]
+    assert cmdline(agent0) == f"monarch agent {rid} host local0"
+    titles = sorted(cmdline(c.pid) for c in psutil.Process(agent0).children())
+    assert titles == [f"monarch fork-server {rid} host local0", f"monarch warm {rid} host local0"]
+    run.join(timeout=30)

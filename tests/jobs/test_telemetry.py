@@ -1,0 +1,289 @@
+"""Telemetry with real ranks: the store, `monarch sql/stack/diagnose/top`, step times, stack fallback.
+
+No GPU on this machine: the GPU columns of `samples` stay NULL here (docs/telemetry.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import pytest
+
+from monarch_cli.jobs import Job, serve
+from monarch_cli.jobs.telemetry import RankRow, _suspicions, compress
+from monarch_cli.runtime.telemetry_host import py_spy_path
+from monarch_cli.telemetry_store import TelemetryWriter, db_path, query
+
+from ..conftest import one_line_error
+from .conftest import Run, spmd
+
+pytestmark = pytest.mark.slow
+
+# Rank 2 (of 4) is stuck in a function of its own until the test releases it; the others
+# wait for it in a gloo barrier.
+HANG = """
+import os, sys, time, torch.distributed as dist
+dist.init_process_group("gloo")
+def stuck_in_data_loader(flag):
+    while not os.path.exists(flag):
+        time.sleep(0.02)
+print(f"ready {dist.get_rank()}", flush=True)
+if dist.get_rank() == int(sys.argv[2]):
+    stuck_in_data_loader(sys.argv[1])
+dist.barrier()
+print("released", flush=True)
+dist.destroy_process_group()
+"""
+
+DDP = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(6):
+    opt.zero_grad()
+    model(torch.randn(16, 8)).sum().backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+FAIL = """
+import os, sys
+rank = int(os.environ["RANK"])
+print(f"hello from {rank}", flush=True)
+if rank == 1:
+    print("boom-line on rank 1", file=sys.stderr, flush=True)
+    sys.exit(3)
+"""
+
+
+def monarch(job: Job, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MONARCH_STATE": str(job.path)}
+    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def wait_for(what: Callable[[], Any], timeout: float = 60.0, why: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {why}")
+
+
+def in_background(job: Job, script: Path, *args: str, nproc: int) -> Dict[str, Run]:
+    box: Dict[str, Run] = {}
+    t = threading.Thread(target=lambda: box.setdefault("run", spmd(job, script, *args, nproc=nproc)), daemon=True)
+    t.start()
+    box["thread"] = t  # type: ignore[assignment]
+    return box
+
+
+def ready_lines(job: Job) -> int:
+    try:
+        rows = job.sql("SELECT count(*) AS n FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) AND line LIKE 'ready %'")
+    except Exception:  # noqa: BLE001 - the store may not exist yet
+        return 0
+    return rows[0]["n"]
+
+
+def test_hung_rank_stacks_diagnose_top_and_reading_while_the_run_writes(job: Job, tmp_path: Path) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    flag = tmp_path / "release"
+    box = in_background(job, script, str(flag), "2", nproc=2)
+    try:
+        wait_for(lambda: ready_lines(job) == 4, why="4 ranks to print ready")
+        # a second process reads while the run's writer is active
+        done = monarch(job, "sql", "--json", "SELECT rank, line FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY rank")
+        assert done.returncode == 0, done.stderr
+        assert [r["line"] for r in json.loads(done.stdout)] == [f"ready {r}" for r in range(4)]
+        assert job.sql("SELECT ended_at FROM runs ORDER BY run_id DESC LIMIT 1")[0]["ended_at"] is None
+
+        report = job.stacks()
+        assert [s.rank for s in report.stacks] == [0, 1, 2, 3]
+        assert {s.method for s in report.stacks} == {"py-spy"}, [s.error for s in report.stacks]
+        assert [g.ranks for g in report.groups] == [[0, 1, 3], [2]]
+        assert report.groups[0].summary.startswith("barrier ← hang.py:")
+        assert report.groups[1].summary.startswith("stuck_in_data_loader ← hang.py:")
+
+        shown = monarch(job, "stack")
+        assert shown.returncode == 0, shown.stderr
+        assert "3 ranks (0-1,3): barrier ← hang.py:" in shown.stdout
+        assert "1 rank (2): stuck_in_data_loader ← hang.py:" in shown.stdout
+
+        verdict = monarch(job, "diagnose", "--json")
+        assert verdict.returncode == 1, verdict.stdout + verdict.stderr
+        d = json.loads(verdict.stdout)
+        assert d["verdict"] == "suspect" and [s["rank"] for s in d["suspects"]] == [2]
+        assert "stuck_in_data_loader" in d["suspects"][0]["reasons"][0]
+
+        # every capture is stored: ours, the CLI's and diagnose's
+        rows = job.sql("SELECT count(DISTINCT capture_id) AS n, count(DISTINCT rank) AS r FROM stacks WHERE is_main = 1 "
+                       "AND run_id = (SELECT max(run_id) FROM runs)")
+        assert rows[0]["n"] >= 3 and rows[0]["r"] == 4
+
+        wait_for(lambda: job.sql("SELECT count(DISTINCT rank) AS n FROM samples WHERE run_id = (SELECT max(run_id) FROM runs)")[0]["n"] == 4,
+                 why="samples of all 4 ranks")
+        top = monarch(job, "top", "--once", "--json")
+        assert top.returncode == 0, top.stderr
+        ranks = json.loads(top.stdout)["ranks"]
+        assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+        assert all(r["rss_mb"] and r["rss_mb"] > 10 and r["last_line"].startswith("ready") for r in ranks)
+        assert all(r["gpu_util"] is None for r in ranks)  # no GPU here
+    finally:
+        flag.write_text("")
+        box["thread"].join(120)  # type: ignore[attr-defined]
+    run = box["run"]
+    assert run.result.exit_code == 0, run.text()
+    after = job.sql("SELECT exit_code, world_size, ended_at FROM runs WHERE run_id = ?", (run.result.run_id,))
+    assert after[0]["exit_code"] == 0 and after[0]["world_size"] == 4 and after[0]["ended_at"] is not None
+    healthy = monarch(job, "diagnose")
+    assert healthy.returncode == 0 and "healthy" in healthy.stdout, healthy.stdout + healthy.stderr
+
+
+def test_a_failing_rank_exit_codes_and_logs_are_queryable(job: Job, tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL)
+    run = spmd(job, script, nproc=2)
+    assert run.result.exit_code == 3
+    rid = run.result.run_id
+    ranks = {r["rank"]: r for r in job.sql("SELECT rank, exit_code, status, how, pid FROM ranks WHERE run_id = ?", (rid,))}
+    assert ranks[1]["exit_code"] == 3 and ranks[1]["how"] == "exit 3" and ranks[1]["pid"], ranks
+    assert ranks[0]["status"] in (0, 143), ranks  # finished, or stopped after rank 1 failed
+    lines = job.sql("SELECT rank, stream, line FROM logs WHERE run_id = ? ORDER BY rank, ts", (rid,))
+    assert {"rank": 1, "stream": "stderr", "line": "boom-line on rank 1"} in lines, lines
+    assert {"rank": 0, "stream": "stdout", "line": "hello from 0"} in lines, lines
+    events = job.sql("SELECT kind FROM events WHERE run_id = ? AND rank = 1", (rid,))
+    assert events == [{"kind": "rank_failed"}], events
+    d = job.diagnose()
+    assert d.exit_code == 1 and d.suspects[0].rank == 1 and "boom-line" in d.summary, d
+    csv_out = monarch(job, "sql", "--csv", f"SELECT rank, exit_code FROM ranks WHERE run_id = '{rid}' ORDER BY rank")
+    assert csv_out.stdout.splitlines()[0] == "rank,exit_code" and "1,3" in csv_out.stdout.splitlines(), csv_out
+
+
+def test_sql_refuses_writes_and_bad_queries_in_one_line(job: Job, tmp_path: Path) -> None:
+    if not db_path(job.path.parent).exists():
+        spmd(job, _write(tmp_path, "ok.py", "print('x')"), nproc=1)
+    before = job.sql("SELECT count(*) AS n FROM runs")[0]["n"]
+    for statement in ("DELETE FROM runs", "DROP TABLE logs", "UPDATE runs SET exit_code = 9",
+                      "ATTACH DATABASE 'other.db' AS o", "CREATE TABLE x(a)"):
+        one_line_error(monarch(job, "sql", statement), "sql:")
+    assert job.sql("SELECT count(*) AS n FROM runs")[0]["n"] == before
+    assert not (Path.cwd() / "other.db").exists()
+    one_line_error(monarch(job, "sql", "SELECT * FROM no_such_table"), "no such table")
+    schema = monarch(job, "sql", "--schema")
+    assert schema.returncode == 0
+    for table in ("runs", "ranks", "logs", "hosts", "events", "samples", "steps", "stacks"):
+        assert f"\n{table}: " in schema.stdout
+    assert "Examples:" in schema.stdout
+    for example in json.loads(monarch(job, "sql", "--schema", "--json").stdout)["examples"]:
+        assert monarch(job, "sql", example["sql"]).returncode == 0, example
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_step_times_from_a_real_ddp_loop(job: Job, tmp_path: Path, cold: bool) -> None:
+    """Warm ranks have torch already (hook installed at once); cold ones import it later (hook on import)."""
+    nproc = 1 if cold else 2
+    run = spmd(job, _write(tmp_path, "ddp.py", DDP), nproc=nproc, cold=cold)
+    assert run.result.exit_code == 0, run.text()
+    rows = job.sql("SELECT rank, count(*) AS n, min(step) AS first, max(step) AS last, min(dt_ms) AS fastest "
+                   "FROM steps WHERE run_id = ? GROUP BY rank ORDER BY rank", (run.result.run_id,))
+    assert [(r["rank"], r["n"], r["first"], r["last"]) for r in rows] == [(r, 6, 1, 6) for r in range(2 * nproc)]
+    assert all(r["fastest"] > 0 for r in rows)
+
+
+def test_stacks_fall_back_to_the_interpreters_own_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """py-spy that cannot attach. This container has no Yama (no kernel.yama.ptrace_scope to
+    restrict), so the same refusal is made real another way: as root, py-spy runs as `nobody`
+    and ptrace answers EPERM, exactly as under a restricted ptrace_scope; elsewhere a py-spy
+    that fails stands in."""
+    spy = py_spy_path()
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() == 0 and spy and setpriv:
+        wrapper = tmp_path / "py-spy-as-nobody"
+        wrapper.write_text(f'#!/bin/sh\nexec {setpriv} --reuid=nobody --regid=nogroup --clear-groups {spy} "$@"\n')
+        wrapper.chmod(0o700)
+        monkeypatch.setenv("MONARCH_PY_SPY", str(wrapper))
+    else:
+        monkeypatch.setenv("MONARCH_PY_SPY", "/bin/false")
+    j = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
+    try:
+        script = _write(tmp_path, "hang.py", HANG)
+        flag = tmp_path / "release"
+        box = in_background(j, script, str(flag), "1", nproc=2)
+        try:
+            wait_for(lambda: ready_lines(j) == 2, why="2 ranks to print ready")
+            report = j.stacks()
+            assert {s.method for s in report.stacks} == {"faulthandler"}, [s.error for s in report.stacks]
+            if os.environ["MONARCH_PY_SPY"] != "/bin/false":
+                assert all("Permission Denied" in (s.fallback or "") for s in report.stacks), [s.fallback for s in report.stacks]
+            assert [g.ranks for g in report.groups] == [[0], [1]] or [g.ranks for g in report.groups] == [[1], [0]]
+            summaries = {g.ranks[0]: g.summary for g in report.groups}
+            assert summaries[0].startswith("barrier ← hang.py:"), summaries
+            assert summaries[1].startswith("stuck_in_data_loader ← hang.py:"), summaries
+            stored = j.sql("SELECT DISTINCT method FROM stacks WHERE is_main = 1")
+            assert stored == [{"method": "faulthandler"}]
+        finally:
+            flag.write_text("")
+            box["thread"].join(120)  # type: ignore[attr-defined]
+        assert box["run"].result.exit_code == 0, box["run"].text()  # the dump signal did not hurt the ranks
+    finally:
+        j.stop()
+
+
+def test_retention_keeps_the_newest_runs(tmp_path: Path) -> None:
+    path = tmp_path / "telemetry.db"
+    for i in range(5):
+        w = TelemetryWriter(path, f"run-{i}", keep_runs=3)
+        w.sql("INSERT INTO runs (run_id) VALUES (?)", (f"run-{i}",))
+        w.output(0, 1, b"line\npartial")
+        w.end_of_rank(0)
+        w.close()
+    _, rows = query(path, "SELECT run_id FROM runs ORDER BY run_id")
+    assert [r[0] for r in rows] == ["run-2", "run-3", "run-4"]
+    _, logs = query(path, "SELECT run_id, line FROM logs ORDER BY run_id, rowid")
+    assert logs == [(f"run-{i}", text) for i in (2, 3, 4) for text in ("line", "partial")]
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_rank_ranges_compress() -> None:
+    assert compress([3, 0, 1, 2, 5, 7, 8]) == "0-3,5,7-8"
+    assert compress([4]) == "4"
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_diagnose_rules_for_silence_step_lag_and_idle_gpu() -> None:
+    """The row-level rules `diagnose` and `top` share (the stack rule is shown with real ranks above)."""
+    rows = [RankRow(r, output_age=2.0, step=40, gpu_util=95.0) for r in range(4)]
+    assert _suspicions(rows) == {}
+    rows[1].output_age = 300.0
+    rows[2].step = 31
+    rows[3].gpu_util = 0.0
+    found = _suspicions(rows, silence=60.0)
+    assert sorted(found) == [1, 2, 3]
+    assert "no output for 300 s" in found[1][0]
+    assert "at step 31 while the others reached 40" in found[2][0]
+    assert "GPU idle" in found[3][0]
+
+
+def test_sql_without_a_store_is_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "MONARCH_STATE": str(tmp_path / ".monarch" / "job_state.pkl")}
+    done = subprocess.run([sys.executable, "-m", "monarch_cli", "sql", "SELECT 1"], env=env, capture_output=True, text=True)
+    one_line_error(done, "no telemetry store")

@@ -1,0 +1,177 @@
+"""Real SSH hosts for the ssh backend and workspace sync: sshd in network namespaces.
+
+Each host is a network namespace (``mssh-h1``, ``mssh-h2``) with its own address on a bridge
+in the root namespace (``10.214.0.1`` is the client's side), running Debian's real
+``/usr/sbin/sshd`` with its own host key. Each sshd runs in its own mount namespace too,
+where ``/root`` is a private tmpfs (the interpreter under ``/root/.pyenv`` is bound back) and
+``/tmp`` is an empty tmpfs: the host's home is its own and it cannot see the client's files
+(pytest's directories live in /tmp), so the workspace is not shared. Only the client's
+freshly generated key is authorized. Needs root; openssh-server is installed if missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+BRIDGE = "mssh-br0"
+SUBNET = "10.214.0"
+CLIENT_ADDRESS = f"{SUBNET}.1"
+KEEP = "/run/mssh-keep"  # where the interpreter's tree is bound while /root is replaced
+
+_SSHD_CONFIG = """\
+Port 22
+ListenAddress {address}
+HostKey /root/.sshd/host_key
+PidFile /root/.sshd/sshd.pid
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+AuthorizedKeysFile .ssh/authorized_keys
+Subsystem sftp internal-sftp
+PrintMotd no
+LogLevel ERROR
+"""
+
+# Runs inside `ip netns exec NS unshare --mount --propagation private`: private /root, hidden /tmp.
+_HOST_SCRIPT = """\
+set -e
+INFRA="$0"
+mkdir -p {keep} /run/sshd
+mount --rbind "{pyroot}" {keep}
+mount -t tmpfs -o mode=700 tmpfs /root
+mkdir -p "{pyroot}" /root/.ssh /root/.sshd
+mount --rbind {keep} "{pyroot}"
+cp "$INFRA/sshd_config" "$INFRA/host_key" /root/.sshd/
+cp "$INFRA/authorized_keys" /root/.ssh/authorized_keys
+chmod 700 /root/.ssh /root/.sshd
+chmod 600 /root/.sshd/host_key /root/.ssh/authorized_keys
+mount -t tmpfs tmpfs /tmp
+exec /usr/sbin/sshd -D -e -f /root/.sshd/sshd_config
+"""
+
+
+@dataclasses.dataclass
+class SshHost:
+    name: str  # the network namespace
+    address: str
+    host_key_line: str  # "ADDRESS ssh-ed25519 AAAA..." as known_hosts holds it
+    sshd: subprocess.Popen
+
+
+@dataclasses.dataclass
+class SshHosts:
+    hosts: List[SshHost]
+    client_key: Path  # private key, 0600, authorized on every host
+    known_hosts: Path  # the hosts' keys, for StrictHostKeyChecking
+    python: str  # the interpreter path, the same on every host
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, check=check)
+
+
+def _install_sshd() -> None:
+    if os.path.exists("/usr/sbin/sshd") and shutil.which("ip") and shutil.which("ssh-keygen"):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "openssh-server", "iproute2"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+
+
+def _teardown_network(n: int) -> None:
+    for i in range(1, n + 1):
+        ns = f"mssh-h{i}"
+        for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)  # sshd and every session and agent it started there
+            except (ProcessLookupError, ValueError):
+                pass
+        _sh("ip", "netns", "del", ns, check=False)
+        _sh("ip", "link", "del", f"mssh-v{i}", check=False)
+    _sh("ip", "link", "del", BRIDGE, check=False)
+
+
+def _pyroot() -> str:
+    """The top directory of this interpreter's installation under /root (bound back in the hosts)."""
+    exe = os.path.realpath(sys.executable)
+    if not exe.startswith("/root/"):
+        return ""
+    return "/root/" + exe.split("/")[2]
+
+
+@pytest.fixture(scope="session")
+def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
+    if os.geteuid() != 0:
+        pytest.fail("the ssh tests need root (network namespaces, sshd); run them as root or deselect -m 'not ssh'")
+    _install_sshd()
+    n = 2
+    _teardown_network(n)  # left over from an interrupted run
+    base = tmp_path_factory.mktemp("ssh")
+    key = base / "client_key"
+    _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "monarch-test-client", "-f", str(key))
+    _sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    _sh("ip", "addr", "add", f"{CLIENT_ADDRESS}/24", "dev", BRIDGE)
+    _sh("ip", "link", "set", BRIDGE, "up")
+    hosts: List[SshHost] = []
+    pyroot = _pyroot()
+    try:
+        for i in range(1, n + 1):
+            ns, address = f"mssh-h{i}", f"{SUBNET}.{10 + i}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", f"mssh-v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _sh("ip", "link", "set", f"mssh-v{i}", "master", BRIDGE, "up")
+            for cmd in (["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"],
+                        ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", CLIENT_ADDRESS]):
+                _sh("ip", "netns", "exec", ns, *cmd)
+            infra = base / ns
+            infra.mkdir()
+            _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", ns, "-f", str(infra / "host_key"))
+            (infra / "sshd_config").write_text(_SSHD_CONFIG.format(address=address))
+            shutil.copy(f"{key}.pub", infra / "authorized_keys")
+            script = _HOST_SCRIPT.format(keep=KEEP, pyroot=pyroot or "/nonexistent-pyroot")
+            if not pyroot:  # the interpreter is not under /root: nothing to bind back
+                script = script.replace(f'mount --rbind "/nonexistent-pyroot" {KEEP}\n', "").replace(
+                    'mkdir -p "/nonexistent-pyroot" ', "mkdir -p ").replace(f'mount --rbind {KEEP} "/nonexistent-pyroot"\n', "")
+            log = open(base / f"{ns}.sshd.log", "wb")
+            sshd = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
+                                     "sh", "-c", script, str(infra)], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            pub = (infra / "host_key.pub").read_text().split()
+            hosts.append(SshHost(ns, address, f"{address} {pub[0]} {pub[1]}", sshd))
+        known = base / "known_hosts"
+        known.write_text("".join(h.host_key_line + "\n" for h in hosts))
+        for h in hosts:
+            _wait_for_port(h, base)
+        yield SshHosts(hosts, key, known, os.path.realpath(sys.executable))
+    finally:
+        _teardown_network(n)
+
+
+def _wait_for_port(host: SshHost, base: Path) -> None:
+    import socket
+
+    deadline = time.monotonic() + 20
+    while True:
+        if host.sshd.poll() is not None:
+            pytest.fail(f"sshd in {host.name} exited: {(base / f'{host.name}.sshd.log').read_text()[-2000:]}")
+        try:
+            with socket.create_connection((host.address, 22), timeout=1) as s:
+                if s.recv(4).startswith(b"SSH-"):
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"sshd in {host.name} is not answering on {host.address}:22")
+        time.sleep(0.1)

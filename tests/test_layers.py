@@ -1,0 +1,163 @@
+"""The package's shape: every module imports on its own, dependencies run one way, commands import little.
+
+cli -> jobs -> schedulers -> runtime -> (config, errors, sysutil, templates)
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from .conftest import REPO
+
+PACKAGE = REPO / "monarch_cli"
+#: Each package's layer; a module may import its own layer and the ones below, never above.
+LAYERS = {"cli": 4, "jobs": 3, "schedulers": 2, "runtime": 1, "config": 0, "errors": 0, "sysutil": 0, "templates": 0,
+          "telemetry_store": 0}
+#: The top-level modules of the package itself (``monarch_cli/__init__.py`` re-exports the runtime lazily).
+ROOT = {"__init__": 1, "__main__": 4}
+
+
+def _modules() -> List[str]:
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(REPO).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if "templates" in parts and parts[-1] != "templates":
+            continue  # example scripts shipped as data, not modules of the package
+        names.append(".".join(parts))
+    return names
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return ROOT["__init__"]
+    if parts[1] in ROOT:
+        return ROOT[parts[1]]
+    return LAYERS[parts[1]]
+
+
+def _imports(path: Path, module: str) -> List[Tuple[int, str]]:
+    """Every monarch_cli module ``path`` imports (at any depth of the file), with its line."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("monarch_cli")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("monarch_cli"):
+                if node.module is None or target.count(".") == 0:
+                    found += [(node.lineno, f"{target}.{a.name}") for a in node.names]
+                else:
+                    found.append((node.lineno, target))
+    return found
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    wrong: List[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(REPO).with_suffix("")
+        parts = list(rel.parts)
+        if "templates" in parts:
+            continue
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mine = _layer(module)
+        for line, target in _imports(path, module):
+            if target.split(".")[1:2] in (["__init__"], []):
+                continue
+            try:
+                theirs = _layer(target)
+            except KeyError:
+                continue
+            if theirs > mine:
+                wrong.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert not wrong, "imports against the layering (cli -> jobs -> schedulers -> runtime -> config/errors):\n" + \
+        "\n".join(wrong)
+
+
+#: Optional-weight libraries and the only modules that may import them (lazily: a command that does not use them
+#: never pays for them; `test_commands_import_only_what_they_need` checks the commands).
+OWNED = {"paramiko": {"monarch_cli/schedulers/ssh.py"}, "pathspec": {"monarch_cli/runtime/workspace.py"}}
+
+
+def test_heavy_libraries_are_imported_only_where_needed() -> None:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(REPO))
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for name in names:
+                owners = OWNED.get(name.split(".")[0])
+                if owners is not None and rel not in owners:
+                    wrong.append(f"{rel}:{node.lineno} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
+    """The check itself can fail: a scheduler importing the job layer is reported."""
+    fake = tmp_path / "fake.py"
+    fake.write_text("from ..jobs.state import JobState\n")
+    assert _imports(fake, "monarch_cli.schedulers.fake") == [(1, "monarch_cli.jobs.state")]
+    assert _layer("monarch_cli.jobs.state") > _layer("monarch_cli.schedulers.fake")
+
+
+def _import_alone(module: str) -> Tuple[str, int, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=REPO)
+    return module, done.returncode, done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
+    """No import cycle hides behind import order: each module is the first one imported, in its own process."""
+    modules = [m for m in _modules() if not m.endswith("__main__")]
+    assert "monarch_cli.schedulers" in modules and len(modules) > 40
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(_import_alone, modules))
+    failed = [f"{m}: {why}" for m, code, why in results if code != 0]
+    assert not failed, "\n".join(failed)
+
+
+def _loaded_by(argv: List[str], cwd: Path, before: str = "") -> Dict[str, bool]:
+    """Run the CLI with ``argv`` in a fresh interpreter and report which heavy modules it loaded."""
+    code = (
+        f"import sys\n{before}\n"
+        "from monarch_cli.cli import app\n"
+        f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
+        "heavy = ['zmq', 'cloudpickle', 'monarch_cli.runtime.agent', 'monarch_cli.runtime.mailbox', "
+        "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec']\n"
+        "print({m: m in sys.modules for m in heavy})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
+def test_commands_import_only_what_they_need(tmp_path: Path) -> None:
+    run = tmp_path / ".monarch" / "logs" / "20260101-000000-abcd"
+    run.mkdir(parents=True)
+    (run / "rank0.log").write_text("hello\n")
+    logs = _loaded_by(["logs", "--rank", "0"], tmp_path)
+    assert not any(logs.values()), f"`monarch logs` loaded {[m for m, on in logs.items() if on]}"
+    for argv in (["--help"], ["serve", "--help"], ["debug", "--help"], ["sbatch", "--dry-run", "--", "python", "t.py"]):
+        loaded = _loaded_by(argv, tmp_path)
+        assert not any(loaded.values()), f"`monarch {' '.join(argv)}` loaded {[m for m, on in loaded.items() if on]}"
+    # the check can tell: the job API does load the runtime
+    assert _loaded_by(["--help"], tmp_path, before="import monarch_cli.jobs.job")["zmq"] is True
