@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
+import psutil
 import pytest
 
 from monarch_cli.jobs import Job, serve
@@ -87,6 +88,9 @@ def test_installed_modules_are_preloaded_and_the_workspace_never(setup) -> None:
     assert "wsmod warm" not in zygote_marks
     assert "thread" in warm["excluded"]["warmthread"]
     assert "fails to import" in warm["excluded"]["warmfail"]
+    # The re-warmed process says what it is in ps, as the first one did.
+    title = " ".join(psutil.Process(warm["pid"]).cmdline())
+    assert title.startswith(f"monarch warm {job.state.reservation_id} host "), title
 
     second, notices = run(job, work)
     got = take_marks(marks)
