@@ -20,6 +20,19 @@ from monarch_cli.runtime.mailbox import Mailbox
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """What agents learn about ranks' imports stays in this session, not in ~/.cache."""
+    path = tmp_path_factory.mktemp("monarch-cache")
+    old = os.environ.get("MONARCH_CACHE_DIR")
+    os.environ["MONARCH_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("MONARCH_CACHE_DIR", None)
+    else:
+        os.environ["MONARCH_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def keys() -> Keys:
     return Mailbox.get().keys

@@ -36,7 +36,7 @@ def monarch(*args: str, cwd: Path, state: Path | None = None, timeout: float = 1
 def test_help_lists_the_commands(tmp_path):
     proc = monarch("--help", cwd=tmp_path)
     assert proc.returncode == 0
-    for command in ("serve", "run-spmd", "exec", "status", "stop", "logs", "demo"):
+    for command in ("serve", "run-spmd", "exec", "status", "warm", "stop", "logs", "demo"):
         assert command in proc.stdout
 
 

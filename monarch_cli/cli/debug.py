@@ -8,11 +8,10 @@ import os
 import queue
 import shlex
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from ..jobs.errors import JobError
 from ..jobs.debug import DebugClient, PausedRank, select_ranks, vscode_config
@@ -42,7 +41,13 @@ def _where(row: PausedRank) -> str:
     return f"{path}:{row.line}"
 
 
-def _table(rows: List[PausedRank]) -> Table:
+if TYPE_CHECKING:
+    from rich.table import Table
+
+
+def _table(rows: List[PausedRank]) -> "Table":
+    from rich.table import Table  # only when there is a table to show
+
     table = Table(header_style="bold", box=None)
     for col in ("rank", "host", "pid", "where", "function", "state", "held by"):
         table.add_column(col)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from ..jobs.console import CLOSED_PIPE_EXIT
 from ..jobs.output import list_runs
@@ -194,6 +193,8 @@ def exec_cmd(
     if as_json:
         emit_json(result.to_json())
     else:
+        from rich.table import Table  # (rich.table and what it imports: only when there is a table)
+
         table = Table(box=None, show_header=True, header_style="bold")
         for col in ("host", "status", "time"):
             table.add_column(col)
@@ -239,12 +240,14 @@ def status_cmd(
         out.print(f"[red]{escape(info['stale'])}[/]")
     for line in info.get("scheduler_lines", []):
         out.print(escape(line))
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold")
-    for col in ("host", "agent", "alive", "ranks running"):
+    for col in ("host", "agent", "alive", "ranks running", "warm process"):
         table.add_column(col)
     for h in info["hosts"]:
         table.add_row(h["name"], h["agent"], "[green]yes[/]" if h["alive"] else "[red]no[/]",
-                      "-" if h["ranks_running"] is None else str(h["ranks_running"]))
+                      "-" if h["ranks_running"] is None else str(h["ranks_running"]), _warm_cell(h.get("warm")))
     out.print(table)
     if info["default_command"]:
         where = f"  (in {info['default_cwd']})" if info.get("default_cwd") else ""
@@ -255,6 +258,33 @@ def status_cmd(
         out.print(f"last run: {last['run_id']} {outcome} in {last['duration']:.2f} s, "
                   f"{_age(time.time() - last['finished_at'])} ago")
     raise typer.Exit(0 if info["alive"] else 1)
+
+
+@app.command("warm")
+@friendly
+def warm_cmd(
+    forget: bool = typer.Option(False, "--forget", help="Forget the modules learned from past runs, on every host."),
+    state: Optional[Path] = StateOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Each host's warm process: modules it holds, learned from past runs, left out, memory."""
+    from ..jobs import job_load
+
+    job = job_load(state)
+    if forget:
+        forgotten = job.forget_preload()
+        _done_msg(as_json, {"forgotten": forgotten},
+                  "forgot " + ", ".join(f"{n} module(s) on {h}" for h, n in forgotten.items()))
+        return
+    hosts = job.status()["hosts"]
+    if as_json:
+        emit_json({"hosts": [{"name": h["name"], "alive": h["alive"], "warm": h["warm"]} for h in hosts]})
+        return
+    for h in hosts:
+        out.print(f"[bold]{h['name']}[/]: {_warm_cell(h['warm'])}")
+        warm = h["warm"] or {}
+        for name, why in sorted(warm.get("excluded", {}).items()):
+            out.print(f"  left out: {escape(name)} ({escape(why)})")
 
 
 @app.command("stop")
@@ -350,6 +380,10 @@ def demo_cmd(
                 result = job.run_spmd()
                 _render_result(result)
                 code = code or result.exit_code
+                if i == 0 and runs > 1:
+                    with err.status("the hosts' warm processes learn what the ranks imported (in the background; "
+                                    "a run would not wait for it)..."):
+                        job.wait_warm()
         finally:
             err.print(f"[bold]{runs + 2}.[/] monarch stop")
             job.stop()
@@ -364,6 +398,8 @@ def _render_result(result: "RunResult") -> None:
         return
     headline = result.ending or f"rank {result.first_failure.rank} failed first"
     err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
+    from rich.table import Table
+
     table = Table(header_style="bold", show_lines=False)
     for col in ("rank", "host", "status", "time", "last output"):
         table.add_column(col, overflow="fold")
@@ -399,6 +435,17 @@ def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> No
         if not follow or (run_dir / "result.json").exists():
             return
         time.sleep(0.2)
+
+
+def _warm_cell(warm: Optional[dict]) -> str:
+    if not warm:
+        return "-"
+    if not warm["ready"]:
+        return "starting"
+    rss = f", {warm['rss_bytes'] / 2**20:.0f} MiB" if warm.get("rss_bytes") else ""
+    learned = f" ({warm['learned_held']} learned)" if warm["learned_held"] else ""
+    warming = ", warming more" if warm["warming"] else ""
+    return f"{warm['modules']} modules{learned}{rss}, up {_age(time.time() - warm['since'])}{warming}"
 
 
 def _age(seconds: float) -> str:

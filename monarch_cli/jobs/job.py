@@ -320,7 +320,8 @@ class Job:
         hosts = []
         for h, info in zip(self.state.hosts, hostset.infos):
             hosts.append({"name": h.name, "agent": h.agent, "alive": info is not None,
-                          "ranks_running": info["ranks"] if info else None})
+                          "ranks_running": info["ranks"] if info else None,
+                          "warm": info.get("warm") if info else None})
         return {
             "state_file": str(self.path),
             "scheduler": self.state.scheduler,
@@ -335,6 +336,25 @@ class Job:
             "scheduler_lines": self.scheduler.status_lines(self.state),
             **self.scheduler.describe(self.state),
         }
+
+    def wait_warm(self, timeout: float = 60.0) -> bool:
+        """Wait until every host's warm process holds what past runs taught it (learning runs in
+        the background after each run); False if that takes longer than ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            warm = [h["warm"] for h in self.status()["hosts"]]
+            if all(w and w["ready"] and not w["warming"] and w["learned_held"] for w in warm):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+    def forget_preload(self) -> Dict[str, int]:
+        """Forget the modules each host's warm process learned from past runs (per host: how
+        many); runs fork from one holding only the explicit preload until they teach it again."""
+        hs = self._hostset()
+        futures = [hs.mb.request(h.agent, lambda cid: ("forget_preload", cid, hs.mb.address)) for h in hs.hosts]
+        return {h.name: f.get(timeout=10) for h, f in zip(hs.hosts, futures)}
 
     def stop(self, by: str = "monarch stop") -> List[str]:
         """Release the reservation and forget it; returns the runs that were in progress.

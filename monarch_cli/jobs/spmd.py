@@ -356,9 +356,12 @@ class SpmdRunner:
                         raise
                     early = relay.take()
                     continue
-                for n, made_cold in zip(nodes, made):
-                    if made_cold and on_notice is not None:
-                        on_notice(_cold_notice(self.hs.hosts[n].name, made_cold))
+                for n, reply in zip(nodes, made):
+                    if on_notice is not None:
+                        if reply["made_cold"]:
+                            on_notice(_cold_notice(self.hs.hosts[n].name, reply["made_cold"]))
+                        for notice in reply["notices"]:
+                            on_notice(f"{self.hs.hosts[n].name}: {notice}")
                 break
             while not done.done():
                 try:

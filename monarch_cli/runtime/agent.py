@@ -38,6 +38,8 @@ from . import agent_command, agent_registry, lineage, wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
 from .debug_host import DebugHost
+from .preload import LEARNED_ENV, READY_ENV
+from .warm import WarmRanks
 from .ranks import RankHost
 from .telemetry_host import TelemetryHost
 from .title import set_title
@@ -64,11 +66,14 @@ class _Client:
 
 
 class _Zygote:
-    """The agent's handle on a fork server (``preload``: modules it imports up front)."""
+    """The agent's handle on a fork server (``preload``: modules it imports up front; ``learned``
+    and ``ready``: a warm-rank zygote's learned modules and report file, see :mod:`.preload`)."""
 
-    def __init__(self, preload: str = "", title: str = "monarch fork-server") -> None:
+    def __init__(self, preload: str = "", title: str = "monarch fork-server", learned: Optional[str] = None,
+                 ready: Optional[str] = None) -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, "MONARCH_PRELOAD": preload}
+        env.update({k: v for k, v in ((READY_ENV, ready), (LEARNED_ENV, learned)) if v})
         self.process = subprocess.Popen(
             [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno()), title],
             pass_fds=[child.fileno()],
@@ -124,10 +129,11 @@ class HostAgent:
         lineage.become_subreaper()
         self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.preload = _default_preload() if preload is None else preload
-        self._rank_zygote: Optional[_Zygote] = None
+        self.poller = zmq.Poller()
+        self._zygotes: Dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
+        self.warm = WarmRanks(self.host, self.preload, self._start_warm, self._watch_zygote, self._unwatch_zygote)
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
-        self.poller = zmq.Poller()
         self.telemetry = TelemetryHost(self)
         self.procs: Dict[int, _Proc] = {}  # by pid
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
@@ -156,15 +162,28 @@ class HostAgent:
         self._next_req += 1
         return self._next_req
 
-    def rank_zygote(self) -> _Zygote:
-        """The fork server for warm ranks (started on first use, or eagerly by ``warm_up``)."""
-        if self._rank_zygote is None or self._rank_zygote.process.poll() is not None:
-            self._rank_zygote = _Zygote(self.preload, title=f"monarch warm {self.label}")
-            self.poller.register(self._rank_zygote.sock.fileno(), zmq.POLLIN)
-        return self._rank_zygote
+    def rank_zygote(self) -> None:
+        """Start the fork server for warm ranks now rather than at the first run."""
+        self.warm.warm_up()
+
+    def _start_warm(self, preload: str, learned: Optional[str], ready: str) -> _Zygote:
+        # Every warm process, the first and each re-warmed one, carries the same title.
+        return _Zygote(preload, title=f"monarch warm {self.label}", learned=learned, ready=ready)
+
+    def _watch_zygote(self, zygote: _Zygote) -> None:
+        self._zygotes[zygote.sock.fileno()] = zygote
+        self.poller.register(zygote.sock.fileno(), zmq.POLLIN)
+
+    def _unwatch_zygote(self, zygote: _Zygote) -> None:
+        if self._zygotes.pop(zygote.sock.fileno(), None) is not None:
+            self.poller.unregister(zygote.sock.fileno())
+            zygote.sock.close()
+
+    def _own_zygotes(self) -> List[_Zygote]:
+        return [self.zygote, *self.warm.zygotes()]
 
     def zygote_pids(self) -> Set[int]:
-        return {z.process.pid for z in (self.zygote, self._rank_zygote) if z is not None}
+        return {z.process.pid for z in self._own_zygotes()}
 
     def watch_state_file(self, state_file: str, interval: float) -> None:
         """Exit once ``state_file`` no longer records this agent's reservation (local hosts only:
@@ -196,9 +215,9 @@ class HostAgent:
                 self._heartbeats()
             if self.zygote.sock.fileno() in events:
                 self._from_zygote(self.zygote)
-            rz = self._rank_zygote
-            if rz is not None and rz.sock.fileno() in events:
-                self._from_zygote(rz)
+            for fd in [fd for fd in self._zygotes if fd in events]:
+                if fd in self._zygotes:
+                    self._from_zygote(self._zygotes[fd])
             for fd in self.ranks.live_fds() & events.keys():
                 self.ranks.readable(fd)
             for fd in set(self.debug.by_fd) & events.keys():
@@ -224,8 +243,7 @@ class HostAgent:
         self.ranks.kill_all()
         lineage.kill_tree()  # whatever else is below us, even in sessions of its own
         self.zygote.kill()
-        if self._rank_zygote is not None:
-            self._rank_zygote.kill()
+        self.warm.close()
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header, body = wire.parse(frames[1:])
@@ -250,6 +268,9 @@ class HostAgent:
             _, cid, reply_to, run_id, heartbeat_timeout = header
             self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
             self.reply(reply_to, cid, True, self.ranks.start(reply_to, run_id, wire.loads(body)))
+        elif kind == "forget_preload":
+            _, cid, reply_to = header
+            self.reply(reply_to, cid, True, self.warm.forget())
         elif kind == "output_credit":
             _, run_id, nbytes = header
             self.ranks.credit(run_id, int(nbytes))
@@ -291,6 +312,7 @@ class HostAgent:
             "cpus": os.cpu_count() or 1,
             "gpus": _count_gpus(),
             "preload": self.preload,
+            "warm": self.warm.info(),
             **self.telemetry.info(),
         }
 
@@ -327,6 +349,8 @@ class HostAgent:
         if msg is None:
             self._zygote_died(zygote)
             return
+        if self.warm.on_message(zygote, msg):
+            return
         if msg[0] == "forked":
             _, req, pid = msg
             if self.ranks.forked(req, pid):
@@ -358,15 +382,16 @@ class HostAgent:
     def _zygote_died(self, zygote: _Zygote) -> None:
         """Its children die with it (PDEATHSIG) and come to us to be reaped: report them with
         the cause, and start a new fork server for what comes next."""
-        self.poller.unregister(zygote.sock.fileno())
-        zygote.sock.close()
-        warm = zygote is self._rank_zygote
+        warm = zygote is not self.zygote
+        if not warm:
+            self.poller.unregister(zygote.sock.fileno())
+            zygote.sock.close()
         cause = f"{'warm process' if warm else 'fork server'} on {self.host} died ({zygote.how_it_died()})"
         print(f"monarch agent: the {cause}; a new one takes its place", file=sys.stderr, flush=True)
         self.ranks.zygote_died(zygote.process.pid, cause)
         if warm:
-            self._rank_zygote = None
-            if time.monotonic() - zygote.started > 10:  # else the next run starts it: no crash loop
+            in_use = self.warm.gone(zygote)  # unwatches it
+            if in_use and time.monotonic() - zygote.started > 10:  # else the next run starts it: no crash loop
                 self.rank_zygote()
             return
         for proc in self.procs.values():
@@ -378,7 +403,7 @@ class HostAgent:
         self.poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
 
     def _reap_adopted(self) -> None:
-        own = {z.process.pid: z.process for z in (self.zygote, self._rank_zygote) if z is not None}
+        own = {z.process.pid: z.process for z in self._own_zygotes()}
         for pid, status in lineage.reap_adopted(own):
             self._child_exited(pid, status)
 

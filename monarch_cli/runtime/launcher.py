@@ -230,11 +230,15 @@ def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
 
     ``extra`` holds inherited fds by role: ``listen`` (rank 0's store socket), ``debug``.
     """
+    from . import preload
+
+    preload.mark_start()
     listen_fd = extra.get("listen")
     os.setsid()  # own process group: signals reach the rank and its children together
     env: Dict[str, str] = spec["env"]
     os.environ.clear()
     os.environ.update(env)
+    preload.apply_environment()
     os.chdir(spec["cwd"])
     _default_signals()
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -248,7 +252,9 @@ def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
     _install_debugger(extra.get("debug"))
     if listen_fd is not None:
         _host_store(listen_fd, env)
-    return run_program(spec)
+    code = run_program(spec)
+    preload.report_imports(spec)  # after interpreter-shutdown work: it is not the user's time
+    return code
 
 
 def _install_telemetry(spec: Dict[str, Any]) -> None:

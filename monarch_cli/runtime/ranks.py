@@ -109,12 +109,17 @@ class RankHost:
             sock.close()
         return sock is not None
 
-    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> List[str]:
-        """Start the ranks; returns the start-up variables that made warm ranks start cold."""
+    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> Dict[str, List[str]]:
+        """Start the ranks; returns ``made_cold``, the start-up variables that made warm ranks
+        start cold, and ``notices`` for the user (e.g. a fresh warm process, and why)."""
+        from . import preload  # (the agent's side; controllers import this module too)
+
         held = self.ports.pop(run_id, None)
         self.port_held_at.pop(run_id, None)
         base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
         made_cold: Set[str] = set()
+        notices: List[str] = []
+        warm_zygote: Any = None
         for spec in specs:
             spec["env"] = {**base, **spec["env"], lineage.RUN_ENV: run_id}  # the controller's view wins
             differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
@@ -137,7 +142,11 @@ class RankHost:
                 roles["debug"] = len(fds)
                 fds.append(debug_theirs.fileno())
             spec["_fd_roles"] = roles
-            zygote = self.agent.rank_zygote() if spec["warm"] else self.agent.zygote
+            if spec["warm"]:
+                if warm_zygote is None:
+                    warm_zygote, notices = self.agent.warm.for_run()
+                spec[preload.REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
+            zygote = warm_zygote if spec["warm"] else self.agent.zygote
             rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2},
                          zygote_pid=zygote.process.pid)
             req = self.agent.next_request()
@@ -155,7 +164,7 @@ class RankHost:
                 self.agent.watch_fd(fd)
         if held is not None:
             held.close()
-        return sorted(made_cold)
+        return {"made_cold": sorted(made_cold), "notices": notices}
 
     def signal_run(self, run_id: str, sig: int) -> int:
         hit = 0
@@ -341,6 +350,7 @@ class RankHost:
         does: SIGTERM to each rank's process group, SIGKILL to what is left a grace later."""
         if any(r.run_id == run_id for r in (*self.by_pid.values(), *self.pending.values())):
             return
+        self.agent.warm.learn(run_id)
         self.in_flight.pop(run_id, None)
         self.held.pop(run_id, None)
         self.unthrottled.discard(run_id)

@@ -21,6 +21,8 @@ import threading
 import traceback
 from typing import Any, Dict, List
 
+from . import preload
+
 _PR_SET_PDEATHSIG = 1
 PRELOAD_ENV = "MONARCH_PRELOAD"
 
@@ -86,6 +88,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
 
     set_title(title)
     sock = socket.socket(fileno=fd)
+    preload.note_environment()
     # Importing torch takes seconds, during which the zygote cannot see its agent's socket
     # close; where PR_SET_PDEATHSIG is not delivered (some sandboxes), watch the parent
     # meanwhile. The thread ends before the first fork: forks still happen single-threaded.
@@ -99,6 +102,8 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001
             print(f"monarch zygote: could not preload {name}: {e}", file=sys.stderr)
+    _load_learned(sock)  # (the watchdog counts in its thread baseline: it lives until now)
+    preload.finish_environment()
     importing.set()
     watchdog.join()
     wake_r, wake_w = os.pipe()
@@ -152,6 +157,19 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 os.close(f)
             children.add(pid)
             sock.send(pickle.dumps(("forked", req_id, pid)))
+
+
+def _load_learned(sock: socket.socket) -> None:
+    """A warm-rank zygote: import what ranks were seen to import, then say it is ready."""
+    ready = os.environ.get(preload.READY_ENV)
+    if not ready:
+        return
+    learned = os.environ.get(preload.LEARNED_ENV)
+    held, left_out, offender = preload.import_learned(learned) if learned else ([], {}, None)
+    preload.write_ready(ready, held, left_out, offender)
+    sock.send(pickle.dumps(("ready",)))
+    if offender is not None:  # not safe to fork any more: the agent starts another without it
+        os._exit(0)
 
 
 if __name__ == "__main__":

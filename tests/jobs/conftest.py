@@ -104,3 +104,16 @@ def living(pids: Iterable[int]) -> List[str]:
         except psutil.NoSuchProcess:
             pass
     return left
+
+
+def wait_warm(job: Job, timeout: float = 90.0) -> List[Dict]:
+    """Wait until every host's warm process holds what its runs taught it; returns their info."""
+    def settled() -> bool:
+        warm = [h["warm"] for h in job.status()["hosts"]]
+        return all(w and w["ready"] and not w["warming"] and w["learned_held"] > 0 for w in warm)
+
+    deadline = time.monotonic() + timeout
+    while not settled():
+        assert time.monotonic() < deadline, f"warm processes never settled: {job.status()['hosts']}"
+        time.sleep(0.2)
+    return [h["warm"] for h in job.status()["hosts"]]

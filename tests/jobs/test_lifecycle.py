@@ -133,7 +133,10 @@ def test_stop_force_on_a_corrupt_state_file_stops_its_agents(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_agents_of_a_forgotten_reservation_exit_on_their_own(tmp_path: Path):
+def test_agents_of_a_forgotten_reservation_exit_on_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # Nothing learned by earlier tests: the warm process is not replaced by a re-warmed one
+    # while we watch, so the processes found now are the reservation's for its whole life.
+    monkeypatch.setenv("MONARCH_CACHE_DIR", str(tmp_path / "cache"))
     state = tmp_path / ".monarch" / "job_state.pkl"
     job = serve(None, hosts=1, state=state, preload="")
     pids = reservation_pids(job)

@@ -19,7 +19,7 @@ import pytest
 from monarch_cli.jobs import Job, JobError
 
 from ..conftest import write_script
-from .conftest import Run, spmd
+from .conftest import Run, spmd, wait_warm
 
 CONTRACT = [
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -140,7 +140,10 @@ def test_nnodes_above_the_reservation_is_a_clear_error(job: Job, tmp_path: Path)
 PROBE = r'''
 import os, sys
 PRELOADED = "torch" in sys.modules  # a warm rank's zygote imported torch; a fresh interpreter did not
-import atexit, json, pickle, signal, warnings
+LEARNED = "wave" in sys.modules  # ...and, once it learned from earlier runs, wave (imported below)
+OWN_BEFORE = sorted(n for n in sys.modules if n.startswith("probe_helper"))  # never preloaded
+import atexit, json, pickle, signal, warnings, wave
+import probe_helper
 import torch
 
 
@@ -176,6 +179,9 @@ main = sys.modules["__main__"]
 out = os.path.join(os.environ["PROBE_OUT"], "probe-%s.json" % os.environ.get("RANK", "plain"))
 info = {
     "preloaded": PRELOADED,
+    "learned": LEARNED,
+    "own_before": OWN_BEFORE,
+    "helper": probe_helper.__file__,
     "env": dict(os.environ),
     "argv": sys.argv,
     "name": __name__,
@@ -221,7 +227,8 @@ sys.exit(7)
 
 # Inherently different between two runs / processes, however they start.
 RUN_SPECIFIC_ENV = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "MONARCH_RUN_ID", "PROBE_OUT"}
-PROCESS_SPECIFIC = {"preloaded", "torch_seed", "hash"}
+PROCESS_SPECIFIC = {"preloaded", "learned", "torch_seed", "hash"}
+WARM_MODES = ("warm", "warm2", "learned")
 
 
 def load_probes(directory: Path) -> Dict[Any, Dict[str, Any]]:
@@ -256,20 +263,25 @@ def differences(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
-    """The probe run warm (twice), cold, and by a plain ``python -u`` with rank 1's environment.
+    """The probe run warm (twice), warm again once the warm processes learned its imports
+    ("learned"), cold, and by a plain ``python -u`` with rank 1's environment.
 
     The script is given by a relative path from its own directory, as users type it.
     """
     base = tmp_path_factory.mktemp("probe")
     write_script(base, "probe.py", PROBE)
+    write_script(base, "probe_helper.py", "VALUE = 1\n")
     found: Dict[str, Any] = {}
+    job.forget_preload()  # what the warm processes learn comes from the probe alone
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(base)
         mp.delenv("OMP_NUM_THREADS", raising=False)
-        for mode in ("warm", "warm2", "cold"):
+        for mode in (*WARM_MODES, "cold"):
             out = base / mode
             out.mkdir()
             mp.setenv("PROBE_OUT", str(out))
+            if mode == "learned":
+                found["warm_info"] = wait_warm(job)
             run = spmd(job, Path("probe.py"), "a b", "--flag", cold=mode == "cold")
             found[mode] = {"run": run, "ranks": load_probes(out)}
     plain_out = base / "plain"
@@ -287,27 +299,30 @@ def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]
 
 
 def test_probe_ran_warm_and_cold(probes: Dict[str, Any]) -> None:
-    for mode in ("warm", "warm2", "cold"):
+    for mode in (*WARM_MODES, "cold"):
         run: Run = probes[mode]["run"]
         assert run.result.exit_code == 7, run.text()
         assert [r.exitcode for r in run.result.ranks] == [7, 7, 7, 7]
         assert sorted(run.lines()) == [f"[rank{r}] probe done".encode() for r in range(4)]
         assert sorted(probes[mode]["ranks"]) == [0, 1, 2, 3]
     # Make sure the comparison is between the two start paths, not twice the same one.
-    assert all(p["preloaded"] for p in probes["warm"]["ranks"].values())
+    assert all(p["preloaded"] for mode in WARM_MODES for p in probes[mode]["ranks"].values())
+    assert not any(p["learned"] for mode in ("warm", "cold") for p in probes[mode]["ranks"].values())
+    assert all(p["learned"] for p in probes["learned"]["ranks"].values())  # forked from the learned set
     # (cold rank 0 imports torch.distributed itself, to serve the rendezvous store)
     assert not any(p["preloaded"] for r, p in probes["cold"]["ranks"].items() if r != 0)
 
 
+@pytest.mark.parametrize("mode", ["warm", "learned"])
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
-def test_warm_and_cold_ranks_see_the_same_process(probes: Dict[str, Any], rank: int) -> None:
-    warm = comparable(probes["warm"]["ranks"][rank])
+def test_warm_and_cold_ranks_see_the_same_process(probes: Dict[str, Any], rank: int, mode: str) -> None:
+    warm = comparable(probes[mode]["ranks"][rank])
     cold = comparable(probes["cold"]["ranks"][rank])
     diff = differences(warm, cold)
     assert not diff, "warm | cold differ:\n" + pprint.pformat(diff)
 
 
-@pytest.mark.parametrize("mode", ["warm", "cold"])
+@pytest.mark.parametrize("mode", ["warm", "learned", "cold"])
 def test_ranks_match_a_plain_interpreter(probes: Dict[str, Any], mode: str) -> None:
     """Rank 1 against ``python -u probe.py`` started with the same environment and cwd."""
     assert probes["plain"]["returncode"] == 7, probes["plain"]["stderr"]
@@ -322,10 +337,11 @@ def test_ranks_match_a_plain_interpreter(probes: Dict[str, Any], mode: str) -> N
     assert not diff, f"{mode} rank | plain python differ:\n" + pprint.pformat(diff)
 
 
-@pytest.mark.parametrize("mode", ["warm", "cold"])
+@pytest.mark.parametrize("mode", ["warm", "learned", "cold"])
 def test_what_the_probe_saw(probes: Dict[str, Any], mode: str) -> None:
     base: Path = probes["dir"]
     for rank, p in probes[mode]["ranks"].items():
+        assert p["own_before"] == [] and p["helper"] == str(base / "probe_helper.py")  # the workspace is never preloaded
         assert p["argv"] == ["probe.py", "a b", "--flag"]
         assert p["name"] == "__main__" and p["main_is_this_module"]
         assert p["main_file"] == p["file"]
@@ -347,14 +363,14 @@ def test_what_the_probe_saw(probes: Dict[str, Any], mode: str) -> None:
 def test_main_file_is_absolute_as_in_python(probes: Dict[str, Any]) -> None:
     plain = probes["plain"]["probe"]
     assert plain["file"] == str(probes["dir"] / "probe.py")
-    for mode in ("warm", "cold"):
+    for mode in ("warm", "learned", "cold"):
         assert probes[mode]["ranks"][1]["file"] == plain["file"]
 
 
 def test_warm_ranks_get_their_own_torch_seed(probes: Dict[str, Any]) -> None:
     """An unseeded torch draws differently in every process, as with torchrun, not once per zygote."""
-    seeds = [p["torch_seed"] for mode in ("warm", "warm2") for p in probes[mode]["ranks"].values()]
-    assert len(set(seeds)) == len(seeds) == 8
+    seeds = [p["torch_seed"] for mode in WARM_MODES for p in probes[mode]["ranks"].values()]
+    assert len(set(seeds)) == len(seeds) == 12
 
 
 def test_interpreter_start_up_variables_are_honoured(job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,179 @@
+"""Warm processes learn what ranks import: installed modules are preloaded for the next runs,
+the user's workspace never is, offenders (threads, failing imports) are left out quietly, a
+changed installed file means a fresh warm process, and ``--cold`` bypasses it all.
+
+The "installed" packages live in a site directory on PYTHONPATH outside the workspace, as a
+library checked out elsewhere would; each one writes a line to $WARM_MARKS when it is
+imported, saying whether a rank or the warm process (no $RANK) imported it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import psutil
+import pytest
+
+from monarch_cli.jobs import Job, serve
+
+from ..conftest import write_script
+from .conftest import spmd, wait_warm
+
+pytestmark = pytest.mark.slow
+
+MARK = """
+import os
+with open(os.environ["WARM_MARKS"], "a") as _f:
+    _f.write("%s %s\\n" % (__name__, "rank" if "RANK" in os.environ else "warm"))
+"""
+
+SCRIPT = """
+import warmmark, warmthread, warmfail, wsmod
+print("version", warmmark.VERSION, "threads ok", warmthread.STARTED)
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Job, Path, Path, Path]]:
+    base = tmp_path_factory.mktemp("warm")
+    site, work = base / "site", base / "work"
+    write_script(site, "warmmark/__init__.py", MARK + "VERSION = 1\n")
+    write_script(site, "warmthread.py", MARK + "import threading, time\n"
+                 "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\nSTARTED = True\n")
+    write_script(site, "warmfail.py", MARK + "if 'RANK' not in os.environ:\n    raise ImportError('only in a rank')\n")
+    write_script(work, "wsmod.py", MARK)
+    write_script(work, "train.py", SCRIPT)
+    marks = base / "marks.txt"
+    with pytest.MonkeyPatch.context() as mp:
+        # Agents and ranks share these (PYTHONPATH is read at start-up: it must match for warm runs).
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(site)])))
+        mp.setenv("WARM_MARKS", str(marks))
+        mp.setenv("MONARCH_CACHE_DIR", str(base / "cache"))
+        mp.chdir(work)
+        job = serve(None, hosts=1, state=base / ".monarch" / "job_state.pkl")
+        try:
+            yield job, work, site, marks
+        finally:
+            job.stop()
+
+
+def take_marks(marks: Path) -> List[str]:
+    lines = marks.read_text().splitlines() if marks.exists() else []
+    marks.write_text("")
+    return lines
+
+
+def run(job: Job, work: Path, cold: bool = False) -> Tuple[str, List[str]]:
+    notices: List[str] = []
+    r = spmd(job, work / "train.py", nproc=2, cold=cold, notices=notices)
+    assert r.result.exit_code == 0, r.text()
+    return r.text(), notices
+
+
+def test_installed_modules_are_preloaded_and_the_workspace_never(setup) -> None:
+    job, work, site, marks = setup
+    take_marks(marks)
+    first, _ = run(job, work)
+    assert sorted(take_marks(marks)) == sorted(["warmmark rank", "warmthread rank", "warmfail rank", "wsmod rank"] * 2)
+    warm = wait_warm(job)[0]
+    assert warm["learned_held"] > 0 and warm["modules"] > 0 and warm["rss_bytes"] > 0
+    # A warm process imported warmmark; warmthread started its thread there (that process was
+    # dropped and a new one started without it) and warmfail failed, so both are left out and
+    # recorded; nothing of the workspace came near it.
+    zygote_marks = take_marks(marks)
+    assert "warmmark warm" in zygote_marks and "warmthread warm" in zygote_marks, zygote_marks
+    assert "wsmod warm" not in zygote_marks
+    assert "thread" in warm["excluded"]["warmthread"]
+    assert "fails to import" in warm["excluded"]["warmfail"]
+    # The re-warmed process says what it is in ps, as the first one did.
+    title = " ".join(psutil.Process(warm["pid"]).cmdline())
+    assert title.startswith(f"monarch warm {job.state.reservation_id} host "), title
+
+    second, notices = run(job, work)
+    got = take_marks(marks)
+    assert "warmmark rank" not in got, got  # it came with the fork
+    assert sorted(got) == sorted(["warmthread rank", "warmfail rank", "wsmod rank"] * 2)  # imported as usual
+    assert notices == []
+    # The run says nothing about any of it: only the script's own output.
+    assert second.count("version 1 threads ok True") == 2 and "warm" not in second.lower(), second
+
+
+def test_a_changed_installed_module_means_a_fresh_warm_process(setup) -> None:
+    job, work, site, marks = setup
+    run(job, work)
+    wait_warm(job)
+    take_marks(marks)
+    time.sleep(0.01)
+    (site / "warmmark" / "__init__.py").write_text(MARK + "VERSION = 2\n")
+    text, notices = run(job, work)
+    assert "version 2" in text and "version 1" not in text, text
+    assert len(notices) == 1 and "warmmark/__init__.py changed" in notices[0], notices
+    assert "warmmark rank" in take_marks(marks)  # the fresh warm process did not hold the old one
+    # ...and it learns again: the next runs preload the new version.
+    wait_warm(job)
+    take_marks(marks)
+    text, notices = run(job, work)
+    assert "version 2" in text and notices == [] and "warmmark rank" not in take_marks(marks)
+
+
+def test_cold_bypasses_the_warm_process(setup) -> None:
+    job, work, site, marks = setup
+    run(job, work)
+    wait_warm(job)
+    take_marks(marks)
+    run(job, work, cold=True)
+    assert sorted(take_marks(marks)) == sorted(["warmmark rank", "warmthread rank", "warmfail rank", "wsmod rank"] * 2)
+
+
+def test_forget_preload(setup) -> None:
+    job, work, site, marks = setup
+    run(job, work)
+    wait_warm(job)
+    forgotten = job.forget_preload()
+    assert list(forgotten) == ["local0"] and forgotten["local0"] > 0
+    warm = job.status()["hosts"][0]["warm"]
+    assert warm["learned"] == 0 and warm["learned_held"] == 0 and warm["excluded"] == {}
+    take_marks(marks)
+    run(job, work)
+    assert "warmmark rank" in take_marks(marks)
+
+
+def test_warm_and_status_commands(setup) -> None:
+    """`monarch status` shows each host's warm process; `monarch warm --json` details it,
+    `monarch warm --forget --json` forgets what was learned."""
+    import json
+    import subprocess
+    import sys
+
+    job, work, site, marks = setup
+    run(job, work)
+    wait_warm(job)
+
+    def monarch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "monarch_cli", *args, "--state", str(job.path)],
+                              capture_output=True, text=True, timeout=60, cwd=work)
+
+    status = monarch("status")
+    assert status.returncode == 0 and "learned)" in status.stdout and "MiB" in status.stdout, status.stdout
+    shown = json.loads(monarch("warm", "--json").stdout)["hosts"][0]
+    assert shown["name"] == "local0" and shown["warm"]["learned_held"] > 0 and "warmthread" in shown["warm"]["excluded"]
+    human = monarch("warm").stdout
+    assert "left out: warmthread (it starts a thread)" in human, human
+    forgot = monarch("warm", "--forget", "--json")
+    assert forgot.returncode == 0 and json.loads(forgot.stdout)["forgotten"]["local0"] > 0, forgot.stderr
+
+
+def test_what_was_learned_outlives_the_agents(setup, tmp_path: Path) -> None:
+    """A new reservation on the same host starts from what the last one learned, before any run."""
+    job, work, site, marks = setup
+    run(job, work)
+    wait_warm(job)
+    again = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
+    try:
+        warm = wait_warm(again)[0]
+        assert warm["learned_held"] > 0 and again.state.last_run is None
+    finally:
+        again.stop()
