@@ -111,7 +111,7 @@ class Workload:
         self.cli()
         while time.monotonic() < deadline:
             warm = self.warm()
-            if all(w and w["ready"] and not w["warming"] and w["learned_held"] for w in warm):
+            if all(w and w["ready"] and not w["warming"] and (w["learned_held"] or not w.get("learning")) for w in warm):
                 return warm
             time.sleep(0.5)
         raise SystemExit(f"{self.cwd.name}: the warm processes did not settle within {timeout:.0f} s: {warm}")
@@ -127,6 +127,8 @@ def mib(warm: List[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-learn", dest="learn", action="store_false",
+                        help="measure the default warm process (torch only) instead of the learned preload")
     args = parser.parse_args()
     n = args.repeats
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "monarch_cli")], capture_output=True)
@@ -134,6 +136,9 @@ def main() -> None:
         root = Path(tmp)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         env["MONARCH_CACHE_DIR"] = str(root / "cache")
+        if args.learn:
+            env["MONARCH_LEARN_PRELOAD"] = "1"  # opt-in: see docs/spmd.md, "Learned preload"
+        print(f"warm processes: {'learned preload (MONARCH_LEARN_PRELOAD=1)' if args.learn else 'torch only (default)'}")
         bare = Workload(root, "allreduce", ALL_REDUCE, hosts=1, nproc=2, env=env)
         ddp = Workload(root, "train_ddp", (REPO / "examples" / "train_ddp.py").read_text(), hosts=2, nproc=2, env=env)
         par = Workload(root, "ddp_fsdp_dtensor", PARALLEL, hosts=1, nproc=2, env=env)

@@ -343,7 +343,7 @@ class Job:
         deadline = time.monotonic() + timeout
         while True:
             warm = [h["warm"] for h in self.status()["hosts"]]
-            if all(w and w["ready"] and not w["warming"] and w["learned_held"] for w in warm):
+            if all(w and w["ready"] and not w["warming"] and (w["learned_held"] or not w.get("learning")) for w in warm):
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -145,7 +145,8 @@ class RankHost:
             if spec["warm"]:
                 if warm_zygote is None:
                     warm_zygote, notices = self.agent.warm.for_run()
-                spec[preload.REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
+                if self.agent.warm.learning:
+                    spec[preload.REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
             zygote = warm_zygote if spec["warm"] else self.agent.zygote
             rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2},
                          zygote_pid=zygote.process.pid)

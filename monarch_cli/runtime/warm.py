@@ -102,6 +102,17 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "host"
 
 
+#: Learning is opt-in (set in the environment ``monarch serve`` starts agents with): with
+#: ``torch.distributed.nn`` imported before the fork, DDP scripts that call
+#: ``destroy_process_group()`` while their model is alive hang at exit in about 1 run of 3
+#: (gloo's teardown waits for the GIL; see docs/spmd.md). Cold or torch-only warm ranks do not.
+LEARN_ENV = "MONARCH_LEARN_PRELOAD"
+
+
+def learning_enabled() -> bool:
+    return os.environ.get(LEARN_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
 class WarmRanks:
     """The agent's warm-rank fork servers: the one runs fork from, and the next one warming.
 
@@ -120,7 +131,9 @@ class WarmRanks:
         self.retired: List[_Warm] = []
         self._dir: Optional[str] = None
         self._serial = 0
-        self._again = bool(self.store.wanted())  # warm the learned set once the first zygote is ready
+        self.learning = learning_enabled()
+        # warm the learned set once the first zygote is ready
+        self._again = self.learning and bool(self.store.wanted())
         self._retries = 0
 
     # ------------------------------------------------------------------ files
@@ -186,7 +199,7 @@ class WarmRanks:
 
     def learn(self, run_id: str) -> None:
         """A run ended here: merge what its ranks imported; warm a new zygote if that is new."""
-        if self._dir is None:
+        if self._dir is None or not self.learning:
             return
         prefix = f"run-{_safe(run_id)}-"
         found: List[Tuple[str, str]] = []
@@ -210,6 +223,8 @@ class WarmRanks:
     def _maybe_warm(self) -> None:
         """Start the next zygote if the store has modules the current one lacks (one at a time:
         a zygote importing competes with the runs for the host's CPUs)."""
+        if not self.learning:
+            return
         cur = self.current
         if self.next is not None or (cur is not None and cur.ready is None):
             self._again = True
@@ -331,6 +346,7 @@ class WarmRanks:
             "learned": len(self.store.learned),
             "excluded": dict(self.store.excluded),
             "warming": self.next is not None,
+            "learning": self.learning,
             "store": self.store.path,
         }
 

@@ -16,10 +16,20 @@ from typing import Any, Dict, List
 import psutil
 import pytest
 
-from monarch_cli.jobs import Job, JobError
+from monarch_cli.jobs import Job, JobError, serve
 
 from ..conftest import write_script
 from .conftest import Run, spmd, wait_warm
+
+
+@pytest.fixture(scope="module")
+def job(job_dir: Path):
+    """This module's reservation learns (opt-in), so the equivalence tests cover learned warm ranks."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MONARCH_LEARN_PRELOAD", "1")  # read by the agents when they start
+        j = serve(None, hosts=2, state=job_dir / ".monarch" / "job_state.pkl")
+    yield j
+    j.stop()
 
 CONTRACT = [
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

@@ -52,6 +52,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Job, Path,
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(site)])))
         mp.setenv("WARM_MARKS", str(marks))
         mp.setenv("MONARCH_CACHE_DIR", str(base / "cache"))
+        mp.setenv("MONARCH_LEARN_PRELOAD", "1")  # opt-in (see runtime/warm.py)
         mp.chdir(work)
         job = serve(None, hosts=1, state=base / ".monarch" / "job_state.pkl")
         try:
@@ -177,3 +178,20 @@ def test_what_was_learned_outlives_the_agents(setup, tmp_path: Path) -> None:
         assert warm["learned_held"] > 0 and again.state.last_run is None
     finally:
         again.stop()
+
+
+def test_learning_is_off_unless_asked_for(setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without MONARCH_LEARN_PRELOAD the warm process keeps the explicit preload only (the torch
+    teardown race, docs/spmd.md): a run teaches it nothing and nothing learned is loaded."""
+    _, work, _, marks = setup
+    monkeypatch.delenv("MONARCH_LEARN_PRELOAD")
+    plain = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
+    try:
+        take_marks(marks)
+        run(plain, work)
+        time.sleep(2)  # time enough for a re-warm, were one started
+        warm = plain.status()["hosts"][0]["warm"]
+        assert warm["learning"] is False and warm["learned_held"] == 0 and not warm["warming"], warm
+        assert not [m for m in take_marks(marks) if m.endswith(" warm")]  # nothing imported warmmark
+    finally:
+        plain.stop()
