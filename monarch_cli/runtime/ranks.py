@@ -61,6 +61,9 @@ class _Rank:
     exited_at: Optional[float] = None
     zygote_pid: int = 0  # the fork server it came from
     cause: str = ""  # why it ended, when not by itself (its warm process died)
+    #: Signals sent to the run before this rank's fork completed: delivered once it has a pid,
+    #: so a run stopped early never waits for a rank nobody signalled.
+    signals: List[int] = dataclasses.field(default_factory=list)
 
 
 class RankHost:
@@ -173,6 +176,10 @@ class RankHost:
             if rank.run_id == run_id and rank.status is None:
                 _killpg(rank.pid, sig)
                 hit += 1
+        for rank in self.pending.values():  # still being forked (its warm process is busy)
+            if rank.run_id == run_id:
+                rank.signals.append(sig)
+                hit += 1
         return hit
 
     def announce_stop(self, who: str) -> List[str]:
@@ -242,6 +249,8 @@ class RankHost:
         self.by_pid[pid] = rank
         self.groups.setdefault(rank.run_id, []).append(pid)
         self.agent.debug.set_pid(rank.run_id, rank.rank, pid)
+        for sig in rank.signals:
+            _killpg(pid, sig)
         return True
 
     def exited(self, pid: int, status: int) -> bool:
