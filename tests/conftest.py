@@ -33,6 +33,15 @@ def private_warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         os.environ["MONARCH_CACHE_DIR"] = old
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_mailbox_outlives_its_module() -> Iterator[None]:
+    """Reservations a module stopped through the CLI (another process) leave this process's
+    mailboxes for their keys behind; close them, so their threads do not pile up in pytest."""
+    yield
+    for keys in list(Mailbox._by_keys):
+        Mailbox.discard(keys)
+
+
 @pytest.fixture(scope="session")
 def keys() -> Keys:
     return Mailbox.get().keys

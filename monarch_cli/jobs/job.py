@@ -365,6 +365,7 @@ class Job:
         ended = self._announce_stop(by)
         self.scheduler.release(self.state)
         clear_state(self.path)
+        Mailbox.discard(self.keys)  # its threads and sockets served this reservation only
         return ended
 
     def _announce_stop(self, by: str, timeout: float = 2.0) -> List[str]:

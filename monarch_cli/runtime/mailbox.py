@@ -143,6 +143,16 @@ class Mailbox:
             return box
 
     @classmethod
+    def discard(cls, keys: Keys) -> None:
+        """Close and forget the mailbox kept for ``keys`` (a released reservation's): its threads,
+        sockets and ZeroMQ context go now, not at exit. The process's own mailbox stays."""
+        with cls._instance_lock:
+            box = cls._by_keys.pop(keys, None)
+        if box is not None:
+            atexit.unregister(box.close)
+            box.close(release=True)
+
+    @classmethod
     def install(cls, mailbox: "Mailbox") -> None:
         cls._instance = mailbox
 
@@ -150,8 +160,9 @@ class Mailbox:
     def current(cls) -> Optional["Mailbox"]:
         return cls._instance
 
-    def close(self) -> None:
-        """Tell agents this client is gone (so they reap its procs now), then stop."""
+    def close(self, release: bool = False) -> None:
+        """Tell agents this client is gone (so they reap its procs now), then stop; with
+        ``release``, also free the sockets and context once both threads have ended."""
         if self._closing:
             return
         for agent in list(self._agents):
@@ -160,6 +171,7 @@ class Mailbox:
             except zmq.ZMQError:
                 pass
         self._closing = True
+        self._hb_wake.set()
         try:
             self._send_wake()
             self._thread.join(timeout=2.0)
@@ -167,6 +179,14 @@ class Mailbox:
             pass
         for sock in getattr(self._tls, "socks", {}).values():
             sock.close(linger=500)
+        if release:
+            hb = self._hb_thread
+            if hb is not None:
+                hb.join(timeout=2.0)
+            if not self._thread.is_alive() and (hb is None or not hb.is_alive()):
+                if self._hb_transport is not None:
+                    self._hb_transport.close()
+                self.transport.close()  # nothing uses its sockets any more
 
     def _send_wake(self) -> None:
         sock = getattr(self._tls, "wake", None)
@@ -251,13 +271,13 @@ class Mailbox:
         if agent not in self._agents:
             self._agents[agent] = _AgentWatch(heartbeat, time.monotonic())
         self._start_heartbeats()
-        self._hb_wake.set()  # start heartbeating now, not at the next tick
 
     def _start_heartbeats(self) -> None:
         with self._lock:
             if self._hb_thread is None:
                 self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="monarch-heartbeat", daemon=True)
                 self._hb_thread.start()
+        self._hb_wake.set()  # beat now, not at the next tick (and wake a thread idle for want of agents)
 
     def unwatch_agent(self, agent: str) -> None:
         self._watchers.pop(agent, None)
@@ -447,6 +467,8 @@ class Mailbox:
         poller = zmq.Poller()
         next_beat = 0.0
         while not self._closing:
+            if not self._agents:  # nothing to watch: sleep until an agent is watched or we close
+                self._hb_wake.wait()
             events = dict(poller.poll(max(0.0, min(next_beat - time.monotonic(), 0.1)) * 1000))
             for watch in list(self._agents.values()):
                 if watch.sock is not None and watch.sock in events:

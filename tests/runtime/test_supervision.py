@@ -60,7 +60,7 @@ def test_dying_proc_fails_every_pending_call_quickly_and_says_why(how, expected)
         assert "actor 'mortal'" in message and f"pid {pid}" in message
         assert procs._members[1].proc_id in message and procs._members[1].host in message
         assert info.value.failure.pid == pid
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 8.0  # told by supervision, not by the 10 s call timeout
     # Later calls fail at once; the survivor is untouched.
     with pytest.raises(SupervisionError):
         victim.pid.call_one().get(timeout=1)
