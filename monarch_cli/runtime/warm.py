@@ -14,9 +14,10 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from ..sysutil import private_tmpdir
 
 CACHE_ENV = "MONARCH_CACHE_DIR"
 _MAX_OFFENDER_RETRIES = 5
@@ -140,7 +141,7 @@ class WarmRanks:
     @property
     def dir(self) -> str:
         if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="monarch-warm-")
+            self._dir = private_tmpdir("warm")
         return self._dir
 
     def report_path(self, run_id: str, rank: int) -> str:
