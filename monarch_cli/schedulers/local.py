@@ -21,10 +21,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, List
 
-import psutil
 
 from ..errors import SchedulerError
-from ..runtime import agent_registry
 from ..runtime.agent_command import AGENT_MODULE, AgentCommand
 from ..sysutil import signal_if_alive
 from .agents import read_address_files, wait_for_agents
@@ -98,12 +96,16 @@ class LocalScheduler(Scheduler):
 
     def release(self, reservation: ReservationRecord) -> None:
         _kill_agents([h.pid for h in reservation.hosts if h.pid])
+        from ..runtime import agent_registry  # psutil: only for stopping, not on every run's probe
+
         agent_registry.stop_agents(agent_registry.agents_of(reservation=reservation.reservation_id))
         if reservation.scheduler_data.get("addresses"):
             shutil.rmtree(reservation.scheduler_data["addresses"], ignore_errors=True)
 
     def release_unreadable(self, state_file: Path) -> List[int]:
         """Stop the agents registered for a state file that cannot be read; their pids."""
+        from ..runtime import agent_registry
+
         found = agent_registry.agents_of(state_file=str(state_file.resolve()))
         agent_registry.stop_agents(found)
         return [e.pid for e in found]
@@ -127,11 +129,13 @@ def _tail(path: Path, lines: int = 3) -> str:
 
 
 def _is_agent(pid: int) -> bool:
+    """Whether ``pid`` is still one of our agents (not a process that reused its pid)."""
     try:
-        cmd = " ".join(psutil.Process(pid).cmdline())
-        return AGENT_MODULE in cmd or cmd.startswith("monarch agent ")
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:  # what psutil reads, without importing it per run
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
         return False
+    return AGENT_MODULE in cmd or cmd.startswith("monarch agent ")
 
 
 def _kill_agents(pids: List[int]) -> None:
