@@ -69,7 +69,8 @@ def test_a_killed_warm_process_ends_the_run_naming_it_and_a_new_one_serves_the_n
     runner.start()
     escapers(tmp_path, 4)  # every rank is running
     agent1 = job.state.hosts[1].pid
-    (warm,) = children_titled(agent1, "monarch warm ")
+    # The warm process the ranks were forked from (a learning host may be warming the next one).
+    (warm,) = [w for w in children_titled(agent1, "monarch warm ") if w.children()]
     killed_at = time.monotonic()
     warm.kill()
     runner.join(timeout=30)
@@ -82,7 +83,7 @@ def test_a_killed_warm_process_ends_the_run_naming_it_and_a_new_one_serves_the_n
         assert "warm process on local1 died (signal SIGKILL)" in how[rank], how
     assert all(h["ranks_running"] == 0 for h in job.status()["hosts"])
     assert spmd(job, write_script(tmp_path, "ok.py", "print('ok')\n")).result.exit_code == 0
-    assert len(children_titled(agent1, "monarch warm ")) == 1  # a new one
+    assert warm.pid not in [w.pid for w in children_titled(agent1, "monarch warm ")]  # a new one served it
 
 
 @pytest.mark.slow
