@@ -377,6 +377,8 @@ class Job:
             configure(host=host)
         mb = Mailbox.for_keys(self.keys)
         who = _stopper(by)
+        for h in self.state.hosts:
+            mb.link(h.agent)
         asks = [mb.request(h.agent, lambda cid: ("stopping", cid, mb.address, who)) for h in self.state.hosts]
         deadline = time.monotonic() + timeout
         ended: Set[str] = set()
