@@ -29,7 +29,7 @@ t = torch.ones(1) * (dist.get_rank() + 1)
 dist.all_reduce(t)
 sys.stdout.write(("x" * 99 + "\\n") * 15000)
 print("sum", int(t.item()), "rank", dist.get_rank(), flush=True)
-time.sleep(3)
+time.sleep(4)
 dist.destroy_process_group()
 """
 
@@ -49,8 +49,8 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
     state = ws / ".monarch" / "job_state.pkl"
     before = (settings().host, settings().heartbeat_timeout, settings().heartbeat_interval)
     # The client's mailbox listens on its loopback: a host's 127.0.0.1 is the host itself, so no
-    # agent can connect to this client; a short heartbeat timeout makes a 3 s run prove both ways.
-    configure(host="127.0.0.1", heartbeat_timeout=2.0, heartbeat_interval=0.25)
+    # agent can connect to this client; a heartbeat timeout shorter than the run proves both ways.
+    configure(host="127.0.0.1", heartbeat_timeout=3.0, heartbeat_interval=0.25)
     job = serve(None, "ssh", state=state, hosts="h1,h2", ssh_config=str(config), python=PYTHON, tunnel=True)
     try:
         hs = job._hostset()
@@ -67,7 +67,8 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
         result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out,
                               env={"GLOO_SOCKET_IFNAME": "eth0"})
         text = out.getvalue().decode()
-        assert result.exit_code == 0 and not any(r.lost for r in result.ranks), (result.ranks, text[-2000:])
+        assert result.exit_code == 0 and not any(r.lost for r in result.ranks), \
+            ([r.how for r in result.ranks], text[-2000:])
         assert text.count("x" * 99) == 30000 and text.count("sum 3 rank") == 2, text[-2000:]
 
         # Every connection into an agent's port came from its own host's sshd (the forward), none
