@@ -9,12 +9,16 @@ connects to it gets no further than without it. Forwards live as long as this pr
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import threading
 from typing import Any, Dict, Tuple
 
 _CHUNK = 1 << 16
+# A forward refused once its agent has gone (ZeroMQ reconnecting) is expected, not news for the
+# console: without this, logging's last-resort handler prints paramiko's "channel open FAILED".
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class Forward:

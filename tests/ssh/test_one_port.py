@@ -82,6 +82,7 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
         # A fresh CLI process opens its own forwards: exec, status.
         done = _monarch("exec", "--state", str(state), "--", "hostname -I")
         assert done.returncode == 0 and all(h.address in done.stdout for h in ssh_hosts.hosts), done.stderr
+        assert "Traceback" not in done.stderr and "FAILED" not in done.stderr, done.stderr
         status = _monarch("status", "--state", str(state), "--json")
         assert status.returncode == 0, status.stderr
         assert [(h["name"], h["alive"]) for h in json.loads(status.stdout)["hosts"]] == [("h1", True), ("h2", True)]
