@@ -384,8 +384,12 @@ class SshScheduler(Scheduler):
         def one(pair: Tuple[HostRecord, Dict[str, Any]]) -> str:
             host, rec = pair
             where, _, port = host.agent.rpartition("//")[2].rpartition(":")
-            return forward((reservation.reservation_id, rec["alias"]),
-                           lambda: connect(SshTarget.from_json(rec), accept_new), (where, int(port)))
+            try:
+                return forward((reservation.reservation_id, rec["alias"]),
+                               lambda: connect(SshTarget.from_json(rec), accept_new),
+                               (where, int(port)))
+            except SchedulerError:  # unreachable: its agent will not answer, and says so by name
+                return host.agent
 
         pairs = list(zip(reservation.hosts, reservation.scheduler_data.get("ssh_hosts", [])))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(pairs)))) as pool:

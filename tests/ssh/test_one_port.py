@@ -7,13 +7,16 @@ import io
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import List
 
 import pytest
 
 from monarch_cli.config import configure, settings
-from monarch_cli.jobs import serve
+from monarch_cli.jobs import RunResult, serve
+from monarch_cli.jobs.debug import DebugClient
 
 from .conftest import CLIENT_ADDRESS, SshHosts
 from .test_ssh_backend import PYTHON, _monarch, _ssh_config
@@ -78,6 +81,24 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
             peers = _agent_peers(h.name, port)
             assert peers and set(peers) == {h.address} and CLIENT_ADDRESS not in peers, peers
         assert "heartbeat" not in hs.infos[0]
+
+        # The debugger's relay: rank 0 on h1 pauses; its pdb is driven from here through the forward.
+        (ws / "dbg.py").write_text("import os\nanswer = 6 * 7\nif os.environ['RANK'] == '0':\n    breakpoint()\n")
+        runs: List[RunResult] = []
+        runner = threading.Thread(target=lambda: runs.append(job.run_spmd(
+            ["torchrun", "--nproc-per-node=1", "dbg.py"], stdout=io.BytesIO(), stderr=io.BytesIO())))
+        runner.start()
+        client = DebugClient(job)
+        try:
+            deadline = time.monotonic() + 60
+            while not [r for r in client.list() if r.state == "paused"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert "42" in str(client.cast({0}, "p answer")[0])
+            client.continue_({0})
+            runner.join(60)
+        finally:
+            client.close()
+        assert runs and runs[0].exit_code == 0, runs
 
         # A fresh CLI process opens its own forwards: exec, status.
         done = _monarch("exec", "--state", str(state), "--", "hostname -I")
