@@ -128,7 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-learn", dest="learn", action="store_false",
-                        help="measure the default warm process (torch only) instead of the learned preload")
+                        help="measure a warm process that holds torch only (MONARCH_LEARN_PRELOAD=0)")
     args = parser.parse_args()
     n = args.repeats
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "monarch_cli")], capture_output=True)
@@ -136,9 +136,8 @@ def main() -> None:
         root = Path(tmp)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         env["MONARCH_CACHE_DIR"] = str(root / "cache")
-        if args.learn:
-            env["MONARCH_LEARN_PRELOAD"] = "1"  # opt-in: see docs/spmd.md, "Learned preload"
-        print(f"warm processes: {'learned preload (MONARCH_LEARN_PRELOAD=1)' if args.learn else 'torch only (default)'}")
+        env["MONARCH_LEARN_PRELOAD"] = "1" if args.learn else "0"
+        print(f"warm processes: {'learned preload (the default)' if args.learn else 'torch only (MONARCH_LEARN_PRELOAD=0)'}")
         bare = Workload(root, "allreduce", ALL_REDUCE, hosts=1, nproc=2, env=env)
         ddp = Workload(root, "train_ddp", (REPO / "examples" / "train_ddp.py").read_text(), hosts=2, nproc=2, env=env)
         par = Workload(root, "ddp_fsdp_dtensor", PARALLEL, hosts=1, nproc=2, env=env)

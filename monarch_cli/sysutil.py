@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["atomic_write", "signal_if_alive", "source_address_towards"]
+__all__ = ["atomic_write", "private_tmpdir", "signal_if_alive", "source_address_towards"]
 
 
 def atomic_write(path: Union[str, Path], data: Union[str, bytes], mode: int = 0o600, *, durable: bool = False) -> Path:
@@ -73,3 +75,31 @@ def source_address_towards(host: str) -> Optional[str]:
             return str(probe.getsockname()[0])
     except OSError:
         return None
+
+
+def private_tmpdir(kind: str) -> str:
+    """A new 0700 directory ``monarch-<kind>-<pid>-*`` in the temp dir, for this process's life.
+
+    A process killed with SIGKILL cannot remove its own; so each new one first removes this
+    user's directories of the same kind whose process is gone (the pid in the name).
+    """
+    base = tempfile.gettempdir()
+    for old in glob.glob(os.path.join(base, f"monarch-{kind}-*-*")):
+        try:
+            pid = int(os.path.basename(old).split("-")[2])
+            if os.stat(old).st_uid != os.getuid() or _alive(pid):
+                continue
+        except (ValueError, IndexError, OSError):
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"monarch-{kind}-{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -367,9 +367,6 @@ def demo_cmd(
     from ..jobs import serve
 
     script = Path(__file__).resolve().parents[1] / "templates" / "train_ddp.py"
-    # The bundled script frees its model before destroy_process_group(), so the learned
-    # preload (opt-in: docs/spmd.md) is safe for it; the demo's agents inherit this.
-    os.environ.setdefault("MONARCH_LEARN_PRELOAD", "1")
     with tempfile.TemporaryDirectory(prefix="monarch-demo-") as tmp:
         state = Path(tmp) / ".monarch" / "job_state.pkl"
         cmd = ["torchrun", "--nproc-per-node=2", str(script), "--epochs", "2"]

@@ -16,6 +16,8 @@ import signal
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..runtime.exit_status import signal_name
+
 #: Signals that end a run when the launcher gets them (torchrun's ``--signals-to-handle`` default).
 DEATH_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: Exit status of a run whose reservation was released (``monarch stop``) while it ran.
@@ -39,13 +41,6 @@ def shutdown_timeout_from(flag: Optional[float]) -> float:
         return max(0.0, float(env)) if env else DEFAULT_SHUTDOWN_TIMEOUT
     except ValueError:
         return DEFAULT_SHUTDOWN_TIMEOUT
-
-
-def signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def rank_list(ranks: Sequence[int]) -> str:

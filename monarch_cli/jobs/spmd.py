@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 from ..config import settings
 from ..runtime import wire
 from ..runtime.errors import CallTimeout
+from ..runtime.exit_status import describe_status, signal_name
 from ..runtime.future import Future, gather
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
-from ..runtime.ranks import describe_status
 from .errors import JobError
 from .lifecycle import (DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGLER_GRACE, EXIT_LOST, EXIT_STOPPED,
-                        RunControl, SignalRelay, signal_name)
+                        RunControl, SignalRelay)
 from .output import OutputSink
 from .state import HostRecord
 from .telemetry import enabled as telemetry_enabled

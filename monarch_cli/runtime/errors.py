@@ -37,12 +37,10 @@ class Failure:
 
     def describe(self) -> str:
         if self.signal is not None:
-            import signal as _signal
+            from .exit_status import signal_name
 
-            try:
-                how = f"killed by signal {self.signal} ({_signal.Signals(self.signal).name})"
-            except ValueError:
-                how = f"killed by signal {self.signal}"
+            name = signal_name(self.signal)
+            how = f"killed by signal {self.signal}" + (f" ({name})" if name.startswith("SIG") else "")
         elif self.exitcode is not None:
             how = f"exited with code {self.exitcode}"
         else:

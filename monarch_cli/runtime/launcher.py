@@ -15,6 +15,7 @@ port is never chosen by binding, closing and hoping (torchrun's agent-store cont
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import json
 import os
@@ -22,6 +23,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 from .title import rank_title, set_title
@@ -250,11 +252,42 @@ def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
     set_title(rank_title(spec["rank"], spec["mode"], spec["program"]))
     _install_telemetry(spec)
     _install_debugger(extra.get("debug"))
+    _settle_gloo_teardown()
     if listen_fd is not None:
         _host_store(listen_fd, env)
     code = run_program(spec)
     preload.report_imports(spec)  # after interpreter-shutdown work: it is not the user's time
     return code
+
+
+#: How long ``destroy_process_group`` lets the group's worker threads settle (warm ranks).
+GLOO_SETTLE_S = 0.005
+
+
+def _settle_gloo_teardown() -> None:
+    """Give the process group's worker threads a moment before a warm rank destroys it.
+
+    A gloo worker frees each finished collective's tensors just after the caller has been
+    told it is done. If the caller is quick enough to drop its last reference to those
+    tensors and then free the group (DDP's reducer, when ``main()`` returns), the worker needs
+    the GIL that the group's destructor holds while it joins the worker: a deadlock in torch
+    (pytorch/pytorch#56297). A cold rank is rarely quick enough (its first
+    ``destroy_process_group()`` still imports modules); a warm rank that holds what the script
+    imported hit it in about 1 run of 3 (tests/jobs/test_warm_preload.py). 5 ms of sleep
+    before the group is destroyed lets the workers finish first: 0 hangs in the same trials.
+    """
+    dist = sys.modules.get("torch.distributed")
+    original = getattr(dist, "destroy_process_group", None)
+    if original is None or getattr(original, "_monarch_settles", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(GLOO_SETTLE_S)
+        return original(*args, **kwargs)
+
+    destroy_process_group._monarch_settles = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group  # type: ignore[union-attr]
 
 
 def _install_telemetry(spec: Dict[str, Any]) -> None:

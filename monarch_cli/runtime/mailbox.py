@@ -200,10 +200,13 @@ class Mailbox:
             hb = self._hb_thread
             if hb is not None:
                 hb.join(timeout=2.0)
-            if not self._thread.is_alive() and (hb is None or not hb.is_alive()):
+            # zmq_close is not thread-safe: free the sockets only when no thread of ours can be
+            # using them (both loops ended, nobody waiting on a reply); else leave them to exit.
+            if (not self._thread.is_alive() and (hb is None or not hb.is_alive())
+                    and self._reader.acquire(timeout=1.0)):
                 if self._hb_transport is not None:
                     self._hb_transport.close()
-                self.transport.close()  # nothing uses its sockets any more
+                self.transport.close()
 
     def _send_wake(self) -> None:
         sock = getattr(self._tls, "wake", None)

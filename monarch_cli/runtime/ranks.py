@@ -27,6 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from . import lineage
+from .exit_status import describe_status, from_wait_status
 
 if TYPE_CHECKING:
     from .agent import HostAgent
@@ -335,8 +336,7 @@ class RankHost:
             return
         self.by_pid.pop(rank.pid, None)
         status = rank.status
-        exitcode = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        exitcode, sig = from_wait_status(status)
         self.agent.debug.rank_exited(rank.run_id, rank.rank, describe_status(exitcode, sig)[0])
         self.agent.telemetry.rank_ended(rank)  # its last step records go out before its exit
         self._send_exit(rank, exitcode, sig)
@@ -401,12 +401,3 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def describe_status(exitcode: Optional[int], sig: Optional[int]) -> Tuple[str, int]:
-    """A human description and the shell-style status (128+N for a signal)."""
-    if sig is not None:
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        return f"killed by {name}", 128 + sig
-    return f"exit {exitcode}", int(exitcode or 0)

@@ -22,11 +22,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from ..sysutil import private_tmpdir
 from .telemetry_rank import STACK_SIGNAL, STEP_RECORD, paths
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ Step = Tuple[Any, ...]  # a row of the steps table
 class TelemetryHost:
     def __init__(self, agent: "HostAgent") -> None:
         self.agent = agent
-        self.dir = tempfile.mkdtemp(prefix="monarch-telemetry-")  # 0700: step and stack files of our ranks
+        self.dir = private_tmpdir("telemetry")  # 0700: step and stack files of our ranks
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)

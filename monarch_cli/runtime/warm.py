@@ -14,9 +14,10 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from ..sysutil import private_tmpdir
 
 CACHE_ENV = "MONARCH_CACHE_DIR"
 _MAX_OFFENDER_RETRIES = 5
@@ -102,15 +103,14 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "host"
 
 
-#: Learning is opt-in (set in the environment ``monarch serve`` starts agents with): with
-#: ``torch.distributed.nn`` imported before the fork, DDP scripts that call
-#: ``destroy_process_group()`` while their model is alive hang at exit in about 1 run of 3
-#: (gloo's teardown waits for the GIL; see docs/spmd.md). Cold or torch-only warm ranks do not.
+#: Learning is on unless this is 0/false/no in the environment ``monarch serve`` starts agents
+#: with. (It was opt-in while DDP scripts hung at exit in 1 run of 3 when forked from a learned
+#: warm process: a torch teardown race that launcher._settle_gloo_teardown now sidesteps.)
 LEARN_ENV = "MONARCH_LEARN_PRELOAD"
 
 
 def learning_enabled() -> bool:
-    return os.environ.get(LEARN_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return os.environ.get(LEARN_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
 class WarmRanks:
@@ -140,7 +140,7 @@ class WarmRanks:
     @property
     def dir(self) -> str:
         if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="monarch-warm-")
+            self._dir = private_tmpdir("warm")
         return self._dir
 
     def report_path(self, run_id: str, rank: int) -> str:

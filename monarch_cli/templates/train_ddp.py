@@ -69,10 +69,9 @@ def main() -> None:
         backend = dist.get_backend()
         print(f"trained on {world} ranks ({backend}) in {time.perf_counter() - start:.2f} s; replicas in sync", flush=True)
     # Drop DDP (its reducer holds the process group) and let pending work finish before the
-    # group goes. Otherwise the reducer, freed when main() returns, destroys gloo's group while
-    # holding the GIL and joins a worker thread that waits for the GIL to free a tensor: a torch
-    # deadlock (pytorch/pytorch#56297), hit in ~1 of 3 runs forked from a warm process that
-    # already holds torch.distributed.nn (as one learned from DDP runs does), never seen cold.
+    # group goes: otherwise the reducer, freed when main() returns, frees gloo's group last,
+    # which can deadlock in torch (pytorch/pytorch#56297). monarch's warm ranks sidestep that
+    # race themselves (docs/spmd.md), but this is the safe ending under any launcher.
     del model, opt
     dist.barrier()
     dist.destroy_process_group()

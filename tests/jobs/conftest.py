@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import queue
 import re
+import subprocess
+import threading
 import time
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set
+from typing import IO, Dict, Iterable, Iterator, List, Optional, Sequence, Set
 
 import psutil
 import pytest
@@ -117,3 +120,54 @@ def wait_warm(job: Job, timeout: float = 90.0) -> List[Dict]:
         assert time.monotonic() < deadline, f"warm processes never settled: {job.status()['hosts']}"
         time.sleep(0.2)
     return [h["warm"] for h in job.status()["hosts"]]
+
+
+class ConsoleReader:
+    """A process whose console is read line by line by a thread (so a test never blocks on it),
+    killed on leaving the ``with`` block if still running: a failed assertion leaves no run going."""
+
+    what = "the process"
+
+    def __init__(self, proc: "subprocess.Popen[bytes]", console: IO[bytes]) -> None:
+        self.proc = proc
+        self.lines: "queue.Queue[str]" = queue.Queue()
+        self.seen: List[str] = []
+        threading.Thread(target=self._read_lines, args=(console,), daemon=True).start()
+
+    def __enter__(self) -> "ConsoleReader":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def _read_lines(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            self.lines.put(raw.decode(errors="replace").rstrip("\n"))
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(text in line for line in self.seen) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"waited {timeout} s for {count} x {text!r}; got {self.seen}")
+            try:
+                self.seen.append(self.lines.get(timeout=left))
+            except queue.Empty:
+                pass
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"{self.what} did not exit within {timeout} s; console: {self.seen}")
+        self._finished()
+        time.sleep(0.1)
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return code
+
+    def _finished(self) -> None:
+        """Subclasses: wait for whatever else they read."""

@@ -5,11 +5,9 @@ working afterwards. Ctrl-C is tested through a real driver process, as a termina
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Iterator, List
@@ -20,7 +18,7 @@ import pytest
 from monarch_cli.jobs import Job
 
 from ..conftest import REPO, wait_until, write_script
-from .conftest import living, spmd
+from .conftest import ConsoleReader, living, spmd
 
 OK = "import os\nprint('ok', os.environ['RANK'])\n"
 
@@ -167,53 +165,18 @@ sys.exit(result.exit_code)
 """
 
 
-class Driver:
+class Driver(ConsoleReader):
     """``job_load(state).run_spmd(...)`` in its own process, its console read line by line."""
 
+    what = "the driver"
+
     def __init__(self, job: Job, script: Path) -> None:
-        self.proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-u", "-c", DRIVER, str(job.path.resolve()), "torchrun", "--nproc-per-node=2", str(script)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
         )
-        self.lines: "queue.Queue[str]" = queue.Queue()  # read by a thread: never blocks the test
-        self.seen: List[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def __enter__(self) -> "Driver":
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        if self.proc.poll() is None:  # a failed assertion must not leave a run going
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.lines.put(raw.decode(errors="replace").rstrip("\n"))
-
-    def wait_for(self, text: str, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while sum(text in line for line in self.seen) < count:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"waited {timeout} s for {count} x {text!r}; got {self.seen}")
-            try:
-                self.seen.append(self.lines.get(timeout=left))
-            except queue.Empty:
-                pass
-
-    def finish(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"the driver did not exit within {timeout} s; output: {self.seen}")
-        time.sleep(0.1)
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
-        return code
+        super().__init__(proc, proc.stdout)
 
 
 @pytest.mark.slow

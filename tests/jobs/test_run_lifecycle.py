@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 import psutil
 import pytest
@@ -25,69 +24,36 @@ import pytest
 from monarch_cli.jobs import Job, serve
 
 from ..conftest import wait_until, write_script
-from .conftest import living, spmd
+from .conftest import ConsoleReader, living, spmd
 from .test_run_failures import rank_processes
 
 
-class Cli:
+class Cli(ConsoleReader):
     """``monarch run-spmd ...`` in its own process, its console read line by line (with
     ``--json``: stderr, the ranks' output and notices; stdout is kept whole for the JSON)."""
 
+    what = "monarch run-spmd"
+
     def __init__(self, state: Path, *args: str, cwd: Path) -> None:
         as_json = "--json" in args
-        self.proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(state), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE if as_json else subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=cwd, env={**os.environ, "COLUMNS": "200"},
         )
-        self.lines: "queue.Queue[str]" = queue.Queue()
-        self.seen: List[str] = []
+        super().__init__(proc, proc.stderr if as_json else proc.stdout)
         self.stdout = b""
-        console = self.proc.stderr if as_json else self.proc.stdout
-        threading.Thread(target=self._read_lines, args=(console,), daemon=True).start()
         self._out = threading.Thread(target=self._read_out, daemon=True)
         if as_json:
             self._out.start()
-
-    def __enter__(self) -> "Cli":
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        if self.proc.poll() is None:  # a failed assertion must not leave a run going
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def _read_lines(self, stream: IO[bytes]) -> None:
-        for raw in stream:
-            self.lines.put(raw.decode(errors="replace").rstrip("\n"))
 
     def _read_out(self) -> None:
         assert self.proc.stdout is not None
         self.stdout = self.proc.stdout.read()
 
-    def wait_for(self, text: str, count: int = 1, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while sum(text in line for line in self.seen) < count:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"waited {timeout} s for {count} x {text!r}; got {self.seen}")
-            try:
-                self.seen.append(self.lines.get(timeout=left))
-            except queue.Empty:
-                pass
-
-    def finish(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"monarch run-spmd did not exit within {timeout} s; console: {self.seen}")
+    def _finished(self) -> None:
         if self._out.is_alive():
             self._out.join(5)
-        time.sleep(0.1)
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
-        return code
 
     def text(self) -> str:
         return "\n".join(self.seen)

@@ -24,7 +24,8 @@ from .conftest import Run, spmd, wait_warm
 
 @pytest.fixture(scope="module")
 def job(job_dir: Path):
-    """This module's reservation learns (opt-in), so the equivalence tests cover learned warm ranks."""
+    """This module's reservation learns (the default, set here in case the environment turns it
+    off), so the equivalence tests cover learned warm ranks."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MONARCH_LEARN_PRELOAD", "1")  # read by the agents when they start
         j = serve(None, hosts=2, state=job_dir / ".monarch" / "job_state.pkl")

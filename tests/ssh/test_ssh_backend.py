@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import subprocess
+import threading
 import sys
 from pathlib import Path
 from typing import Iterator, List, Tuple
@@ -215,14 +216,24 @@ def test_a_host_whose_link_goes_down_is_reported_by_name_and_stop_still_works(
     monkeypatch.chdir(ws)
     (ws / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
     link = f"mssh-v{2}"
-    timer = __import__("threading").Timer(3.0, lambda: subprocess.run(["ip", "link", "set", link, "down"]))
-    timer.start()
+    cut = threading.Event()
+
+    class CutWhenUp(io.BytesIO):
+        """The console: once every rank is up (the run is under way), h2's link goes down."""
+
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            n = super().write(data)
+            if self.getvalue().count(b"up") >= 2 and not cut.is_set():
+                cut.set()
+                subprocess.run(["ip", "link", "set", link, "down"], check=True)
+            return n
+
+    out = CutWhenUp()
     try:
-        out = io.BytesIO()
         result = job.run_spmd(["torchrun", "--nproc-per-node=1", "sleepy.py"], stdout=out, stderr=out, grace=1.0)
     finally:
-        timer.join()
         subprocess.run(["ip", "link", "set", link, "master", "mssh-br0", "up"])
+    assert cut.is_set(), out.getvalue()
     lost = [r for r in result.ranks if r.lost]
     assert result.exit_code != 0 and result.duration < 30, out.getvalue()
     assert [r.host for r in lost] == ["h2"] and "host h2 stopped answering" in lost[0].how
