@@ -125,8 +125,7 @@ class DebugClient:
         """Hold ``rank``: its pdb output now comes here. Returns what the user has not seen."""
         row = self._row(rank)
         info = self._get(self._ask(rank, "debug_attach", self.name, settings().heartbeat_timeout), 10)
-        heartbeat = self.hs.infos[[h.agent for h in self.hs.hosts].index(row.agent)]["heartbeat"]
-        self.mb.watch_agent(row.agent, heartbeat, lambda agent, silence: self.events.put(
+        self.mb.watch_agent(row.agent, lambda agent, silence: self.events.put(
             ("state", rank, "lost", f"host agent stopped answering ({silence:.0f} s)")))
         return info
 
@@ -200,8 +199,7 @@ class DapRelay:
         mine = lambda h: (h[2], h[3]) == (self.row.run_id, rank)  # noqa: E731
         mb.event_handlers["debug_dap_data"] = lambda h, f: self._events.put(("data", h[4])) if mine(h) else None
         mb.event_handlers["debug_dap_closed"] = lambda h, f: self._events.put(("closed", h[4])) if mine(h) else None
-        heartbeat = client.hs.infos[[h.agent for h in client.hs.hosts].index(self.row.agent)]["heartbeat"]
-        mb.watch_agent(self.row.agent, heartbeat,
+        mb.watch_agent(self.row.agent,
                        lambda agent, silence: self._events.put(("closed", f"its host agent stopped answering ({silence:.0f} s)")))
         self.listener = listen_loopback()
         self.host, self.port = LOOPBACK, self.listener.getsockname()[1]

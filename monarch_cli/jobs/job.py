@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from .spmd import (
     remote_environment, user_environment,
 )
 from .sync import SyncReport, sync_workspace
-from .state import JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
+from .state import HostRecord, JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
 
 Command = Union[str, Sequence[str], Any]  # a command line, an argv list, or a torchx AppDef
@@ -98,11 +99,17 @@ class Job:
                 f"reservation {self.state.reservation_id} is gone ({probe.reason}); "
                 "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
             )
-        host = controller_host([h.agent for h in self.state.hosts])
+        hosts = self._reachable_hosts()
+        host = controller_host([h.agent for h in hosts])
         if host is not None:  # agents on other hosts could not reach a loopback address
             configure(host=host)
         dead = [] if require_all else self.scheduler.dead_hosts(self.state)
-        return HostSet(self.state.hosts, self.keys, require_all=require_all, known_dead=dead)
+        return HostSet(hosts, self.keys, require_all=require_all, known_dead=dead)
+
+    def _reachable_hosts(self) -> List[HostRecord]:
+        """The hosts with the agent addresses this process reaches them at (a backend's forward, or their own)."""
+        addresses = self.scheduler.agent_addresses(self.state)
+        return [h if a == h.agent else dataclasses.replace(h, agent=a) for h, a in zip(self.state.hosts, addresses)]
 
     # ------------------------------------------------------------------ runs
     def run_spmd(
@@ -208,7 +215,7 @@ class Job:
     def sync(self, workspace: Union[str, Path, None] = None, *, _hostset: Optional[HostSet] = None) -> SyncReport:
         """Mirror ``workspace`` (default: here) to every host that does not share this filesystem."""
         hostset = _hostset or self._hostset()
-        return sync_workspace(hostset.mb, self.state.hosts, self.state.reservation_id,
+        return sync_workspace(hostset.mb, hostset.hosts, self.state.reservation_id,
                               str(workspace if workspace is not None else os.getcwd()), self.path.parent)
 
     def _prepare_hosts(self, hostset: HostSet, cwd: str, workspace: Union[str, Path, None], sync: bool,
@@ -372,12 +379,15 @@ class Job:
         """Best effort: an agent that does not answer in ``timeout`` has no run to tell."""
         if self.scheduler.probe(self.state).gone:
             return []
-        host = controller_host([h.agent for h in self.state.hosts])
+        hosts = self._reachable_hosts()
+        host = controller_host([h.agent for h in hosts])
         if host is not None:
             configure(host=host)
         mb = Mailbox.for_keys(self.keys)
         who = _stopper(by)
-        asks = [mb.request(h.agent, lambda cid: ("stopping", cid, mb.address, who)) for h in self.state.hosts]
+        for h in hosts:
+            mb.link(h.agent)
+        asks = [mb.request(h.agent, lambda cid: ("stopping", cid, mb.address, who)) for h in hosts]
         deadline = time.monotonic() + timeout
         ended: Set[str] = set()
         for ask in asks:

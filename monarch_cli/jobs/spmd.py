@@ -181,6 +181,8 @@ class HostSet:
                  known_dead: Sequence[str] = ()) -> None:
         self.hosts = hosts
         self.mb = Mailbox.for_keys(keys)
+        for h in hosts:  # one connection per host: everything comes back on it
+            self.mb.link(h.agent)
         pings = [None if h.name in known_dead else self.mb.request(h.agent, lambda cid: ("ping", cid, self.mb.address))
                  for h in hosts]
         self.infos: List[Dict[str, Any]] = []
@@ -244,8 +246,7 @@ class SpmdRunner:
         mb = self.mb
         by_rank = {l.rank: l for l in launches}
         exits: Dict[int, RankExit] = {}
-        done: Future[None] = Future()
-        done._mailbox = mb
+        done: Future[None] = Future()  # resolved by agent events, on the mailbox's I/O thread
         first_failure: List[int] = []
         started = time.monotonic()
         lock = threading.Lock()
@@ -331,8 +332,7 @@ class SpmdRunner:
             mb.event_handlers["telemetry"] = telemetry.on_agent_event
             telemetry.started(launches, self.hs, attempt)
         for n in nodes:
-            info = self.hs.infos[n]
-            mb.watch_agent(self.hs.hosts[n].agent, info["heartbeat"], on_lost)
+            mb.watch_agent(self.hs.hosts[n].agent, on_lost)
         # Ctrl-C, torchrun's death signals, plus what the caller forwards (e.g. Slurm's SIGUSR1).
         relay = SignalRelay([signal.SIGINT, *DEATH_SIGNALS, *forward_signals])
         try:

@@ -120,10 +120,11 @@ class HostAgent:
         self.keys = keys
         self.transport = Transport(keys)
         self.inbox, self.address = self.transport.bind_router(port)
-        # Heartbeats get their own context (its own I/O thread), so a multi-GiB transfer
-        # on the inbox cannot delay them past the timeout.
-        self.hb_transport = Transport(keys)
-        self.hb, self.heartbeat_address = self.hb_transport.bind_router()
+        # One port per host: everything for a client goes back on the connection it opened
+        # (its link names itself by its mailbox address); a client it cannot route to (gone,
+        # or one that never linked) is sent to directly, as before.
+        self.inbox.router_mandatory = True
+        self.inbox.router_handover = True  # a client's reconnection (a restarted tunnel) takes its route over
         self.host = name or socket.gethostname()
         self.label = f"{reservation} host {self.host}" if reservation else f"host {self.host}"
         lineage.become_subreaper()
@@ -149,6 +150,13 @@ class HostAgent:
 
     # ------------------------------------------------------------------ sending
     def send(self, address: str, header: Tuple[Any, ...], body: List[Any] = ()) -> None:  # type: ignore[assignment]
+        """To ``address`` through the connection it opened to us, else by connecting to it."""
+        try:
+            self.inbox.send_multipart([address.encode(), *wire.frames(header, body)], copy=False)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
         sock = self._socks.get(address)
         if sock is None:
             sock = self._socks[address] = self.transport.dealer(address)
@@ -203,16 +211,10 @@ class HostAgent:
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.transport.zap, zmq.POLLIN)
         poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
-        poller.register(self.hb, zmq.POLLIN)
-        poller.register(self.hb_transport.zap, zmq.POLLIN)
         while self.running:
             events = dict(poller.poll(200))
             if self.transport.zap in events:
                 self.transport.serve_zap()
-            if self.hb_transport.zap in events:
-                self.hb_transport.serve_zap()
-            if self.hb in events:
-                self._heartbeats()
             if self.zygote.sock.fileno() in events:
                 self._from_zygote(self.zygote)
             for fd in [fd for fd in self._zygotes if fd in events]:
@@ -248,6 +250,9 @@ class HostAgent:
     def _handle(self, frames: List[zmq.Frame]) -> None:
         header, body = wire.parse(frames[1:])
         kind = header[0]
+        if kind == "heartbeat":  # answered on the connection it came on, whoever that is
+            self._heartbeat(frames[0].bytes, header[1])
+            return
         if self.debug.handle(header) or self.telemetry.handle(header, body):
             return
         if kind.startswith("sync_"):  # workspace sync: runtime/sync_host.py
@@ -308,7 +313,6 @@ class HostAgent:
             "pid": os.getpid(),
             "procs": len(self.procs),
             "ranks": len(self.ranks.by_pid),
-            "heartbeat": self.heartbeat_address,
             "cpus": os.cpu_count() or 1,
             "gpus": _count_gpus(),
             "preload": self.preload,
@@ -316,13 +320,14 @@ class HostAgent:
             **self.telemetry.info(),
         }
 
-    def _heartbeats(self) -> None:
-        while self.hb.poll(0):
-            identity, client_addr = self.hb.recv_multipart()
-            client = self.clients.get(client_addr.decode())
-            if client is not None:
-                client.last_seen = time.monotonic()
-            self.hb.send_multipart([identity, b"ack"])
+    def _heartbeat(self, route: bytes, client_addr: str) -> None:
+        client = self.clients.get(client_addr)
+        if client is not None:
+            client.last_seen = time.monotonic()
+        try:
+            self.inbox.send_multipart([route, b"ack"])
+        except zmq.ZMQError:  # its connection closed meanwhile
+            pass
 
     def _spawn(
         self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any], import_context: Dict[str, Any]
@@ -336,7 +341,6 @@ class HostAgent:
                 "ready_call_id": ready_cid,
                 "owner": owner,
                 "agent": self.address,
-                "agent_heartbeat": self.heartbeat_address,
                 "host": self.host,
                 "settings": client_settings,
                 "import": import_context,

@@ -1,8 +1,16 @@
 """The per-process messaging endpoint: one authenticated reply socket, an I/O thread.
 
-Every process of the runtime (controller, proc) has exactly one :class:`Mailbox`. Outgoing
-messages leave on a DEALER socket owned by the sending thread, so a send never waits for
-another thread. Replies and agent events arrive on the mailbox's ROUTER.
+Every process of the runtime (controller, proc) has exactly one :class:`Mailbox`. Messages to
+procs leave on a DEALER socket owned by the sending thread, so a send never waits for
+another thread; their replies arrive on the mailbox's ROUTER.
+
+Host agents are different: this process needs no inbound port for them. Each agent address
+that is :meth:`~Mailbox.link`-ed gets one DEALER (its link), owned by the I/O thread and named
+by this mailbox's address; the agent answers everything (results, rank output and exits,
+debugger and telemetry traffic) through its ROUTER on that connection. Other threads hand
+their sends to the I/O thread over an inproc queue, and the I/O thread reads the links, so
+a future for an agent request is resolved by the I/O thread (its waiter does not ``pump``).
+One TCP port per host is enough, reached directly or through a forward.
 
 Who reads that ROUTER: a thread blocked in ``Future.get()`` reads it itself (``pump``), so a
 round trip costs no hand-off between threads; whenever nobody is waiting that way, the I/O
@@ -11,7 +19,8 @@ it, backing off for a couple of milliseconds when a waiter holds it, so it never
 heartbeats or ZAP handshakes behind a long wait.
 
 Liveness never depends on how busy this process is: heartbeats have a thread of their own
-(started when the first agent is watched) and their own ZeroMQ context, so no handler, such
+(started when the first agent is watched), their own ZeroMQ context and their own
+connection to the agent's one port (the agent answers on it), so no handler, such
 as a run's output being printed to a slow terminal, can hold them up; an agent counts as
 lost only when a heartbeat this process *sent* has gone unanswered for the timeout. A
 reader also handles at most :data:`_DRAIN_BATCH` messages at a time, so a waiter under a
@@ -49,7 +58,6 @@ _DRAIN_BATCH = 64
 
 @dataclasses.dataclass
 class _AgentWatch:
-    heartbeat: str  # the agent's heartbeat address
     last_ack: float
     sock: Optional[zmq.Socket] = None
     unanswered_since: Optional[float] = None  # when the oldest heartbeat not yet answered was sent
@@ -98,6 +106,15 @@ class Mailbox:
         self._wake_addr = f"inproc://mailbox-wake-{id(self)}"
         self._wake_rx = self.transport.ctx.socket(zmq.PULL)
         self._wake_rx.bind(self._wake_addr)
+        #: Agent addresses reached through a link; the links themselves belong to the I/O thread.
+        self._linked: Set[str] = set()
+        self._links: Dict[str, zmq.Socket] = {}
+        self._out_addr = f"inproc://mailbox-out-{id(self)}"
+        self._out_rx = self.transport.ctx.socket(zmq.PULL)
+        self._out_rx.rcvhwm = 0
+        self._out_rx.bind(self._out_addr)
+        self._watching = zmq.Poller()
+        self._backing_off = zmq.Poller()
         self._thread = threading.Thread(target=self._io_loop, name="monarch-mailbox", daemon=True)
         self._thread.start()
         self._hb_thread: Optional[threading.Thread] = None
@@ -200,7 +217,14 @@ class Mailbox:
         sock.send(b"")
 
     # ------------------------------------------------------------------- sending
+    def link(self, address: str) -> None:
+        """Reach the host agent at ``address`` through one connection of ours: it answers on it."""
+        self._linked.add(address)
+
     def send(self, address: str, header: Header, body: Sequence[Any] = ()) -> None:
+        if address in self._linked:
+            self._send_link(address, wire.frames(header, body))
+            return
         socks: Optional[Dict[str, zmq.Socket]] = getattr(self._tls, "socks", None)
         if socks is None:
             socks = self._tls.socks = {}
@@ -208,6 +232,28 @@ class Mailbox:
         if sock is None:
             sock = socks[address] = self.transport.dealer(address)
         wire.send_message(sock, header, body)
+
+    def _send_link(self, address: str, frames: List[Any]) -> None:
+        if threading.current_thread() is self._thread:
+            self._link_socket(address).send_multipart(frames, copy=False)
+            return
+        out = getattr(self._tls, "out", None)
+        if out is None:
+            out = self._tls.out = self.transport.ctx.socket(zmq.PUSH)
+            out.sndhwm = 0
+            out.linger = 2000
+            out.connect(self._out_addr)
+        out.send_multipart([address.encode(), *frames], copy=False)
+
+    def _link_socket(self, address: str) -> zmq.Socket:
+        """The link to ``address`` (I/O thread only), made on first use."""
+        sock = self._links.get(address)
+        if sock is None:
+            sock = self.transport.dealer(address, identity=self.address.encode())
+            self._links[address] = sock
+            self._watching.register(sock, zmq.POLLIN)
+            self._backing_off.register(sock, zmq.POLLIN)
+        return sock
 
     def request(
         self,
@@ -219,7 +265,8 @@ class Mailbox:
     ) -> Future[Any]:
         """Send a message that expects one ``result``; the future fails if ``proc_id`` dies."""
         fut: Future[Any] = Future()
-        fut._mailbox = self
+        if address not in self._linked:  # an agent's answer comes to the I/O thread, not to a pump
+            fut._mailbox = self
         cid = next(self._ids)
         with self._lock:
             failure = self._dead.get(proc_id) if proc_id else None
@@ -259,20 +306,20 @@ class Mailbox:
         self.send(address, ("result", call_id, ok), body)
 
     # ------------------------------------------------------------- supervision
-    def track_proc(
-        self, proc_id: str, agent: str, heartbeat: str, host: str, mesh: Any, owner_actor: Optional[str]
-    ) -> None:
+    def track_proc(self, proc_id: str, agent: str, host: str, mesh: Any, owner_actor: Optional[str]) -> None:
         """Own ``proc_id``: its exit is supervised here, and its agent is heartbeated."""
         self._procs[proc_id] = _OwnedProc(agent, host, weakref.ref(mesh) if mesh is not None else None, owner_actor)
+        self.link(agent)
         if agent not in self._agents:
-            self._agents[agent] = _AgentWatch(heartbeat, time.monotonic())
+            self._agents[agent] = _AgentWatch(time.monotonic())
         self._start_heartbeats()
 
-    def watch_agent(self, agent: str, heartbeat: str, on_lost: Callable[[str, float], None]) -> None:
+    def watch_agent(self, agent: str, on_lost: Callable[[str, float], None]) -> None:
         """Heartbeat ``agent`` until :meth:`unwatch_agent`; call ``on_lost(agent, silence)`` if it goes quiet."""
         self._watchers[agent] = on_lost
+        self.link(agent)
         if agent not in self._agents:
-            self._agents[agent] = _AgentWatch(heartbeat, time.monotonic())
+            self._agents[agent] = _AgentWatch(time.monotonic())
         self._start_heartbeats()
 
     def _start_heartbeats(self) -> None:
@@ -378,15 +425,17 @@ class Mailbox:
 
     def _io_loop(self) -> None:
         reply_fd = self._reply.getsockopt(zmq.FD)
-        watching = zmq.Poller()
-        backing_off = zmq.Poller()
+        watching = self._watching
+        backing_off = self._backing_off
         for p in (watching, backing_off):
             p.register(self.transport.zap, zmq.POLLIN)
             p.register(self._wake_rx, zmq.POLLIN)
+            p.register(self._out_rx, zmq.POLLIN)
         watching.register(reply_fd, zmq.POLLIN)
+        links_more = False
         while not self._closing:
             now = time.monotonic()
-            timeout = 0.0 if self._more else 1.0  # more queued: read it now
+            timeout = 0.0 if self._more or links_more else 1.0  # more queued: read it now
             if now < self._backoff_until:
                 poller = backing_off
                 timeout = self._backoff_until - now
@@ -399,6 +448,9 @@ class Mailbox:
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
+            if self._out_rx in events:
+                self._forward_out()
+            links_more = self._drain_links()
             if poller is watching and (reply_fd in events or not events or self._more):
                 if self._reader.acquire(blocking=False):
                     try:
@@ -408,9 +460,42 @@ class Mailbox:
                         self._reader.release()
                 else:  # a waiter is reading; look again shortly
                     self._backoff_until = time.monotonic() + 0.002
+        self._forward_out()  # a last `client_exit` queued by close()
+        for sock in self._links.values():
+            sock.close(linger=500)
+
+    def _forward_out(self) -> None:
+        """Send what other threads queued for the links."""
+        out = self._out_rx
+        while out.getsockopt(EVENTS) & POLLIN:
+            frames = out.recv_multipart(copy=False)
+            try:
+                self._link_socket(frames[0].bytes.decode()).send_multipart(frames[1:], copy=False)
+            except zmq.ZMQError:
+                traceback.print_exc()
+
+    def _drain_links(self) -> bool:
+        """Handle what agents sent on the links, at most a batch each; True when more may be queued."""
+        more = False
+        for sock in list(self._links.values()):
+            handled = 0
+            while sock.getsockopt(EVENTS) & POLLIN:
+                if handled >= _DRAIN_BATCH:
+                    more = True
+                    break
+                frames = wire.recv_frames(sock)
+                handled += 1
+                try:
+                    self._handle_message(frames)
+                except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+                    traceback.print_exc()
+        return more
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
-        header, body = wire.parse(frames[1:])
+        self._handle_message(frames[1:])
+
+    def _handle_message(self, frames: List[zmq.Frame]) -> None:
+        header, body = wire.parse(frames)
         kind = header[0]
         if kind == "result":
             _, cid, ok = header
@@ -467,6 +552,7 @@ class Mailbox:
         from .transport import Transport
 
         self._hb_transport = Transport(self.keys, zap=False)
+        self._beat = wire.frames(("heartbeat", self.address))[0]
         poller = zmq.Poller()
         next_beat = 0.0
         while not self._closing:
@@ -499,10 +585,10 @@ class Mailbox:
                 # round to reading: a busy process does not make its agents look dead.
                 self._agent_lost(agent, now - watch.unanswered_since, poller)
             else:
-                if watch.sock is None:
-                    watch.sock = self._hb_transport.dealer(watch.heartbeat)
+                if watch.sock is None:  # its own connection to the agent's one port
+                    watch.sock = self._hb_transport.dealer(agent)
                     poller.register(watch.sock, zmq.POLLIN)
-                watch.sock.send(self.address.encode(), zmq.NOBLOCK)
+                watch.sock.send(self._beat, zmq.NOBLOCK)
                 if watch.unanswered_since is None:
                     watch.unanswered_since = now
 

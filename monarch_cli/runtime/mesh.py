@@ -28,7 +28,6 @@ from .shape import Index, Shape, ValueMesh
 class HostRef:
     agent: str  # the host agent's address
     host: str
-    heartbeat: str  # the agent's heartbeat address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +89,8 @@ class HostMesh(_Mesh):
     def connect(cls, agents: Sequence[str], dim: str = "hosts") -> "HostMesh":
         """A mesh over running agents (addresses as they print them), checked with a ping."""
         mb = Mailbox.get()
+        for a in agents:
+            mb.link(a)
         pings = [mb.request(a, lambda cid: ("ping", cid, mb.address)) for a in agents]
         refs = []
         for agent, fut in zip(agents, pings):
@@ -97,7 +98,7 @@ class HostMesh(_Mesh):
                 info = fut.get(timeout=settings().spawn_timeout)
             except MonarchError as e:
                 raise MonarchError(f"host agent {agent} did not answer: {e}") from None
-            refs.append(HostRef(agent, info["host"], info["heartbeat"]))
+            refs.append(HostRef(agent, info["host"]))
         return cls(Shape({dim: len(refs)}), refs)
 
     def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, name: str = "procs") -> "ProcMesh":
@@ -121,7 +122,7 @@ class HostMesh(_Mesh):
                 proc_id = f"{uid}.{h * local + i}"
                 cid, fut = mb.expect(proc_id)
                 ready.append(fut)
-                mb.track_proc(proc_id, host.agent, host.heartbeat, host.host, mesh, ctx._key)
+                mb.track_proc(proc_id, host.agent, host.host, mesh, ctx._key)
                 specs.append((proc_id, cid))
             body = wire.dumps((specs, dataclasses.asdict(settings()), _import_context()))
             acks.append(mb.request(host.agent, lambda cid: ("spawn_procs", cid, mb.address), body))
@@ -364,7 +365,7 @@ def this_host() -> HostMesh:
 
         boot = _proc.current_bootstrap()
         if boot is not None:
-            _local_host = HostMesh(Shape({}), [HostRef(boot["agent"], boot["host"], boot["agent_heartbeat"])])
+            _local_host = HostMesh(Shape({}), [HostRef(boot["agent"], boot["host"])])
         else:
             from .agent_launch import start_private_agent
 

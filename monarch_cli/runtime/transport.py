@@ -77,8 +77,11 @@ class Transport:
                     raise OSError(e.errno, f"cannot listen on {host}:{candidate or '*'}: {e}") from None
         return sock, sock.last_endpoint.decode()
 
-    def dealer(self, address: str) -> zmq.Socket:
+    def dealer(self, address: str, identity: Optional[bytes] = None) -> zmq.Socket:
+        """A CURVE DEALER to ``address``; ``identity`` names it to the server's ROUTER (a link: see mailbox)."""
         sock = self.ctx.socket(zmq.DEALER)
+        if identity is not None:
+            sock.routing_id = identity
         sock.linger = 2000  # flush what is queued when the socket closes
         sock.sndhwm = 0
         sock.rcvhwm = 0

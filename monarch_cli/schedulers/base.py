@@ -246,6 +246,12 @@ class Scheduler(abc.ABC):
             return f"it has {len(reservation.hosts)} host(s), not {request.hosts}"
         return None
 
+    def agent_addresses(self, reservation: ReservationRecord) -> List[str]:
+        """Where this process reaches each host's agent: the address it listens on, or a forward the
+        backend opens here (ssh ``--tunnel``). An agent answers on the connection made to it, so its
+        one port, reached either way, is all a client needs."""
+        return [h.agent for h in reservation.hosts]
+
     def dead_hosts(self, reservation: ReservationRecord) -> List[str]:
         """Hosts known dead without asking them (no network round trip); may miss some."""
         return []

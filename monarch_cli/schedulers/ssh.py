@@ -210,6 +210,9 @@ class SshScheduler(Scheduler):
                help=f"Where serve puts its files on each host (default {DEFAULT_REMOTE_DIR})."),
         Option("accept_new_host_keys", bool, default=False,
                help="Record unknown host keys in known_hosts (a changed key is always refused)."),
+        Option("tunnel", bool, default=False,
+               help="Reach each agent's one port through a forward over SSH (ssh -L), for a client that cannot "
+                    "reach the hosts' ports or that they cannot reach."),
     )
 
     # ---------------------------------------------------------------- planning
@@ -240,10 +243,12 @@ class SshScheduler(Scheduler):
                       f"{alias}: run: {command}"]
         steps.append(f"wait until {len(names)} agent(s) have written agent.addr; a host that fails is reported by "
                      "name and the others are cleaned up")
+        if opts.get("tunnel"):
+            steps.append("every client process reaches each agent's port through a forward over its SSH connection")
         summary = (f"start a detached host agent on {len(names)} SSH host(s) ({', '.join(names)}), set up in "
                    "parallel, with a fresh key pair (0600 in the job state here, uploaded over SFTP there)")
         data = {"hosts": hosts, "python": python, "remote_dir": root, "version": __version__,
-                "accept_new_host_keys": bool(opts.get("accept_new_host_keys"))}
+                "accept_new_host_keys": bool(opts.get("accept_new_host_keys")), "tunnel": bool(opts.get("tunnel"))}
         return Plan(self.name, rid, len(names), list(request.command), str(workdir.resolve()), summary, steps,
                     options=opts, data=data)
 
@@ -296,7 +301,8 @@ class SshScheduler(Scheduler):
             rec["address"] = host.agent
         return Reservation(plan.reservation_id,
                            [HostRecord(h.name, h.agent, rec["pid"], h.node_rank) for h, rec in zip(found, records)],
-                           {"ssh_hosts": records, "accept_new_host_keys": accept_new, "remote_dir": root})
+                           {"ssh_hosts": records, "accept_new_host_keys": accept_new, "remote_dir": root,
+                            "tunnel": bool(plan.data.get("tunnel"))})
 
     def _start_host(self, target: SshTarget, directory: str, command: str, python: str, keys: "Keys",
                     accept_new: bool, progress: Progress, started: Dict[int, Dict[str, Any]], index: int) -> None:
@@ -366,6 +372,28 @@ class SshScheduler(Scheduler):
         if names != had:
             return f"it has hosts {','.join(had)}, not {','.join(names)}"
         return None
+
+    def agent_addresses(self, reservation: ReservationRecord) -> List[str]:
+        """With ``tunnel``: a loopback port of this process per host, forwarded over SSH to its agent."""
+        if not reservation.scheduler_data.get("tunnel"):
+            return super().agent_addresses(reservation)
+        from .ssh_forward import forward
+
+        accept_new = bool(reservation.scheduler_data.get("accept_new_host_keys"))
+
+        def one(pair: Tuple[HostRecord, Dict[str, Any]]) -> str:
+            host, rec = pair
+            where, _, port = host.agent.rpartition("//")[2].rpartition(":")
+            try:
+                return forward((reservation.reservation_id, rec["alias"]),
+                               lambda: connect(SshTarget.from_json(rec), accept_new),
+                               (where, int(port)))
+            except SchedulerError:  # unreachable: its agent will not answer, and says so by name
+                return host.agent
+
+        pairs = list(zip(reservation.hosts, reservation.scheduler_data.get("ssh_hosts", [])))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(pairs)))) as pool:
+            return list(pool.map(one, pairs))
 
     def release(self, reservation: ReservationRecord) -> None:
         self._release_hosts(reservation.scheduler_data.get("ssh_hosts", []),

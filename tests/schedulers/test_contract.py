@@ -167,8 +167,11 @@ def test_agents_listen_on_a_fixed_port_and_keep_their_ports_in_a_range(tmp_path:
         master = int(out.getvalue().split(b"master_port ")[1].split()[0])
         assert base + 10 <= master <= base + 40  # the rendezvous port the agent reserved
         for host in job.state.hosts:
+            own = [c.laddr.port for c in psutil.Process(host.pid).net_connections("tcp")
+                   if c.status == psutil.CONN_LISTEN]
+            assert own == [int(host.agent.rsplit(":", 1)[1])], own  # one port per host, heartbeats included
             others = [p for p in _listening(host.pid) if p not in (base, base + 1)]
-            assert others and all(base + 10 <= p <= base + 40 for p in others), others
+            assert all(base + 10 <= p <= base + 40 for p in others), others
     finally:
         job.stop()
     assert get_scheduler("local").probe(job.state).liveness is Liveness.GONE

@@ -1,0 +1,112 @@
+"""One connection per host, for real: hosts that cannot route to the client, each reached only
+through one port forwarded over SSH (the ssh backend's ``--tunnel``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from monarch_cli.config import configure, settings
+from monarch_cli.jobs import RunResult, serve
+from monarch_cli.jobs.debug import DebugClient
+
+from .conftest import CLIENT_ADDRESS, SshHosts
+from .test_ssh_backend import PYTHON, _monarch, _ssh_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.ssh]
+
+# Output past the hosts' credit window (1 MiB), then a run longer than the heartbeat timeout:
+# output, credits, heartbeats both ways and exits all cross the forwards.
+SCRIPT = """\
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+sys.stdout.write(("x" * 99 + "\\n") * 15000)
+print("sum", int(t.item()), "rank", dist.get_rank(), flush=True)
+time.sleep(4)
+dist.destroy_process_group()
+"""
+
+
+def _agent_peers(ns: str, port: int) -> List[str]:
+    """The peer addresses of the connections into ``port`` inside namespace ``ns``."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    return [line.split()[-1].rpartition(":")[0] for line in out.splitlines() if line.strip()]
+
+
+def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_port_each(
+        ssh_hosts: SshHosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    state = ws / ".monarch" / "job_state.pkl"
+    before = (settings().host, settings().heartbeat_timeout, settings().heartbeat_interval)
+    # The client's mailbox listens on its loopback: a host's 127.0.0.1 is the host itself, so no
+    # agent can connect to this client; a heartbeat timeout shorter than the run proves both ways.
+    configure(host="127.0.0.1", heartbeat_timeout=3.0, heartbeat_interval=0.25)
+    job = serve(None, "ssh", state=state, hosts="h1,h2", ssh_config=str(config), python=PYTHON, tunnel=True)
+    try:
+        hs = job._hostset()
+        assert all(h.agent.startswith("tcp://127.0.0.1:") for h in hs.hosts), hs.hosts  # the forwards
+        client_port = hs.mb.address.rpartition(":")[2]
+        reach = subprocess.run(["ip", "netns", "exec", ssh_hosts.hosts[0].name, sys.executable, "-c",
+                                f"import socket; socket.create_connection(('127.0.0.1', {client_port}), 2)"],
+                               capture_output=True, text=True)
+        assert reach.returncode != 0 and "refused" in reach.stderr.lower(), reach.stderr
+
+        (ws / "train.py").write_text(SCRIPT)
+        monkeypatch.chdir(ws)
+        out = io.BytesIO()
+        result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out,
+                              env={"GLOO_SOCKET_IFNAME": "eth0"})
+        text = out.getvalue().decode()
+        assert result.exit_code == 0 and not any(r.lost for r in result.ranks), \
+            ([r.how for r in result.ranks], text[-2000:])
+        assert text.count("x" * 99) == 30000 and text.count("sum 3 rank") == 2, text[-2000:]
+
+        # Every connection into an agent's port came from its own host's sshd (the forward), none
+        # from the client's address; and the agent has no other port for the client.
+        for h, rec in zip(ssh_hosts.hosts, job.state.hosts):
+            port = int(rec.agent.rpartition(":")[2])
+            peers = _agent_peers(h.name, port)
+            assert peers and set(peers) == {h.address} and CLIENT_ADDRESS not in peers, peers
+        assert "heartbeat" not in hs.infos[0]
+
+        # The debugger's relay: rank 0 on h1 pauses; its pdb is driven from here through the forward.
+        (ws / "dbg.py").write_text("import os\nanswer = 6 * 7\nif os.environ['RANK'] == '0':\n    breakpoint()\n")
+        runs: List[RunResult] = []
+        runner = threading.Thread(target=lambda: runs.append(job.run_spmd(
+            ["torchrun", "--nproc-per-node=1", "dbg.py"], stdout=io.BytesIO(), stderr=io.BytesIO())))
+        runner.start()
+        client = DebugClient(job)
+        try:
+            deadline = time.monotonic() + 60
+            while not [r for r in client.list() if r.state == "paused"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert "42" in str(client.cast({0}, "p answer")[0])
+            client.continue_({0})
+            runner.join(60)
+        finally:
+            client.close()
+        assert runs and runs[0].exit_code == 0, runs
+
+        # A fresh CLI process opens its own forwards: exec, status.
+        done = _monarch("exec", "--state", str(state), "--", "hostname -I")
+        assert done.returncode == 0 and all(h.address in done.stdout for h in ssh_hosts.hosts), done.stderr
+        assert "Traceback" not in done.stderr and "FAILED" not in done.stderr, done.stderr
+        status = _monarch("status", "--state", str(state), "--json")
+        assert status.returncode == 0, status.stderr
+        assert [(h["name"], h["alive"]) for h in json.loads(status.stdout)["hosts"]] == [("h1", True), ("h2", True)]
+    finally:
+        job.stop()
+        configure(host=before[0], heartbeat_timeout=before[1], heartbeat_interval=before[2])
