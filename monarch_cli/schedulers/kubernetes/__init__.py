@@ -165,12 +165,15 @@ class KubernetesScheduler(Scheduler):
                     self._create(core, batch, body)
                 except Exception as e:  # noqa: BLE001 - ApiException or a connection error: one line
                     raise _api_error(e, f"cannot create {m['kind']} {ns}/{m['metadata']['name']}") from None
-            watch = _PodWatch(core, batch, ns, job, hosts, port)
+            watch = _PodWatch(core, batch, ns, job, hosts, port, progress)
             names = [f"{job}-{i}" for i in range(hosts)]
             found = wait_for_agents(watch.discover, names, progress, timeout=AGENT_START_TIMEOUT,
                                     check=watch.check, label="pods running with agents up", interval=0.05)
         except BaseException:
-            _delete_all(core, batch, record, wait=True)
+            try:  # leave nothing behind; the first error is the one to report
+                _delete_all(core, batch, record, wait=True)
+            except SchedulerError:
+                pass
             raise
         pods = watch.pod_names()
         record["pods"] = [pods.get(i, "") for i in range(hosts)]
@@ -225,16 +228,19 @@ class KubernetesScheduler(Scheduler):
         lines = [f"Job {ns}/{name}: active {st.active or 0}, succeeded {st.succeeded or 0}, failed {st.failed or 0}"
                  + (f"; {_job_ended(job)}" if _job_ended(job) else "")]
         for pod in sorted(pods, key=lambda p: int((p.metadata.labels or {}).get(manifests.INDEX_LABEL, 0))):
+            why = _exit_reason(pod) if pod.status.phase in ("Failed", "Succeeded") else _pending_reason(pod)
             lines.append(f"pod {pod.metadata.name}: {pod.status.phase}, IP {pod.status.pod_ip or '-'}, node "
-                         f"{pod.spec.node_name or '-'}" + (f" ({_pending_reason(pod)})" if _pending_reason(pod) else ""))
+                         f"{pod.spec.node_name or '-'}" + (f" ({why})" if why else ""))
         return lines
 
 
 class _PodWatch:
     """The reservation's pods, kept current by watching them from the last resourceVersion seen."""
 
-    def __init__(self, core: Any, batch: Any, namespace: str, job: str, hosts: int, port: int) -> None:
+    def __init__(self, core: Any, batch: Any, namespace: str, job: str, hosts: int, port: int,
+                 progress: Progress) -> None:
         self.core, self.batch, self.ns, self.job, self.hosts, self.port = core, batch, namespace, job, hosts, port
+        self.progress, self.said = progress, ""
         self.selector = f"{RESERVATION_LABEL}={job}"
         self.pods: Dict[str, Any] = {}
         self.version: Optional[str] = None
@@ -302,6 +308,8 @@ class _PodWatch:
         why = _job_ended(job)
         if why:
             raise SchedulerError(why)
+        if job.spec.suspend:
+            self._say(f"the Job {self.ns}/{self.job} is suspended: waiting for Kueue to admit it")
         unschedulable = []
         for index, pod in sorted(self._by_index().items()):
             phase = pod.status.phase if pod.status else None
@@ -317,11 +325,18 @@ class _PodWatch:
             if reason.startswith("Unschedulable"):
                 unschedulable.append(f"pod {pod.metadata.name}: {reason}")
         if unschedulable:
+            self._say(f"Pending: {unschedulable[0]}" + (f" (and {len(unschedulable) - 1} more)"
+                                                         if len(unschedulable) > 1 else ""))
             self.unschedulable_since = self.unschedulable_since or time.monotonic()
             if time.monotonic() - self.unschedulable_since > UNSCHEDULABLE_GRACE:
                 raise SchedulerError(f"{unschedulable[0]} (for {UNSCHEDULABLE_GRACE:.0f} s)")
         else:
             self.unschedulable_since = None
+
+    def _say(self, message: str) -> None:
+        if message != self.said:
+            self.progress(message)
+            self.said = message
 
 
 def _port_open(ip: str, port: int) -> bool:
