@@ -5,7 +5,8 @@ of the template plus ``batch.kubernetes.io/job-completion-index``, ``JOB_COMPLET
 in the container env, hostname ``<job>-<index>``, the template's subdomain), as the Job
 controller does. Each pod is then "scheduled" (a pod asking for more ``nvidia.com/gpu``
 than the node has stays Pending, Unschedulable) and "pulled" (an image not in
-:attr:`Kubelet.images` waits in ErrImagePull), then its container command runs as a real
+:attr:`Kubelet.images` waits in ErrImagePull), then its init containers run to completion
+(one that fails fails the pod, its output in the termination message) and its container command runs as a real
 local process: ``$(VAR)`` references expanded, the env of the pod spec (``status.podIP``
 and other field refs resolved), its Secret volumes written as files (the volume's
 ``defaultMode``) in a private 0700 directory that stands for the mount path. Each pod gets
@@ -49,8 +50,9 @@ class _Container:
 class Kubelet:
     """Runs in a thread beside the emulator; :meth:`close` kills every process it started."""
 
-    def __init__(self, store: Store, images: Set[str], gpus: int = 0, root: Optional[Path] = None) -> None:
-        self.store, self.images, self.gpus = store, set(images), gpus
+    def __init__(self, store: Store, images: Dict[str, str], gpus: int = 0, root: Optional[Path] = None) -> None:
+        """``images``: image name -> a directory put first on PYTHONPATH ("" for none): what the image holds."""
+        self.store, self.images, self.gpus = store, dict(images), gpus
         self.root = Path(root or tempfile.mkdtemp(prefix="kubelet-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.running: Dict[str, _Container] = {}  # pod key "ns/name" -> process
@@ -176,7 +178,7 @@ class Kubelet:
             if not any(c.get("reason") == "Unschedulable" for c in pod["status"].get("conditions") or []):
                 self.store.update("pods", ns, name, lambda o: o["status"].update(conditions=[cond]))
             return
-        if container["image"] not in self.images:
+        if any(c["image"] not in self.images for c in [container, *(spec.get("initContainers") or [])]):
             if not pod["status"].get("containerStatuses"):
                 self.store.update("pods", ns, name, lambda o: o["status"].update(
                     conditions=[_condition("PodScheduled", "", "")], containerStatuses=[_container_status(o, {
@@ -202,6 +204,20 @@ class Kubelet:
                 if value == mount_path or value.startswith(mount_path + "/"):
                     value = str(local) + value[len(mount_path):]
             env[item["name"]] = value
+        if self.images[container["image"]]:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.images[container["image"]], env.get("PYTHONPATH")]))
+        for init in spec.get("initContainers") or []:  # in order, each to completion, before the container
+            done = subprocess.run([_expand(a, env) for a in (init.get("command") or []) + (init.get("args") or [])],
+                                  env=env, cwd=root, capture_output=True, timeout=120)
+            if done.returncode != 0:
+                message = (done.stdout + done.stderr).decode(errors="replace")[-300:]
+                self.store.update("pods", ns, name, lambda o: o["status"].update(
+                    phase="Failed", podIP=ip, initContainerStatuses=[{
+                        "name": init["name"], "image": init["image"], "imageID": "", "ready": False, "restartCount": 0,
+                        "state": {"terminated": {"exitCode": done.returncode, "reason": "Error",
+                                                 "message": message}}}]))
+                shutil.rmtree(root, ignore_errors=True)
+                return
         argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
         with open(root / "log", "wb") as log:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=root,

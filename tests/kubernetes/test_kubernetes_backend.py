@@ -30,6 +30,7 @@ from .kubelet import Kubelet
 pytestmark = pytest.mark.slow
 REPO = str(Path(__file__).resolve().parents[2])
 IMAGE = "registry.example/monarch:test"
+OLD_IMAGE = "registry.example/monarch:old"
 ALLREDUCE = """\
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -43,7 +44,10 @@ dist.destroy_process_group()
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Tuple[ApiServer, Kubelet, str]]:
     server = ApiServer()
-    kubelet = Kubelet(server.store, images={IMAGE}, root=tmp_path / "kubelet")
+    old = tmp_path / "old-image"  # an image with another monarch-cli
+    (old / "monarch_cli").mkdir(parents=True)
+    (old / "monarch_cli" / "__init__.py").write_text("__version__ = '0.0.1'\n")
+    kubelet = Kubelet(server.store, images={IMAGE: "", OLD_IMAGE: str(old)}, root=tmp_path / "kubelet")
     kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
     yield server, kubelet, kubeconfig
     kubelet.close()
@@ -192,3 +196,13 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, K
     assert len(job.state.hosts) == 2 and any("waiting for Kueue" in m for m in messages), messages
     job.stop()
     assert server.store.list("pods", "default")[0] == []
+
+
+def test_an_image_with_another_monarch_cli_is_one_line(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+    server, _, kubeconfig = cluster
+    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", OLD_IMAGE, "--kubeconfig",
+                    kubeconfig, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert "version-check: exit code 1" in lines[0] and "this image has monarch-cli 0.0.1, the client" in lines[0]
+    assert server.store.list("pods", "default")[0] == [] and server.store.list("jobs", "default")[0] == []

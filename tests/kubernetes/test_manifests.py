@@ -19,6 +19,7 @@ from typing import Any, Dict, List
 import pytest
 import yaml
 
+from monarch_cli import __version__
 from monarch_cli.jobs import dryrun
 from monarch_cli.schedulers.kubernetes.manifests import REDACTED
 
@@ -29,7 +30,8 @@ MODELS = {"Secret": "V1Secret", "Service": "V1Service", "Job": "V1Job"}
 
 
 def _normalize(text: str) -> str:
-    return re.sub(r"monarch-[0-9a-f]{8}\b", "monarch-RID", text)
+    return re.sub(r"monarch-[0-9a-f]{8}\b", "monarch-RID", text).replace(repr(__version__), "'VERSION'").replace(
+        f"=={__version__}", "==VERSION").replace(f"client {__version__}", "client VERSION")
 
 
 def _golden(name: str, text: str) -> None:

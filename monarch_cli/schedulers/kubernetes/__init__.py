@@ -246,6 +246,7 @@ class _PodWatch:
         self.version: Optional[str] = None
         self.unschedulable_since: Optional[float] = None
         self.answered: Dict[str, str] = {}
+        self.refreshed = 0.0
 
     def _refresh(self) -> None:
         from kubernetes import watch
@@ -284,7 +285,10 @@ class _PodWatch:
 
     def discover(self) -> Dict[str, str]:
         """``{host name: agent address}`` for each running pod whose agent port accepts a connection."""
-        self._refresh()
+        running = [p for p in self._by_index().values() if p.status and p.status.phase == "Running"]
+        if len(running) < self.hosts or time.monotonic() - self.refreshed > 1.0:
+            self._refresh()  # blocks up to a second for news; once all run, only the ports are polled
+            self.refreshed = time.monotonic()
         found = {}
         for index, pod in self._by_index().items():
             name = f"{self.job}-{index}"
@@ -306,11 +310,27 @@ class _PodWatch:
                 raise SchedulerError(f"the Job {self.ns}/{self.job} was deleted while starting") from None
             raise _api_error(e, f"cannot read Job {self.ns}/{self.job}") from None
         why = _job_ended(job)
-        if why:
+        if why:  # a failed pod says more than the Job's condition: see the pods as they are now
+            self.version = None
+            self._refresh()
+            self._check_pods()
             raise SchedulerError(why)
+        self._check_pods()
         if job.spec.suspend:
             self._say(f"the Job {self.ns}/{self.job} is suspended: waiting for Kueue to admit it")
-        unschedulable = []
+        unschedulable = [f"pod {p.metadata.name}: {_pending_reason(p)}" for _, p in sorted(self._by_index().items())
+                         if _pending_reason(p).startswith("Unschedulable")]
+        if unschedulable:
+            self._say(f"Pending: {unschedulable[0]}" + (f" (and {len(unschedulable) - 1} more)"
+                                                         if len(unschedulable) > 1 else ""))
+            self.unschedulable_since = self.unschedulable_since or time.monotonic()
+            if time.monotonic() - self.unschedulable_since > UNSCHEDULABLE_GRACE:
+                raise SchedulerError(f"{unschedulable[0]} (for {UNSCHEDULABLE_GRACE:.0f} s)")
+        else:
+            self.unschedulable_since = None
+
+    def _check_pods(self) -> None:
+        """Raise for a pod that ended or cannot pull its image."""
         for index, pod in sorted(self._by_index().items()):
             phase = pod.status.phase if pod.status else None
             if phase in ("Failed", "Succeeded"):
@@ -321,17 +341,6 @@ class _PodWatch:
                 if waiting and waiting.reason in _TERMINAL_WAITING:
                     raise SchedulerError(f"pod {pod.metadata.name} (host {index}): {waiting.reason}: "
                                          f"{(waiting.message or '').strip()[:300]}")
-            reason = _pending_reason(pod)
-            if reason.startswith("Unschedulable"):
-                unschedulable.append(f"pod {pod.metadata.name}: {reason}")
-        if unschedulable:
-            self._say(f"Pending: {unschedulable[0]}" + (f" (and {len(unschedulable) - 1} more)"
-                                                         if len(unschedulable) > 1 else ""))
-            self.unschedulable_since = self.unschedulable_since or time.monotonic()
-            if time.monotonic() - self.unschedulable_since > UNSCHEDULABLE_GRACE:
-                raise SchedulerError(f"{unschedulable[0]} (for {UNSCHEDULABLE_GRACE:.0f} s)")
-        else:
-            self.unschedulable_since = None
 
     def _say(self, message: str) -> None:
         if message != self.said:
@@ -355,12 +364,19 @@ def _pending_reason(pod: Any) -> str:
 
 
 def _exit_reason(pod: Any) -> str:
-    for cs in (pod.status.container_statuses or []) if pod.status else []:
+    statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])] if pod.status \
+        else []
+    for cs in statuses:
         term = cs.state.terminated if cs.state else None
-        if term:
-            return f"exit code {term.exit_code}" + (f" ({term.reason})" if term.reason else "") + \
-                (f": {term.message.strip()[:300]}" if term.message else "")
+        if term and (term.exit_code or cs is statuses[-1]):
+            return (f"{cs.name}: " if cs.name != manifests.CONTAINER else "") + f"exit code {term.exit_code}" + (f" ({term.reason})" if term.reason else "") + \
+                (f": {_one_line(term.message)}" if term.message else "")
     return (pod.status.reason or pod.status.message or "no reason given") if pod.status else "no status"
+
+
+def _one_line(text: str, lines: int = 3) -> str:
+    """The last few lines of a container's message (its log tail), joined into one."""
+    return " | ".join([ln.strip() for ln in text.strip().splitlines() if ln.strip()][-lines:])[-400:]
 
 
 def _job_ended(job: Any) -> str:

@@ -162,8 +162,11 @@ def build(rid: str, hosts: int, opts: Dict[str, Any], *, agent_port: Optional[in
     }
     if resources:
         container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"  # a failed start-up says why in the pod status
+    check = {"name": "version-check", "image": opts["image"], "command": ["python3", "-c", _version_check()],
+             "terminationMessagePolicy": "FallbackToLogsOnError"}
     pod_spec: Dict[str, Any] = {
-        "restartPolicy": "Never", "subdomain": service, "containers": [container],
+        "restartPolicy": "Never", "subdomain": service, "initContainers": [check], "containers": [container],
         "volumes": [{"name": "monarch-keys", "secret": {"secretName": secret_name, "defaultMode": 0o400}},
                     {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     }
@@ -190,6 +193,16 @@ def build(rid: str, hosts: int, opts: Dict[str, Any], *, agent_port: Optional[in
            "metadata": {"name": rid, "namespace": namespace, "labels": job_labels}, "spec": job_spec}
     return {"namespace": namespace, "job": rid, "secret": secret_name, "service": service, "agent_port": port,
             "manifests": [secret, svc, job]}
+
+
+def _version_check() -> str:
+    """A one-line Python check that the image holds this client's monarch-cli (an init container runs it)."""
+    from ... import __version__
+
+    return ("import sys\ntry:\n    import monarch_cli\n    v = monarch_cli.__version__\nexcept ImportError:\n"
+            "    v = None\n"
+            f"sys.exit(0 if v == {__version__!r} else f'this image has monarch-cli {{v}}, the client {__version__}: "
+            f"install monarch-cli=={__version__} in the image')")
 
 
 def with_keys(secret: Dict[str, Any], encoded_keys: str) -> Dict[str, Any]:
