@@ -10,7 +10,7 @@ than the node has stays Pending, Unschedulable) and "pulled" (an image not in
 local process: ``$(VAR)`` references expanded, the env of the pod spec (``status.podIP``
 and other field refs resolved), its Secret volumes written as files (the volume's
 ``defaultMode``) in a private 0700 directory that stands for the mount path. Each pod gets
-its own loopback IP (127.0.5.x) as its pod IP. Exits become pod phases and container
+its own loopback IP (in a random 127.x.y.0/24) as its pod IP. Exits become pod phases and container
 statuses; a failed pod fails the Job (backoffLimit 0) and ends the others; a Job past
 ``activeDeadlineSeconds`` fails with DeadlineExceeded; a deleted Job's processes are killed
 and its pods removed before the Job itself (foreground deletion).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import copy
 import os
+import random
 import re
 import shutil
 import signal
@@ -59,6 +60,8 @@ class Kubelet:
         self.ips: Dict[str, str] = {}
         self.job_started: Dict[str, float] = {}
         self._next_ip = 1
+        #: A loopback /24 of its own, so kubelets of concurrent test runs never share a pod IP.
+        self._ip_prefix = f"127.{random.randrange(10, 250)}.{random.randrange(1, 250)}"
         self._stop = threading.Event()
         self.errors: List[str] = []
         self.thread = threading.Thread(target=self._loop, daemon=True, name="kubelet")
@@ -186,7 +189,7 @@ class Kubelet:
                                     ": not found"}})]))
             return
         key = f"{ns}/{name}"
-        ip = self.ips.setdefault(key, f"127.0.5.{self._next_ip}")
+        ip = self.ips.setdefault(key, f"{self._ip_prefix}.{self._next_ip}")
         self._next_ip += 1
         root = self.root / name
         root.mkdir(mode=0o700)

@@ -86,6 +86,12 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
         assert secret["data"]["keys"] not in json.dumps(pod) and "MONARCH_KEYS" not in env  # ...and only there
     assert [h.name for h in job.state.hosts] == [f"{rid}-0", f"{rid}-1"]
     assert sum(c.startswith(f"monarch agent {rid} host {rid}-") for c in _processes_of(rid)) == 2
+    again = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                     kubeconfig, "--label", "team=ml", "--time", "1h", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["reservation_id"] == rid, again.stderr  # reused
+    other = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", OLD_IMAGE, "--kubeconfig",
+                     kubeconfig, "--label", "team=ml", "--time", "1h")
+    assert other.returncode != 0 and f"--image {IMAGE}, not {OLD_IMAGE}" in other.stderr, other.stderr
 
     ran = _monarch(tmp_path, "run-spmd", "--", "python", "allreduce.py")
     assert ran.returncode == 0, ran.stderr
@@ -93,7 +99,7 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
 
     status = _monarch(tmp_path, "status")
     text = status.stdout + status.stderr
-    assert status.returncode == 0 and f"Job default/{rid}: active 2" in text and "Running, IP 127.0.5." in text, text
+    assert status.returncode == 0 and f"Job default/{rid}: active 2" in text and "Running, IP 127." in text, text
 
     stopped = _monarch(tmp_path, "stop")
     assert stopped.returncode == 0, stopped.stderr

@@ -12,6 +12,7 @@ only here, inside the functions that talk to a cluster.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import uuid
@@ -49,8 +50,6 @@ def _client_modules() -> Any:
 
 def _apis(data: Dict[str, Any]) -> Tuple[Any, Any]:
     """CoreV1Api and BatchV1Api for the plan's kubeconfig and context (in-cluster config when inside a pod)."""
-    import os
-
     k8s = _client_modules()
     from kubernetes import client, config
 
@@ -157,6 +156,7 @@ class KubernetesScheduler(Scheduler):
                 from None
         core, batch = _apis(data)
         record = {k: data.get(k) for k in ("namespace", "job", "secret", "service", "context", "kubeconfig")}
+        record["options"] = {k: v for k, v in plan.options.items() if k != "validate"}
         try:
             for m in objects:
                 body = manifests.with_keys(m, keys.encode()) if m["kind"] == "Secret" else m
@@ -181,6 +181,17 @@ class KubernetesScheduler(Scheduler):
                            {"kubernetes": record})
 
     # ---------------------------------------------------------------- the reservation
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+        """Same number of pods and the same options (image, resources, labels...) as asked for now."""
+        why = super().can_serve(reservation, request)
+        had = (reservation.scheduler_data.get("kubernetes") or {}).get("options") or {}
+        asked = {k: v for k, v in self.check_options(request.options).items() if k != "validate"}
+        if why is None and asked != had:
+            diff = sorted(k for k in set(had) | set(asked) if had.get(k) != asked.get(k))
+            why = "it was made with other options: " + ", ".join(
+                f"--{k.replace('_', '-')} {had.get(k, '(unset)')}, not {asked.get(k, '(unset)')}" for k in diff)
+        return why
+
     def release(self, reservation: ReservationRecord) -> None:
         record = reservation.scheduler_data.get("kubernetes") or {}
         if record.get("job"):
