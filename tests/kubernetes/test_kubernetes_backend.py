@@ -212,3 +212,24 @@ def test_an_image_with_another_monarch_cli_is_one_line(cluster: Tuple[ApiServer,
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert "version-check: exit code 1" in lines[0] and "this image has monarch-cli 0.0.1, the client" in lines[0]
     assert server.store.list("pods", "default")[0] == [] and server.store.list("jobs", "default")[0] == []
+
+
+def test_a_pod_that_dies_mid_run_ends_the_run(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+    server, kubelet, kubeconfig = cluster
+    job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", image=IMAGE,
+                kubeconfig=kubeconfig)
+    rid = job.state.reservation_id
+    (tmp_path / "wait.py").write_text("import time\nprint('started', flush=True)\ntime.sleep(120)\n")
+    run = subprocess.Popen([sys.executable, "-m", "monarch_cli", "run-spmd", "--", "python", "wait.py"], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "300"})
+    assert run.stdout is not None
+    for _ in range(2):
+        assert "started" in run.stdout.readline()
+    (pod,) = [p for p in server.store.list("pods", "default")[0] if p["metadata"]["name"].startswith(f"{rid}-1-")]
+    os.killpg(next(c.proc.pid for k, c in kubelet.running.items() if k.endswith(pod["metadata"]["name"])), 9)
+    out, err = run.communicate(timeout=60)  # not the script's 120 s
+    assert run.returncode != 0 and f"host {rid}-1 stopped answering" in err and "BackoffLimitExceeded" in err, err
+    stopped = _monarch(tmp_path, "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert _processes_of(rid) == [] and kubelet.pids() == []
