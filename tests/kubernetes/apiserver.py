@@ -139,6 +139,12 @@ class Store:
                 return self.update(plural, ns, name, mark)
             return self.remove(plural, ns, name) or obj
 
+    def compact(self) -> None:
+        """Forget the event history, as etcd compaction does: older watches get 410 Expired."""
+        with self.cond:
+            self.oldest = self.version
+            self.events.clear()
+
     def watch(self, plural: str, ns: str, selector: str, since: Optional[str],
               timeout: float) -> Iterator[Dict[str, Any]]:
         """Events after ``since`` (all current objects as ADDED when None) until ``timeout`` seconds pass."""

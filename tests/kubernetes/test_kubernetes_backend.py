@@ -233,3 +233,29 @@ def test_a_pod_that_dies_mid_run_ends_the_run(cluster: Tuple[ApiServer, Kubelet,
     stopped = _monarch(tmp_path, "stop")
     assert stopped.returncode == 0, stopped.stderr
     assert _processes_of(rid) == [] and kubelet.pids() == []
+
+
+def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
+    from monarch_cli.schedulers.kubernetes import _apis, _PodWatch
+
+    server = ApiServer()  # no kubelet: the pods are made by hand
+    core, batch = _apis({"kubeconfig": server.kubeconfig(tmp_path / "kubeconfig")})
+
+    def pod(name: str, index: int) -> None:
+        server.store.create("pods", "default", {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": name, "labels": {"monarch-cli/reservation": "r", "batch.kubernetes.io/job-completion-index":
+                                     str(index)}}, "spec": {"containers": [{"name": "agent", "image": "x"}]}})
+
+    pod("r-0-a", 0)
+    watch = _PodWatch(core, batch, "default", "r", 2, 1, lambda _m: None)
+    watch._refresh()  # the list
+    pod("r-1-b", 1)
+    watch._refresh()  # a watch from the list's resourceVersion
+    assert sorted(watch.pod_names().values()) == ["r-0-a", "r-1-b"]
+    server.store.remove("pods", "default", "r-0-a")
+    server.store.compact()  # the watch missed that deletion and cannot replay it
+    watch._refresh()  # 410 Expired: forget the version...
+    assert watch.version is None
+    watch._refresh()  # ...and list again
+    assert list(watch.pod_names().values()) == ["r-1-b"]
+    server.close()
