@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional
 
 from .apiserver import Store, now
 
@@ -176,8 +176,8 @@ class Kubelet:
         (container,) = spec["containers"]
         gpus = int(((container.get("resources") or {}).get("requests") or {}).get("nvidia.com/gpu", 0))
         if gpus > self.gpus:
-            cond = _condition("PodScheduled", "Unschedulable", f"0/1 nodes are available: 1 Insufficient "
-                                                               f"nvidia.com/gpu.", status="False")
+            cond = _condition("PodScheduled", "Unschedulable", "0/1 nodes are available: 1 Insufficient "
+                                                               "nvidia.com/gpu.", status="False")
             if not any(c.get("reason") == "Unschedulable" for c in pod["status"].get("conditions") or []):
                 self.store.update("pods", ns, name, lambda o: o["status"].update(conditions=[cond]))
             return
