@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from .apiserver import Store, now
 
@@ -51,9 +51,12 @@ class _Container:
 class Kubelet:
     """Runs in a thread beside the emulator; :meth:`close` kills every process it started."""
 
-    def __init__(self, store: Store, images: Dict[str, str], gpus: int = 0, root: Optional[Path] = None) -> None:
-        """``images``: image name -> a directory put first on PYTHONPATH ("" for none): what the image holds."""
-        self.store, self.images, self.gpus = store, dict(images), gpus
+    def __init__(self, store: Store, images: Dict[str, str], gpus: int = 0, root: Optional[Path] = None,
+                 hide: Sequence[Path] = ()) -> None:
+        """``images``: image name -> a directory put first on PYTHONPATH ("" for none): what the image holds.
+        ``hide``: directories the pods must not see (an empty tmpfs over each, in a mount namespace of the
+        pod's own: needs root), as the client's files are not in a real pod's filesystem."""
+        self.store, self.images, self.gpus, self.hide = store, dict(images), gpus, [str(h) for h in hide]
         self.root = Path(root or tempfile.mkdtemp(prefix="kubelet-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.running: Dict[str, _Container] = {}  # pod key "ns/name" -> process
@@ -200,6 +203,8 @@ class Kubelet:
         env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
         env["HOSTNAME"] = spec.get("hostname") or name
+        env["HOME"] = str(root / "home")  # the container's own home (where the workspace mirror goes)
+        os.mkdir(env["HOME"], 0o700)
         for item in container.get("env") or []:
             ref = (item.get("valueFrom") or {}).get("fieldRef")
             value = fields[ref["fieldPath"]] if ref else _expand(item.get("value", ""), env)
@@ -222,6 +227,10 @@ class Kubelet:
                 shutil.rmtree(root, ignore_errors=True)
                 return
         argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
+        if self.hide:  # a private mount namespace with the hidden directories covered by empty tmpfs
+            mounts = " && ".join(f'mount -t tmpfs pod-private "${i + 1}"' for i in range(len(self.hide)))
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    f'{mounts} && shift {len(self.hide)} && exec "$@"', "sh", *self.hide, *argv]
         with open(root / "log", "wb") as log:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=root,
                                     start_new_session=True)

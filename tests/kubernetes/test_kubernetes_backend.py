@@ -259,3 +259,28 @@ def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
     watch._refresh()  # ...and list again
     assert list(watch.pod_names().values()) == ["r-1-b"]
     server.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="pods with a filesystem of their own need a mount namespace (root)")
+def test_the_workspace_reaches_pods_that_do_not_share_it(tmp_path: Path) -> None:
+    """Pods that cannot see the client's directory get its files by workspace sync, before the run."""
+    workspace = tmp_path / "project"
+    workspace.mkdir()
+    (workspace / "allreduce.py").write_text(ALLREDUCE + "print('data', open('data.txt').read(), 'cwd', os.getcwd())\n")
+    (workspace / "data.txt").write_text("from the laptop")
+    server = ApiServer()
+    kubelet = Kubelet(server.store, images={IMAGE: ""}, hide=[workspace])
+    try:
+        served = _monarch(workspace, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                          server.kubeconfig(tmp_path / "kubeconfig"))
+        assert served.returncode == 0, served.stderr
+        ran = _monarch(workspace, "run-spmd", "--", "python", "allreduce.py")
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.count("sum 3") == 2 and ran.stdout.count("data from the laptop") == 2, ran.stdout
+        assert f"cwd {workspace}" not in ran.stdout and "synced 2 files" in ran.stderr, ran.stdout + ran.stderr
+        assert _monarch(workspace, "stop").returncode == 0
+        assert kubelet.pids() == []
+    finally:
+        kubelet.close()
+        server.close()
+    assert not kubelet.errors, kubelet.errors
