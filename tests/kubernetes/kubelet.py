@@ -15,8 +15,11 @@ statuses; a failed pod fails the Job (backoffLimit 0) and ends the others; a Job
 ``activeDeadlineSeconds`` fails with DeadlineExceeded; a deleted Job's processes are killed
 and its pods removed before the Job itself (foreground deletion).
 
-Not real: no mount or network namespaces (the mount path is rewritten in env values), no
-images (the "image" is this machine's Python), no resource limits.
+With ``hide``, each pod's agent runs in a mount namespace of its own where those directories
+(the client's workspace) are empty, and every pod has its own ``$HOME``. Not real: no
+network namespace (pods differ by loopback IP only), the Secret is not mounted at its mount
+path (that path is rewritten in env values), no images (an "image" is this machine's Python,
+optionally with a directory first on ``PYTHONPATH``), no resource limits.
 """
 
 from __future__ import annotations

@@ -73,11 +73,17 @@ def _processes_of(rid: str) -> List[str]:
 def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     server, kubelet, kubeconfig = cluster
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
-    served = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                      kubeconfig, "--label", "team=ml", "--time", "1h", "--json")
+    printed = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                       kubeconfig, "--label", "team=ml", "--time", "1h", "--dry-run", "--json")
+    assert printed.returncode == 0 and server.store.list("jobs", None)[0] == [], printed.stderr  # contacts nothing
+    (tmp_path / "plan.json").write_text(printed.stdout)
+    served = _monarch(tmp_path, "serve", "--plan", "plan.json", "--json")  # reserve exactly the printed plan
     assert served.returncode == 0, served.stderr
     job = job_load(tmp_path / ".monarch" / "job_state.pkl")
     rid = job.state.reservation_id
+    planned = {m["kind"]: m for m in json.loads(printed.stdout)["data"]["manifests"]}
+    assert rid == json.loads(printed.stdout)["reservation_id"]
+    assert server.store.get("jobs", "default", rid)["spec"]["template"] == planned["Job"]["spec"]["template"]
     secret = server.store.get("secrets", "default", f"{rid}-keys")
     assert secret["data"]["keys"] != "<redacted>"  # the real keys went to the Secret...
     for pod in server.store.list("pods", "default", f"monarch-cli/reservation={rid}")[0]:
