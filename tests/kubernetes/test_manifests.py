@@ -149,3 +149,14 @@ def test_bad_input_is_one_line(tmp_path: Path, args: List[str], message: str) ->
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_bad_kubeconfig_is_one_line(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.write_text("clusters: [\n")
+    for kubeconfig, message in [(tmp_path / "missing", "does not exist"), (broken, "cannot load the Kubernetes "
+                                                                                  "configuration")]:
+        done = _cli("serve", "-s", "kubernetes", "--hosts", "1", "--image", "x", "--kubeconfig", str(kubeconfig),
+                    cwd=tmp_path)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr

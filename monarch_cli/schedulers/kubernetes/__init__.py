@@ -50,17 +50,21 @@ def _client_modules() -> Any:
 
 def _apis(data: Dict[str, Any]) -> Tuple[Any, Any]:
     """CoreV1Api and BatchV1Api for the plan's kubeconfig and context (in-cluster config when inside a pod)."""
-    k8s = _client_modules()
+    _client_modules()
     from kubernetes import client, config
 
+    if data.get("kubeconfig") and not Path(data["kubeconfig"]).expanduser().is_file():
+        raise SchedulerError(f"--kubeconfig {data['kubeconfig']} does not exist")
     try:
         if not data.get("kubeconfig") and not data.get("context") and os.environ.get("KUBERNETES_SERVICE_HOST"):
             config.load_incluster_config()
             api = client.ApiClient()
         else:
             api = config.new_client_from_config(config_file=data.get("kubeconfig"), context=data.get("context"))
-    except (k8s.config.ConfigException, OSError, TypeError, ValueError) as e:
-        raise SchedulerError(f"cannot load the Kubernetes configuration: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - ConfigException, YAML errors, a bad file: the user's to fix
+        where = data.get("kubeconfig") or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        first = " ".join(str(e).split())[:300] or type(e).__name__
+        raise SchedulerError(f"cannot load the Kubernetes configuration ({where}): {first}") from None
     return client.CoreV1Api(api), client.BatchV1Api(api)
 
 
