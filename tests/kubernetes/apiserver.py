@@ -9,6 +9,11 @@ the garbage collector does) and ``?watch=true`` from a ``resourceVersion``: a ch
 stream of ``{"type": ..., "object": ...}`` JSON lines that ends after ``timeoutSeconds``;
 a version older than the kept history is answered with an ERROR event carrying a 410 Status.
 
+Why not kmock (0.8, read before writing this): its lists carry ``resourceVersion: "..."``,
+its watches replay every object and ignore ``resourceVersion`` and ``timeoutSeconds`` (a
+TODO there), and it needs Python 3.11 and aiohttp; the resume-from-version watch is what the
+backend relies on, and extending it meant rewriting its core. This is ~300 lines of stdlib.
+
 What it does not do: schema validation and admission, RBAC, field selectors, patch,
 server-side apply. The objects' statuses are written by the test-side kubelet
 (:mod:`.kubelet`) through :class:`Store`, the emulator's storage, as the real kubelet and
