@@ -19,6 +19,7 @@ from .base import (HostRecord, Liveness, Option, Plan, Probe, Reservation, Reser
 
 #: name -> "module:Class", imported on first use.
 _BUILTIN: Dict[str, str] = {
+    "kubernetes": "monarch_cli.schedulers.kubernetes:KubernetesScheduler",
     "local": "monarch_cli.schedulers.local:LocalScheduler",
     "slurm": "monarch_cli.schedulers.slurm:SlurmScheduler",
     "ssh": "monarch_cli.schedulers.ssh:SshScheduler",

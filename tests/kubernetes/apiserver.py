@@ -1,0 +1,290 @@
+"""A small Kubernetes API emulator for tests: the real REST paths and watch wire format, for the kinds monarch uses.
+
+Pods, Secrets and Services (``/api/v1``) and Jobs (``/apis/batch/v1``), namespaced:
+create (``dryRun=All`` validates without storing; an existing name is 409 AlreadyExists),
+get, list (``labelSelector`` of ``k=v`` terms, a list ``resourceVersion``), delete (404
+Status when absent; a Job deleted with ``propagationPolicy: Foreground`` keeps a
+``deletionTimestamp`` and the ``foregroundDeletion`` finalizer until its pods are gone, as
+the garbage collector does) and ``?watch=true`` from a ``resourceVersion``: a chunked
+stream of ``{"type": ..., "object": ...}`` JSON lines that ends after ``timeoutSeconds``;
+a version older than the kept history is answered with an ERROR event carrying a 410 Status.
+
+Why not kmock (0.8, read before writing this): its lists carry ``resourceVersion: "..."``,
+its watches replay every object and ignore ``resourceVersion`` and ``timeoutSeconds`` (a
+TODO there), and it needs Python 3.11 and aiohttp; the resume-from-version watch is what the
+backend relies on, and extending it meant rewriting its core. This is ~300 lines of stdlib.
+
+What it does not do: schema validation and admission, RBAC, field selectors, patch,
+server-side apply. The objects' statuses are written by the test-side kubelet
+(:mod:`.kubelet`) through :class:`Store`, the emulator's storage, as the real kubelet and
+Job controller write them through the API.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import re
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from urllib.parse import parse_qs, urlparse
+
+KINDS = {"pods": ("v1", "Pod"), "secrets": ("v1", "Secret"), "services": ("v1", "Service"), "jobs": ("batch/v1", "Job")}
+_PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/(?P<plural>pods|secrets|services|jobs)"
+                   r"(?:/(?P<name>[a-z0-9.-]+))?/?$")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+Key = Tuple[str, str, str]
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status(code: int, reason: str, message: str) -> Dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.body = status(code, reason, message)
+
+
+def _matches(obj: Dict[str, Any], selector: str) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+class Store:
+    """Objects by (plural, namespace, name), a resourceVersion counter and the event history watches replay."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.version = 0
+        self.objects: Dict[Key, Dict[str, Any]] = {}
+        self.events: List[Tuple[int, str, str, str, Dict[str, Any]]] = []  # (rv, plural, ns, type, object)
+        self.oldest = 0  # events at or below this version are forgotten
+
+    def _record(self, plural: str, ns: str, kind: str, obj: Dict[str, Any]) -> Dict[str, Any]:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        self.events.append((self.version, plural, ns, kind, copy.deepcopy(obj)))
+        self.cond.notify_all()
+        return copy.deepcopy(obj)
+
+    def create(self, plural: str, ns: str, obj: Dict[str, Any], dry_run: bool = False) -> Dict[str, Any]:
+        api_version, kind = KINDS[plural]
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        name = meta.get("name", "")
+        if obj.get("kind") != kind or obj.get("apiVersion") != api_version:
+            raise ApiError(400, "BadRequest", f"expected {api_version} {kind}, got {obj.get('apiVersion')} "
+                                              f"{obj.get('kind')}")
+        if not _NAME.match(name):
+            raise ApiError(422, "Invalid", f"{kind} \"{name}\" is invalid: metadata.name: Invalid value")
+        if meta.get("namespace", ns) != ns:
+            raise ApiError(400, "BadRequest", "the namespace of the object does not match the namespace of the URL")
+        with self.cond:
+            if (plural, ns, name) in self.objects:
+                raise ApiError(409, "AlreadyExists", f'{plural} "{name}" already exists')
+            meta.update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=now())
+            obj.setdefault("status", {}) if plural in ("pods", "jobs") else None
+            if dry_run:
+                return obj
+            self.objects[(plural, ns, name)] = obj
+            return self._record(plural, ns, "ADDED", obj)
+
+    def get(self, plural: str, ns: str, name: str) -> Dict[str, Any]:
+        with self.cond:
+            obj = self.objects.get((plural, ns, name))
+            if obj is None:
+                raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            return copy.deepcopy(obj)
+
+    def list(self, plural: str, ns: Optional[str], selector: str = "") -> Tuple[List[Dict[str, Any]], str]:
+        with self.cond:
+            items = [copy.deepcopy(o) for (p, n, _), o in sorted(self.objects.items())
+                     if p == plural and (ns is None or n == ns) and _matches(o, selector)]
+            return items, str(self.version)
+
+    def update(self, plural: str, ns: str, name: str, change: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+        """Apply ``change`` to the stored object (a status write) and tell the watchers."""
+        with self.cond:
+            obj = self.objects.get((plural, ns, name))
+            if obj is None:
+                raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            change(obj)
+            return self._record(plural, ns, "MODIFIED", obj)
+
+    def remove(self, plural: str, ns: str, name: str) -> Optional[Dict[str, Any]]:
+        with self.cond:
+            obj = self.objects.pop((plural, ns, name), None)
+            return None if obj is None else self._record(plural, ns, "DELETED", obj)
+
+    def delete(self, plural: str, ns: str, name: str, propagation: str) -> Dict[str, Any]:
+        with self.cond:
+            obj = self.objects.get((plural, ns, name))
+            if obj is None:
+                raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            if plural in ("jobs", "pods"):  # graceful: the kubelet/garbage collector finishes it
+                def mark(o: Dict[str, Any]) -> None:
+                    o["metadata"].setdefault("deletionTimestamp", now())
+                    if plural == "jobs":
+                        o["metadata"]["finalizers"] = ["foregroundDeletion" if propagation == "Foreground"
+                                                       else "orphan" if propagation == "Orphan" else "background"]
+                return self.update(plural, ns, name, mark)
+            return self.remove(plural, ns, name) or obj
+
+    def compact(self) -> None:
+        """Forget the event history, as etcd compaction does: older watches get 410 Expired."""
+        with self.cond:
+            self.oldest = self.version
+            self.events.clear()
+
+    def watch(self, plural: str, ns: str, selector: str, since: Optional[str],
+              timeout: float) -> Iterator[Dict[str, Any]]:
+        """Events after ``since`` (all current objects as ADDED when None) until ``timeout`` seconds pass."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            if since is None or since == "" or since == "0":
+                items, version = self.list(plural, ns, selector)
+                after = int(version)
+                initial = [{"type": "ADDED", "object": o} for o in items]
+            else:
+                after = int(since)
+                initial = []
+                if after < self.oldest:
+                    initial = [{"type": "ERROR", "object": status(410, "Expired", f"too old resource version: "
+                                                                                  f"{after} ({self.oldest})")}]
+                    after = -1
+        yield from initial
+        if after < 0:
+            return
+        while True:
+            with self.cond:
+                pending = [e for e in self.events if e[0] > after]
+                while not pending:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    self.cond.wait(left)
+                    pending = [e for e in self.events if e[0] > after]
+            for version, p, n, kind, obj in pending:
+                after = version
+                if p == plural and n == ns and _matches(obj, selector):
+                    yield {"type": kind, "object": obj}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    store: Store
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def _send(self, code: int, body: Dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _route(self) -> Tuple[str, str, Optional[str], Dict[str, List[str]]]:
+        url = urlparse(self.path)
+        m = _PATH.match(url.path)
+        if not m:
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({url.path})")
+        return m["plural"], m["ns"], m["name"], parse_qs(url.query)
+
+    def _body(self) -> Dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(length) or b"{}") if length else {}
+
+    def _handle(self, method: str) -> None:
+        try:
+            plural, ns, name, query = self._route()
+            one = lambda key, default="": query.get(key, [default])[0]  # noqa: E731
+            if method == "GET" and name:
+                return self._send(200, self.store.get(plural, ns, name))
+            if method == "GET" and one("watch") in ("1", "true"):
+                return self._stream(self.store.watch(plural, ns, one("labelSelector"), one("resourceVersion") or None,
+                                                     float(one("timeoutSeconds", "300"))))
+            if method == "GET":
+                items, version = self.store.list(plural, ns, one("labelSelector"))
+                api_version, kind = KINDS[plural]
+                return self._send(200, {"kind": f"{kind}List", "apiVersion": api_version,
+                                        "metadata": {"resourceVersion": version}, "items": items})
+            if method == "POST" and not name:
+                return self._send(201, self.store.create(plural, ns, self._body(), dry_run=one("dryRun") == "All"))
+            if method == "DELETE" and name:
+                body = self._body()
+                return self._send(200, self.store.delete(plural, ns, name, body.get("propagationPolicy", "Background")))
+            raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
+        except ApiError as e:
+            self._send(e.body["code"], e.body)
+        except (ValueError, KeyError) as e:
+            self._send(400, status(400, "BadRequest", f"{type(e).__name__}: {e}"))
+
+    def _stream(self, events: Iterator[Dict[str, Any]]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for event in events:
+                line = json.dumps(event).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_DELETE(self) -> None:
+        self._handle("DELETE")
+
+
+class ApiServer:
+    """The emulator on ``http://127.0.0.1:<port>``, serving :attr:`store` from threads."""
+
+    def __init__(self) -> None:
+        self.store = Store()
+        handler = type("Handler", (_Handler,), {"store": self.store})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def kubeconfig(self, path: Any, namespace: str = "default") -> str:
+        """A kubeconfig file pointing at this emulator, as a user's would point at a cluster."""
+        text = json.dumps({"apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+                           "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+                           "users": [{"name": "tester", "user": {"token": "not-checked"}}],
+                           "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
+                                                                         "namespace": namespace}}]})
+        with open(path, "w") as f:
+            f.write(text)
+        return str(path)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+__all__ = ["ApiServer", "Store", "ApiError", "KINDS", "now"]

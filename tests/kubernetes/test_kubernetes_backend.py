@@ -1,0 +1,292 @@
+"""The kubernetes backend through the real ``kubernetes`` client against an API emulator and a test-side kubelet.
+
+``monarch serve --scheduler kubernetes`` (a real CLI process) creates the Secret, Service
+and Job through the REST API of :mod:`.apiserver`; :mod:`.kubelet` turns the Job into
+pods and runs each pod's agent as a real process with its own pod IP; the CLI watches the
+pods (``?watch=true``), runs a gloo all-reduce across the two "pods", shows the Job in
+``status`` and deletes everything on ``stop``. What this cannot show (a real API server's
+validation, scheduling, images, CNI) is listed in docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+import psutil
+import pytest
+
+from monarch_cli.errors import SchedulerError
+from monarch_cli.jobs import job_load, serve
+
+from .apiserver import ApiServer
+from .kubelet import Kubelet
+
+pytestmark = pytest.mark.slow
+REPO = str(Path(__file__).resolve().parents[2])
+IMAGE = "registry.example/monarch:test"
+OLD_IMAGE = "registry.example/monarch:old"
+ALLREDUCE = """\
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("sum", int(t.item()), "host", os.environ["GROUP_RANK"])
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Tuple[ApiServer, Kubelet, str]]:
+    server = ApiServer()
+    old = tmp_path / "old-image"  # an image with another monarch-cli
+    (old / "monarch_cli").mkdir(parents=True)
+    (old / "monarch_cli" / "__init__.py").write_text("__version__ = '0.0.1'\n")
+    kubelet = Kubelet(server.store, images={IMAGE: "", OLD_IMAGE: str(old)}, root=tmp_path / "kubelet")
+    kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
+    yield server, kubelet, kubeconfig
+    kubelet.close()
+    server.close()
+    assert not kubelet.errors, kubelet.errors
+
+
+def _monarch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
+
+
+def _processes_of(rid: str) -> List[str]:
+    """The command lines (process titles) of the reservation's agents and what they started."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if rid in cmd and ("monarch_cli.runtime.agent" in cmd or cmd.startswith("monarch ")):
+            found.append(cmd)
+    return found
+
+
+def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+    server, kubelet, kubeconfig = cluster
+    (tmp_path / "allreduce.py").write_text(ALLREDUCE)
+    printed = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                       kubeconfig, "--label", "team=ml", "--time", "1h", "--dry-run", "--json")
+    assert printed.returncode == 0 and server.store.list("jobs", None)[0] == [], printed.stderr  # contacts nothing
+    (tmp_path / "plan.json").write_text(printed.stdout)
+    served = _monarch(tmp_path, "serve", "--plan", "plan.json", "--json")  # reserve exactly the printed plan
+    assert served.returncode == 0, served.stderr
+    job = job_load(tmp_path / ".monarch" / "job_state.pkl")
+    rid = job.state.reservation_id
+    planned = {m["kind"]: m for m in json.loads(printed.stdout)["data"]["manifests"]}
+    assert rid == json.loads(printed.stdout)["reservation_id"]
+    assert server.store.get("jobs", "default", rid)["spec"]["template"] == planned["Job"]["spec"]["template"]
+    secret = server.store.get("secrets", "default", f"{rid}-keys")
+    assert secret["data"]["keys"] != "<redacted>"  # the real keys went to the Secret...
+    for pod in server.store.list("pods", "default", f"monarch-cli/reservation={rid}")[0]:
+        assert "keys" not in json.dumps(pod["spec"]["containers"][0]["command"]).lower().replace("--keys", "")
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert secret["data"]["keys"] not in json.dumps(pod) and "MONARCH_KEYS" not in env  # ...and only there
+    assert [h.name for h in job.state.hosts] == [f"{rid}-0", f"{rid}-1"]
+    assert sum(c.startswith(f"monarch agent {rid} host {rid}-") for c in _processes_of(rid)) == 2
+    again = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                     kubeconfig, "--label", "team=ml", "--time", "1h", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["reservation_id"] == rid, again.stderr  # reused
+    other = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", OLD_IMAGE, "--kubeconfig",
+                     kubeconfig, "--label", "team=ml", "--time", "1h")
+    assert other.returncode != 0 and f"--image {IMAGE}, not {OLD_IMAGE}" in other.stderr, other.stderr
+
+    ran = _monarch(tmp_path, "run-spmd", "--", "python", "allreduce.py")
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.count("sum 3") == 2 and "host 0" in ran.stdout and "host 1" in ran.stdout, ran.stdout
+
+    status = _monarch(tmp_path, "status")
+    text = status.stdout + status.stderr
+    assert status.returncode == 0 and f"Job default/{rid}: active 2" in text and "Running, IP 127." in text, text
+
+    stopped = _monarch(tmp_path, "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    for plural in ("jobs", "secrets", "services", "pods"):
+        assert server.store.list(plural, "default", f"monarch-cli/reservation={rid}")[0] == [], plural
+    assert _processes_of(rid) == [] and kubelet.pids() == []
+
+
+def test_image_pull_failure_is_one_line_and_leaves_nothing(cluster: Tuple[ApiServer, Kubelet, str],
+                                                           tmp_path: Path) -> None:
+    server, _, kubeconfig = cluster
+    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", "registry.example/typo:1",
+                    "--kubeconfig", kubeconfig, timeout=60)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ErrImagePull" in lines[0] and "typo:1" in lines[0], done.stderr
+    for plural in ("jobs", "secrets", "services", "pods"):
+        assert server.store.list(plural, "default")[0] == [], plural
+
+
+def test_unschedulable_pods_give_up_with_the_reason(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    server, _, kubeconfig = cluster
+    monkeypatch.setattr("monarch_cli.schedulers.kubernetes.UNSCHEDULABLE_GRACE", 1.0)
+    messages: List[str] = []
+    with pytest.raises(SchedulerError, match=r"Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"):
+        serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, gpus_per_node=8,
+              kubeconfig=kubeconfig, progress=messages.append)
+    assert any(m.startswith("Pending: pod monarch-") and "Insufficient nvidia.com/gpu" in m for m in messages), messages
+    assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
+
+
+def test_a_job_past_its_deadline_is_reported_gone(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+    server, kubelet, kubeconfig = cluster
+    state = tmp_path / ".monarch" / "s.pkl"
+    job = serve(None, "kubernetes", hosts=1, state=state, image=IMAGE, kubeconfig=kubeconfig, time="8s")
+    rid = job.state.reservation_id
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and server.store.list("pods", "default")[0]:
+        time.sleep(0.2)
+    assert _processes_of(rid) == []  # the Job controller ended its pods
+    status = _monarch(tmp_path, "status", "--state", str(state), "--json")
+    assert "reached its deadline (activeDeadlineSeconds=8)" in status.stdout + status.stderr, status.stdout
+    stopped = _monarch(tmp_path, "stop", "--state", str(state))
+    assert stopped.returncode == 0, stopped.stderr
+    assert server.store.list("jobs", "default")[0] == [] and kubelet.pids() == []
+
+
+def test_a_pod_that_dies_fails_the_reservation(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+    server, kubelet, kubeconfig = cluster
+    job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", image=IMAGE,
+                kubeconfig=kubeconfig)
+    rid = job.state.reservation_id
+    for p in psutil.process_iter(["cmdline"]):
+        if " ".join(p.info["cmdline"] or []).startswith(f"monarch agent {rid} host {rid}-1"):
+            p.kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(server.store.list("pods", "default")[0]) > 1:
+        time.sleep(0.1)
+    status = _monarch(tmp_path, "status")
+    text = status.stdout + status.stderr
+    assert status.returncode != 0 and "is gone" in text and "BackoffLimitExceeded" in text, text
+    assert f"pod {rid}-1-" in text and "Failed" in text and "exit code 137" in text, text
+    stopped = _monarch(tmp_path, "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert server.store.list("pods", "default")[0] == [] and _processes_of(rid) == [] and kubelet.pids() == []
+
+
+def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(cluster: Tuple[ApiServer, Kubelet, str],
+                                                                         tmp_path: Path) -> None:
+    server, _, kubeconfig = cluster
+    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                    kubeconfig, "--validate", "--dry-run")
+    assert done.returncode == 0 and "validated by the API server" in done.stdout, done.stderr
+    assert all(server.store.list(p, "default")[0] == [] for p in ("jobs", "secrets", "services"))  # a dry run
+    closed = ApiServer()
+    config = closed.kubeconfig(tmp_path / "closed")
+    closed.close()
+    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                    config, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1 and "cannot reach the Kubernetes API" in lines[0], done.stderr
+
+
+def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+    """What Kueue does to a queued Job, done by hand: serve waits, saying so, until the Job is unsuspended."""
+    server, _, kubeconfig = cluster
+    messages: List[str] = []
+
+    def admit_when_asked(message: str) -> None:
+        messages.append(message)
+        if "waiting for Kueue to admit it" in message:
+            (job,) = server.store.list("jobs", "default")[0]
+            assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+            assert server.store.list("pods", "default")[0] == []  # nothing runs before admission
+            server.store.update("jobs", "default", job["metadata"]["name"], lambda o: o["spec"].update(suspend=False))
+
+    job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, queue="team-a",
+                kubeconfig=kubeconfig, progress=admit_when_asked)
+    assert len(job.state.hosts) == 2 and any("waiting for Kueue" in m for m in messages), messages
+    job.stop()
+    assert server.store.list("pods", "default")[0] == []
+
+
+def test_an_image_with_another_monarch_cli_is_one_line(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+    server, _, kubeconfig = cluster
+    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", OLD_IMAGE, "--kubeconfig",
+                    kubeconfig, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert "version-check: exit code 1" in lines[0] and "this image has monarch-cli 0.0.1, the client" in lines[0]
+    assert server.store.list("pods", "default")[0] == [] and server.store.list("jobs", "default")[0] == []
+
+
+def test_a_pod_that_dies_mid_run_ends_the_run(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+    server, kubelet, kubeconfig = cluster
+    job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", image=IMAGE,
+                kubeconfig=kubeconfig)
+    rid = job.state.reservation_id
+    (tmp_path / "wait.py").write_text("import time\nprint('started', flush=True)\ntime.sleep(120)\n")
+    run = subprocess.Popen([sys.executable, "-m", "monarch_cli", "run-spmd", "--", "python", "wait.py"], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "300"})
+    assert run.stdout is not None
+    for _ in range(2):
+        assert "started" in run.stdout.readline()
+    (pod,) = [p for p in server.store.list("pods", "default")[0] if p["metadata"]["name"].startswith(f"{rid}-1-")]
+    os.killpg(next(c.proc.pid for k, c in kubelet.running.items() if k.endswith(pod["metadata"]["name"])), 9)
+    out, err = run.communicate(timeout=60)  # not the script's 120 s
+    assert run.returncode != 0 and f"host {rid}-1 stopped answering" in err and "BackoffLimitExceeded" in err, err
+    stopped = _monarch(tmp_path, "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert _processes_of(rid) == [] and kubelet.pids() == []
+
+
+def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
+    from monarch_cli.schedulers.kubernetes import _apis, _PodWatch
+
+    server = ApiServer()  # no kubelet: the pods are made by hand
+    core, batch = _apis({"kubeconfig": server.kubeconfig(tmp_path / "kubeconfig")})
+
+    def pod(name: str, index: int) -> None:
+        server.store.create("pods", "default", {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": name, "labels": {"monarch-cli/reservation": "r", "batch.kubernetes.io/job-completion-index":
+                                     str(index)}}, "spec": {"containers": [{"name": "agent", "image": "x"}]}})
+
+    pod("r-0-a", 0)
+    watch = _PodWatch(core, batch, "default", "r", 2, 1, lambda _m: None)
+    watch._refresh()  # the list
+    pod("r-1-b", 1)
+    watch._refresh()  # a watch from the list's resourceVersion
+    assert sorted(watch.pod_names().values()) == ["r-0-a", "r-1-b"]
+    server.store.remove("pods", "default", "r-0-a")
+    server.store.compact()  # the watch missed that deletion and cannot replay it
+    watch._refresh()  # 410 Expired: forget the version...
+    assert watch.version is None
+    watch._refresh()  # ...and list again
+    assert list(watch.pod_names().values()) == ["r-1-b"]
+    server.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="pods with a filesystem of their own need a mount namespace (root)")
+def test_the_workspace_reaches_pods_that_do_not_share_it(tmp_path: Path) -> None:
+    """Pods that cannot see the client's directory get its files by workspace sync, before the run."""
+    workspace = tmp_path / "project"
+    workspace.mkdir()
+    (workspace / "allreduce.py").write_text(ALLREDUCE + "print('data', open('data.txt').read(), 'cwd', os.getcwd())\n")
+    (workspace / "data.txt").write_text("from the laptop")
+    server = ApiServer()
+    kubelet = Kubelet(server.store, images={IMAGE: ""}, hide=[workspace])
+    try:
+        served = _monarch(workspace, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                          server.kubeconfig(tmp_path / "kubeconfig"))
+        assert served.returncode == 0, served.stderr
+        ran = _monarch(workspace, "run-spmd", "--", "python", "allreduce.py")
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.count("sum 3") == 2 and ran.stdout.count("data from the laptop") == 2, ran.stdout
+        assert f"cwd {workspace}" not in ran.stdout and "synced 2 files" in ran.stderr, ran.stdout + ran.stderr
+        assert _monarch(workspace, "stop").returncode == 0
+        assert kubelet.pids() == []
+    finally:
+        kubelet.close()
+        server.close()
+    assert not kubelet.errors, kubelet.errors
