@@ -315,13 +315,19 @@ class SkyPilotScheduler(Scheduler):
             provisioner().down(cluster)
 
     def probe(self, reservation: ReservationRecord) -> Probe:
-        cluster = reservation.scheduler_data.get("cluster", "")
-        state, reason = provisioner().state(cluster)
-        if state == "UP":
+        """Every agent's port accepts: alive, without asking SkyPilot (it runs before every run, and
+        importing SkyPilot and asking its API server costs seconds). Otherwise SkyPilot says why."""
+        data = reservation.scheduler_data
+        ips, port, cluster = data.get("node_ips", []), data.get("port"), data.get("cluster", "")
+        names = [f"node{i}" for i in range(len(ips))]
+        answering = _listening(names, ips, int(port)) if ips and port else {}
+        if ips and len(answering) == len(ips):
             return Probe(Liveness.ALIVE)
+        state, reason = provisioner().state(cluster)
         if state in ("GONE", "STOPPED"):
             return Probe(Liveness.GONE, reason)
-        return Probe(Liveness.UNKNOWN, reason)
+        silent = ", ".join(n for n in names if n not in answering)
+        return Probe(Liveness.UNKNOWN, f"{reason}; no agent answers on {silent}" if state == "UP" else reason)
 
     def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
         wanted = request.options.get("cluster")

@@ -18,6 +18,7 @@ from typing import List, Tuple
 import pytest
 
 from monarch_cli.jobs import serve
+from monarch_cli.schedulers import Liveness
 
 from .standin import NamespaceProvisioner, netns_pids
 
@@ -75,6 +76,9 @@ def test_serve_sync_gloo_run_status_and_stop_on_standin_nodes(standin: Namespace
             for pid in pids:
                 text = _environ_of(pid) + Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
                 assert secret not in text and "MONARCH_RESERVATION_KEYS" not in text
+        with monkeypatch.context() as m:  # every agent answers: a run's probe does not ask SkyPilot (seconds)
+            m.setenv("MONARCH_SKYPILOT_PROVISIONER", "no_such_module:Nothing")
+            assert job.scheduler.probe(job.state).liveness is Liveness.ALIVE
         out = io.BytesIO()
         notices: List[str] = []
         result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out,
