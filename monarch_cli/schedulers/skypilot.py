@@ -19,6 +19,7 @@ SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`SkyProvisio
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import re
@@ -76,6 +77,11 @@ def provisioner() -> Provisioner:
         raise SchedulerError(f"${PROVISIONER_ENV}={target} cannot be loaded: {e}") from None
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _sky() -> Any:
     try:
         import sky
@@ -91,13 +97,14 @@ class SkyProvisioner:
         sky = _sky()
         # The secret's value goes in here, in memory: a null value would mean a managed secret to SkyPilot.
         sky_task = sky.Task.from_yaml_config({**task, "secrets": dict(secrets)})
-        progress(f"sky launch -c {cluster} ({task['num_nodes']} node(s)); SkyPilot's log follows")
+        progress(f"sky launch -c {cluster} ({task['num_nodes']} node(s))")
         try:
-            _, handle = sky.stream_and_get(sky.launch(sky_task, cluster_name=cluster, detach_run=True))
+            _, handle = sky.stream_and_get(sky.launch(sky_task, cluster_name=cluster),
+                                           output_stream=_ProgressStream(progress))
         except Exception as e:  # noqa: BLE001 - SkyPilot raises many kinds; the message is what users need
-            raise SchedulerError(f"sky launch -c {cluster} failed: {str(e).splitlines()[0] if str(e) else e!r}") \
+            raise SchedulerError(f"sky launch -c {cluster} failed: {_first_line(e)}") \
                 from None
-        ips = handle.external_ips() if handle is not None else None
+        ips = (handle.cached_external_ips or handle.external_ips()) if handle is not None else None
         if not ips:
             raise SchedulerError(f"SkyPilot launched {cluster} but reports no node addresses")
         return list(ips)
@@ -107,7 +114,7 @@ class SkyProvisioner:
         try:
             records = sky.get(sky.status([cluster], refresh=sky.StatusRefreshMode.AUTO))
         except Exception as e:  # noqa: BLE001 - the API server is down, credentials expired...
-            return "UNKNOWN", f"SkyPilot cannot tell: {str(e).splitlines()[0] if str(e) else e!r}"
+            return "UNKNOWN", f"SkyPilot cannot tell: {_first_line(e)}"
         if not records:
             return "GONE", f"SkyPilot has no cluster {cluster} (torn down, autodowned or preempted)"
         record = records[0]
@@ -121,8 +128,27 @@ class SkyProvisioner:
             sky.get(sky.down(cluster))
         except Exception as e:  # noqa: BLE001
             if "does not exist" not in str(e):
-                raise SchedulerError(f"sky down {cluster} failed: {str(e).splitlines()[0] if str(e) else e!r}") \
+                raise SchedulerError(f"sky down {cluster} failed: {_first_line(e)}") \
                     from None
+
+
+class _ProgressStream(io.TextIOBase):
+    """SkyPilot's launch log, line by line, into serve's progress display."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress, self.pending = progress, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = re.split(r"[\r\n]", self.pending)
+        for line in lines:
+            line = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line).strip()
+            if line:
+                self.progress(f"sky: {line}")
+        return len(text)
 
 
 def parse_minutes(text: str) -> int:
