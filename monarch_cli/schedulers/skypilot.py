@@ -370,7 +370,7 @@ class SkyPilotScheduler(Scheduler):
     def status_lines(self, reservation: ReservationRecord) -> List[str]:
         data = reservation.scheduler_data
         state, reason = provisioner().state(data.get("cluster", ""))
-        lines = [f"cluster {data.get('cluster')}: {state}" + (f" ({reason})" if state != "UP" else "")]
+        lines = [f"cluster {data.get('cluster')}: {state}" + (f" ({reason})" if state in ("GONE", "UNKNOWN") else "")]
         lines += [f"node{i}: {ip}:{data.get('port')}" for i, ip in enumerate(data.get("node_ips", []))]
         return lines
 
