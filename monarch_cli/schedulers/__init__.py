@@ -23,6 +23,7 @@ _BUILTIN: Dict[str, str] = {
     "local": "monarch_cli.schedulers.local:LocalScheduler",
     "slurm": "monarch_cli.schedulers.slurm:SlurmScheduler",
     "ssh": "monarch_cli.schedulers.ssh:SshScheduler",
+    "skypilot": "monarch_cli.schedulers.skypilot:SkyPilotScheduler",
 }
 #: torchx scheduler names users already type, mapped to ours.
 ALIASES = {"local_cwd": "local"}

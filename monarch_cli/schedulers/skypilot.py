@@ -1,0 +1,397 @@
+"""The skypilot backend: a SkyPilot cluster whose task runs one host agent per node.
+
+``plan()`` builds the SkyPilot task as data (``num_nodes`` = hosts, resources, a ``setup``
+that installs this exact monarch-cli version, a ``run`` that starts the agent on a fixed
+port on every node) and prints it as YAML with the equivalent ``sky launch`` line; it
+needs neither SkyPilot nor its API server. ``reserve(plan)`` hands the task to a
+*provisioner* (:func:`provisioner`: SkyPilot's SDK, or a stand-in that tests inject), which
+returns the nodes' addresses; the agents are found by their fixed port there.
+
+The reservation's keys travel as a SkyPilot secret (:data:`KEYS_SECRET`), never in the task
+YAML or on a command line. The run script moves the secret into a here-string on fd 3,
+unsets it and ``exec``s the agent with ``--keys-stdin``: the agent (and every rank under
+it) has no copy in its environment. What SkyPilot's own processes keep is documented in
+docs/skypilot.md.
+
+SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`SkyProvisioner`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import re
+import shlex
+import socket
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
+
+from .. import __version__
+from ..errors import OptionError, PlanError, SchedulerError
+from ..runtime.agent_command import AgentCommand, format_port_range
+from .agents import wait_for_agents
+from .base import HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, \
+    Scheduler
+
+if TYPE_CHECKING:
+    from ..runtime.keys import Keys
+
+#: The SkyPilot secret that carries the reservation's keys to every node.
+KEYS_SECRET = "MONARCH_RESERVATION_KEYS"
+#: The port every agent listens on unless ``--agent-port`` says otherwise (Monarch's default).
+DEFAULT_AGENT_PORT = 26600
+#: ``module:attr`` of a provisioner factory to use instead of SkyPilot (the test seam).
+PROVISIONER_ENV = "MONARCH_SKYPILOT_PROVISIONER"
+#: How long the agents may take to answer once SkyPilot says the task runs.
+AGENT_START_TIMEOUT = 120.0
+DEFAULT_PYTHON = "python3"
+REDACTED = "<redacted>"
+INSTALL_HINT = "pip install 'monarch-cli[skypilot]'"
+
+
+class Provisioner(Protocol):
+    """What the backend needs from SkyPilot; tests replace it through :data:`PROVISIONER_ENV`."""
+
+    def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str], progress: Progress) -> List[str]:
+        """Launch (or reuse) ``cluster`` with ``task``; the nodes' addresses, node rank order."""
+
+    def state(self, cluster: str) -> Tuple[str, str]:
+        """``("UP" | "INIT" | "STOPPED" | "GONE", reason)`` without changing anything."""
+
+    def down(self, cluster: str) -> None:
+        """Tear ``cluster`` down; nothing of it may be left."""
+
+
+def provisioner() -> Provisioner:
+    """SkyPilot's SDK, or the factory named by ``$MONARCH_SKYPILOT_PROVISIONER`` (``module:attr``)."""
+    target = os.environ.get(PROVISIONER_ENV)
+    if not target:
+        return SkyProvisioner()
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)()
+    except (ImportError, AttributeError) as e:
+        raise SchedulerError(f"${PROVISIONER_ENV}={target} cannot be loaded: {e}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _sky() -> Any:
+    try:
+        import sky
+    except ImportError:
+        raise SchedulerError(f"the skypilot scheduler needs SkyPilot, which is not installed: {INSTALL_HINT}") from None
+    return sky
+
+
+class SkyProvisioner:
+    """SkyPilot's Python SDK (>= 0.10: calls return request ids, resolved with ``sky.get``)."""
+
+    def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str], progress: Progress) -> List[str]:
+        sky = _sky()
+        # The secret's value goes in here, in memory: a null value would mean a managed secret to SkyPilot.
+        sky_task = sky.Task.from_yaml_config({**task, "secrets": dict(secrets)})
+        progress(f"sky launch -c {cluster} ({task['num_nodes']} node(s))")
+        try:
+            _, handle = sky.stream_and_get(sky.launch(sky_task, cluster_name=cluster),
+                                           output_stream=_ProgressStream(progress))
+        except Exception as e:  # noqa: BLE001 - SkyPilot raises many kinds; the message is what users need
+            raise SchedulerError(f"sky launch -c {cluster} failed: {_first_line(e)}") \
+                from None
+        ips = (handle.cached_external_ips or handle.external_ips()) if handle is not None else None
+        if not ips:
+            raise SchedulerError(f"SkyPilot launched {cluster} but reports no node addresses")
+        return list(ips)
+
+    def state(self, cluster: str) -> Tuple[str, str]:
+        sky = _sky()
+        try:
+            records = sky.get(sky.status([cluster], refresh=sky.StatusRefreshMode.AUTO))
+        except Exception as e:  # noqa: BLE001 - the API server is down, credentials expired...
+            return "UNKNOWN", f"SkyPilot cannot tell: {_first_line(e)}"
+        if not records:
+            return "GONE", f"SkyPilot has no cluster {cluster} (torn down, autodowned or preempted)"
+        record = records[0]
+        status = record.get("status") if isinstance(record, dict) else getattr(record, "status", None)
+        name = getattr(status, "value", status) or "UNKNOWN"
+        return str(name), f"SkyPilot reports cluster {cluster} as {name}"
+
+    def down(self, cluster: str) -> None:
+        sky = _sky()
+        try:
+            sky.get(sky.down(cluster))
+        except Exception as e:  # noqa: BLE001
+            if "does not exist" not in str(e):
+                raise SchedulerError(f"sky down {cluster} failed: {_first_line(e)}") \
+                    from None
+
+
+class _ProgressStream(io.TextIOBase):
+    """SkyPilot's launch log, line by line, into serve's progress display."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress, self.pending = progress, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = re.split(r"[\r\n]", self.pending)
+        for line in lines:
+            line = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line).strip()
+            if line:
+                self.progress(f"sky: {line}")
+        return len(text)
+
+
+def parse_minutes(text: str) -> int:
+    """``90``, ``45m``, ``2h``, ``1h30m``, ``1d`` or ``H:MM:SS`` as whole minutes (rounded up), > 0."""
+    text = text.strip().lower()
+    seconds = 0.0
+    if re.fullmatch(r"\d+", text):
+        seconds = int(text) * 60
+    elif re.fullmatch(r"\d+:\d{1,2}(:\d{1,2})?", text):
+        parts = [int(p) for p in text.split(":")]
+        seconds = parts[0] * 3600 + parts[1] * 60 + (parts[2] if len(parts) > 2 else 0)
+    elif re.fullmatch(r"(\d+d)?(\d+h)?(\d+m)?(\d+s)?", text) and text:
+        units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+        seconds = sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([dhms])", text))
+    else:
+        raise OptionError(f"--time takes minutes, 45m, 2h, 1h30m or H:MM:SS, not {text!r}")
+    if seconds <= 0:
+        raise OptionError(f"--time must be more than zero, not {text!r}")
+    return int(-(-seconds // 60))
+
+
+def setup_script(python: str) -> str:
+    """Install exactly this monarch-cli unless the node already has it (a reused cluster, a prepared image)."""
+    have = f"{python} -c 'import monarch_cli; print(monarch_cli.__version__)' 2>/dev/null || true"
+    return (f"set -e\n"
+            f'if [ "$({have})" = {shlex.quote(__version__)} ]; then\n'
+            f"  echo 'monarch-cli {__version__} is already installed'\n"
+            f"else\n"
+            f"  {python} -m pip install --quiet {shlex.quote('monarch-cli==' + __version__)}\n"
+            f"fi\n")
+
+
+def run_script(agent: AgentCommand, python: str, time_minutes: Optional[int]) -> str:
+    """Start the agent in the foreground (the SkyPilot job lives as long as it), keys on stdin.
+
+    ``exec 3<<<`` copies the secret into a pipe (bash >= 5.1; a 0600 temporary file before),
+    ``unset`` drops it, and ``exec`` replaces this shell: the agent's environment, and its
+    ranks', never hold the keys.
+    """
+    argv = [*shlex.split(python), *agent.argv()[1:]]
+    limit = (f"timeout --signal=TERM --kill-after=30s {time_minutes * 60}s " if time_minutes else "")
+    return ("set -e\n"
+            'MONARCH_HOST="$(printf \'%s\\n\' "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\n'
+            'export MONARCH_HOST MONARCH_REMOTE_DIR="$HOME/.monarch-cli"\n'
+            f'exec 3<<<"${KEYS_SECRET}"\n'
+            f"unset {KEYS_SECRET}\n"
+            f'exec {limit}{shlex.join(argv)} --name "node$SKYPILOT_NODE_RANK" <&3 3<&-\n')
+
+
+def to_yaml(data: Any, indent: int = 0) -> str:
+    """A small, deterministic YAML writer for the task (block literals for scripts); no PyYAML needed."""
+    pad = " " * indent
+    lines: List[str] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(f"{pad}{key}:")
+            lines.append(to_yaml(value, indent + 2).rstrip("\n"))
+        elif isinstance(value, str) and "\n" in value:
+            lines.append(f"{pad}{key}: |")
+            lines += [f"{pad}  {line}" if line else "" for line in value.rstrip("\n").split("\n")]
+        else:
+            lines.append(f"{pad}{key}: {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def launch_line(cluster: str) -> str:
+    return f"sky launch -c {shlex.quote(cluster)} --secret {KEYS_SECRET} --detach-run -y task.yaml"
+
+
+class SkyPilotScheduler(Scheduler):
+    name = "skypilot"
+    options = (
+        Option("cluster", str, help="The SkyPilot cluster's name (default monarch-<reservation>); "
+                                    "an UP cluster of that name is reused."),
+        Option("gpus", str, help="Accelerators per node, as SkyPilot names them (A100:8, H100:8, L4)."),
+        Option("cloud", str, help="The cloud or infra (aws, gcp, azure, kubernetes, ...; default: SkyPilot picks)."),
+        Option("region", str, help="The region (needs --cloud)."),
+        Option("image", str, help="The node image (SkyPilot's image_id, e.g. docker:pytorch/pytorch:latest)."),
+        Option("disk_size", int, help="Disk per node, in GB."),
+        Option("use_spot", bool, default=False, help="Use spot instances (may be preempted: then the "
+                                                     "reservation is reported gone)."),
+        Option("autostop", int, help="Stop the cluster after this many idle minutes once the agents have ended."),
+        Option("down", bool, default=False, help="Tear the cluster down (not just stop it) when autostop fires."),
+        Option("time", str, help="End the agents after this long (45m, 2h, H:MM:SS) and tear the cluster down "
+                                 "a minute later (autodown)."),
+        Option("python", str, default=DEFAULT_PYTHON, help=f"The nodes' interpreter (default {DEFAULT_PYTHON})."),
+    )
+
+    # ---------------------------------------------------------------- planning
+    def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
+        opts = self.check_options(request.options)
+        if request.hosts < 1:
+            raise OptionError(f"--hosts must be at least 1, not {request.hosts}")
+        if opts.get("region") and not opts.get("cloud"):
+            raise OptionError("--region needs --cloud")
+        for name in ("disk_size", "autostop"):
+            if name in opts and opts[name] <= 0:
+                raise OptionError(f"--{name.replace('_', '-')} must be more than zero, not {opts[name]}")
+        cluster = opts.get("cluster") or ""
+        if cluster and not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", cluster):
+            raise OptionError(f"--cluster {cluster!r}: SkyPilot cluster names are lowercase letters, digits and "
+                              "dashes, starting with a letter")
+        time_minutes = parse_minutes(opts["time"]) if opts.get("time") else None
+        python = opts.get("python") or DEFAULT_PYTHON
+        rid = f"sky-{uuid.uuid4().hex[:8]}"
+        cluster = cluster or f"monarch-{rid[4:]}"
+        port = request.agent_port or DEFAULT_AGENT_PORT
+        agent = AgentCommand(python=python, port=port, port_range=request.port_range, preload=request.preload,
+                             warm_up=True, keys_stdin=True, reservation=rid)
+        task = self.task_config(request.hosts, opts, agent, python, time_minutes, cluster)
+        shown = {**task, "secrets": {KEYS_SECRET: REDACTED}}
+        yaml_text = to_yaml(shown)
+        steps = [f"sky launch -c {cluster}: {request.hosts} node(s), {self._shape(opts)}; the reservation's keys "
+                 f"as the SkyPilot secret {KEYS_SECRET} (<redacted>)",
+                 f"setup on every node: install monarch-cli=={__version__} unless it is there",
+                 f"run on every node: the host agent on port {port}, keys handed over on stdin"
+                 + (f", ended after {time_minutes} min" if time_minutes else ""),
+                 f"find the agents on port {port} of the nodes' addresses from the cluster handle"]
+        if "autostop" in task["resources"]:
+            stop = task["resources"]["autostop"]
+            steps.append(f"once the agents end, {'tear down' if stop['down'] else 'stop'} the cluster after "
+                         f"{stop['idle_minutes']} idle minute(s)")
+        summary = f"a SkyPilot cluster {cluster} of {request.hosts} node(s), one host agent per node"
+        return Plan(self.name, rid, request.hosts, list(request.command), str(workdir.resolve()), summary, steps,
+                    artifacts={"task.yaml (secrets redacted)": yaml_text, "equivalent command": launch_line(cluster)},
+                    options=opts, data={"cluster": cluster, "task": task, "port": port, "version": __version__})
+
+    def task_config(self, hosts: int, opts: Dict[str, Any], agent: AgentCommand, python: str,
+                    time_minutes: Optional[int], cluster: str) -> Dict[str, Any]:
+        """The SkyPilot task as ``Task.from_yaml_config`` takes it, without the secret's value."""
+        resources: Dict[str, Any] = {}
+        if opts.get("cloud"):
+            resources["infra"] = opts["cloud"] + (f"/{opts['region']}" if opts.get("region") else "")
+        if opts.get("gpus"):
+            resources["accelerators"] = opts["gpus"]
+        if opts.get("image"):
+            resources["image_id"] = opts["image"]
+        if opts.get("disk_size"):
+            resources["disk_size"] = opts["disk_size"]
+        if opts.get("use_spot"):
+            resources["use_spot"] = True
+        ports = [agent.port] + ([format_port_range(agent.port_range)] if agent.port_range else [])
+        resources["ports"] = ports
+        if opts.get("autostop") or time_minutes or opts.get("down"):
+            resources["autostop"] = {"idle_minutes": opts.get("autostop") or 1,
+                                     "down": bool(opts.get("down") or time_minutes)}
+        return {"name": cluster, "num_nodes": hosts, "resources": resources, "secrets": {KEYS_SECRET: None},
+                "setup": setup_script(python), "run": run_script(agent, python, time_minutes)}
+
+    @staticmethod
+    def _shape(opts: Dict[str, Any]) -> str:
+        parts = [opts.get("gpus") or "no GPUs", opts.get("cloud") or "any cloud"]
+        if opts.get("use_spot"):
+            parts.append("spot")
+        return ", ".join(parts)
+
+    # ---------------------------------------------------------------- reserving
+    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+        self.check_plan(plan)
+        try:
+            cluster, task, port = plan.data["cluster"], dict(plan.data["task"]), int(plan.data["port"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"malformed skypilot plan ({type(e).__name__}: {e}); make a new one with --dry-run") \
+                from None
+        if plan.data.get("version") != __version__:
+            raise PlanError(f"this plan was made by monarch-cli {plan.data.get('version')}, not {__version__}")
+        prov = provisioner()
+        try:
+            ips = prov.launch(cluster, task, {KEYS_SECRET: keys.encode()}, progress)
+            if len(ips) != plan.hosts:
+                raise SchedulerError(f"cluster {cluster} has {len(ips)} node(s), not {plan.hosts}")
+            names = [f"node{i}" for i in range(len(ips))]
+            found = wait_for_agents(lambda: _listening(names, ips, port), names, progress,
+                                    timeout=AGENT_START_TIMEOUT, check=lambda: _check_up(prov, cluster), interval=0.2)
+        except BaseException:  # a failed launch or Ctrl-C: no cluster is left costing money
+            progress(f"tearing down {cluster}")
+            try:
+                prov.down(cluster)
+            except SchedulerError as e:  # the first error is the one to report
+                progress(f"could not tear down {cluster}: {e}")
+            raise
+        return Reservation(plan.reservation_id, found,
+                           {"cluster": cluster, "node_ips": ips, "port": port, "autostop": task["resources"].get(
+                               "autostop")})
+
+    # ---------------------------------------------------------------- the reservation
+    def release(self, reservation: ReservationRecord) -> None:
+        cluster = reservation.scheduler_data.get("cluster")
+        if cluster:
+            provisioner().down(cluster)
+
+    def probe(self, reservation: ReservationRecord) -> Probe:
+        """Every agent's port accepts: alive, without asking SkyPilot (it runs before every run, and
+        importing SkyPilot and asking its API server costs seconds). Otherwise SkyPilot says why."""
+        data = reservation.scheduler_data
+        ips, port, cluster = data.get("node_ips", []), data.get("port"), data.get("cluster", "")
+        names = [f"node{i}" for i in range(len(ips))]
+        answering = _listening(names, ips, int(port)) if ips and port else {}
+        if ips and len(answering) == len(ips):
+            return Probe(Liveness.ALIVE)
+        state, reason = provisioner().state(cluster)
+        if state in ("GONE", "STOPPED"):
+            return Probe(Liveness.GONE, reason)
+        silent = ", ".join(n for n in names if n not in answering)
+        return Probe(Liveness.UNKNOWN, f"{reason}; no agent answers on {silent}" if state == "UP" else reason)
+
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+        wanted = request.options.get("cluster")
+        had = reservation.scheduler_data.get("cluster")
+        if wanted and wanted != had:
+            return f"it is cluster {had}, not {wanted}"
+        return super().can_serve(reservation, request)
+
+    def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
+        data = reservation.scheduler_data
+        return {"skypilot": {"cluster": data.get("cluster"), "nodes": data.get("node_ips", []),
+                             "port": data.get("port"), "autostop": data.get("autostop")}}
+
+    def status_lines(self, reservation: ReservationRecord) -> List[str]:
+        data = reservation.scheduler_data
+        state, reason = provisioner().state(data.get("cluster", ""))
+        lines = [f"cluster {data.get('cluster')}: {state}" + (f" ({reason})" if state in ("GONE", "UNKNOWN") else "")]
+        lines += [f"node{i}: {ip}:{data.get('port')}" for i, ip in enumerate(data.get("node_ips", []))]
+        return lines
+
+
+def _listening(names: List[str], ips: List[str], port: int) -> Dict[str, str]:
+    """The agents whose fixed port accepts a connection (CURVE then proves they are ours)."""
+    found = {}
+    for name, ip in zip(names, ips):
+        try:
+            with socket.create_connection((ip, port), timeout=0.5):
+                found[name] = f"tcp://{ip}:{port}"
+        except OSError:
+            continue
+    return found
+
+
+def _check_up(prov: Provisioner, cluster: str) -> None:
+    state, reason = prov.state(cluster)
+    if state in ("GONE", "STOPPED"):
+        raise SchedulerError(f"the agents did not come up: {reason}")
+
+
+__all__ = ["SkyPilotScheduler", "SkyProvisioner", "Provisioner", "provisioner", "parse_minutes", "to_yaml",
+           "KEYS_SECRET", "PROVISIONER_ENV", "DEFAULT_AGENT_PORT"]

@@ -1,0 +1,115 @@
+"""The skypilot backend end to end, with only provisioning replaced.
+
+A stand-in (tests/skypilot/standin.py, injected through ``$MONARCH_SKYPILOT_PROVISIONER``)
+runs the task's real ``setup`` and ``run`` on two network-namespace nodes with SkyPilot's
+environment; agent start-up with the keys from the secret, discovery on the fixed port,
+workspace sync, a 2-node gloo run, status and teardown are the real ones.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+from monarch_cli.jobs import serve
+from monarch_cli.schedulers import Liveness
+
+from .standin import NamespaceProvisioner, netns_pids
+
+pytestmark = [pytest.mark.slow]
+REPO = str(Path(__file__).resolve().parents[2])
+
+ALLREDUCE = """\
+import os, subprocess, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("sum", int(t.item()), "node", subprocess.check_output(["hostname", "-I"]).decode().split()[0], "cwd", os.getcwd(), "data", open("data.txt").read())
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def standin(sky_nodes: List[Tuple[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NamespaceProvisioner:
+    monkeypatch.setenv("MONARCH_SKYPILOT_PROVISIONER", "tests.skypilot.standin:NamespaceProvisioner")
+    monkeypatch.setenv("MSKY_NODES", ",".join(f"{ns}={address}" for ns, address in sky_nodes))
+    monkeypatch.setenv("MSKY_STATE", str(tmp_path / "standin"))
+    monkeypatch.setenv("PYTHONPATH", REPO)  # the nodes run this checkout (setup finds this version: no pip)
+    return NamespaceProvisioner()
+
+
+def _monarch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _environ_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b"\n").decode(errors="replace")
+
+
+def test_serve_sync_gloo_run_status_and_stop_on_standin_nodes(standin: NamespaceProvisioner,
+                                                              sky_nodes: List[Tuple[str, str]], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(ALLREDUCE)
+    (ws / "data.txt").write_text("v1")
+    monkeypatch.chdir(ws)
+    state = ws / ".monarch" / "job_state.pkl"
+    job = serve(None, "skypilot", state=state, hosts=2, cluster="msky-e2e")
+    try:
+        data = job.state.scheduler_data
+        assert data["cluster"] == "msky-e2e" and data["node_ips"] == [a for _, a in sky_nodes]
+        assert [h.agent for h in job.state.hosts] == [f"tcp://{a}:26600" for _, a in sky_nodes]
+        log = Path(os.environ["MSKY_STATE"], "msky-e2e.node0.log").read_text()
+        assert "monarch-cli" in log and "already installed" in log  # the real setup ran, and skipped pip
+        secret = job.state.keys.split()[-1]
+        for ns, _ in sky_nodes:  # the agent and all it started: no key in any environment or command line
+            pids = netns_pids(ns)
+            assert pids
+            for pid in pids:
+                text = _environ_of(pid) + Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+                assert secret not in text and "MONARCH_RESERVATION_KEYS" not in text
+        with monkeypatch.context() as m:  # every agent answers: a run's probe does not ask SkyPilot (seconds)
+            m.setenv("MONARCH_SKYPILOT_PROVISIONER", "no_such_module:Nothing")
+            assert job.scheduler.probe(job.state).liveness is Liveness.ALIVE
+        out = io.BytesIO()
+        notices: List[str] = []
+        result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out,
+                              on_event=notices.append, env={"GLOO_SOCKET_IFNAME": "eth0"})
+        text = out.getvalue().decode()
+        logs = [Path(os.environ["MSKY_STATE"], f"msky-e2e.node{i}.log").read_text()[-1500:] for i in range(2)]
+        assert result.exit_code == 0, "\n".join([text, repr(result), *notices, *logs])
+        assert any(n.startswith("synced") and "to 2 hosts" in n for n in notices), notices
+        lines = [line for line in text.splitlines() if " sum " in line]
+        assert len(lines) == 2 and all("sum 3 " in line and "data v1" in line for line in lines), text
+        assert {a for _, a in sky_nodes} == {line.split(" node ")[1].split()[0] for line in lines}
+        assert str(ws) not in text  # ranks ran in the nodes' mirrors ($HOME/.monarch-cli), not the client's path
+        status = _monarch("status", "--state", str(state), cwd=ws)
+        assert status.returncode == 0 and "cluster msky-e2e: UP" in status.stdout, status.stdout + status.stderr
+    finally:
+        stopped = _monarch("stop", "--state", str(state), cwd=ws)
+    assert stopped.returncode == 0, stopped.stderr
+    assert all(not netns_pids(ns) for ns, _ in sky_nodes)  # nothing of the cluster is left
+    assert not Path(os.environ["MSKY_STATE"], "msky-e2e.json").exists()  # it was torn down, not left up
+
+
+def test_a_cluster_stopped_behind_our_back_is_reported_gone(standin: NamespaceProvisioner,
+                                                           sky_nodes: List[Tuple[str, str]], tmp_path: Path) -> None:
+    state = tmp_path / ".monarch" / "job_state.pkl"
+    job = serve(None, "skypilot", state=state, hosts=2, cluster="msky-gone")
+    standin.stop_behind_our_back("msky-gone")
+    assert job.scheduler.probe(job.state).reason == "SkyPilot reports cluster msky-gone as STOPPED"
+    status = _monarch("status", "--state", str(state), cwd=tmp_path)
+    text = status.stdout + status.stderr
+    assert "gone" in text.lower() and "msky-gone as STOPPED" in text, text
+    stopped = _monarch("stop", "--state", str(state), cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not Path(os.environ["MSKY_STATE"], "msky-gone.json").exists()  # stop still tears the cluster down
+    assert all(not netns_pids(ns) for ns, _ in sky_nodes)
