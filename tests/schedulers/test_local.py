@@ -285,5 +285,5 @@ def test_torchx_scheduler_names_reach_the_local_backend() -> None:
     from monarch_cli.schedulers import get_scheduler
 
     assert get_scheduler("local_cwd").name == get_scheduler("local").name == "local"
-    with pytest.raises(JobError, match="unknown scheduler 'kubernetes'; available: .*local_cwd"):
-        get_scheduler("kubernetes")
+    with pytest.raises(JobError, match="unknown scheduler 'aws_batch'; available: .*local_cwd"):
+        get_scheduler("aws_batch")
