@@ -65,7 +65,7 @@ def children_titled(pid: int, prefix: str) -> List[psutil.Process]:
 def test_a_killed_warm_process_ends_the_run_naming_it_and_a_new_one_serves_the_next(job: Job, tmp_path: Path):
     script = write_script(tmp_path, "sleepy.py", ESCAPERS)
     results: list = []
-    runner = threading.Thread(target=lambda: results.append(spmd(job, script, str(tmp_path), "120")))
+    runner = threading.Thread(target=lambda: results.append(spmd(job, script, str(tmp_path), "120")), daemon=True)
     runner.start()
     escapers(tmp_path, 4)  # every rank is running
     agent1 = job.state.hosts[1].pid
@@ -90,7 +90,7 @@ def test_a_killed_warm_process_ends_the_run_naming_it_and_a_new_one_serves_the_n
 def test_descendants_in_sessions_of_their_own_end_with_the_run(job: Job, tmp_path: Path):
     script = write_script(tmp_path, "escape.py", ESCAPERS)
     results: list = []
-    runner = threading.Thread(target=lambda: results.append(spmd(job, script, str(tmp_path), "2")))
+    runner = threading.Thread(target=lambda: results.append(spmd(job, script, str(tmp_path), "2")), daemon=True)
     runner.start()
     pids = escapers(tmp_path, 4)
     runner.join(timeout=60)
@@ -199,7 +199,7 @@ def test_a_killed_agents_private_files_are_removed_by_the_next_agent(tmp_path: P
 def test_processes_are_titled_by_what_they_are(job: Job, tmp_path: Path):
     script = write_script(tmp_path, "train.py", "import time, sys; time.sleep(float(sys.argv[1]))\n")
     rid = job.state.reservation_id
-    run = threading.Thread(target=lambda: spmd(job, script, "3", "--lr", "0.1"))
+    run = threading.Thread(target=lambda: spmd(job, script, "3", "--lr", "0.1"), daemon=True)
     run.start()
     agent0 = job.state.hosts[0].pid
 

@@ -230,7 +230,7 @@ def test_a_console_that_fails_does_not_stall_the_ranks(job: Job, tmp_path: Path,
     """)
     results: list = []
     runner = threading.Thread(target=lambda: results.append(job.run_spmd(
-        ["torchrun", "--nproc-per-node=1", str(script)], stdout=ClosedConsole(), stderr=io.BytesIO(), ranks={0})))
+        ["torchrun", "--nproc-per-node=1", str(script)], stdout=ClosedConsole(), stderr=io.BytesIO(), ranks={0})), daemon=True)
     runner.start()
     runner.join(120)
     reported = capfd.readouterr().err

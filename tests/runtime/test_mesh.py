@@ -227,7 +227,7 @@ def test_calls_from_many_threads(counters):
         for _ in range(50):
             results.append(one.incr.call_one(1).get(timeout=10))
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:

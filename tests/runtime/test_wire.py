@@ -119,7 +119,7 @@ def test_order_is_kept_per_sender_and_nothing_is_lost_under_load(store):
         for f in futs:
             f.get(timeout=60)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(senders)]
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(senders)]
     for t in threads:
         t.start()
     for t in threads:

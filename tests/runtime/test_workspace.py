@@ -152,7 +152,7 @@ def test_a_reader_never_sees_a_half_written_file(tmp_path: Path) -> None:
             if len(data) != 200_000 or data.count(data[:1]) != len(data):
                 bad.append(len(data))
 
-    threads = [threading.Thread(target=rewrite), threading.Thread(target=read)]
+    threads = [threading.Thread(target=rewrite, daemon=True), threading.Thread(target=read)]
     for t in threads:
         t.start()
     try:

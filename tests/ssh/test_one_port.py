@@ -86,7 +86,7 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
         (ws / "dbg.py").write_text("import os\nanswer = 6 * 7\nif os.environ['RANK'] == '0':\n    breakpoint()\n")
         runs: List[RunResult] = []
         runner = threading.Thread(target=lambda: runs.append(job.run_spmd(
-            ["torchrun", "--nproc-per-node=1", "dbg.py"], stdout=io.BytesIO(), stderr=io.BytesIO())))
+            ["torchrun", "--nproc-per-node=1", "dbg.py"], stdout=io.BytesIO(), stderr=io.BytesIO())), daemon=True)
         runner.start()
         client = DebugClient(job)
         try:
