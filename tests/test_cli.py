@@ -302,3 +302,26 @@ def test_the_example_is_the_script_the_demo_runs() -> None:
     """One source: the example is a link to the script the package ships (and the demo runs)."""
     example = REPO / "examples" / "train_ddp.py"
     assert example.is_symlink() and example.resolve() == (REPO / "monarch_cli" / "templates" / "train_ddp.py").resolve()
+
+
+def test_every_command_is_mapped_to_the_module_that_registers_it() -> None:
+    """`monarch CMD` loads only CMD's module: the map must name every command, and each module
+    loaded alone must register the commands the map gives it."""
+    code = """
+import json, sys, typer
+from monarch_cli import cli
+only = sys.argv[1]
+app = cli._app(None if only == "all" else only)
+print(json.dumps(sorted(typer.main.get_command(app).commands)))
+"""
+    def commands(only: str) -> set:
+        done = subprocess.run([sys.executable, "-c", code, only], capture_output=True, text=True, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        return set(json.loads(done.stdout))
+
+    from monarch_cli.cli import COMMAND_MODULES
+
+    assert commands("all") == set(COMMAND_MODULES)
+    for module in set(COMMAND_MODULES.values()):
+        mine = {c for c, m in COMMAND_MODULES.items() if m == module}
+        assert mine <= commands(module), module
