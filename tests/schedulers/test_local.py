@@ -178,7 +178,7 @@ def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
         # 2. A run still in progress when the reservation is stopped.
         results: list = []
         runner = threading.Thread(target=lambda: results.append(
-            spmd(job, script, str(marks), "hang")), daemon=True, daemon=True)
+            spmd(job, script, str(marks), "hang")), daemon=True)
         runner.start()
         assert wait_until(lambda: len(recorded_pids(marks, "hang")["children"]) == 4, 30)
         hanging = recorded_pids(marks, "hang")
