@@ -121,3 +121,12 @@ def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> str:
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
+
+
+def assert_golden(path: Path, text: str) -> str:
+    """``text`` must equal the committed golden file ``path``; MONARCH_UPDATE_GOLDEN=1 rewrites it."""
+    if os.environ.get("MONARCH_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}; run with MONARCH_UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(), f"{path.name} differs from its golden file (MONARCH_UPDATE_GOLDEN=1 to accept)"
+    return text

@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # the job API loads the runtime: only the commands that need 
 def serve_cmd(
     ctx: typer.Context,
     command: Optional[List[str]] = CmdArg,
-    scheduler: str = typer.Option("local", "--scheduler", "-s", help="The backend: local (alias local_cwd), slurm, "
-                                  "or one a package registers; its options are listed below."),
+    scheduler: str = typer.Option("local", "--scheduler", "-s", help="The backend: local (alias local_cwd), slurm, ssh, kubernetes, "
+                                  "skypilot, or one a package registers; its options are listed below."),
     hosts: Optional[str] = typer.Option(None, "--hosts", "-n", metavar="N|NAMES",
                                         help="How many hosts to reserve (default 1; inside a Slurm allocation, all its "
                                         "nodes), or, for a backend that reaches hosts by name (ssh), their names: h1,h2."),

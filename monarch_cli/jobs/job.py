@@ -10,7 +10,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
@@ -264,13 +264,19 @@ class Job:
                                 stdout, stderr)
 
     def _explain_losses(self, exits: List[RankExit]) -> None:
-        """A host stops answering most often because its allocation ended: ask the scheduler which."""
-        if any(e.lost for e in exits):
-            probe = self.scheduler.probe(self.state)
-            why = probe.reason if probe.gone else ""
-            for e in exits:
-                if why and e.lost:
-                    e.lost = f"{e.lost}: {why}"
+        """A host stops answering, or its ranks are signalled by nobody we know of, most often
+        because its allocation ended (a time limit: the scheduler signals the ranks, then kills
+        the agents; which the client sees first is a race): ask the scheduler which."""
+        unexplained = [e for e in exits if e.lost or (e.signal is not None and not (e.cause or e.stopped))]
+        if not unexplained:
+            return
+        probe = self.scheduler.probe(self.state)
+        why = probe.reason if probe.gone else ""
+        for e in unexplained if why else ():
+            if e.lost:
+                e.lost = f"{e.lost}: {why}"
+            else:
+                e.cause = why
 
     def _sink(self, spec: SpmdSpec, launches: List[Launch], log_dir: Path, ranks: Optional[Set[int]],
               color: Optional[bool], stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],

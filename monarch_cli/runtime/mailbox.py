@@ -408,20 +408,8 @@ class Mailbox:
         return True
 
     def _drain_reply(self, one: bool = False) -> bool:
-        """Handle queued messages, at most a batch; True when more may be queued."""
-        sock = self._reply
-        handled = 0
-        while one or sock.getsockopt(EVENTS) & POLLIN:  # ints: cheaper than zmq.Again, or enum flags
-            if handled >= _DRAIN_BATCH:
-                return True
-            one = False
-            frames = wire.recv_frames(sock)
-            handled += 1
-            try:
-                self._handle(frames)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the reader
-                traceback.print_exc()
-        return False
+        """Handle messages queued on the ROUTER, at most a batch; True when more may be queued."""
+        return _drain(self._reply, self._handle, one)
 
     def _io_loop(self) -> None:
         reply_fd = self._reply.getsockopt(zmq.FD)
@@ -478,17 +466,7 @@ class Mailbox:
         """Handle what agents sent on the links, at most a batch each; True when more may be queued."""
         more = False
         for sock in list(self._links.values()):
-            handled = 0
-            while sock.getsockopt(EVENTS) & POLLIN:
-                if handled >= _DRAIN_BATCH:
-                    more = True
-                    break
-                frames = wire.recv_frames(sock)
-                handled += 1
-                try:
-                    self._handle_message(frames)
-                except Exception:  # noqa: BLE001 - one bad message must not stop the reader
-                    traceback.print_exc()
+            more = _drain(sock, self._handle_message) or more
         return more
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
@@ -614,3 +592,20 @@ class Mailbox:
                         reason=f"its host agent {agent} stopped answering ({silent_for:.1f} s without a heartbeat)",
                     ),
                 )
+
+
+def _drain(sock: zmq.Socket, handle: Callable[[List[zmq.Frame]], None], one: bool = False) -> bool:
+    """Handle what is queued on ``sock``, at most a batch (``one``: read at least one, even if
+    the socket does not say so yet); True when more may be queued."""
+    handled = 0
+    while one or sock.getsockopt(EVENTS) & POLLIN:  # ints: cheaper than zmq.Again, or enum flags
+        if handled >= _DRAIN_BATCH:
+            return True
+        one = False
+        frames = wire.recv_frames(sock)
+        handled += 1
+        try:
+            handle(frames)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+            traceback.print_exc()
+    return False

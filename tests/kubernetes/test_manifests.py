@@ -23,6 +23,8 @@ from monarch_cli import __version__
 from monarch_cli.jobs import dryrun
 from monarch_cli.schedulers.kubernetes.manifests import REDACTED
 
+from ..conftest import assert_golden
+
 GOLDEN = Path(__file__).parent / "golden"
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = ["torchrun", "--nproc-per-node=2", "train.py"]
@@ -35,11 +37,7 @@ def _normalize(text: str) -> str:
 
 
 def _golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("MONARCH_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert path.exists(), f"no golden file {path}; run with MONARCH_UPDATE_GOLDEN=1 to create it"
-    assert text == path.read_text(), f"{name} differs from its golden file (MONARCH_UPDATE_GOLDEN=1 to accept)"
+    assert_golden(GOLDEN / name, text)
 
 
 def _docs(text: str) -> List[Dict[str, Any]]:

@@ -18,6 +18,8 @@ from monarch_cli.errors import UserError
 from monarch_cli.jobs import JobError, dryrun
 from monarch_cli.jobs.slurm_batch import render_batch_script, split_sbatch_options
 
+from ..conftest import assert_golden
+
 GOLDEN = Path(__file__).parent / "golden"
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = ["torchrun", "--nproc-per-node=2", "train.py", "--epochs", "3"]
@@ -36,11 +38,7 @@ def _normalize(text: str, workdir: Path) -> str:
 
 
 def _golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("MONARCH_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert path.exists(), f"no golden file {path}; run with MONARCH_UPDATE_GOLDEN=1 to create it"
-    assert text == path.read_text(), f"{name} differs from its golden file (MONARCH_UPDATE_GOLDEN=1 to accept)"
+    assert_golden(GOLDEN / name, text)
 
 
 def test_serve_script_minimal(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ from monarch_cli import __version__
 from monarch_cli.jobs import dryrun
 from monarch_cli.schedulers.skypilot import KEYS_SECRET, parse_minutes
 
+from ..conftest import assert_golden
+
 GOLDEN = Path(__file__).parent / "golden"
 REPO = Path(__file__).resolve().parents[2]
 TASK = "task.yaml (secrets redacted)"
@@ -34,12 +36,7 @@ def _normalize(text: str) -> str:
 
 
 def _golden(name: str, text: str) -> str:
-    path = GOLDEN / name
-    if os.environ.get("MONARCH_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert path.exists(), f"no golden file {path}; run with MONARCH_UPDATE_GOLDEN=1 to create it"
-    assert text == path.read_text(), f"{name} differs from its golden file (MONARCH_UPDATE_GOLDEN=1 to accept)"
-    return text
+    return assert_golden(GOLDEN / name, text)
 
 
 def _sky_task(text: str) -> Any:

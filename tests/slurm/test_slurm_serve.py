@@ -281,12 +281,15 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
 
         # Time limit: the run going on is ended with the allocation and says why; then every
         # command names the time limit.
+        # Slurm signals the ranks, then kills the agents: the client sees the one or the other
+        # first (SIGTERM, 143, or a lost host, 255); either way each rank says why.
         out, err = run.communicate(timeout=240)
-        assert run.returncode == 255, err
+        assert run.returncode in (143, 255), err
         ranks = json.loads(out)["ranks"]
         assert all("started" in r["last_lines"] for r in ranks), ranks
         for r in ranks:
-            assert r["how"].startswith(f"lost: host {r['host']} stopped answering"), r
+            assert (r["how"].startswith(f"lost: host {r['host']} stopped answering")
+                    or r["how"].startswith("killed by SIGTERM")), r
             assert r["how"].endswith(f"Slurm job {limited_id} is TIMEOUT (its time limit was reached)"), r
         wait_for(lambda: job_state(limited_id) == "TIMEOUT", 60, "the job to reach its time limit")
         status = limited("status")

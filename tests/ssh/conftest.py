@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,10 @@ from typing import Iterator, List
 
 import pytest
 
-BRIDGE = "mssh-br0"
+from ..netns import add_hosts, remove_hosts
+
+PREFIX = "mssh"  # hosts mssh-h1.., bridge mssh-br0 (tests/netns.py)
+BRIDGE = f"{PREFIX}-br0"
 SUBNET = "10.214.0"
 CLIENT_ADDRESS = f"{SUBNET}.1"
 KEEP = "/run/mssh-keep"  # where the interpreter's tree is bound while /root is replaced
@@ -92,16 +94,7 @@ def _install_sshd() -> None:
 
 
 def _teardown_network(n: int) -> None:
-    for i in range(1, n + 1):
-        ns = f"mssh-h{i}"
-        for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)  # sshd and every session and agent it started there
-            except (ProcessLookupError, ValueError):
-                pass
-        _sh("ip", "netns", "del", ns, check=False)
-        _sh("ip", "link", "del", f"mssh-v{i}", check=False)
-    _sh("ip", "link", "del", BRIDGE, check=False)
+    remove_hosts(PREFIX, n)
 
 
 def _pyroot() -> str:
@@ -122,20 +115,10 @@ def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     base = tmp_path_factory.mktemp("ssh")
     key = base / "client_key"
     _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "monarch-test-client", "-f", str(key))
-    _sh("ip", "link", "add", BRIDGE, "type", "bridge")
-    _sh("ip", "addr", "add", f"{CLIENT_ADDRESS}/24", "dev", BRIDGE)
-    _sh("ip", "link", "set", BRIDGE, "up")
     hosts: List[SshHost] = []
     pyroot = _pyroot()
     try:
-        for i in range(1, n + 1):
-            ns, address = f"mssh-h{i}", f"{SUBNET}.{10 + i}"
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", f"mssh-v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "link", "set", f"mssh-v{i}", "master", BRIDGE, "up")
-            for cmd in (["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"],
-                        ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", CLIENT_ADDRESS]):
-                _sh("ip", "netns", "exec", ns, *cmd)
+        for ns, address in add_hosts(PREFIX, SUBNET, n):
             infra = base / ns
             infra.mkdir()
             _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", ns, "-f", str(infra / "host_key"))
