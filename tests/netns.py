@@ -7,10 +7,11 @@ Hosts ``<prefix>-h1..n`` on bridge ``<prefix>-br0``; the client's side of the br
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 from typing import List, Tuple
+
+from monarch_cli.sysutil import signal_if_alive
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -41,10 +42,7 @@ def remove_hosts(prefix: str, n: int) -> None:
     for i in range(1, n + 1):
         ns = f"{prefix}-h{i}"
         for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)  # sshd and every session and agent it started there
-            except (ProcessLookupError, ValueError):
-                pass
+            signal_if_alive(int(pid), signal.SIGKILL)  # sshd and every session and agent it started there
         sh("ip", "netns", "del", ns, check=False)
         sh("ip", "link", "del", f"{prefix}-v{i}", check=False)
     sh("ip", "link", "del", f"{prefix}-br0", check=False)

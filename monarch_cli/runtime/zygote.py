@@ -21,6 +21,7 @@ import threading
 import traceback
 from typing import Any, Dict, List
 
+from ..sysutil import signal_if_alive
 from . import preload
 
 _PR_SET_PDEATHSIG = 1
@@ -141,10 +142,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 data = b""
             if not data:  # the agent is gone
                 for pid in children:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    signal_if_alive(pid, signal.SIGKILL)
                 os._exit(0)
             _, req_id, kind, boot = pickle.loads(data)
             boot["_zygote_pid"] = os.getpid()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 from monarch_cli.errors import SchedulerError
+from monarch_cli.sysutil import signal_if_alive
 
 # $0 is the setup script, $1 the run script; both run in the node's private /tmp ($HOME).
 _NODE = """\
@@ -116,10 +117,7 @@ class NamespaceProvisioner:
             if not pids:
                 break
             for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                signal_if_alive(pid, signal.SIGKILL)
             time.sleep(0.05)
         for pid in record.get("pids", []):
             try:
