@@ -369,14 +369,17 @@ class Job:
         futures = [hs.mb.request(h.agent, lambda cid: ("forget_preload", cid, hs.mb.address)) for h in hs.hosts]
         return {h.name: f.get(timeout=10) for h, f in zip(hs.hosts, futures)}
 
-    def stop(self, by: str = "monarch stop") -> List[str]:
+    def stop(self, by: str = "monarch stop", **options: Any) -> List[str]:
         """Release the reservation and forget it; returns the runs that were in progress.
 
         Those runs are told first who stopped them (``by``, this pid, user@host), so they end
-        saying so, with exit status 254, instead of as lost hosts.
+        saying so, with exit status 254, instead of as lost hosts. ``options`` are the backend's
+        stop options (``Scheduler.stop_options``, e.g. skypilot's ``keep_cluster=True``).
         """
+        scheduler = self.scheduler
+        opts = scheduler.check_stop_options(options)  # bad input fails before anything is told or ended
         ended = self._announce_stop(by)
-        self.scheduler.release(self.state)
+        scheduler.release_with(self.state, opts)
         clear_state(self.path)
         Mailbox.discard(self.keys)  # its threads and sockets served this reservation only
         return ended
