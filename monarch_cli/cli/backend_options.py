@@ -97,7 +97,9 @@ class BackendStopOptionsCommand(typer.core.TyperCommand):
 
         base = [p for p in self.params if not (p.name or "").startswith(_PREFIX)]
         taken = [d for p in base for d in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])]
-        self.params = base + _option_params(available(), taken, "stop_options")
+        flags = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+        # Every backend's module is imported only when a flag is not stop's own (--help included).
+        self.params = base + (_option_params(available(), taken, "stop_options") if flags - set(taken) else [])
         return super().parse_args(ctx, args)
 
 
