@@ -1,0 +1,115 @@
+"""SkyPilot's real dry run of our task, with an emulated Kubernetes context as its infra.
+
+``monarch serve --dry-run --json`` prints the task; SkyPilot then loads it as ``sky launch
+task.yaml`` does, enables its Kubernetes cloud through ``sky check`` against the emulator
+(tests/kubernetes/apiserver.py, plus the two cluster-scoped reads SkyPilot makes: ``/version``
+and the node list), and runs the launch with ``dryrun=True``: its optimizer, the Kubernetes
+cloud's deploy variables and its own pod-config validation, up to "Dryrun finished".
+
+Two things stand in for what a networked machine has: SkyPilot's Kubernetes image catalog
+(fetched from GitHub on first use, every 7 hours) is written to its cache first, two rows
+naming SkyPilot's default images; and the launch is called as the API server calls it
+(``sky.execution.launch``), in a process of its own, not through a local API server daemon
+that ``sky launch`` would start. Needs the ``kubernetes`` client SkyPilot 0.14 supports (< 36).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from ..kubernetes.apiserver import ApiServer
+
+pytestmark = [pytest.mark.slow]
+REPO = str(Path(__file__).resolve().parents[2])
+
+NODE = {"kind": "Node", "apiVersion": "v1",
+        "metadata": {"name": "emu-node-1", "labels": {"kubernetes.io/hostname": "emu-node-1"}},
+        "status": {"capacity": {"cpu": "16", "memory": "64Gi", "pods": "110"},
+                   "allocatable": {"cpu": "16", "memory": "64Gi", "pods": "110"},
+                   "addresses": [{"type": "InternalIP", "address": "10.0.0.5"}],
+                   "conditions": [{"type": "Ready", "status": "True"}]}}
+
+# SkyPilot's catalog of its default pod images (kubernetes/images.csv in skypilot-org/skypilot-catalog).
+IMAGES = ("Tag,ImageId\n"
+          "skypilot:custom-cpu-ubuntu-2204-v1,docker:us-docker.pkg.dev/sky-dev-465/skypilotk8s/skypilot:latest\n"
+          "skypilot:custom-gpu-ubuntu-2204-v1,docker:us-docker.pkg.dev/sky-dev-465/skypilotk8s/skypilot-gpu:latest\n")
+
+DRYRUN = textwrap.dedent("""\
+    import sys
+    import sky
+    from sky import check, execution
+    from sky.catalog import common
+
+    path = common.get_catalog_path("kubernetes/images.csv")
+    import os
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "w").write(sys.argv[2])
+    task = sky.Task.from_yaml(sys.argv[1])
+    task.update_secrets({"MONARCH_RESERVATION_KEYS": "not-a-real-key"})
+    check.check_capability(sky.clouds.CloudCapability.COMPUTE, quiet=True, clouds=["kubernetes"])
+    execution.launch(task, cluster_name=task.name, dryrun=True)
+    """)
+
+
+@pytest.fixture
+def emulator() -> Iterator[ApiServer]:
+    """The Kubernetes emulator, answering also the cluster-scoped reads SkyPilot's ``sky check`` makes."""
+    server = ApiServer()
+    base = server.httpd.RequestHandlerClass
+
+    class WithNodes(base):  # type: ignore[valid-type,misc]
+        def do_GET(self) -> None:
+            reply = {"/version": {"major": "1", "minor": "30", "gitVersion": "v1.30.0"},
+                     "/api/v1/nodes": {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                                       "items": [NODE]}}.get(self.path.split("?")[0])
+            if reply is not None:
+                return self._send(200, reply)
+            return base.do_GET(self)
+
+    server.httpd.RequestHandlerClass = WithNodes
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _check_kubernetes_client() -> None:
+    major = int(version("kubernetes").split(".")[0])
+    if major >= 36:  # 36+ names types "Dict[str, str]", which SkyPilot 0.14's pod validator cannot load
+        pytest.fail(f"kubernetes {version('kubernetes')} is installed; SkyPilot 0.14 validates pods only with "
+                    "kubernetes<36 (its [kubernetes] extra): pip install -e '.[test]'")
+
+
+def test_skypilot_dry_run_accepts_our_task_on_an_emulated_kubernetes_context(emulator: ApiServer,
+                                                                             tmp_path: Path) -> None:
+    _check_kubernetes_client()
+    home = tmp_path / "home"
+    (home / ".kube").mkdir(parents=True)
+    (home / ".sky").mkdir()
+    emulator.kubeconfig(home / ".kube" / "config")
+    (home / ".sky" / "config.yaml").write_text("kubernetes:\n  networking: nodeport\n")
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": os.pathsep.join(
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [REPO])}
+    planned = subprocess.run([sys.executable, "-m", "monarch_cli", "serve", "--scheduler", "skypilot", "--hosts", "2",
+                              "--cloud", "kubernetes", "--dry-run", "--json", "--", "python", "train.py"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert planned.returncode == 0, planned.stderr
+    plan: Any = json.loads(planned.stdout)
+    task = tmp_path / "task.yaml"
+    task.write_text(plan["artifacts"]["task.yaml (secrets redacted)"])
+    done = subprocess.run([sys.executable, "-c", DRYRUN, str(task), IMAGES], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "Dryrun finished." in out, out[-3000:]
+    assert "Kubernetes (emulator)" in out and "2 nodes" in out, out[-3000:]  # the optimizer chose the context
+    assert "not-a-real-key" not in out
