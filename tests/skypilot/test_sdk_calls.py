@@ -18,7 +18,8 @@ import pytest
 from monarch_cli.errors import OptionError, SchedulerError
 from monarch_cli.jobs import dryrun
 from monarch_cli.schedulers import Reservation
-from monarch_cli.schedulers.skypilot import KEYS_SECRET, Shape, SkyPilotScheduler, SkyProvisioner
+from monarch_cli.schedulers.skypilot import KEYS_SECRET, Shape, SkyPilotScheduler
+from monarch_cli.schedulers.skypilot_sdk import SkyProvisioner
 
 import sky  # noqa: E402 - the test extra installs SkyPilot
 
