@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -90,9 +91,21 @@ DRYRUN = textwrap.dedent("""\
     open(path, "w").write(sys.argv[2])
     task = sky.Task.from_yaml(sys.argv[1])
     task.update_secrets({"MONARCH_RESERVATION_KEYS": "not-a-real-key"})
-    check.check_capability(sky.clouds.CloudCapability.COMPUTE, quiet=True, clouds=["kubernetes"])
+    check.check_capability(sky.clouds.CloudCapability.COMPUTE, quiet=False, clouds=["kubernetes"])
     execution.launch(task, cluster_name=task.name, dryrun=True)
     """)
+
+
+def _install_tools() -> None:
+    """``sky check`` enables Kubernetes only where socat, nc and rsync are (it uses them to reach pods)."""
+    if all(shutil.which(tool) for tool in ("socat", "nc", "rsync")):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "socat", "netcat-openbsd", "rsync"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)} failed (SkyPilot's Kubernetes cloud needs socat, nc, rsync): "
+                        f"{done.stderr[-1000:]}")
 
 
 @pytest.fixture
@@ -119,6 +132,7 @@ def emulator() -> Iterator[ApiServer]:
 
 def test_skypilot_dry_run_accepts_our_task_on_an_emulated_kubernetes_context(emulator: ApiServer,
                                                                              tmp_path: Path) -> None:
+    _install_tools()
     home = tmp_path / "home"
     (home / ".kube").mkdir(parents=True)
     (home / ".sky").mkdir()
