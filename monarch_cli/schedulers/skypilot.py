@@ -37,7 +37,7 @@ from .. import __version__
 from ..errors import OptionError, PlanError, SchedulerError
 from ..runtime.agent_command import AgentCommand, format_port_range
 from .agents import wait_for_agents
-from .base import HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, \
+from .base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, \
     Scheduler
 from .skypilot_ssh import SshAccess
 
@@ -309,10 +309,17 @@ class SkyPilotScheduler(Scheduler):
                                      "monarch can use (see docs/skypilot.md)")
             names = [f"node{i}" for i in range(len(ips))]
             check = lambda: _check_up(prov, cluster)  # noqa: E731
+            head = None
             if nodes.ssh is not None and reach != "direct":  # the head sees every agent, whatever is open to us
                 from .skypilot_ssh import connect, listening
 
-                head = connect(nodes.ssh)
+                try:
+                    head = connect(nodes.ssh)
+                except SchedulerError as e:
+                    if reach == "tunnel":
+                        raise
+                    progress(f"{e}; reaching the agents directly")
+            if head is not None:
                 try:
                     found = wait_for_agents(lambda: listening(head, names, internal, port), names, progress,
                                             timeout=AGENT_START_TIMEOUT, check=check, interval=0.2)
@@ -323,7 +330,8 @@ class SkyPilotScheduler(Scheduler):
                     found = [dataclasses.replace(h, agent=direct[h.name]) for h in found]
                     reach = "direct"
                 else:
-                    progress("the agents' port is closed to this machine: reaching them through SSH tunnels")
+                    if reach == "auto":
+                        progress("the agents' port is closed to this machine: reaching them through SSH tunnels")
                     reach = "tunnel"
             else:
                 found = wait_for_agents(lambda: _listening(names, ips, port), names, progress,
