@@ -14,6 +14,14 @@ its watches replay every object and ignore ``resourceVersion`` and ``timeoutSeco
 TODO there), and it needs Python 3.11 and aiohttp; the resume-from-version watch is what the
 backend relies on, and extending it meant rewriting its core. This is ~300 lines of stdlib.
 
+``GET pods/<name>/portforward?ports=P`` upgraded to a websocket speaks the kubelet's
+``v4.channel.k8s.io`` port-forward protocol (a data and an error channel per port, each first
+sent the port as two little-endian bytes, every frame a channel byte then data) and relays
+the data channel to a connection that :attr:`ApiServer.dial` opens to the pod's port, as the
+API server proxies to the kubelet and the kubelet connects to the pod's localhost; a failed
+connection is reported on the error channel. The websocket itself is the ``websockets``
+library's sans-I/O protocol (handshake and framing), driven over the handler's socket.
+
 What it does not do: schema validation and admission, RBAC, field selectors, patch,
 server-side apply. The objects' statuses are written by the test-side kubelet
 (:mod:`.kubelet`) through :class:`Store`, the emulator's storage, as the real kubelet and
@@ -26,6 +34,9 @@ import copy
 import datetime
 import json
 import re
+import select
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -36,6 +47,11 @@ from urllib.parse import parse_qs, urlparse
 KINDS = {"pods": ("v1", "Pod"), "secrets": ("v1", "Secret"), "services": ("v1", "Service"), "jobs": ("batch/v1", "Job")}
 _PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/(?P<plural>pods|secrets|services|jobs)"
                    r"(?:/(?P<name>[a-z0-9.-]+))?/?$")
+_PORT_FORWARD = re.compile(r"^/api/v1/namespaces/(?P<ns>[a-z0-9-]+)/pods/(?P<name>[a-z0-9.-]+)/portforward$")
+#: The kubelet's port-forward websocket subprotocol (it offers no v5 for port-forward).
+PORT_FORWARD_PROTOCOL = "v4.channel.k8s.io"
+#: (namespace, pod, port) -> a socket connected to that port in the pod (the kubelet's part).
+Dial = Callable[[str, str, int], socket.socket]
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 Key = Tuple[str, str, str]
 
@@ -187,6 +203,7 @@ class Store:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     store: Store
+    api: "ApiServer"
 
     def log_message(self, *args: Any) -> None:  # quiet
         pass
@@ -250,7 +267,80 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def do_GET(self) -> None:
+        url = urlparse(self.path)
+        m = _PORT_FORWARD.match(url.path)
+        if m:
+            try:
+                return self._port_forward(m["ns"], m["name"], parse_qs(url.query))
+            except ApiError as e:
+                return self._send(e.body["code"], e.body)
         self._handle("GET")
+
+    def _port_forward(self, ns: str, name: str, query: Dict[str, List[str]]) -> None:
+        """The port-forward websocket: one port, its data channel relayed to the pod's port."""
+        from websockets.server import ServerProtocol
+
+        pod = self.store.get("pods", ns, name)
+        ports = [p for p in ",".join(query.get("ports", [])).split(",") if p]
+        if len(ports) != 1 or not ports[0].isdigit():
+            raise ApiError(400, "BadRequest", f"this emulator forwards exactly one port, not {ports}")
+        port = int(ports[0])
+        if (pod.get("status") or {}).get("phase") != "Running" or self.api.dial is None:
+            raise ApiError(400, "BadRequest", f"pod {name} is not running")
+        ws = ServerProtocol(subprotocols=[PORT_FORWARD_PROTOCOL], max_size=None)
+        ws.receive_data(self.raw_requestline + b"".join(f"{k}: {v}\r\n".encode() for k, v in self.headers.items())
+                        + b"\r\n")  # the request this handler parsed, for the protocol's own parser
+        (request,) = ws.events_received()
+        response = ws.accept(request)
+        ws.send_response(response)
+        self.close_connection = True
+        conn = self.connection
+        if response.status_code != 101:
+            conn.sendall(b"".join(ws.data_to_send()))
+            return
+        header = struct.pack("<H", port)  # each channel's first frame: the port
+        ws.send_binary(b"\x00" + header)
+        ws.send_binary(b"\x01" + header)
+        try:
+            target = self.api.dial(ns, name, port)
+        except OSError as e:
+            ws.send_binary(b"\x01" + f"error forwarding port {port} to pod {name}, uid {pod['metadata']['uid']}: "
+                                      f"failed to connect to localhost:{port} inside the pod: {e}".encode())
+            ws.send_close()
+            conn.sendall(b"".join(ws.data_to_send()))
+            return
+        with target:
+            try:
+                self._relay(ws, conn, target)
+            except OSError:  # either side reset: the stream ends
+                pass
+
+    @staticmethod
+    def _relay(ws: Any, conn: socket.socket, target: socket.socket) -> None:
+        from websockets.frames import Opcode
+
+        conn.sendall(b"".join(ws.data_to_send()))
+        while True:
+            readable, _, _ = select.select([conn, target], [], [])
+            done = False
+            if conn in readable:
+                data = conn.recv(1 << 16)
+                ws.receive_data(data) if data else ws.receive_eof()
+                for frame in ws.events_received():  # pings and the closing handshake answer themselves
+                    if frame.opcode is Opcode.BINARY and frame.data[:1] == b"\x00" and len(frame.data) > 1:
+                        target.sendall(frame.data[1:])
+                    done = done or frame.opcode is Opcode.CLOSE
+                done = done or not data
+            if target in readable:
+                data = target.recv(1 << 16)
+                if data:
+                    ws.send_binary(b"\x00" + data)
+                else:  # the pod closed its side: so does the stream
+                    ws.send_close()
+                    done = True
+            conn.sendall(b"".join(ws.data_to_send()))
+            if done:
+                return
 
     def do_POST(self) -> None:
         self._handle("POST")
@@ -264,7 +354,9 @@ class ApiServer:
 
     def __init__(self) -> None:
         self.store = Store()
-        handler = type("Handler", (_Handler,), {"store": self.store})
+        #: How port-forwards reach a pod's port: set by the kubelet (:meth:`.kubelet.Kubelet.dial`).
+        self.dial: Optional[Dial] = None
+        handler = type("Handler", (_Handler,), {"store": self.store, "api": self})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -48,6 +48,7 @@ def cluster(tmp_path: Path) -> Iterator[Tuple[ApiServer, Kubelet, str]]:
     (old / "monarch_cli").mkdir(parents=True)
     (old / "monarch_cli" / "__init__.py").write_text("__version__ = '0.0.1'\n")
     kubelet = Kubelet(server.store, images={IMAGE: "", OLD_IMAGE: str(old)}, root=tmp_path / "kubelet")
+    server.dial = kubelet.dial
     kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
     yield server, kubelet, kubeconfig
     kubelet.close()
@@ -91,6 +92,7 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert secret["data"]["keys"] not in json.dumps(pod) and "MONARCH_KEYS" not in env  # ...and only there
     assert [h.name for h in job.state.hosts] == [f"{rid}-0", f"{rid}-1"]
+    assert job.state.scheduler_data["kubernetes"]["reach"] == "direct"  # pod IPs answer: no port-forward
     assert sum(c.startswith(f"monarch agent {rid} host {rid}-") for c in _processes_of(rid)) == 2
     again = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
                      kubeconfig, "--label", "team=ml", "--time", "1h", "--json")

@@ -6,18 +6,22 @@ Service and the Job, then watches the pods: host rank = completion index, ready 
 pod runs and its agent's port answers. Pending pods say why (Unschedulable, image pulls);
 terminal reasons are one-line errors. ``release`` deletes the Job (foreground propagation),
 the Secret and the Service and waits until no pod is left. The client reaches agents by pod
-IP (a client inside the cluster); the ``kubernetes`` package is an optional extra, imported
-only here, inside the functions that talk to a cluster.
+IP when it can (a client inside the cluster), else through one port-forward per pod over the
+API (:mod:`.port_forward`): decided while serve waits for the agents, recorded, and forcible
+with ``--port-forward``. The ``kubernetes`` package is an optional extra, imported only here,
+inside the functions that talk to a cluster.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from ...errors import OptionError, PlanError, SchedulerError
 from ..agents import wait_for_agents
@@ -36,6 +40,10 @@ AGENT_START_TIMEOUT = 600.0
 UNSCHEDULABLE_GRACE = 120.0
 RELEASE_TIMEOUT = 120.0
 #: Container waiting reasons that will not resolve by waiting.
+#: How the client reaches the agents: pod IPs if it can, else port-forwards; or always one way.
+PORT_FORWARD_MODES = ("auto", "always", "never")
+#: How often serve asks for a port-forward to a pod whose agent does not answer yet.
+FORWARD_PROBE_INTERVAL = 0.5
 _TERMINAL_WAITING = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
                      "CreateContainerConfigError", "CreateContainerError", "CrashLoopBackOff"}
 
@@ -48,15 +56,29 @@ def _client_modules() -> Any:
     return kubernetes
 
 
+_API_CACHE: Dict[Tuple[Any, ...], Tuple[Any, Any]] = {}
+_API_LOCK = threading.Lock()
+
+
 def _apis(data: Dict[str, Any]) -> Tuple[Any, Any]:
-    """CoreV1Api and BatchV1Api for the plan's kubeconfig and context (in-cluster config when inside a pod)."""
+    """CoreV1Api and BatchV1Api for the plan's kubeconfig and context (in-cluster config when inside a pod);
+    made once per process (a command probes, lists and forwards with the same ones)."""
     _client_modules()
+    incluster = not data.get("kubeconfig") and not data.get("context") and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    key = (data.get("kubeconfig"), data.get("context"), incluster, os.environ.get("KUBECONFIG"))
+    with _API_LOCK:
+        if key not in _API_CACHE:
+            _API_CACHE[key] = _load_apis(data, incluster)
+        return _API_CACHE[key]
+
+
+def _load_apis(data: Dict[str, Any], incluster: bool) -> Tuple[Any, Any]:
     from kubernetes import client, config
 
     if data.get("kubeconfig") and not Path(data["kubeconfig"]).expanduser().is_file():
         raise SchedulerError(f"--kubeconfig {data['kubeconfig']} does not exist")
     try:
-        if not data.get("kubeconfig") and not data.get("context") and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        if incluster:
             config.load_incluster_config()
             api = client.ApiClient()
         else:
@@ -102,6 +124,9 @@ class KubernetesScheduler(Scheduler):
         Option("service_account", str, help="The pods' service account."),
         Option("time", str, help="Wall-clock limit: activeDeadlineSeconds (MM, HH:MM:SS, D-HH:MM:SS, 2h)."),
         Option("validate", bool, default=False, help="Also have the API server validate the manifests (dry run)."),
+        Option("port_forward", str, default="auto",
+               help="Reach the agents through a port-forward per pod over the Kubernetes API: auto (when pod IPs "
+                    "are not reachable from here), always, never."),
     )
 
     # ---------------------------------------------------------------- planning
@@ -109,18 +134,25 @@ class KubernetesScheduler(Scheduler):
         opts = self.check_options(request.options)
         if request.hosts < 1:
             raise OptionError(f"--hosts must be at least 1, not {request.hosts}")
+        mode = opts.get("port_forward") or "auto"
+        if mode not in PORT_FORWARD_MODES:
+            raise OptionError(f"--port-forward takes {', '.join(PORT_FORWARD_MODES)}, not {mode!r}")
         rid = f"monarch-{uuid.uuid4().hex[:8]}"
         built = manifests.build(rid, request.hosts, opts, agent_port=request.agent_port,
                                 port_range=request.port_range, preload=request.preload)
         data = {**{k: v for k, v in built.items()}, "context": opts.get("context"),
-                "kubeconfig": opts.get("kubeconfig"), "hosts": request.hosts}
+                "kubeconfig": opts.get("kubeconfig"), "hosts": request.hosts, "port_forward": mode}
         ns = built["namespace"]
         steps = [f"create Secret {ns}/{built['secret']}: the reservation keys (data: {manifests.REDACTED}), mounted "
                  f"read-only at {manifests.KEYS_DIR}",
                  f"create headless Service {ns}/{built['service']}",
                  f"create Indexed Job {ns}/{rid}: {request.hosts} pod(s), one host agent each on port "
                  f"{built['agent_port']}" + (", suspended for Kueue" if opts.get("queue") else ""),
-                 "watch the pods until every one runs and its agent answers (host rank = completion index)"]
+                 "watch the pods until every one runs and its agent answers (host rank = completion index)",
+                 {"auto": "reach each agent at its pod IP, or through a port-forward over the API if pod IPs are "
+                          "not reachable from here",
+                  "always": "reach each agent through a port-forward over the API",
+                  "never": "reach each agent at its pod IP"}[mode]]
         if opts.get("validate"):
             self._validate(data)
             steps.append("validated by the API server (server-side dry run)")
@@ -169,7 +201,7 @@ class KubernetesScheduler(Scheduler):
                     self._create(core, batch, body)
                 except Exception as e:  # noqa: BLE001 - ApiException or a connection error: one line
                     raise _api_error(e, f"cannot create {m['kind']} {ns}/{m['metadata']['name']}") from None
-            watch = _PodWatch(core, batch, ns, job, hosts, port, progress)
+            watch = _PodWatch(core, batch, ns, job, hosts, port, progress, data.get("port_forward") or "auto")
             names = [f"{job}-{i}" for i in range(hosts)]
             found = wait_for_agents(watch.discover, names, progress, timeout=AGENT_START_TIMEOUT,
                                     check=watch.check, label="pods running with agents up", interval=0.05)
@@ -181,6 +213,7 @@ class KubernetesScheduler(Scheduler):
             raise
         pods = watch.pod_names()
         record["pods"] = [pods.get(i, "") for i in range(hosts)]
+        record["reach"] = watch.reach or "direct"
         return Reservation(plan.reservation_id, [HostRecord(h.name, h.agent, None, h.node_rank) for h in found],
                            {"kubernetes": record})
 
@@ -195,6 +228,17 @@ class KubernetesScheduler(Scheduler):
             why = "it was made with other options: " + ", ".join(
                 f"--{k.replace('_', '-')} {had.get(k, '(unset)')}, not {asked.get(k, '(unset)')}" for k in diff)
         return why
+
+    def agent_addresses(self, reservation: ReservationRecord) -> List[str]:
+        """Out of the cluster: a loopback port of this process per pod, port-forwarded to its agent."""
+        record = reservation.scheduler_data.get("kubernetes") or {}
+        if record.get("reach") != "port-forward":
+            return super().agent_addresses(reservation)
+        from .port_forward import forward
+
+        core, _ = _apis(record)
+        return [forward(core, record["namespace"], pod, int(h.agent.rpartition(":")[2])) if pod else h.agent
+                for h, pod in zip(reservation.hosts, record.get("pods") or [""] * len(reservation.hosts))]
 
     def release(self, reservation: ReservationRecord) -> None:
         record = reservation.scheduler_data.get("kubernetes") or {}
@@ -228,7 +272,8 @@ class KubernetesScheduler(Scheduler):
 
     def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
         record = reservation.scheduler_data.get("kubernetes") or {}
-        return {"kubernetes": {k: record.get(k) for k in ("namespace", "job", "secret", "service", "context", "pods")}}
+        return {"kubernetes": {k: record.get(k) for k in ("namespace", "job", "secret", "service", "context", "pods",
+                                                          "reach")}}
 
     def status_lines(self, reservation: ReservationRecord) -> List[str]:
         record = reservation.scheduler_data.get("kubernetes") or {}
@@ -242,6 +287,8 @@ class KubernetesScheduler(Scheduler):
         st = job.status
         lines = [f"Job {ns}/{name}: active {st.active or 0}, succeeded {st.succeeded or 0}, failed {st.failed or 0}"
                  + (f"; {_job_ended(job)}" if _job_ended(job) else "")]
+        if record.get("reach") == "port-forward":
+            lines.append("agents reached through a port-forward per pod over the Kubernetes API")
         for pod in sorted(pods, key=lambda p: int((p.metadata.labels or {}).get(manifests.INDEX_LABEL, 0))):
             why = _exit_reason(pod) if pod.status.phase in ("Failed", "Succeeded") else _pending_reason(pod)
             lines.append(f"pod {pod.metadata.name}: {pod.status.phase}, IP {pod.status.pod_ip or '-'}, node "
@@ -253,9 +300,14 @@ class _PodWatch:
     """The reservation's pods, kept current by watching them from the last resourceVersion seen."""
 
     def __init__(self, core: Any, batch: Any, namespace: str, job: str, hosts: int, port: int,
-                 progress: Progress) -> None:
+                 progress: Progress, port_forward: str = "auto") -> None:
         self.core, self.batch, self.ns, self.job, self.hosts, self.port = core, batch, namespace, job, hosts, port
         self.progress, self.said = progress, ""
+        self.mode = port_forward
+        #: "direct" or "port-forward" once decided (the first agent to answer decides for all).
+        self.reach: Optional[str] = {"always": "port-forward", "never": "direct"}.get(port_forward)
+        self.next_forward: Dict[str, float] = {}
+        self.forward_errors: Set[str] = set()
         self.selector = f"{RESERVATION_LABEL}={job}"
         self.pods: Dict[str, Any] = {}
         self.version: Optional[str] = None
@@ -310,11 +362,38 @@ class _PodWatch:
             ip = pod.status.pod_ip if pod.status else None
             if pod.status and pod.status.phase == "Running" and ip:
                 address = f"tcp://{ip}:{self.port}"
-                if name not in self.answered and _port_open(ip, self.port):
+                if name not in self.answered and self._answers(pod.metadata.name, index, ip):
                     self.answered[name] = address
                 if name in self.answered:
                     found[name] = self.answered[name]
         return found
+
+    def _answers(self, pod: str, index: int, ip: str) -> bool:
+        """Whether the pod's agent answers: at its IP, else (auto, IP unreachable; always) through a port-forward."""
+        if self.reach != "port-forward":
+            how, why = _dial(ip, self.port)
+            if how == "open":
+                self.reach = "direct"
+                return True
+            if self.reach == "direct" and how == "unreachable":
+                raise SchedulerError(f"pod {pod} (host {index}): its IP {ip} is not reachable from here ({why}); "
+                                     "use --port-forward auto or always from outside the cluster")
+            if self.reach == "direct" or how == "refused":  # reachable, the agent is not listening yet
+                return False
+        if time.monotonic() < self.next_forward.get(pod, 0.0):
+            return False
+        self.next_forward[pod] = time.monotonic() + FORWARD_PROBE_INTERVAL
+        from .port_forward import agent_answers
+
+        answered, why = agent_answers(self.core, self.ns, pod, self.port)
+        if answered and self.reach is None:
+            self.reach = "port-forward"
+            self.progress("pod IPs are not reachable from here: each agent is reached through a port-forward over "
+                          "the Kubernetes API")
+        elif why and why not in self.forward_errors:  # once each: pods alternate
+            self.forward_errors.add(why)
+            self.progress(f"port-forward to pod {pod}: {why}")
+        return answered
 
     def check(self) -> None:
         """Raise when waiting is pointless: the Job failed, a pod ended or cannot pull its image."""
@@ -363,12 +442,19 @@ class _PodWatch:
             self.said = message
 
 
-def _port_open(ip: str, port: int) -> bool:
+def _dial(ip: str, port: int, timeout: float = 0.5) -> Tuple[str, str]:
+    """Try the pod IP's port: ("open"|"refused"|"unreachable"|"timeout", why)."""
     try:
-        with socket.create_connection((ip, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+        with socket.create_connection((ip, port), timeout=timeout):
+            return "open", ""
+    except socket.timeout:
+        return "timeout", f"no answer in {timeout} s"
+    except OSError as e:
+        if e.errno == errno.ECONNREFUSED:
+            return "refused", e.strerror or str(e)
+        if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EACCES, errno.EPERM):
+            return "unreachable", e.strerror or str(e)
+        return "timeout", e.strerror or str(e)
 
 
 def _pending_reason(pod: Any) -> str:
