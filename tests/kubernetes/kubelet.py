@@ -18,8 +18,8 @@ and its pods removed before the Job itself (foreground deletion).
 With ``hide``, each pod's agent runs in a mount namespace of its own where those directories
 (the client's workspace) are empty, and every pod has its own ``$HOME``. With ``nodes``
 (network namespaces with an address each, tests/netns.py), each pod runs in a namespace of its
-own with that address as pod IP, as behind a CNI; ``GLOO_SOCKET_IFNAME=eth0`` stands for the
-pod's hostname resolving to its IP. Without, pods share this machine's network namespace
+own with that address as pod IP, as behind a CNI, and its own hostname, ``/etc/hosts`` (the
+hostname is the pod IP) and ``/etc/resolv.conf`` (no cluster DNS). Without, pods share this machine's network namespace
 and differ by loopback IP only (so ``MONARCH_LISTEN_HOST``, a wildcard, is dropped: one pod's
 0.0.0.0 would be every pod's). :meth:`dial` connects a port-forward to a pod's port as the
 kubelet does: to localhost inside the pod's network namespace (else to its loopback IP).
@@ -234,9 +234,7 @@ class Kubelet:
                 if value == mount_path or value.startswith(mount_path + "/"):
                     value = str(local) + value[len(mount_path):]
             env[item["name"]] = value
-        if key in self.node_of:
-            env["GLOO_SOCKET_IFNAME"] = "eth0"
-        else:
+        if key not in self.node_of:
             env.pop("MONARCH_LISTEN_HOST", None)
         if self.images[container["image"]]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.images[container["image"]], env.get("PYTHONPATH")]))
@@ -254,10 +252,20 @@ class Kubelet:
                 self.node_of.pop(key, None)
                 return
         argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
-        if self.hide:  # a private mount namespace with the hidden directories covered by empty tmpfs
-            mounts = " && ".join(f'mount -t tmpfs pod-private "${i + 1}"' for i in range(len(self.hide)))
-            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                    f'{mounts} && shift {len(self.hide)} && exec "$@"', "sh", *self.hide, *argv]
+        setup, words = [], []  # shell commands (run in the pod's own mount namespace) and their "$N" words
+        if key in self.node_of:  # the pod's hostname, /etc/hosts and /etc/resolv.conf, as the kubelet writes them
+            hostname = spec.get("hostname") or name
+            (root / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {hostname}.{spec.get('subdomain')}.{ns}.svc "
+                                        f"{hostname}\n")
+            (root / "resolv.conf").write_text("nameserver 127.0.0.1\n")  # no cluster DNS: a quick refusal
+            setup += ['hostname "$1"', 'mount --bind "$2" /etc/hosts', 'mount --bind "$3" /etc/resolv.conf']
+            words += [hostname, str(root / "hosts"), str(root / "resolv.conf")]
+        for hidden in self.hide:  # the hidden directories covered by empty tmpfs
+            setup.append(f'mount -t tmpfs pod-private "${len(words) + 1}"')
+            words.append(hidden)
+        if setup:
+            argv = ["unshare", "--mount", "--propagation", "private", *(["--uts"] if key in self.node_of else []),
+                    "sh", "-c", f'{" && ".join(setup)} && shift {len(words)} && exec "$@"', "sh", *words, *argv]
         with open(root / "log", "wb") as log:
             proc = subprocess.Popen(enter + argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=root,
                                     start_new_session=True)
