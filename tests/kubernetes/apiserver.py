@@ -5,7 +5,9 @@ create (``dryRun=All`` validates without storing; an existing name is 409 Alread
 get, list (``labelSelector`` of ``k=v`` terms, a list ``resourceVersion``), delete (404
 Status when absent; a Job deleted with ``propagationPolicy: Foreground`` keeps a
 ``deletionTimestamp`` and the ``foregroundDeletion`` finalizer until its pods are gone, as
-the garbage collector does) and ``?watch=true`` from a ``resourceVersion``: a chunked
+the garbage collector does; ``Background`` removes it and its pods follow; ``Orphan``, and no
+policy, the API's default for ``batch/v1`` Jobs, leaves its pods running without an owner)
+and ``?watch=true`` from a ``resourceVersion``: a chunked
 stream of ``{"type": ..., "object": ...}`` JSON lines that ends after ``timeoutSeconds``;
 a version older than the kept history is answered with an ERROR event carrying a 410 Status.
 
@@ -89,6 +91,7 @@ class Store:
         self.objects: Dict[Key, Dict[str, Any]] = {}
         self.events: List[Tuple[int, str, str, str, Dict[str, Any]]] = []  # (rv, plural, ns, type, object)
         self.oldest = 0  # events at or below this version are forgotten
+        self.namespaces = {"default"}
 
     def _record(self, plural: str, ns: str, kind: str, obj: Dict[str, Any]) -> Dict[str, Any]:
         self.version += 1
@@ -109,6 +112,8 @@ class Store:
             raise ApiError(422, "Invalid", f"{kind} \"{name}\" is invalid: metadata.name: Invalid value")
         if meta.get("namespace", ns) != ns:
             raise ApiError(400, "BadRequest", "the namespace of the object does not match the namespace of the URL")
+        if ns not in self.namespaces:  # the NamespaceLifecycle admission check, dry runs included
+            raise ApiError(404, "NotFound", f'namespaces "{ns}" not found')
         with self.cond:
             if (plural, ns, name) in self.objects:
                 raise ApiError(409, "AlreadyExists", f'{plural} "{name}" already exists')
@@ -151,12 +156,18 @@ class Store:
             obj = self.objects.get((plural, ns, name))
             if obj is None:
                 raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            if plural == "jobs" and propagation != "Foreground":
+                if propagation != "Background":  # Orphan, the default: the pods stay, without an owner
+                    for (p, n, _), pod in list(self.objects.items()):
+                        if p == "pods" and n == ns and (pod["metadata"].get("labels") or {}).get("job-name") == name:
+                            self.update("pods", ns, pod["metadata"]["name"],
+                                        lambda o: o["metadata"].pop("ownerReferences", None))
+                return self.remove(plural, ns, name) or obj
             if plural in ("jobs", "pods"):  # graceful: the kubelet/garbage collector finishes it
                 def mark(o: Dict[str, Any]) -> None:
                     o["metadata"].setdefault("deletionTimestamp", now())
                     if plural == "jobs":
-                        o["metadata"]["finalizers"] = ["foregroundDeletion" if propagation == "Foreground"
-                                                       else "orphan" if propagation == "Orphan" else "background"]
+                        o["metadata"]["finalizers"] = ["foregroundDeletion"]
                 return self.update(plural, ns, name, mark)
             return self.remove(plural, ns, name) or obj
 
@@ -245,7 +256,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(201, self.store.create(plural, ns, self._body(), dry_run=one("dryRun") == "All"))
             if method == "DELETE" and name:
                 body = self._body()
-                return self._send(200, self.store.delete(plural, ns, name, body.get("propagationPolicy", "Background")))
+                return self._send(200, self.store.delete(plural, ns, name, body.get("propagationPolicy", "")))
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
         except ApiError as e:
             self._send(e.body["code"], e.body)

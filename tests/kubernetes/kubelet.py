@@ -106,10 +106,11 @@ class Kubelet:
             key = f"{job['metadata']['namespace']}/{job['metadata']['name']}"
             names.add(key)
             self._sync_job(job, by_job.get(key, []))
-        for key, orphans in by_job.items():  # garbage collection of pods whose Job is gone
+        for key, owned in by_job.items():  # garbage collection of pods whose owner, their Job, is gone
             if key not in names:
-                for pod in orphans:
-                    self._delete_pod(pod)
+                for pod in owned:
+                    if pod["metadata"].get("ownerReferences"):
+                        self._delete_pod(pod)
         for pod in pods:
             if pod["metadata"].get("deletionTimestamp"):
                 self._delete_pod(pod)

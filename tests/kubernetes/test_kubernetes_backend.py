@@ -114,6 +114,9 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
     for plural in ("jobs", "secrets", "services", "pods"):
         assert server.store.list(plural, "default", f"monarch-cli/reservation={rid}")[0] == [], plural
     assert _processes_of(rid) == [] and kubelet.pids() == []
+    # the Job went in the foreground (pods first); the API's default for Jobs would have orphaned them
+    assert any(p == "jobs" and o["metadata"]["name"] == rid and o["metadata"].get("finalizers") == ["foregroundDeletion"]
+               for _, p, _, _, o in server.store.events)
 
 
 def test_image_pull_failure_is_one_line_and_leaves_nothing(cluster: Tuple[ApiServer, Kubelet, str],
@@ -183,6 +186,14 @@ def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(cluster
                     kubeconfig, "--validate", "--dry-run")
     assert done.returncode == 0 and "validated by the API server" in done.stdout, done.stderr
     assert all(server.store.list(p, "default")[0] == [] for p in ("jobs", "secrets", "services"))  # a dry run
+    offline = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                       kubeconfig, "--namespace", "nosuch", "--dry-run")
+    assert offline.returncode == 0, offline.stderr  # a plain dry run asks nobody...
+    asked = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                     kubeconfig, "--namespace", "nosuch", "--dry-run", "--validate")
+    lines = asked.stderr.strip().splitlines()  # ...--validate asks the API server, which refuses
+    assert asked.returncode != 0 and len(lines) == 1, asked.stderr
+    assert 'the API server rejects the Secret: namespaces "nosuch" not found (HTTP 404)' in lines[0], lines[0]
     closed = ApiServer()
     config = closed.kubeconfig(tmp_path / "closed")
     closed.close()
@@ -193,7 +204,8 @@ def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(cluster
 
 
 def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
-    """What Kueue does to a queued Job, done by hand: serve waits, saying so, until the Job is unsuspended."""
+    """What Kueue does to a queued Job, done by hand: serve waits, saying so, until the Job is unsuspended.
+    Then, forced port-forwards reach the agents; and a Job deleted behind the client's back is reported gone."""
     server, _, kubeconfig = cluster
     messages: List[str] = []
 
@@ -206,10 +218,25 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, K
             server.store.update("jobs", "default", job["metadata"]["name"], lambda o: o["spec"].update(suspend=False))
 
     job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, queue="team-a",
-                kubeconfig=kubeconfig, progress=admit_when_asked)
+                kubeconfig=kubeconfig, progress=admit_when_asked, port_forward="always")
     assert len(job.state.hosts) == 2 and any("waiting for Kueue" in m for m in messages), messages
+    assert job.state.scheduler_data["kubernetes"]["reach"] == "port-forward"
+    shown = job.status()
+    assert [h["alive"] for h in shown["hosts"]] == [True, True], shown  # through the forwards
+    assert all(a.startswith("tcp://127.0.0.1:") for a in job.scheduler.agent_addresses(job.state))
+
+    from kubernetes import client, config  # as `kubectl delete job` would, behind the client's back
+
+    batch = client.BatchV1Api(config.new_client_from_config(config_file=kubeconfig))
+    batch.delete_namespaced_job(job.state.reservation_id, "default",
+                                body=client.V1DeleteOptions(propagation_policy="Foreground"))
+    deadline = time.monotonic() + 30
+    while server.store.list("jobs", "default")[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stale = job.status()["stale"]
+    assert stale and f"the Job default/{job.state.reservation_id} was deleted" in stale, stale
     job.stop()
-    assert server.store.list("pods", "default")[0] == []
+    assert server.store.list("pods", "default")[0] == [] and server.store.list("secrets", "default")[0] == []
 
 
 def test_an_image_with_another_monarch_cli_is_one_line(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:

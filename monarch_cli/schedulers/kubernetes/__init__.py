@@ -240,6 +240,23 @@ class KubernetesScheduler(Scheduler):
         return [forward(core, record["namespace"], pod, int(h.agent.rpartition(":")[2])) if pod else h.agent
                 for h, pod in zip(reservation.hosts, record.get("pods") or [""] * len(reservation.hosts))]
 
+    def dead_hosts(self, reservation: ReservationRecord) -> List[str]:
+        """Hosts whose pod is gone or not running, from one list of the pods: `status` need not wait
+        for their agents' silence (through a port-forward, a deleted pod's forward is refused)."""
+        record = reservation.scheduler_data.get("kubernetes") or {}
+        pods = record.get("pods") or []
+        if not record.get("job") or len(pods) != len(reservation.hosts):
+            return []
+        try:
+            core, _ = _apis(record)
+            listed = core.list_namespaced_pod(record["namespace"],
+                                              label_selector=f"{RESERVATION_LABEL}={record['job']}").items
+        except Exception:  # noqa: BLE001 - cannot tell: the agents' ping decides
+            return []
+        running = {p.metadata.name for p in listed
+                   if p.status and p.status.phase == "Running" and not p.metadata.deletion_timestamp}
+        return [h.name for h, pod in zip(reservation.hosts, pods) if pod not in running]
+
     def release(self, reservation: ReservationRecord) -> None:
         record = reservation.scheduler_data.get("kubernetes") or {}
         if record.get("job"):
