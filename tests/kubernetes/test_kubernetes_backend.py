@@ -115,8 +115,8 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
         assert server.store.list(plural, "default", f"monarch-cli/reservation={rid}")[0] == [], plural
     assert _processes_of(rid) == [] and kubelet.pids() == []
     # the Job went in the foreground (pods first); the API's default for Jobs would have orphaned them
-    assert any(p == "jobs" and o["metadata"]["name"] == rid and o["metadata"].get("finalizers") == ["foregroundDeletion"]
-               for _, p, _, _, o in server.store.events)
+    assert any(p == "jobs" and o["metadata"]["name"] == rid and
+               o["metadata"].get("finalizers") == ["foregroundDeletion"] for _, p, _, _, o in server.store.events)
 
 
 def test_image_pull_failure_is_one_line_and_leaves_nothing(cluster: Tuple[ApiServer, Kubelet, str],

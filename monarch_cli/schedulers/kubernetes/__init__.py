@@ -64,7 +64,8 @@ def _apis(data: Dict[str, Any]) -> Tuple[Any, Any]:
     """CoreV1Api and BatchV1Api for the plan's kubeconfig and context (in-cluster config when inside a pod);
     made once per process (a command probes, lists and forwards with the same ones)."""
     _client_modules()
-    incluster = not data.get("kubeconfig") and not data.get("context") and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    incluster = not data.get("kubeconfig") and not data.get("context") and \
+        bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
     key = (data.get("kubeconfig"), data.get("context"), incluster, os.environ.get("KUBECONFIG"))
     with _API_LOCK:
         if key not in _API_CACHE:
