@@ -241,8 +241,7 @@ class Kubelet:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.images[container["image"]], env.get("PYTHONPATH")]))
         for init in spec.get("initContainers") or []:  # in order, each to completion, before the container
             argv = enter + [_expand(a, env) for a in (init.get("command") or []) + (init.get("args") or [])]
-            done = subprocess.run(argv,
-                                  env=env, cwd=root, capture_output=True, timeout=120)
+            done = subprocess.run(argv, env=env, cwd=root, capture_output=True, timeout=120)
             if done.returncode != 0:
                 message = (done.stdout + done.stderr).decode(errors="replace")[-300:]
                 self.store.update("pods", ns, name, lambda o: o["status"].update(
