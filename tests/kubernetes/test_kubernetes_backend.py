@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 REPO = str(Path(__file__).resolve().parents[2])
 IMAGE = "registry.example/monarch:test"
 OLD_IMAGE = "registry.example/monarch:old"
+TOPOLOGY = "kueue.x-k8s.io/podset-preferred-topology=rack"
 ALLREDUCE = """\
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -75,7 +76,7 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
     server, kubelet, kubeconfig = cluster
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
     printed = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                       kubeconfig, "--label", "team=ml", "--time", "1h", "--dry-run", "--json")
+                       kubeconfig, "--label", "team=ml", "--annotation", TOPOLOGY, "--time", "1h", "--dry-run", "--json")
     assert printed.returncode == 0 and server.store.list("jobs", None)[0] == [], printed.stderr  # contacts nothing
     (tmp_path / "plan.json").write_text(printed.stdout)
     served = _monarch(tmp_path, "serve", "--plan", "plan.json", "--json")  # reserve exactly the printed plan
@@ -91,11 +92,13 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
         assert "keys" not in json.dumps(pod["spec"]["containers"][0]["command"]).lower().replace("--keys", "")
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert secret["data"]["keys"] not in json.dumps(pod) and "MONARCH_KEYS" not in env  # ...and only there
+        assert pod["metadata"]["labels"]["team"] == "ml"  # --label and --annotation reach the pods
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/podset-preferred-topology"] == "rack"
     assert [h.name for h in job.state.hosts] == [f"{rid}-0", f"{rid}-1"]
     assert job.state.scheduler_data["kubernetes"]["reach"] == "direct"  # pod IPs answer: no port-forward
     assert sum(c.startswith(f"monarch agent {rid} host {rid}-") for c in _processes_of(rid)) == 2
     again = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                     kubeconfig, "--label", "team=ml", "--time", "1h", "--json")
+                     kubeconfig, "--label", "team=ml", "--annotation", TOPOLOGY, "--time", "1h", "--json")
     assert again.returncode == 0 and json.loads(again.stdout)["reservation_id"] == rid, again.stderr  # reused
     other = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", OLD_IMAGE, "--kubeconfig",
                      kubeconfig, "--label", "team=ml", "--time", "1h")
@@ -197,6 +200,15 @@ def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(cluster
     closed = ApiServer()
     config = closed.kubeconfig(tmp_path / "closed")
     closed.close()
+    two = json.loads(Path(kubeconfig).read_text())  # current context: the closed one; --context picks the live one
+    dead = json.loads(Path(config).read_text())
+    two["clusters"].append({"name": "closed", "cluster": dead["clusters"][0]["cluster"]})
+    two["contexts"].append({"name": "closed", "context": {"cluster": "closed", "user": "tester"}})
+    two["current-context"] = "closed"
+    (tmp_path / "two").write_text(json.dumps(two))
+    chosen = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                      str(tmp_path / "two"), "--context", "emulator", "--validate", "--dry-run")
+    assert chosen.returncode == 0 and "validated by the API server" in chosen.stdout, chosen.stderr
     done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
                     config, timeout=60)
     lines = done.stderr.strip().splitlines()
