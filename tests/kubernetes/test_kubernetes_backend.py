@@ -76,7 +76,8 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
     server, kubelet, kubeconfig = cluster
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
     printed = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                       kubeconfig, "--label", "team=ml", "--annotation", TOPOLOGY, "--time", "1h", "--dry-run", "--json")
+                       kubeconfig, "--label", "team=ml", "--annotation", TOPOLOGY, "--time", "1h", "--dry-run",
+                       "--json")
     assert printed.returncode == 0 and server.store.list("jobs", None)[0] == [], printed.stderr  # contacts nothing
     (tmp_path / "plan.json").write_text(printed.stdout)
     served = _monarch(tmp_path, "serve", "--plan", "plan.json", "--json")  # reserve exactly the printed plan
