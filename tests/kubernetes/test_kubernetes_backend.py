@@ -237,6 +237,15 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, K
     shown = job.status()
     assert [h["alive"] for h in shown["hosts"]] == [True, True], shown  # through the forwards
     assert all(a.startswith("tcp://127.0.0.1:") for a in job.scheduler.agent_addresses(job.state))
+    from monarch_cli.schedulers.kubernetes import _apis
+    from monarch_cli.schedulers.kubernetes.port_forward import agent_answers
+
+    core, _ = _apis(job.state.scheduler_data["kubernetes"])
+    pod = job.state.scheduler_data["kubernetes"]["pods"][0]
+    answered, why = agent_answers(core, "default", pod, 1)  # nothing listens there: the kubelet's error channel
+    assert not answered and f"error forwarding port 1 to pod {pod}" in why and "refused" in why, why
+    answered, why = agent_answers(core, "default", "no-such-pod", 29600)  # the API server's refusal
+    assert not answered and "404" in why, why
 
     from kubernetes import client, config  # as `kubectl delete job` would, behind the client's back
 

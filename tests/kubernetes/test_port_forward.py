@@ -110,6 +110,7 @@ def test_a_client_outside_the_cluster_drives_the_pods_through_port_forwards(
 
     stopped = _monarch(workspace, "stop")
     assert stopped.returncode == 0, stopped.stderr
+    assert not [p for p in (ran, status, stopped) if "Traceback" in p.stderr or "Exception" in p.stderr]
     assert server.store.list("pods", "default")[0] == [] and kubelet.pids() == [] and _processes_of(rid) == []
     for netns, _ in pod_network:
         assert sh("ip", "netns", "pids", netns).stdout.split() == []
