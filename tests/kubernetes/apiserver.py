@@ -1,8 +1,9 @@
 """A small Kubernetes API emulator for tests: the real REST paths and watch wire format, for the kinds monarch uses.
 
-Pods, Secrets and Services (``/api/v1``) and Jobs (``/apis/batch/v1``), namespaced:
+Pods, Secrets, Services and Events (``/api/v1``) and Jobs (``/apis/batch/v1``), namespaced:
 create (``dryRun=All`` validates without storing; an existing name is 409 AlreadyExists),
-get, list (``labelSelector`` of ``k=v`` terms, a list ``resourceVersion``), delete (404
+get, list (``labelSelector`` of ``k=v`` terms, ``fieldSelector`` of ``a.b=v`` terms, a list
+``resourceVersion``), delete (404
 Status when absent; a Job deleted with ``propagationPolicy: Foreground`` keeps a
 ``deletionTimestamp`` and the ``foregroundDeletion`` finalizer until its pods are gone, as
 the garbage collector does; ``Background`` removes it and its pods follow; ``Orphan``, and no
@@ -24,7 +25,8 @@ API server proxies to the kubelet and the kubelet connects to the pod's localhos
 connection is reported on the error channel. The websocket itself is the ``websockets``
 library's sans-I/O protocol (handshake and framing), driven over the handler's socket.
 
-What it does not do: schema validation and admission, RBAC, field selectors, patch,
+What it does not do: schema validation and admission (but for a namespace that does not
+exist), RBAC, field selectors on watches, patch,
 server-side apply. The objects' statuses are written by the test-side kubelet
 (:mod:`.kubelet`) through :class:`Store`, the emulator's storage, as the real kubelet and
 Job controller write them through the API.
@@ -46,8 +48,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import parse_qs, urlparse
 
-KINDS = {"pods": ("v1", "Pod"), "secrets": ("v1", "Secret"), "services": ("v1", "Service"), "jobs": ("batch/v1", "Job")}
-_PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/(?P<plural>pods|secrets|services|jobs)"
+KINDS = {"pods": ("v1", "Pod"), "secrets": ("v1", "Secret"), "services": ("v1", "Service"), "jobs": ("batch/v1", "Job"),
+         "events": ("v1", "Event")}
+_PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/"
+                   r"(?P<plural>pods|secrets|services|jobs|events)"
                    r"(?:/(?P<name>[a-z0-9.-]+))?/?$")
 _PORT_FORWARD = re.compile(r"^/api/v1/namespaces/(?P<ns>[a-z0-9-]+)/pods/(?P<name>[a-z0-9.-]+)/portforward$")
 #: The kubelet's port-forward websocket subprotocol (it offers no v5 for port-forward).
@@ -71,6 +75,18 @@ class ApiError(Exception):
     def __init__(self, code: int, reason: str, message: str) -> None:
         super().__init__(message)
         self.body = status(code, reason, message)
+
+
+def _fields_match(obj: Dict[str, Any], selector: str) -> bool:
+    """A ``fieldSelector`` of ``a.b=value`` terms (what the backend asks of events)."""
+    for term in filter(None, selector.split(",")):
+        path, _, value = term.partition("=")
+        found: Any = obj
+        for part in path.split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        if found != value:
+            return False
+    return True
 
 
 def _matches(obj: Dict[str, Any], selector: str) -> bool:
@@ -131,10 +147,11 @@ class Store:
                 raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
             return copy.deepcopy(obj)
 
-    def list(self, plural: str, ns: Optional[str], selector: str = "") -> Tuple[List[Dict[str, Any]], str]:
+    def list(self, plural: str, ns: Optional[str], selector: str = "",
+             fields: str = "") -> Tuple[List[Dict[str, Any]], str]:
         with self.cond:
             items = [copy.deepcopy(o) for (p, n, _), o in sorted(self.objects.items())
-                     if p == plural and (ns is None or n == ns) and _matches(o, selector)]
+                     if p == plural and (ns is None or n == ns) and _matches(o, selector) and _fields_match(o, fields)]
             return items, str(self.version)
 
     def update(self, plural: str, ns: str, name: str, change: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
@@ -248,7 +265,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._stream(self.store.watch(plural, ns, one("labelSelector"), one("resourceVersion") or None,
                                                      float(one("timeoutSeconds", "300"))))
             if method == "GET":
-                items, version = self.store.list(plural, ns, one("labelSelector"))
+                items, version = self.store.list(plural, ns, one("labelSelector"), one("fieldSelector"))
                 api_version, kind = KINDS[plural]
                 return self._send(200, {"kind": f"{kind}List", "apiVersion": api_version,
                                         "metadata": {"resourceVersion": version}, "items": items})

@@ -74,6 +74,8 @@ class Kubelet:
         self.running: Dict[str, _Container] = {}  # pod key "ns/name" -> process
         self.ips: Dict[str, str] = {}
         self.nodes = list(nodes)
+        #: A ResourceQuota on the number of pods: the Job controller's creations past it fail (an Event).
+        self.pod_quota: Optional[int] = None
         self.node_of: Dict[str, Tuple[str, str]] = {}  # pod key -> its network namespace and address
         self.job_started: Dict[str, float] = {}
         self._next_ip = 1
@@ -130,6 +132,9 @@ class Kubelet:
             return
         if not st.get("startTime"):
             for index in range(int(spec.get("completions") or 1)):
+                if self.pod_quota is not None and len(self.store.list("pods", ns)[0]) >= self.pod_quota:
+                    self._failed_create(job, index)
+                    continue
                 self._create_pod(job, index)
             self.job_started[f"{ns}/{name}"] = time.monotonic()
             self.store.update("jobs", ns, name, lambda o: o["status"].update(startTime=now(), active=int(
@@ -172,6 +177,19 @@ class Kubelet:
                                                  "uid": job["metadata"]["uid"], "controller": True}]},
                "status": {"phase": "Pending"}}
         self.store.create("pods", job["metadata"]["namespace"], pod)
+
+    def _failed_create(self, job: Dict[str, Any], index: int) -> None:
+        """The Job controller's Warning event for a pod the quota refused."""
+        meta = job["metadata"]
+        used = len(self.store.list("pods", meta["namespace"])[0])
+        self.store.create("events", meta["namespace"], {
+            "apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}"},
+            "involvedObject": {"apiVersion": "batch/v1", "kind": "Job", "namespace": meta["namespace"],
+                               "name": meta["name"], "uid": meta["uid"]},
+            "reason": "FailedCreate", "type": "Warning", "count": 1, "source": {"component": "job-controller"},
+            "firstTimestamp": now(), "lastTimestamp": now(),
+            "message": f'Error creating: pods "{meta["name"]}-{index}-x" is forbidden: exceeded quota: pods, '
+                       f"requested: pods=1, used: pods={used}, limited: pods={self.pod_quota}"})
 
     # ------------------------------------------------------------------ pods
     def _sync_pod(self, pod: Dict[str, Any]) -> None:

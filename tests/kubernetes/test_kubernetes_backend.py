@@ -147,6 +147,25 @@ def test_unschedulable_pods_give_up_with_the_reason(cluster: Tuple[ApiServer, Ku
     assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
 
 
+def test_a_quota_that_refuses_pods_is_shown_while_waiting(cluster: Tuple[ApiServer, Kubelet, str],
+                                                         tmp_path: Path) -> None:
+    server, kubelet, kubeconfig = cluster
+    kubelet.pod_quota = 1  # room for one of the two pods
+
+    class Seen(Exception):
+        pass
+
+    def give_up_when_shown(message: str) -> None:
+        if "exceeded quota" in message:
+            raise Seen(message)
+
+    with pytest.raises(Seen, match=r"Pending: the Job default/monarch-\w+ cannot create its pods: Error creating: "
+                                   r"pods .* is forbidden: exceeded quota: pods, requested: pods=1"):
+        serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, kubeconfig=kubeconfig,
+              progress=give_up_when_shown)
+    assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
+
+
 def test_a_job_past_its_deadline_is_reported_gone(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     server, kubelet, kubeconfig = cluster
     state = tmp_path / ".monarch" / "s.pkl"

@@ -326,6 +326,7 @@ class _PodWatch:
         self.reach: Optional[str] = {"always": "port-forward", "never": "direct"}.get(port_forward)
         self.next_forward: Dict[str, float] = {}
         self.forward_errors: Set[str] = set()
+        self.events_read = 0.0
         self.selector = f"{RESERVATION_LABEL}={job}"
         self.pods: Dict[str, Any] = {}
         self.version: Optional[str] = None
@@ -430,6 +431,10 @@ class _PodWatch:
         self._check_pods()
         if job.spec.suspend:
             self._say(f"the Job {self.ns}/{self.job} is suspended: waiting for Kueue to admit it")
+        elif len(self._by_index()) < self.hosts:
+            refused = self._failed_create()
+            if refused:
+                self._say(f"Pending: the Job {self.ns}/{self.job} cannot create its pods: {refused}")
         unschedulable = [f"pod {p.metadata.name}: {_pending_reason(p)}" for _, p in sorted(self._by_index().items())
                          if _pending_reason(p).startswith("Unschedulable")]
         if unschedulable:
@@ -440,6 +445,19 @@ class _PodWatch:
                 raise SchedulerError(f"{unschedulable[0]} (for {UNSCHEDULABLE_GRACE:.0f} s)")
         else:
             self.unschedulable_since = None
+
+    def _failed_create(self) -> str:
+        """The Job controller's latest FailedCreate warning (a quota, a policy), at most once a second."""
+        if time.monotonic() < self.events_read + 1.0:
+            return ""
+        self.events_read = time.monotonic()
+        try:
+            events = self.core.list_namespaced_event(
+                self.ns, field_selector=f"involvedObject.kind=Job,involvedObject.name={self.job}").items
+        except Exception:  # noqa: BLE001 - events are a hint; RBAC may not allow them
+            return ""
+        warnings = [e for e in events if e.type == "Warning" and e.reason == "FailedCreate"]
+        return " ".join((warnings[-1].message or "").split())[:300] if warnings else ""
 
     def _check_pods(self) -> None:
         """Raise for a pod that ended or cannot pull its image."""
