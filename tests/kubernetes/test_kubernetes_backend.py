@@ -138,7 +138,7 @@ def test_image_pull_failure_is_one_line_and_leaves_nothing(cluster: Tuple[ApiSer
 def test_unschedulable_pods_give_up_with_the_reason(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     server, _, kubeconfig = cluster
-    monkeypatch.setattr("monarch_cli.schedulers.kubernetes.UNSCHEDULABLE_GRACE", 1.0)
+    monkeypatch.setattr("monarch_cli.schedulers.kubernetes.pods.UNSCHEDULABLE_GRACE", 1.0)
     messages: List[str] = []
     with pytest.raises(SchedulerError, match=r"Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"):
         serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, gpus_per_node=8,
@@ -256,10 +256,10 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, K
     shown = job.status()
     assert [h["alive"] for h in shown["hosts"]] == [True, True], shown  # through the forwards
     assert all(a.startswith("tcp://127.0.0.1:") for a in job.scheduler.agent_addresses(job.state))
-    from monarch_cli.schedulers.kubernetes import _apis
+    from monarch_cli.schedulers.kubernetes.api import apis
     from monarch_cli.schedulers.kubernetes.port_forward import agent_answers
 
-    core, _ = _apis(job.state.scheduler_data["kubernetes"])
+    core, _ = apis(job.state.scheduler_data["kubernetes"])
     pod = job.state.scheduler_data["kubernetes"]["pods"][0]
     answered, why = agent_answers(core, "default", pod, 1)  # nothing listens there: the kubelet's error channel
     assert not answered and f"error forwarding port 1 to pod {pod}" in why and "refused" in why, why
@@ -312,10 +312,11 @@ def test_a_pod_that_dies_mid_run_ends_the_run(cluster: Tuple[ApiServer, Kubelet,
 
 
 def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
-    from monarch_cli.schedulers.kubernetes import _apis, _PodWatch
+    from monarch_cli.schedulers.kubernetes.api import apis
+    from monarch_cli.schedulers.kubernetes.pods import PodWatch
 
     server = ApiServer()  # no kubelet: the pods are made by hand
-    core, batch = _apis({"kubeconfig": server.kubeconfig(tmp_path / "kubeconfig")})
+    core, batch = apis({"kubeconfig": server.kubeconfig(tmp_path / "kubeconfig")})
 
     def pod(name: str, index: int) -> None:
         server.store.create("pods", "default", {"apiVersion": "v1", "kind": "Pod", "metadata": {
@@ -323,7 +324,7 @@ def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
                                      str(index)}}, "spec": {"containers": [{"name": "agent", "image": "x"}]}})
 
     pod("r-0-a", 0)
-    watch = _PodWatch(core, batch, "default", "r", 2, 1, lambda _m: None)
+    watch = PodWatch(core, batch, "default", "r", 2, 1, lambda _m: None)
     watch._refresh()  # the list
     pod("r-1-b", 1)
     watch._refresh()  # a watch from the list's resourceVersion

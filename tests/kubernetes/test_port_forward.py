@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
