@@ -77,7 +77,7 @@ def hook_cost(repeats: int) -> "tuple[float, float]":
     import torch
     import torch.optim.optimizer as optimizer
 
-    from monarch_cli.runtime.telemetry_rank import _StepTimer
+    from monarch_cli.runtime.rank_telemetry import _StepTimer
 
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..runtime import wire
 from ..runtime.future import gather
 from ..runtime.mailbox import Mailbox
-from ..runtime.sync_host import SyncApply, SyncCheck, SyncStatus
+from ..runtime.agent_sync import SyncApply, SyncCheck, SyncStatus
 from ..runtime.workspace import (
     DEFAULT_MAX_BYTES, FileUpdate, WorkspaceError, check_size, diff, human_bytes, load_scanner, save_scanner,
 )

@@ -34,14 +34,14 @@ import zmq
 
 from ..config import configure
 from ..sysutil import atomic_write, signal_if_alive as _signal
-from . import agent_command, agent_registry, lineage, wire
+from . import agent_command, agent_registry, agent_lineage, wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
-from .debug_host import DebugHost
+from .agent_debug import DebugHost
 from .preload import LEARNED_ENV, READY_ENV
-from .warm import WarmRanks
-from .ranks import RankHost
-from .telemetry_host import TelemetryHost
+from .agent_warm import WarmRanks
+from .agent_ranks import RankHost
+from .agent_telemetry import TelemetryHost
 from .title import set_title
 from .transport import Transport
 
@@ -127,7 +127,7 @@ class HostAgent:
         self.inbox.router_handover = True  # a client's reconnection (a restarted tunnel) takes its route over
         self.host = name or socket.gethostname()
         self.label = f"{reservation} host {self.host}" if reservation else f"host {self.host}"
-        lineage.become_subreaper()
+        agent_lineage.become_subreaper()
         self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
@@ -243,7 +243,7 @@ class HostAgent:
         self.telemetry.close()
         self._kill_all()
         self.ranks.kill_all()
-        lineage.kill_tree()  # whatever else is below us, even in sessions of its own
+        agent_lineage.kill_tree()  # whatever else is below us, even in sessions of its own
         self.zygote.kill()
         self.warm.close()
 
@@ -255,10 +255,10 @@ class HostAgent:
             return
         if self.debug.handle(header) or self.telemetry.handle(header, body):
             return
-        if kind.startswith("sync_"):  # workspace sync: runtime/sync_host.py
-            from . import sync_host
+        if kind.startswith("sync_"):  # workspace sync: runtime/agent_sync.py
+            from . import agent_sync
 
-            sync_host.handle(self, header, body)
+            agent_sync.handle(self, header, body)
             return
         if kind == "ping":
             _, cid, reply_to = header
@@ -408,7 +408,7 @@ class HostAgent:
 
     def _reap_adopted(self) -> None:
         own = {z.process.pid: z.process for z in self._own_zygotes()}
-        for pid, status in lineage.reap_adopted(own):
+        for pid, status in agent_lineage.reap_adopted(own):
             self._child_exited(pid, status)
 
     def _check_state_file(self) -> None:

@@ -367,7 +367,7 @@ def this_host() -> HostMesh:
         if boot is not None:
             _local_host = HostMesh(Shape({}), [HostRef(boot["agent"], boot["host"])])
         else:
-            from .agent_launch import start_private_agent
+            from .agent_start import start_private_agent
 
             mb = Mailbox.get()
             addr = start_private_agent(mb.keys)

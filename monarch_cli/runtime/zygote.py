@@ -58,13 +58,13 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[
 
             code = proc.main(boot)
         elif kind == "rank":
-            from . import launcher
+            from . import rank_start
 
-            code = launcher.become_rank(boot, extra)
+            code = rank_start.become_rank(boot, extra)
         elif kind == "cold":
-            from . import launcher
+            from . import rank_start
 
-            launcher.exec_cold(boot, extra)  # only returns by raising
+            rank_start.exec_cold(boot, extra)  # only returns by raising
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001

@@ -26,7 +26,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from . import lineage
+from . import agent_lineage
 from .exit_status import describe_status, from_wait_status
 
 if TYPE_CHECKING:
@@ -80,8 +80,8 @@ class RankHost:
         self.held: Dict[str, Set[int]] = {}  # run id -> pipes not read until credit comes back
         self.unthrottled: Set[str] = set()  # runs whose client is gone: nobody will credit them
         self.port_held_at: Dict[str, float] = {}
-        self.tracked: Dict[str, Set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
-        self.leftovers: Dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
+        self.tracked: Dict[str, Set[agent_lineage.Pid]] = {}  # run id -> descendants seen under its ranks
+        self.leftovers: Dict[agent_lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
         self._next_scan = 0.0
 
     # ---------------------------------------------------------------- requests
@@ -125,7 +125,7 @@ class RankHost:
         notices: List[str] = []
         warm_zygote: Any = None
         for spec in specs:
-            spec["env"] = {**base, **spec["env"], lineage.RUN_ENV: run_id}  # the controller's view wins
+            spec["env"] = {**base, **spec["env"], agent_lineage.RUN_ENV: run_id}  # the controller's view wins
             differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
             if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings
@@ -222,7 +222,7 @@ class RankHost:
         for pgid in [*self.reaping, *(g for groups in self.groups.values() for g in groups)]:
             _signal_group(pgid, signal.SIGKILL)
         for proc in [*self.leftovers, *(p for seen in self.tracked.values() for p in seen)]:
-            lineage.signal_exact(proc, signal.SIGKILL)
+            agent_lineage.signal_exact(proc, signal.SIGKILL)
 
     def zygote_died(self, zygote_pid: int, cause: str) -> None:
         """The fork server of some ranks died: they die with it (PDEATHSIG) and, re-parented
@@ -296,7 +296,7 @@ class RankHost:
         for proc, kill_at in list(self.leftovers.items()):
             if now >= kill_at:
                 del self.leftovers[proc]
-                lineage.signal_exact(proc, signal.SIGKILL)
+                agent_lineage.signal_exact(proc, signal.SIGKILL)
         if now >= self._next_scan:
             self._next_scan = now + _SCAN_EVERY
             self._track_descendants()
@@ -351,9 +351,9 @@ class RankHost:
         live = [r for r in self.by_pid.values() if r.status is None and r.pid is not None]
         if not live:
             return
-        table = lineage.children_map()
+        table = agent_lineage.children_map()
         for rank in live:
-            self.tracked.setdefault(rank.run_id, set()).update(lineage.descendants([rank.pid], table))  # type: ignore[list-item]
+            self.tracked.setdefault(rank.run_id, set()).update(agent_lineage.descendants([rank.pid], table))  # type: ignore[list-item]
 
     def _end_run(self, run_id: str) -> None:
         """Once every rank of a run here has ended, end what they left running, as torchrun
@@ -369,11 +369,11 @@ class RankHost:
             if _signal_group(pgid, signal.SIGTERM):
                 self.reaping[pgid] = kill_at
         # Those that left the group (setsid): seen under a rank, or carrying the run's id.
-        under_agent = lineage.descendants([os.getpid()])
+        under_agent = agent_lineage.descendants([os.getpid()])
         ours = {p for p in under_agent if p[0] in self.agent.zygote_pids() or p[0] in self.by_pid}
-        left = (self.tracked.pop(run_id, set()) | lineage.carrying(run_id, under_agent - ours)) - ours
+        left = (self.tracked.pop(run_id, set()) | agent_lineage.carrying(run_id, under_agent - ours)) - ours
         for proc in left:
-            if lineage.signal_exact(proc, signal.SIGTERM):
+            if agent_lineage.signal_exact(proc, signal.SIGTERM):
                 self.leftovers[proc] = kill_at
 
     def live_fds(self) -> Set[int]:

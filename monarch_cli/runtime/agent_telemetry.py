@@ -4,11 +4,11 @@
   ``run-spmd`` client) an ``("event", "telemetry", run_id, host, samples, steps)`` message:
   process state, CPU, RSS, threads (psutil), the GPU it uses (NVML, when the host has
   GPUs and ``nvidia-ml-py`` is installed; otherwise those fields are None), and the step
-  records the rank's optimizer hook appended since (see :mod:`.telemetry_rank`).
+  records the rank's optimizer hook appended since (see :mod:`.rank_telemetry`).
 * ``telemetry_sample``: the same, now, for any holder of the keys (``monarch top``).
 * ``telemetry_stacks``: every live rank's Python stack, captured in parallel in a thread
   with ``py-spy dump``; a rank py-spy cannot attach to is asked for the interpreter's own
-  dump (faulthandler, on :data:`~.telemetry_rank.STACK_SIGNAL`).
+  dump (faulthandler, on :data:`~.rank_telemetry.STACK_SIGNAL`).
 * when a rank ends, its last step records go to its owner just before its exit is reported
   (:meth:`TelemetryHost.rank_ended`), so the run's ``steps`` are complete when it returns.
 """
@@ -27,11 +27,11 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..sysutil import private_tmpdir
-from .telemetry_rank import STACK_SIGNAL, STEP_RECORD, paths
+from .rank_telemetry import STACK_SIGNAL, STEP_RECORD, paths
 
 if TYPE_CHECKING:
     from .agent import HostAgent
-    from .ranks import _Rank
+    from .agent_ranks import _Rank
 
 PUSH_INTERVAL = float(os.environ.get("MONARCH_TELEMETRY_INTERVAL", "1.0") or 1.0)
 _PY_SPY_TIMEOUT = 5.0

@@ -105,7 +105,7 @@ def _safe(name: str) -> str:
 
 #: Learning is on unless this is 0/false/no in the environment ``monarch serve`` starts agents
 #: with. (It was opt-in while DDP scripts hung at exit in 1 run of 3 when forked from a learned
-#: warm process: a torch teardown race that launcher._settle_gloo_teardown now sidesteps.)
+#: warm process: a torch teardown race that rank_start._settle_gloo_teardown now sidesteps.)
 LEARN_ENV = "MONARCH_LEARN_PRELOAD"
 
 
