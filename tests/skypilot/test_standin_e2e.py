@@ -214,3 +214,19 @@ def test_agents_behind_a_firewall_are_reached_through_ssh_tunnels_to_the_head(
     assert stopped.returncode == 0, stopped.stderr
     assert all(not netns_pids(ns) for ns, _ in sky_nodes)
     assert not Path(os.environ["MSKY_STATE"], "msky-fw.json").exists()
+
+
+def test_the_heads_host_key_is_recorded_then_required(sky_ssh: SkySsh, tmp_path: Path) -> None:
+    from monarch_cli.errors import SchedulerError
+    from monarch_cli.schedulers.skypilot_ssh import SshAccess, connect
+
+    access = SshAccess(sky_ssh.address, 22, sky_ssh.user, str(sky_ssh.key_file))
+    connect(access).close()  # a node SkyPilot just made: its key is recorded
+    assert access.host_key.startswith("ssh-ed25519 ")
+    connect(access).close()  # and then required
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    other = (tmp_path / "other.pub").read_text().split()
+    with pytest.raises(SchedulerError, match="host key has CHANGED"):
+        connect(SshAccess(sky_ssh.address, 22, sky_ssh.user, str(sky_ssh.key_file), f"{other[0]} {other[1]}"))
+    with pytest.raises(SchedulerError, match=r"10.215.0.99:22 is unreachable"):
+        connect(SshAccess("10.215.0.99", 22, "root", str(sky_ssh.key_file)), timeout=1)
