@@ -28,13 +28,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import zmq
 
 from ..config import configure
 from ..sysutil import atomic_write, signal_if_alive as _signal
-from . import agent_command, agent_registry, agent_lineage, wire
+from . import agent_command, agent_registry, agent_lineage, agent_sync, protocol, wire
 from .errors import Failure
 from .keys import Keys, keys_from_environment
 from .agent_debug import DebugHost
@@ -84,14 +84,16 @@ class _Zygote:
         self.started = time.monotonic()
 
     def fork(self, req_id: int, boot: Dict[str, Any], fds: List[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
-        socket.send_fds(self.sock, [pickle.dumps(("fork", req_id, kind, boot))], list(fds))
+        socket.send_fds(self.sock, [pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot)))], list(fds))
 
-    def receive(self) -> Optional[Tuple[Any, ...]]:
+    def receive(self) -> Optional[Any]:
+        """The zygote's next message (:class:`~.protocol.Forked`, ``ChildExited``, ``WarmReady``);
+        None once it is gone."""
         try:
             data = self.sock.recv(1 << 16)
         except ConnectionResetError:  # it died with our last request unread
             return None
-        return pickle.loads(data) if data else None
+        return protocol.decode(pickle.loads(data)) if data else None
 
     def kill(self) -> None:
         try:
@@ -136,6 +138,14 @@ class HostAgent:
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
         self.telemetry = TelemetryHost(self)
+        #: What this agent answers, by message kind: the core's own, then each part's.
+        self.handlers: Dict[str, Callable[[Any, List[Any]], None]] = {}
+        for part in (self._handlers(), self.ranks.handlers(), self.debug.handlers(), self.telemetry.handlers(),
+                     agent_sync.handlers(self)):
+            for cls, handler in part.items():
+                if cls.KIND in self.handlers:
+                    raise RuntimeError(f"two agent handlers for {cls.KIND!r}")
+                self.handlers[cls.KIND] = handler
         self.procs: Dict[int, _Proc] = {}  # by pid
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
         self.clients: Dict[str, _Client] = {}
@@ -149,8 +159,10 @@ class HostAgent:
         self._state_seen_by: Optional[float] = None  # until the file first records us: when to give up
 
     # ------------------------------------------------------------------ sending
-    def send(self, address: str, header: Tuple[Any, ...], body: List[Any] = ()) -> None:  # type: ignore[assignment]
-        """To ``address`` through the connection it opened to us, else by connecting to it."""
+    def send(self, address: str, msg: Any, body: List[Any] = ()) -> None:  # type: ignore[assignment]
+        """A :mod:`.protocol` message to ``address``, through the connection it opened to us,
+        else by connecting to it."""
+        header = (msg.KIND, *msg)
         try:
             self.inbox.send_multipart([address.encode(), *wire.frames(header, body)], copy=False)
             return
@@ -163,7 +175,7 @@ class HostAgent:
         wire.send_message(sock, header, body)
 
     def reply(self, address: str, cid: int, ok: bool, value: Any) -> None:
-        self.send(address, ("result", cid, ok), wire.dumps(value if ok else (value, "", None)))
+        self.send(address, protocol.Result(cid, ok), wire.dumps(value if ok else (value, "", None)))
 
     # --------------------------------------------------------------------- loop
     def next_request(self) -> int:
@@ -248,57 +260,45 @@ class HostAgent:
         self.warm.close()
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
-        header, body = wire.parse(frames[1:])
-        kind = header[0]
-        if kind == "heartbeat":  # answered on the connection it came on, whoever that is
-            self._heartbeat(frames[0].bytes, header[1])
+        head, body = wire.parse(frames[1:])
+        try:
+            msg = protocol.decode(head)
+            handler = self.handlers[msg.KIND] if msg.KIND != "heartbeat" else None
+        except (KeyError, TypeError):  # a newer client, most likely: tell it, if it waits for an answer
+            self._refuse(head)
             return
-        if self.debug.handle(header) or self.telemetry.handle(header, body):
-            return
-        if kind.startswith("sync_"):  # workspace sync: runtime/agent_sync.py
-            from . import agent_sync
+        if handler is None:  # answered on the connection it came on, whoever that is
+            self._heartbeat(frames[0].bytes, msg.client)
+        else:
+            handler(msg, body)
 
-            agent_sync.handle(self, header, body)
-            return
-        if kind == "ping":
-            _, cid, reply_to = header
-            self.reply(reply_to, cid, True, self.info())
-        elif kind == "reserve_port":
-            _, cid, reply_to, run_id = header
-            self.reply(reply_to, cid, True, self.ranks.reserve_port(run_id))
-        elif kind == "release_port":
-            _, cid, reply_to, run_id = header
-            self.reply(reply_to, cid, True, self.ranks.release_port(run_id))
-        elif kind == "run_ranks":
-            _, cid, reply_to, run_id, heartbeat_timeout = header
-            self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
-            self.reply(reply_to, cid, True, self.ranks.start(reply_to, run_id, wire.loads(body)))
-        elif kind == "forget_preload":
-            _, cid, reply_to = header
-            self.reply(reply_to, cid, True, self.warm.forget())
-        elif kind == "output_credit":
-            _, run_id, nbytes = header
-            self.ranks.credit(run_id, int(nbytes))
-        elif kind == "signal_ranks":
-            _, cid, reply_to, run_id, sig = header
-            self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
-        elif kind == "stopping":  # the reservation is being released: tell running runs who did it
-            _, cid, reply_to, who = header
-            self.reply(reply_to, cid, True, self.ranks.announce_stop(who))
-        elif kind == "spawn_procs":
-            _, cid, reply_to = header
-            specs, client_settings, import_context = wire.loads(body)
-            self._spawn(reply_to, specs, client_settings, import_context)
-            self.reply(reply_to, cid, True, None)
-        elif kind == "stop_procs":
-            _, cid, reply_to, proc_ids, grace = header
-            self._stop(cid, reply_to, set(proc_ids), grace)
-        elif kind == "client_exit":
-            self._reap_client(header[1], "client exited")
-        elif kind == "shutdown":
-            _, cid, reply_to = header
-            self.reply(reply_to, cid, True, None)
-            self.running = False
+    def _refuse(self, head: Tuple[Any, ...]) -> None:
+        why = protocol.not_understood(head, f"the host agent on {self.host}")
+        answer = protocol.answer_to(head)
+        if answer is None:
+            print(f"monarch agent: {why}", file=sys.stderr, flush=True)
+        else:
+            self.reply(answer[1], answer[0], False, why)
+
+    # -------------------------------------------------------- the core's requests
+    def _handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+        return {
+            protocol.Ping: lambda m, _: self.reply(m.reply_to, m.cid, True, self.info()),
+            protocol.ForgetPreload: lambda m, _: self.reply(m.reply_to, m.cid, True, self.warm.forget()),
+            protocol.SpawnProcs: self._on_spawn_procs,
+            protocol.StopProcs: lambda m, _: self._stop(m.cid, m.reply_to, set(m.proc_ids), m.grace),
+            protocol.ClientExit: lambda m, _: self._reap_client(m.client, "client exited"),
+            protocol.Shutdown: self._on_shutdown,
+        }
+
+    def _on_spawn_procs(self, msg: protocol.SpawnProcs, body: List[Any]) -> None:
+        specs, client_settings, import_context = wire.loads(body)
+        self._spawn(msg.reply_to, specs, client_settings, import_context)
+        self.reply(msg.reply_to, msg.cid, True, None)
+
+    def _on_shutdown(self, msg: protocol.Shutdown, _body: List[Any]) -> None:
+        self.reply(msg.reply_to, msg.cid, True, None)
+        self.running = False
 
     def register_client(self, addr: str, heartbeat_timeout: float) -> None:
         """Track ``addr``'s heartbeats; when they stop, it is reaped (its holds released)."""
@@ -325,7 +325,7 @@ class HostAgent:
         if client is not None:
             client.last_seen = time.monotonic()
         try:
-            self.inbox.send_multipart([route, b"ack"])
+            self.inbox.send_multipart([route, protocol.HEARTBEAT_ACK])
         except zmq.ZMQError:  # its connection closed meanwhile
             pass
 
@@ -335,7 +335,7 @@ class HostAgent:
         self.clients[owner] = _Client(time.monotonic(), float(client_settings.get("heartbeat_timeout", 5.0)))
         for proc_id, ready_cid in specs:
             req = self.next_request()
-            boot = {
+            boot: protocol.ProcBoot = {
                 "keys": self.keys.encode(),
                 "proc_id": proc_id,
                 "ready_call_id": ready_cid,
@@ -355,15 +355,13 @@ class HostAgent:
             return
         if self.warm.on_message(zygote, msg):
             return
-        if msg[0] == "forked":
-            _, req, pid = msg
-            if self.ranks.forked(req, pid):
+        if msg.KIND == "forked":
+            if self.ranks.forked(msg.req_id, msg.pid):
                 return
-            proc_id, owner = self.forking.pop(req)
-            self.procs[pid] = _Proc(proc_id, owner, pid)
-        elif msg[0] == "exit":
-            _, pid, status = msg
-            self._child_exited(pid, status)
+            proc_id, owner = self.forking.pop(msg.req_id)
+            self.procs[msg.pid] = _Proc(proc_id, owner, msg.pid)
+        elif msg.KIND == "exit":
+            self._child_exited(msg.pid, msg.status)
 
     def _child_exited(self, pid: int, status: int) -> None:
         if self.ranks.exited(pid, status):
@@ -379,7 +377,7 @@ class HostAgent:
             signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
             reason="stopped" if proc.stopping else proc.cause,
         )
-        self.send(proc.owner, ("event", "proc_exit", proc.proc_id, failure, proc.stopping))
+        self.send(proc.owner, protocol.ProcExited(proc.proc_id, failure, proc.stopping))
         for _, _, left in self.stops:
             left.discard(proc.proc_id)
 
@@ -401,7 +399,7 @@ class HostAgent:
         for proc in self.procs.values():
             proc.cause = cause
         for proc_id, owner in self.forking.values():  # never started
-            self.send(owner, ("event", "proc_exit", proc_id, Failure(proc_id, self.host, None, reason=cause), False))
+            self.send(owner, protocol.ProcExited(proc_id, Failure(proc_id, self.host, None, reason=cause), False))
         self.forking.clear()
         self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
