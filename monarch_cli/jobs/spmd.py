@@ -133,7 +133,7 @@ class Launch:
     rank: int
     label: str
     node: int
-    spec: Dict[str, Any]
+    spec: protocol.RankSpec
 
 
 def new_run_id() -> str:
@@ -497,7 +497,7 @@ def plan_spmd(
             rank = node * nproc + local
             if host_store:
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # rank 0 serves the store we reserved
-            launch_spec = {
+            launch_spec: protocol.RankSpec = {
                 "rank": rank,
                 "env": env,
                 "cwd": (node_cwd or {}).get(node, cwd),
