@@ -18,6 +18,7 @@ from ..config import settings
 from ..runtime.dap_link import GOODBYE, LOOPBACK, DapFrames, accept_same_user, is_goodbye, listen_loopback
 from ..runtime import protocol
 from ..runtime.errors import ActorError
+from ..runtime.mailbox_events import Subscription
 from ..runtime.future import Future
 from .errors import JobError
 from .ranks import parse_rank_list
@@ -84,11 +85,7 @@ class DebugClient:
         self.run_id = run_id
         self.name = f"{getpass.getuser()}@{socket.gethostname()} (pid {os.getpid()})"
         self.events: "queue.Queue[Event]" = queue.Queue()
-        # Every run's: which run's ranks are paused is known only once they are listed.
-        self._subscription = self.mb.subscribe(None, {
-            protocol.DebugOutput: lambda e, _: self.events.put(("output", e.rank, e.data, None)),
-            protocol.DebugState: lambda e, _: self.events.put(("state", e.rank, e.state, e.detail)),
-        })
+        self._subscription: Optional[Subscription] = None  # opened by the first attach
         self._rows: Dict[int, PausedRank] = {}
 
     # ---------------------------------------------------------------- queries
@@ -129,6 +126,11 @@ class DebugClient:
     def attach(self, rank: int) -> Dict[str, Any]:
         """Hold ``rank``: its pdb output now comes here. Returns what the user has not seen."""
         row = self._row(rank)
+        if self._subscription is None:  # the held ranks' pdb output and states, whichever run they are in
+            self._subscription = self.mb.subscribe(None, {
+                protocol.DebugOutput: lambda e, _: self.events.put(("output", e.rank, e.data, None)),
+                protocol.DebugState: lambda e, _: self.events.put(("state", e.rank, e.state, e.detail)),
+            })
         info = self._get(self._ask(rank, protocol.DebugAttach, self.name, settings().heartbeat_timeout), 10)
         self.mb.watch_agent(row.agent, lambda agent, silence: self.events.put(
             ("state", rank, "lost", f"host agent stopped answering ({silence:.0f} s)")))
@@ -181,7 +183,9 @@ class DebugClient:
     def close(self) -> None:
         for r in list(self._rows):
             self.mb.unwatch_agent(self._rows[r].agent)
-        self._subscription.close()
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
 
 
 class DapRelay:

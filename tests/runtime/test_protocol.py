@@ -36,6 +36,8 @@ def test_a_message_travels_as_a_plain_tuple_and_is_read_back_by_name() -> None:
     assert back == exit_ and back.signal == 9 and back.rank == 3
     with pytest.raises(KeyError):
         protocol.decode(("no_such_kind", 1, "addr"))
+    with pytest.raises(TypeError):  # a known kind with other fields: an older or newer sender
+        protocol.decode(("rank_exit", "run-1", 3))
     assert protocol.answer_to(("no_such_kind", 7, "tcp://x:1")) == (7, "tcp://x:1")
     assert protocol.answer_to(protocol.header(protocol.OutputCredit("run-1", 10))) is None
 

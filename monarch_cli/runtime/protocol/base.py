@@ -9,7 +9,7 @@ A message is a :class:`typing.NamedTuple` whose class carries its ``KIND``. On t
 travels as a plain tuple ``(KIND, *fields)`` (:func:`header`): a plain tuple pickles to a
 few bytes more than its fields, while a NamedTuple would pickle its class by reference and
 cost a global lookup on every receipt. The receiver rebuilds the typed message with
-:func:`decode` (``_make``, one tuple allocation) and reads fields by name. A message's large
+:func:`decode` (one tuple allocation) and reads fields by name. A message's large
 payload (rank output, a pickled request body) travels as the body frames beside the header
 (see :mod:`..wire`), never in it.
 
@@ -36,6 +36,8 @@ M = TypeVar("M", bound=Type[Any])
 MESSAGES: Dict[str, Type[Any]] = {}
 #: Which process sends each kind to which (the table in docs/architecture.md follows it).
 ROUTES: Dict[str, str] = {}
+_SIZES: Dict[str, Tuple[Type[Any], int]] = {}  # kind -> (class, header length)
+_tuple_new = tuple.__new__
 
 
 def _message(kind: str, route: str) -> Callable[[M], M]:
@@ -45,6 +47,7 @@ def _message(kind: str, route: str) -> Callable[[M], M]:
         cls.KIND = kind
         MESSAGES[kind] = cls
         ROUTES[kind] = route
+        _SIZES[kind] = (cls, 1 + len(cls._fields))
         return cls
 
     return register
@@ -58,7 +61,10 @@ def header(msg: Any) -> Tuple[Any, ...]:
 def decode(head: Tuple[Any, ...]) -> Any:
     """The typed message of a received header; ``KeyError`` for a kind this side does not know,
     ``TypeError`` for a known kind with the wrong number of fields."""
-    return MESSAGES[head[0]]._make(head[1:])
+    cls, size = _SIZES[head[0]]
+    if len(head) != size:
+        raise TypeError(f"a {head[0]!r} message has {size - 1} fields, not {len(head) - 1}")
+    return _tuple_new(cls, head[1:])  # what ``cls._make`` does, without its Python frame
 
 
 def answer_to(head: Tuple[Any, ...]) -> Optional[Tuple[int, str]]:
