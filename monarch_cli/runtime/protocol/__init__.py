@@ -2,7 +2,7 @@
 they travel, and the modules below for the messages themselves. Import this package, not
 its modules: ``protocol.Output``, ``protocol.decode(head)``."""
 
-from .base import (MESSAGES, ROUTES, answer_to, decode, header, not_understood)  # noqa: F401
+from .base import *  # noqa: F401,F403
 from .from_agent import *  # noqa: F401,F403
 from .procs import *  # noqa: F401,F403
 from .records import *  # noqa: F401,F403

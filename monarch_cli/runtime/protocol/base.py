@@ -30,6 +30,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar
 
+__all__ = ["MESSAGES", "ROUTES", "header", "decode", "answer_to", "not_understood", "CLIENT_AGENT",
+           "AGENT_CLIENT", "CLIENT_PROC", "PROC_CLIENT", "AGENT_ZYGOTE", "ZYGOTE_AGENT", "ANY"]
+
 M = TypeVar("M", bound=Type[Any])
 
 #: Every message class by its kind (what :func:`decode` looks up).

@@ -7,6 +7,9 @@ from typing import Any, Dict, List, NamedTuple, Optional
 from ..errors import Failure
 from .base import AGENT_CLIENT, ANY, _message
 
+__all__ = ["Result", "Output", "RankExited", "RankPaused", "ReservationStopped", "Telemetry", "DebugOutput",
+    "DebugState", "DebugDapToIde", "DebugDapClosed", "ProcExited"]
+
 
 # ---------------------------------------------------------------------------- answers
 @_message("result", ANY)

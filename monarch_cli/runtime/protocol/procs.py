@@ -7,6 +7,8 @@ from typing import Any, NamedTuple, Optional
 from ..errors import Failure
 from .base import CLIENT_PROC, PROC_CLIENT, _message
 
+__all__ = ["Call", "Spawn", "StopActor", "Stop", "Unhandled", "EndpointError"]
+
 
 # ------------------------------------------------------------------- client → proc
 @_message("call", CLIENT_PROC)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, TypedDict, Union
 
+__all__ = ["RankSpec", "ProcBoot", "DebuggerOutput", "DebuggerPaused", "DebuggerResumed", "DapReady",
+    "DapFailed", "DebuggerInput", "DapConnect", "RankDebugMessage", "AgentDebugMessage",
+    "DEBUGGER_CHANNEL"]
+
 
 # ---------------------------------------------------------- rank spec, proc boot
 class RankSpec(TypedDict, total=False):

@@ -6,6 +6,11 @@ from typing import List, NamedTuple, Optional
 
 from .base import CLIENT_AGENT, CLIENT_PROC, _message
 
+__all__ = ["Heartbeat", "HEARTBEAT_ACK", "Ping", "ReservePort", "ReleasePort", "RunRanks", "ForgetPreload",
+    "OutputCredit", "SignalRanks", "Stopping", "SpawnProcs", "StopProcs", "ClientExit", "Shutdown",
+    "SyncManifest", "SyncApplyRequest", "TelemetrySample", "TelemetryStacks", "DebugList", "DebugAttach",
+    "DebugDetach", "DebugInput", "DebugCast", "DebugContinue", "DebugDap", "DebugDapData", "DebugDapEnd"]
+
 
 # ------------------------------------------------------------------ client → agent
 @_message("heartbeat", CLIENT_AGENT)

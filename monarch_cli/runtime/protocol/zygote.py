@@ -6,6 +6,8 @@ from typing import Any, Dict, NamedTuple
 
 from .base import AGENT_ZYGOTE, ZYGOTE_AGENT, _message
 
+__all__ = ["Fork", "Forked", "ChildExited", "WarmReady"]
+
 
 # ---------------------------------------------------------------- agent ↔ zygote
 @_message("fork", AGENT_ZYGOTE)
