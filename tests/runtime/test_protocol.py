@@ -4,6 +4,7 @@ an agent asked something it does not know says so instead of leaving the caller 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,26 @@ def test_an_agent_answers_an_unknown_request_with_a_clear_error(agents: list) ->
         fut.get(timeout=10)
     ping = mb.request(agent, lambda cid: protocol.Ping(cid, mb.address)).get(timeout=10)
     assert ping["pid"] > 0  # and it goes on serving
+
+
+def test_events_reach_the_subscription_of_their_run_and_no_other() -> None:
+    """Sent through the mailbox's own socket: a run's events go to its subscription; a
+    debugger's (every run) gets the rest; an event nobody wants is dropped and counted."""
+    import queue
+
+    mb = Mailbox.get()
+    got: "queue.Queue[tuple]" = queue.Queue()
+    mine = mb.subscribe("run-a", {protocol.Output: lambda e, body: got.put(("a", e.rank, bytes(body[0])))})
+    with mb.subscribe(None, {protocol.DebugState: lambda e, _: got.put(("any", e.run_id, e.state))}):
+        dropped = mb.events.dropped.get("output", 0)
+        mb.send(mb.address, protocol.Output("run-b", 1, 1), [b"not yours"])
+        mb.send(mb.address, protocol.Output("run-a", 0, 1), [b"yours"])
+        mb.send(mb.address, protocol.DebugState("run-c", 2, "paused", {}))
+        assert got.get(timeout=5) == ("a", 0, b"yours")
+        assert got.get(timeout=5) == ("any", "run-c", "paused")
+        assert mb.events.dropped.get("output", 0) == dropped + 1
+    mine.close()
+    mb.send(mb.address, protocol.Output("run-a", 0, 1), [b"after the run ended"])
+    mb.send(mb.address, protocol.DebugState("run-c", 2, "running", ""))
+    time.sleep(0.3)
+    assert got.empty()
