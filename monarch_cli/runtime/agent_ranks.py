@@ -24,9 +24,9 @@ import os
 import signal
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
-from . import agent_lineage
+from . import agent_lineage, protocol, wire
 from .exit_status import describe_status, from_wait_status
 
 if TYPE_CHECKING:
@@ -85,6 +85,23 @@ class RankHost:
         self._next_scan = 0.0
 
     # ---------------------------------------------------------------- requests
+    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+        """The messages this part of the agent answers."""
+        agent = self.agent
+        return {
+            protocol.ReservePort: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.reserve_port(m.run_id)),
+            protocol.ReleasePort: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.release_port(m.run_id)),
+            protocol.RunRanks: self._on_run_ranks,
+            protocol.OutputCredit: lambda m, _: self.credit(m.run_id, int(m.nbytes)),
+            protocol.SignalRanks: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.signal_run(m.run_id, m.signal)),
+            # The reservation is being released: tell running runs who did it.
+            protocol.Stopping: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.announce_stop(m.who)),
+        }
+
+    def _on_run_ranks(self, msg: protocol.RunRanks, body: List[Any]) -> None:
+        self.agent.register_client(msg.reply_to, msg.heartbeat_timeout)
+        self.agent.reply(msg.reply_to, msg.cid, True, self.start(msg.reply_to, msg.run_id, wire.loads(body)))
+
     def reserve_port(self, run_id: str) -> int:
         """Bind and listen now, keep it open, hand the socket to rank 0 later: no race."""
         from ..config import advertised_host, bind_port_candidates
@@ -113,7 +130,7 @@ class RankHost:
             sock.close()
         return sock is not None
 
-    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> Dict[str, List[str]]:
+    def start(self, owner: str, run_id: str, specs: List[protocol.RankSpec]) -> Dict[str, List[str]]:
         """Start the ranks; returns ``made_cold``, the start-up variables that made warm ranks
         start cold, and ``notices`` for the user (e.g. a fresh warm process, and why)."""
         from . import preload  # (the agent's side; controllers import this module too)
@@ -186,15 +203,15 @@ class RankHost:
     def announce_stop(self, who: str) -> List[str]:
         """Tell each run with ranks here that ``who`` is releasing the reservation; returns those runs.
 
-        Sent as ``("event", "reservation_stopped", run_id, agent address, who)`` before the
-        agent is stopped, so the run ends saying why instead of as a lost host.
+        Sent as :class:`~.protocol.ReservationStopped` before the agent is stopped, so the run
+        ends saying why instead of as a lost host.
         """
         runs: Dict[Tuple[str, str], None] = {}
         for rank in (*self.by_pid.values(), *self.pending.values()):
             if rank.status is None:
                 runs[(rank.owner, rank.run_id)] = None
         for owner, run_id in runs:
-            self.agent.send(owner, ("event", "reservation_stopped", run_id, self.agent.address, who))
+            self.agent.send(owner, protocol.ReservationStopped(run_id, self.agent.address, who))
         return sorted({run_id for _, run_id in runs})
 
     def reap_owner(self, owner: str) -> None:
@@ -280,7 +297,7 @@ class RankHost:
             return True
         if data:
             self.in_flight[rank.run_id] = sent + len(data)
-            self.agent.send(rank.owner, ("event", "output", rank.run_id, rank.rank, rank.fds[fd]), [data])
+            self.agent.send(rank.owner, protocol.Output(rank.run_id, rank.rank, rank.fds[fd]), [data])
         else:
             self._close(fd)
             self._maybe_report(rank)
@@ -344,8 +361,8 @@ class RankHost:
 
     def _send_exit(self, rank: _Rank, exitcode: Optional[int], sig: Optional[int]) -> None:
         duration = (rank.exited_at or time.monotonic()) - rank.started
-        self.agent.send(rank.owner, ("event", "rank_exit", rank.run_id, rank.rank, exitcode, sig, duration, rank.pid,
-                                     rank.cause))
+        self.agent.send(rank.owner, protocol.RankExited(rank.run_id, rank.rank, exitcode, sig, duration, rank.pid,
+                                                        rank.cause))
 
     def _track_descendants(self) -> None:
         live = [r for r in self.by_pid.values() if r.status is None and r.pid is not None]

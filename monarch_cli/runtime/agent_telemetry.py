@@ -1,7 +1,7 @@
 """The agent's side of telemetry: samples of its ranks' processes, their step times, their stacks.
 
 * About once a second, for every live rank, the agent sends the rank's owner (the
-  ``run-spmd`` client) an ``("event", "telemetry", run_id, host, samples, steps)`` message:
+  ``run-spmd`` client) an :class:`~.protocol.Telemetry` message:
   process state, CPU, RSS, threads (psutil), the GPU it uses (NVML, when the host has
   GPUs and ``nvidia-ml-py`` is installed; otherwise those fields are None), and the step
   records the rank's optimizer hook appended since (see :mod:`.rank_telemetry`).
@@ -24,9 +24,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ..sysutil import private_tmpdir
+from . import protocol
 from .rank_telemetry import STACK_SIGNAL, STEP_RECORD, paths
 
 if TYPE_CHECKING:
@@ -64,25 +65,24 @@ class TelemetryHost:
         return {"telemetry_dir": self.dir}
 
     # ------------------------------------------------------------ requests
-    def handle(self, header: Tuple[Any, ...], body: List[Any]) -> bool:
-        kind = header[0]
-        if kind == "telemetry_sample":
-            _, cid, reply_to, run_id = header
-            ranks = self._live(run_id)
-            self._read_steps(ranks)
-            self.agent.reply(reply_to, cid, True, {
-                "host": self.agent.host,
-                "samples": self._sample(ranks),
-                "steps": {r.rank: self._last_step.get((r.run_id, r.rank)) for r in ranks},
-            })
-        elif kind == "telemetry_stacks":
-            _, cid, reply_to, run_id, wanted, native = header
-            ranks = [r for r in self._live(run_id) if wanted is None or r.rank in wanted]
-            targets = [(r.run_id, r.rank, r.pid) for r in ranks]
-            threading.Thread(target=self._capture, args=(reply_to, cid, targets, bool(native)), daemon=True).start()
-        else:
-            return False
-        return True
+    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+        """The messages this part of the agent answers."""
+        return {protocol.TelemetrySample: self._on_sample, protocol.TelemetryStacks: self._on_stacks}
+
+    def _on_sample(self, msg: protocol.TelemetrySample, _body: List[Any]) -> None:
+        ranks = self._live(msg.run_id)
+        self._read_steps(ranks)
+        self.agent.reply(msg.reply_to, msg.cid, True, {
+            "host": self.agent.host,
+            "samples": self._sample(ranks),
+            "steps": {r.rank: self._last_step.get((r.run_id, r.rank)) for r in ranks},
+        })
+
+    def _on_stacks(self, msg: protocol.TelemetryStacks, _body: List[Any]) -> None:
+        ranks = [r for r in self._live(msg.run_id) if msg.ranks is None or r.rank in msg.ranks]
+        targets = [(r.run_id, r.rank, r.pid) for r in ranks]
+        threading.Thread(target=self._capture, args=(msg.reply_to, msg.cid, targets, bool(msg.native)),
+                         daemon=True).start()
 
     def tick(self, events: Dict[Any, int]) -> None:
         if self._wake_r in events:
@@ -126,7 +126,7 @@ class TelemetryHost:
             steps: List[Step] = []
             for r in ranks:
                 steps += self._pending.pop((run_id, r.rank), [])
-            self.agent.send(owner, ("event", "telemetry", run_id, self.agent.host, self._sample(ranks), steps))
+            self.agent.send(owner, protocol.Telemetry(run_id, self.agent.host, self._sample(ranks), steps))
 
     def _sample(self, ranks: List["_Rank"]) -> List[Sample]:
         import psutil
@@ -189,7 +189,7 @@ class TelemetryHost:
         self._read_file(rank.run_id, rank.rank, files["steps"])
         steps = self._pending.pop(key, [])
         if steps:
-            self.agent.send(rank.owner, ("event", "telemetry", rank.run_id, self.agent.host, [], steps))
+            self.agent.send(rank.owner, protocol.Telemetry(rank.run_id, self.agent.host, [], steps))
         self._last_step.pop(key, None)
         for path in files.values():
             self._offsets.pop(path, None)

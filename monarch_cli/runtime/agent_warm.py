@@ -239,12 +239,12 @@ class WarmRanks:
                 return
         self.next = self._spawn(wanted)
 
-    def on_message(self, zygote: Any, msg: Tuple[Any, ...]) -> bool:
+    def on_message(self, zygote: Any, msg: Any) -> bool:
         """A message from one of our zygotes; True if it was ours to handle (not a fork/exit)."""
         warm = next((w for w in self._all() if w.zygote is zygote), None)
         if warm is None:
             return False
-        kind = msg[0]
+        kind = msg.KIND
         if kind == "forked":
             warm.children += 1
         elif kind == "exit":

@@ -24,9 +24,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .title import rank_title, set_title
+
+if TYPE_CHECKING:
+    from .protocol import RankSpec
 
 SPEC_ENV = "MONARCH_RANK_SPEC"
 _store: Any = None  # keeps the rendezvous store alive for the whole run
@@ -178,7 +181,7 @@ def _print_traceback() -> None:
     traceback.print_exception(etype, value, tb)
 
 
-def run_program(spec: Dict[str, Any]) -> int:
+def run_program(spec: RankSpec) -> int:
     """Run the user's program in this (already prepared) process; returns its exit status.
 
     With ``post_mortem``, an uncaught exception leaves the rank in pdb at the failing frame
@@ -227,7 +230,7 @@ def _die_of_sigint() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
+def become_rank(spec: RankSpec, extra: Dict[str, int]) -> int:
     """Warm path: reset this forked child to a fresh interpreter's state, then run.
 
     ``extra`` holds inherited fds by role: ``listen`` (rank 0's store socket), ``debug``.
@@ -304,7 +307,7 @@ def _install_debugger(fd: Optional[int]) -> None:
         rank_debug.install(fd)
 
 
-def cold_command(spec: Dict[str, Any]) -> List[str]:
+def cold_command(spec: RankSpec) -> List[str]:
     """The command line of a cold rank (the spec travels in the environment)."""
     if spec["mode"] == "no_python":
         return list(spec["program"])
@@ -318,7 +321,7 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def exec_cold(spec: Dict[str, Any], extra: Dict[str, int]) -> None:
+def exec_cold(spec: RankSpec, extra: Dict[str, int]) -> None:
     """Cold path, in a forked child: replace this process with a fresh interpreter."""
     os.setsid()
     _default_signals()

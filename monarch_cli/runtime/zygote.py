@@ -22,7 +22,7 @@ import traceback
 from typing import Any, Dict, List
 
 from ..sysutil import signal_if_alive
-from . import preload
+from . import preload, protocol
 
 _PR_SET_PDEATHSIG = 1
 PRELOAD_ENV = "MONARCH_PRELOAD"
@@ -132,7 +132,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 if pid == 0:
                     break
                 children.discard(pid)
-                sock.send(pickle.dumps(("exit", pid, status)))
+                sock.send(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
         if sock in ready:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
@@ -144,7 +144,8 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 for pid in children:
                     signal_if_alive(pid, signal.SIGKILL)
                 os._exit(0)
-            _, req_id, kind, boot = pickle.loads(data)
+            fork = protocol.decode(pickle.loads(data))
+            req_id, kind, boot = fork.req_id, fork.kind, fork.boot
             boot["_zygote_pid"] = os.getpid()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -154,7 +155,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
             for f in fds:
                 os.close(f)
             children.add(pid)
-            sock.send(pickle.dumps(("forked", req_id, pid)))
+            sock.send(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
 
 
 def _load_learned(sock: socket.socket) -> None:
@@ -165,7 +166,7 @@ def _load_learned(sock: socket.socket) -> None:
     learned = os.environ.get(preload.LEARNED_ENV)
     held, left_out, offender = preload.import_learned(learned) if learned else ([], {}, None)
     preload.write_ready(ready, held, left_out, offender)
-    sock.send(pickle.dumps(("ready",)))
+    sock.send(pickle.dumps(protocol.header(protocol.WarmReady())))
     if offender is not None:  # not safe to fork any more: the agent starts another without it
         os._exit(0)
 
