@@ -9,20 +9,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import Any, List, Optional
 
 import typer
 from rich.markup import escape
 
-from ..jobs.console import CLOSED_PIPE_EXIT
 from ..jobs.output import list_runs
 from ..jobs.state import NoReservation, StateError, state_path
 
+from . import runs
 from .backend_options import BackendOptionsCommand, BackendStopOptionsCommand, backend_options
-from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out, parse_ranks
-
-if TYPE_CHECKING:  # the job API loads the runtime: only the commands that need it import it
-    from ..jobs import RunResult
+from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out
+from .runs import render_result as _render_result
 
 
 # ------------------------------------------------------------------- commands
@@ -139,22 +137,8 @@ def run_spmd_cmd(
     to monarch is forwarded to the ranks, which get torchrun's --shutdown-timeout (30 s)
     before SIGKILL; the exit status is then 128+N. A run whose reservation is stopped exits 254.
     """
-    from ..jobs import job_load
-    from ..jobs.spmd import parse_env_flags
-
-    job = job_load(state)
-    rank_set = parse_ranks(ranks)
-    stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
-    result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
-                          post_mortem=post_mortem, straggler_grace=straggler_grace, env=parse_env_flags(env or []),
-                          workspace=workspace, sync=not no_sync, on_event=_say)
-    if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
-        raise typer.Exit(CLOSED_PIPE_EXIT)
-    if as_json:
-        emit_json(result.to_json())
-    else:
-        _render_result(result)
-    raise typer.Exit(result.exit_code)
+    raise typer.Exit(runs.run_spmd(command, state, ranks, cold, color, post_mortem, env, workspace, no_sync,
+                                   straggler_grace, as_json))
 
 
 @app.command("sync")
@@ -183,29 +167,7 @@ def exec_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Run a shell command on every host, with host-prefixed output and per-host exit codes."""
-    if not command:
-        fail("give the command after `--`, e.g. monarch exec -- nvidia-smi")
-    from ..jobs import job_load
-
-    job = job_load(state)
-    result = job.exec(command, color=color, stdout=sys.stderr.buffer if as_json else None, on_event=_say)
-    if result.console_closed:
-        raise typer.Exit(CLOSED_PIPE_EXIT)
-    if as_json:
-        emit_json(result.to_json())
-    else:
-        from rich.table import Table  # (rich.table and what it imports: only when there is a table)
-
-        table = Table(box=None, show_header=True, header_style="bold")
-        for col in ("host", "status", "time"):
-            table.add_column(col)
-        for r in result.ranks:
-            mark = "[green]exit 0[/]" if r.ok else f"[red]{escape(r.how)}[/]"
-            table.add_row(r.label, mark, f"{r.duration:.2f}s")
-        err.print(table)
-        if result.ending:
-            err.print(f"[red]✗[/] {escape(result.ending)}; exit status {result.exit_code}")
-    raise typer.Exit(result.exit_code)
+    raise typer.Exit(runs.exec_command(command, state, color, as_json))
 
 
 @app.command("status")
@@ -398,29 +360,6 @@ def demo_cmd(
 
 
 # -------------------------------------------------------------------- rendering
-def _render_result(result: "RunResult") -> None:
-    n = len(result.ranks)
-    if result.exit_code == 0:
-        err.print(f"[green]✓[/] {n} rank(s) finished in [bold]{result.duration:.2f} s[/] (run {result.run_id})")
-        return
-    headline = result.ending or f"rank {result.first_failure.rank} failed first"
-    err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
-    from rich.table import Table
-
-    table = Table(header_style="bold", show_lines=False)
-    for col in ("rank", "host", "status", "time", "last output"):
-        table.add_column(col, overflow="fold")
-    for r in result.ranks:
-        status = "[green]exit 0[/]" if r.ok else f"[red]{escape(r.how)}[/]"
-        table.add_row(str(r.rank), r.host, status, f"{r.duration:.2f}s", escape("\n".join(r.tail[-3:])))
-    err.print(table)
-    err.print(f"full logs: {result.log_dir}  (monarch logs {result.run_id} --rank N)")
-
-
-def _say(msg: str) -> None:
-    err.print(f"[yellow]monarch:[/] {escape(msg)}")
-
-
 def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> None:
     offsets = {f: 0 for f in files}
     sink = sys.stdout.buffer

@@ -238,6 +238,7 @@ def become_rank(spec: RankSpec, extra: Dict[str, int]) -> int:
     from . import preload
 
     preload.mark_start()
+    _leave_warm_finalizers()
     listen_fd = extra.get("listen")
     os.setsid()  # own process group: signals reach the rank and its children together
     env: Dict[str, str] = spec["env"]
@@ -261,6 +262,18 @@ def become_rank(spec: RankSpec, extra: Dict[str, int]) -> int:
     code = run_program(spec)
     preload.report_imports(spec)  # after interpreter-shutdown work: it is not the user's time
     return code
+
+
+def _leave_warm_finalizers() -> None:
+    """The ``weakref.finalize`` callbacks registered before the fork belong to the warm process's
+    objects: a rank does not run them at its exit. A fresh interpreter runs only its own
+    (cleaning what it made); these would undo, in a process about to end, what the warm
+    process set up for every rank (torch.library's ~130 operator registrations: ~30 ms at
+    each rank's exit), or remove what it still holds (a temporary directory)."""
+    import weakref
+
+    for finalizer in list(getattr(weakref.finalize, "_registry", ())):
+        finalizer.atexit = False
 
 
 #: How long ``destroy_process_group`` lets the group's worker threads settle (warm ranks).

@@ -1,0 +1,115 @@
+"""``monarch run-spmd`` and ``monarch exec`` answered without Typer.
+
+A repeated ``run-spmd`` is the command users wait on all day; Typer, click and rich cost
+~50 ms of its start on this project's machine (the run itself: ~0.1 s). So
+:func:`parse` reads the command lines it fully understands, the common ones, exactly as
+the Typer commands in ``cli/jobs.py`` would, and everything else (``--help``, an unknown or
+repeated option, an odd value, a missing one) is left to Typer, which then prints its own
+usage error or help: the two routes give the same result for every command line, and
+tests/cli/test_fast_path.py checks it. Both routes run the same code afterwards
+(``cli/runs.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .console import explain
+
+#: option -> (parameter, kind): "flag" (True), "unflag" (False), "value", "path", "many", "seconds"
+_Options = Dict[str, Tuple[str, str]]
+_RUN_SPMD: _Options = {
+    "--state": ("state", "path"), "--ranks": ("ranks", "value"), "--cold": ("cold", "flag"),
+    "--color": ("color", "flag"), "--no-color": ("color", "unflag"), "--post-mortem": ("post_mortem", "flag"),
+    "--env": ("env", "many"), "-e": ("env", "many"), "--workspace": ("workspace", "path"),
+    "--no-sync": ("no_sync", "flag"), "--straggler-grace": ("straggler_grace", "seconds"), "--json": ("as_json", "flag"),
+}
+_EXEC: _Options = {
+    "--state": ("state", "path"), "--color": ("color", "flag"), "--no-color": ("color", "unflag"),
+    "--json": ("as_json", "flag"),
+}
+_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "run-spmd": {"command": None, "state": None, "ranks": None, "cold": False, "color": None, "post_mortem": False,
+                 "env": None, "workspace": None, "no_sync": False, "straggler_grace": 30.0, "as_json": False},
+    "exec": {"command": None, "state": None, "color": None, "as_json": False},
+}
+_COMMANDS = {"run-spmd": _RUN_SPMD, "exec": _EXEC}
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # what --straggler-grace takes here; Typer judges the rest
+
+
+def parse(argv: List[str]) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """``(command, its parameters)`` for ``argv`` (``["run-spmd", ...]``), or None: ask Typer."""
+    if not argv or argv[0] not in _COMMANDS:
+        return None
+    name, options = argv[0], _COMMANDS[argv[0]]
+    params = dict(_DEFAULTS[name])
+    seen = set()
+    rest = argv[1:]
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        if token == "--":
+            i += 1
+            break
+        if not token.startswith("-") or token == "-":  # the command starts (options end there, as in Typer)
+            if token == "-":
+                return None
+            break
+        if token[:2] == "-e" and len(token) > 2 and "-e" in options:  # -eNAME=VALUE: the rest is the value
+            flag, eq, value = "-e", "=", token[2:]
+        else:
+            flag, eq, value = token.partition("=")
+        if flag not in options:
+            return None  # -h, --help, an unknown option: Typer's
+        param, kind = options[flag]
+        if kind in ("flag", "unflag"):
+            if eq:
+                return None  # a flag with a value: Typer's error
+            value_given: Any = kind == "flag"
+            i += 1
+        else:
+            if not eq:
+                if i + 1 >= len(rest):
+                    return None  # its value is missing
+                value = rest[i + 1]
+                i += 2
+            else:
+                i += 1
+            if not value or value.startswith("-"):
+                return None
+            if kind == "seconds":
+                if not _SECONDS.fullmatch(value):
+                    return None
+                value_given = float(value)
+            else:
+                value_given = Path(value) if kind == "path" else value
+        if kind == "many":
+            params[param] = [*(params[param] or []), value_given]
+            continue
+        if param in seen:
+            return None  # given twice: which one counts is Typer's business
+        seen.add(param)
+        params[param] = value_given
+    params["command"] = rest[i:] or None
+    return name, params
+
+
+def main(argv: List[str]) -> Optional[int]:
+    """Run ``monarch run-spmd|exec ...`` if :func:`parse` understands it; its exit status, or None."""
+    parsed = parse(argv)
+    if parsed is None:
+        return None
+    name, params = parsed
+    import sys
+
+    from . import runs
+
+    try:
+        try:
+            return runs.run_spmd(**params) if name == "run-spmd" else runs.exec_command(**params)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, while we can still exit quietly
+    except (Exception, KeyboardInterrupt) as e:
+        return explain(e, params["as_json"])
