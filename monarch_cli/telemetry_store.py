@@ -247,7 +247,8 @@ class TelemetryWriter:
     it never fails the run.
     """
 
-    def __init__(self, path: Path, run_id: str, *, keep_runs: int = KEEP_RUNS) -> None:
+    def __init__(self, path: Path, run_id: str, *, keep_runs: int = KEEP_RUNS, start: bool = True) -> None:
+        """``start=False``: rows queue up until :meth:`start` (or :meth:`close`) starts the thread."""
         self.path = Path(path)
         self.run_id = run_id
         self.keep_runs = keep_runs
@@ -258,7 +259,16 @@ class TelemetryWriter:
         self._partial: Dict[Tuple[int, int], bytes] = {}
         self.error: Optional[str] = None
         self._thread = threading.Thread(target=self._loop, name="monarch-telemetry", daemon=True)
-        self._thread.start()
+        self._starting = threading.Lock()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start writing (opening the store, pruning old runs): a run calls it once its ranks are
+        launched, so that this thread's work does not delay the launch."""
+        with self._starting:
+            if self._thread.ident is None:
+                self._thread.start()
 
     # ------------------------------------------------------------ producers
     def sql(self, statement: str, params: Sequence[Any]) -> None:
@@ -279,6 +289,7 @@ class TelemetryWriter:
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until everything queued so far is committed."""
+        self.start()
         done = threading.Event()
         self._queue.append(("flush", done))
         self._wake.set()
@@ -286,6 +297,7 @@ class TelemetryWriter:
 
     def close(self, timeout: float = 10.0) -> None:
         """Returns once every row is committed; the connection closes (and checkpoints) in the background."""
+        self.start()
         self._closing = True
         self._wake.set()
         self._committed.wait(timeout)

@@ -344,6 +344,8 @@ class SpmdRunner:
                         wire.dumps(specs),
                     )
                 )
+            if telemetry is not None:  # its thread opens the store now, not while the launch is on its way
+                telemetry.writer.start()
             started_all, early = gather(acks), []
             ack_deadline = time.monotonic() + 30
             while not early:  # a Ctrl-C while a host is slow to start its ranks is not left waiting

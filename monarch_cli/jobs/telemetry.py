@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import statistics
 import time
 import uuid
 from pathlib import Path
@@ -49,7 +48,7 @@ class RunTelemetry:
 
     def __init__(self, state_dir: Path, run_id: str, command: Sequence[str], log_dir: Path) -> None:
         self.run_id = run_id
-        self.writer = TelemetryWriter(db_path(state_dir), run_id)
+        self.writer = TelemetryWriter(db_path(state_dir), run_id, start=False)  # started once the ranks are launched
         self.writer.sql("INSERT OR REPLACE INTO runs (run_id, command, started_at, log_dir, restarts, interrupted) "
                         "VALUES (?, ?, ?, ?, 0, 0)", (run_id, shlex.join(command), time.time(), str(log_dir)))
         self.writer.event("run_start", None, shlex.join(command))
@@ -436,6 +435,8 @@ class Inspector:
 
 def _suspicions(rows: List[RankRow], silence: float = 60.0) -> Dict[int, List[str]]:
     """Ranks that differ from the rest in output age, step count or GPU use."""
+    import statistics  # (not on a run's path)
+
     out: Dict[int, List[str]] = {}
     if len(rows) < 2:
         return out

@@ -9,7 +9,6 @@ the user's job does.  The flag list mirrors ``torch/distributed/run.py`` (torch 
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -202,6 +201,8 @@ def _unknown_flag(written: str) -> JobError:
     probe = written.replace("_", "-")
     # torchrun's argparse accepts unique prefixes (--nnode); we do not, but we suggest the flag.
     prefixed = [known for known in _KNOWN if known.startswith(probe)] if len(probe) > 3 else []
+    import difflib  # (only when a flag is unknown)
+
     guess = prefixed or difflib.get_close_matches(probe, _KNOWN, n=1)
     hint = f"did you mean {guess[0]}?" if guess else "see `torchrun --help` for the flags it takes"
     return JobError(

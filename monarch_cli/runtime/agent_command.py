@@ -7,11 +7,13 @@ appear here: they travel on stdin or in a 0600 file named by ``$MONARCH_KEY_FILE
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    import argparse
 
 AGENT_MODULE = "monarch_cli.runtime.agent"
 #: What an agent writes (address file, ready fd, stdout) once it listens, before its address.
@@ -108,6 +110,8 @@ def format_port_range(pair: Tuple[int, int]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The agent's argument parser (``python -m monarch_cli.runtime.agent``)."""
+    import argparse  # (the agent's, not every client's: `run-spmd` imports this module)
+
     p = argparse.ArgumentParser(prog=f"python -m {AGENT_MODULE}",
                                 description="The host agent: one long-lived process per host.")
     p.add_argument("--address-file", type=Path, help="write the agent's address here once it listens")

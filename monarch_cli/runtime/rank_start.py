@@ -265,15 +265,14 @@ def become_rank(spec: RankSpec, extra: Dict[str, int]) -> int:
 
 
 def _leave_warm_finalizers() -> None:
-    """The ``weakref.finalize`` callbacks registered before the fork belong to the warm process's
-    objects: a rank does not run them at its exit. A fresh interpreter runs only its own
-    (cleaning what it made); these would undo, in a process about to end, what the warm
-    process set up for every rank (torch.library's ~130 operator registrations: ~30 ms at
-    each rank's exit), or remove what it still holds (a temporary directory)."""
+    """torch.library's exit-time finalizers (one per operator library the warm process
+    registered, ~130) only undo registrations in a process about to end: ~30 ms at each
+    rank's exit here. A warm rank leaves them to the warm process; its own run at exit."""
     import weakref
 
-    for finalizer in list(getattr(weakref.finalize, "_registry", ())):
-        finalizer.atexit = False
+    for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        if getattr(info.func, "__module__", None) == "torch.library" and info.func.__name__ == "_del_library":
+            finalizer.atexit = False
 
 
 #: How long ``destroy_process_group`` lets the group's worker threads settle (warm ranks).

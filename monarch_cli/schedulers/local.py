@@ -15,7 +15,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -65,6 +64,8 @@ class LocalScheduler(Scheduler):
         addr_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "MONARCH_HOST": "127.0.0.1"}
         env.pop("MONARCH_KEYS", None)
+        import subprocess  # (to reserve, not to run: `run-spmd` loads this backend too)
+
         procs: List[subprocess.Popen] = []
         try:
             for agent, log_path in zip(agents, logs):

@@ -153,7 +153,7 @@ import os, sys
 PRELOADED = "torch" in sys.modules  # a warm rank's zygote imported torch; a fresh interpreter did not
 LEARNED = "wave" in sys.modules  # ...and, once it learned from earlier runs, wave (imported below)
 OWN_BEFORE = sorted(n for n in sys.modules if n.startswith("probe_helper"))  # never preloaded
-import atexit, json, pickle, signal, warnings, wave
+import atexit, json, pickle, signal, warnings, wave, weakref
 import probe_helper
 import torch
 
@@ -188,6 +188,8 @@ def pickles():
 
 main = sys.modules["__main__"]
 out = os.path.join(os.environ["PROBE_OUT"], "probe-%s.json" % os.environ.get("RANK", "plain"))
+KEPT = Thing()
+weakref.finalize(KEPT, lambda path: open(path, "w").close(), out + ".finalized")  # runs at exit, as its own
 info = {
     "preloaded": PRELOADED,
     "learned": LEARNED,
@@ -249,6 +251,7 @@ def load_probes(directory: Path) -> Dict[Any, Dict[str, Any]]:
         data = json.loads(path.read_text())
         at_exit = path.with_name(path.name + ".atexit")
         data["atexit"] = json.loads(at_exit.read_text()) if at_exit.exists() else None
+        data["finalized"] = path.with_name(path.name + ".finalized").exists()
         found[int(key) if key.isdigit() else key] = data
     return found
 
@@ -369,6 +372,7 @@ def test_what_the_probe_saw(probes: Dict[str, Any], mode: str) -> None:
         assert p["exc_info"] == "(None, None, None)"
         assert p["session_leader"]
         assert p["atexit"] == {"ran": True, "pickles": True, "main_file": p["file"]}  # __main__ is still the script
+        assert p["finalized"]  # its own weakref.finalize callbacks run at exit (the warm process's do not)
 
 
 def test_main_file_is_absolute_as_in_python(probes: Dict[str, Any]) -> None:
