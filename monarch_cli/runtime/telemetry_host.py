@@ -113,7 +113,7 @@ class TelemetryHost:
         return sorted((r for r in live if r.run_id == run_id), key=lambda r: r.rank)
 
     def _push(self) -> None:
-        live = [r for r in self.agent.ranks.by_pid.values() if r.status is None and r.pid is not None]
+        live = [r for r in self.agent.ranks.by_pid.values() if r.status is None and r.pid is not None and r.sampled]
         for pid in set(self._procs) - {r.pid for r in live}:
             del self._procs[pid]
         if not live:
