@@ -277,7 +277,7 @@ def main() -> None:
             rank_loop_cpu = {k: statistics.mean(r[1] for r in v) for k, v in loop.items()}
             rows.append(("  CPU time of the 2 ranks' loops", f"{rank_loop_cpu[False] * 1000:.0f} ms",
                          f"{rank_loop_cpu[True] * 1000:.0f} ms",
-                         f"{(rank_loop_cpu[True] / rank_loop_cpu[False] - 1) * 100:+.2f} %", ""))
+                         ratio_cell([r[1] for r in loop[False]], [r[1] for r in loop[True]]), ""))
             h = hook_us()
             hook_share = h / (step_ms * 1000)
             rows.append(("  the step hook itself, per optimizer.step() (direct)", f"{step_ms * 1000:.0f} µs/step",

@@ -48,8 +48,8 @@ def install(spec: Dict[str, Any]) -> None:
 
 
 def _allow_tracer(agent_pid: Optional[int]) -> None:
-    if not agent_pid:
-        return
+    if not agent_pid or not os.path.exists("/proc/sys/kernel/yama"):
+        return  # without Yama nothing restricts ptrace (PR_SET_PTRACER would be EINVAL): spare the rank the dlopen
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PTRACER, int(agent_pid), 0, 0, 0)  # EINVAL without Yama: nothing to allow
