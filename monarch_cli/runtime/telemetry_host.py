@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..sysutil import private_tmpdir
-from .telemetry_rank import STACK_SIGNAL, STEP_RECORD, paths
+from .telemetry_rank import STACK_SIGNAL, STEP_COUNT, STEP_RECORD, paths
 
 if TYPE_CHECKING:
     from .agent import HostAgent
@@ -53,7 +53,7 @@ class TelemetryHost:
         agent.watch_fd(self._wake_r)
         self._done: "queue.Queue[Tuple[str, int, bool, Any]]" = queue.Queue()
         self._procs: Dict[int, Any] = {}  # pid -> psutil.Process (cpu_percent needs the previous call)
-        self._offsets: Dict[str, int] = {}
+        self._offsets: Dict[str, int] = {}  # step file -> records read
         self._pending: Dict[Tuple[str, int], List[Step]] = {}  # step rows not yet sent to the owner
         self._last_step: Dict[Tuple[str, int], Step] = {}
         self._next_push = 0.0
@@ -167,18 +167,28 @@ class TelemetryHost:
             self._read_file(r.run_id, r.rank, paths(self.dir, r.run_id, r.rank)["steps"])
 
     def _read_file(self, run_id: str, rank: int, path: str) -> None:
-        offset = self._offsets.get(path, 0)
+        """The records the rank's hook stored since the last read (see :class:`.telemetry_rank._StepTimer`)."""
+        done = self._offsets.get(path, 0)  # records already read
         try:
             with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
+                head = f.read(STEP_COUNT.size)
+                if len(head) < STEP_COUNT.size:
+                    return
+                (count,) = STEP_COUNT.unpack(head)
+                if count <= done:
+                    return
+                f.seek(STEP_COUNT.size + done * STEP_RECORD.size)
+                data = f.read((count - done) * STEP_RECORD.size)
         except OSError:
             return
-        whole = len(data) - len(data) % STEP_RECORD.size
-        if not whole:
+        rows = []
+        for step, ts, dt in STEP_RECORD.iter_unpack(data[: len(data) - len(data) % STEP_RECORD.size]):
+            if step != done + len(rows) + 1:  # not stored yet (a weakly ordered CPU): read it next time
+                break
+            rows.append((run_id, rank, step, ts, dt))
+        if not rows:
             return
-        self._offsets[path] = offset + whole
-        rows = [(run_id, rank, *STEP_RECORD.unpack_from(data, i)) for i in range(0, whole, STEP_RECORD.size)]
+        self._offsets[path] = done + len(rows)
         self._pending.setdefault((run_id, rank), []).extend(rows)
         self._last_step[(run_id, rank)] = rows[-1]
 

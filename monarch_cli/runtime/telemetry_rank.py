@@ -4,14 +4,19 @@
   py-spy, its child) may still read its stack; no root needed.
 * ``faulthandler`` on :data:`STACK_SIGNAL`: the interpreter's own dump of every thread,
   appended to a file the agent reads, for when py-spy cannot attach.
-* a global ``optimizer.step()`` post-hook that appends one 24-byte record per step to a
-  file the agent reads (one ``write`` per step; no change to the user's code). In a cold
-  rank torch is not imported yet: the hook is installed when ``torch.optim.optimizer`` is.
+* a global ``optimizer.step()`` post-hook that stores one 24-byte record per step in a
+  file the agent reads, through a shared memory map: no system call per step (a ``write``
+  per step cost 2-4 % of a 0.6 ms step on a VM, far more than its own 1 µs: the syscall's
+  cache and TLB damage lands on the training step), and a record is in the page cache the
+  moment it is stored, so a rank that hangs or is killed right after leaves it readable.
+  No change to the user's code. In a cold rank torch is not imported yet: the hook is
+  installed when ``torch.optim.optimizer`` is.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import signal
 import struct
@@ -22,6 +27,9 @@ from typing import Any, Callable, Dict, Optional
 
 STACK_SIGNAL = signal.SIGRTMIN + 7
 STEP_RECORD = struct.Struct("<qdd")  # step, unix time, ms since the previous step
+#: The step file: this count of records stored, then the records (record i holds step i + 1).
+STEP_COUNT = struct.Struct("<q")
+_STEP_FILE_START = STEP_COUNT.size + 4096 * STEP_RECORD.size  # grows by doubling
 _PR_SET_PTRACER = 0x59616D61
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
 
@@ -70,10 +78,15 @@ class _StepTimer:
     """The post-hook: counts the steps of the first optimizer that steps (one per training step)."""
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.map = self._map(_STEP_FILE_START)
         self.owner: Optional[int] = None
         self.step = 0
         self.last = time.monotonic()  # durations from the monotonic clock; the wall clock may be stepped
+
+    def _map(self, size: int) -> mmap.mmap:
+        os.ftruncate(self.fd, size)
+        return mmap.mmap(self.fd, size)  # MAP_SHARED: the agent's reads see every store at once
 
     def __call__(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self.owner is None:
@@ -81,10 +94,15 @@ class _StepTimer:
         elif id(optimizer) != self.owner:
             return
         now = time.monotonic()
-        self.step += 1
+        at = STEP_COUNT.size + self.step * STEP_RECORD.size
         try:
-            os.write(self.fd, STEP_RECORD.pack(self.step, time.time(), (now - self.last) * 1000.0))
-        except OSError:
+            if at + STEP_RECORD.size > len(self.map):
+                old, self.map = self.map, self._map(2 * len(self.map))
+                old.close()
+            STEP_RECORD.pack_into(self.map, at, self.step + 1, time.time(), (now - self.last) * 1000.0)
+            self.step += 1
+            STEP_COUNT.pack_into(self.map, 0, self.step)  # after the record: the count never covers a partial one
+        except (OSError, ValueError):
             pass
         self.last = now
 

@@ -284,6 +284,35 @@ def test_step_times_from_a_real_ddp_loop(job: Job, tmp_path: Path, cold: bool) -
     assert all(r["fastest"] > 0 for r in rows)
 
 
+def test_every_step_of_a_long_loop_is_recorded(job: Job, tmp_path: Path) -> None:
+    """More steps than the step file first holds (4096): it grows, and none is lost or repeated."""
+    script = _write(tmp_path, "many.py", """
+        import torch
+        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        for _ in range(10000):
+            opt.step()
+    """)
+    run = spmd(job, script, nproc=1)
+    assert run.result.exit_code == 0, run.text()
+    rows = job.sql("SELECT rank, count(*) AS n, count(DISTINCT step) AS d, min(step) AS lo, max(step) AS hi, "
+                   "min(ts) > 0 AS stamped FROM steps WHERE run_id = ? GROUP BY rank", (run.result.run_id,))
+    assert rows == [{"rank": r, "n": 10000, "d": 10000, "lo": 1, "hi": 10000, "stamped": 1} for r in (0, 1)], rows
+
+
+def test_telemetry_off_records_nothing(job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MONARCH_TELEMETRY=0`` (the benchmark's reference): no rows, and no step hook in the ranks."""
+    script = _write(tmp_path, "hooks.py", """
+        import torch.optim.optimizer as optimizer
+        print("hooks", len(optimizer._global_optimizer_post_hooks), flush=True)
+    """)
+    for setting, hooks, rows in (("0", b"hooks 0", 0), ("1", b"hooks 1", 1)):
+        monkeypatch.setenv("MONARCH_TELEMETRY", setting)
+        run = spmd(job, script, nproc=1)
+        assert run.result.exit_code == 0, run.text()
+        assert {line for lines in run.by_rank().values() for line in lines} == {hooks}, run.text()
+        assert job.sql("SELECT count(*) AS n FROM runs WHERE run_id = ?", (run.result.run_id,)) == [{"n": rows}]
+
+
 def test_stacks_fall_back_to_the_interpreters_own_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """py-spy that cannot attach. This container has no Yama (no kernel.yama.ptrace_scope to
     restrict), so the same refusal is made real another way: as root, py-spy runs as `nobody`
