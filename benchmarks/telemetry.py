@@ -129,7 +129,7 @@ def ratio_cell(off: Sequence[float], on: Sequence[float]) -> str:
 
 
 def hook_us() -> float:
-    """µs per call of the step hook itself (what every optimizer.step() of a rank pays, on top of torch's dispatch)."""
+    """µs per call of the step hook itself, in a tight loop (what it costs apart from its effect on the step)."""
     import torch
 
     from monarch_cli.runtime.telemetry_rank import _StepTimer
@@ -147,8 +147,45 @@ def hook_us() -> float:
     return med(best)
 
 
+def hook_in_context(pairs: int) -> Dict[str, Tuple[float, float, float, float]]:
+    """CPU µs per training step (the loop's model, in this process) with monarch's hook and with a
+    no-op hook (the control: the noise floor), each against no hook, ABAB in short segments.
+    Catches what a direct timing cannot: the hook's effect on the step around it."""
+    import torch
+    import torch.optim.optimizer as optimizer
+
+    from monarch_cli.runtime.telemetry_rank import _StepTimer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    x = torch.randn(64, 256)
+    hooks = {"monarch": _StepTimer(os.path.join(tempfile.mkdtemp(prefix="monarch-bench-hook-"), "steps")),
+             "no-op": lambda *_: None}
+
+    def segment(n: int = 100) -> float:
+        c = time.process_time()
+        for _ in range(n):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        return (time.process_time() - c) / n * 1e6
+
+    segment(300)
+    got: Dict[str, List[float]] = {"none": [], "monarch": [], "no-op": []}
+    for i in range(pairs):
+        for name in (["none", "monarch", "no-op"] if i % 2 else ["no-op", "monarch", "none"]):
+            handle = optimizer.register_optimizer_step_post_hook(hooks[name]) if name != "none" else None
+            got[name].append(segment())
+            if handle is not None:
+                handle.remove()
+    return {name: (med(got["none"]), med(got[name]), *paired(got["none"], got[name])) for name in ("monarch", "no-op")}
+
+
 INSTALL = """
-import os, sys, tempfile, time, torch  # as a warm zygote: torch imported, monarch's rank modules not yet
+import os, sys, tempfile, time, torch  # as a warm zygote: torch and the rank's telemetry module imported
+from monarch_cli.runtime import telemetry_rank
 d = tempfile.mkdtemp(prefix="monarch-bench-install-")
 for i in range(int(sys.argv[1])):
     r, w = os.pipe()
@@ -193,6 +230,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=15, help="ABAB pairs of the warm re-run")
     parser.add_argument("--loop-pairs", type=int, default=6, help="ABAB pairs of the training loop")
     parser.add_argument("--loop-seconds", type=float, default=3.0, help="how long each loop runs")
+    parser.add_argument("--hook-pairs", type=int, default=60, help="ABAB pairs of the in-process step hook")
     parser.add_argument("--repeats", type=int, default=7, help="timings of stack and sql")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -280,8 +318,12 @@ def main() -> None:
                          ratio_cell([r[1] for r in loop[False]], [r[1] for r in loop[True]]), ""))
             h = hook_us()
             hook_share = h / (step_ms * 1000)
-            rows.append(("  the step hook itself, per optimizer.step() (direct)", f"{step_ms * 1000:.0f} µs/step",
+            rows.append(("  the step hook itself, per optimizer.step() (direct, tight loop)", f"{step_ms * 1000:.0f} µs/step",
                          f"{h:.2f} µs", f"{hook_share * 100:+.3f} %", ""))
+            for name, (base, with_hook, r, lo, hi) in hook_in_context(args.hook_pairs).items():
+                rows.append((f"  CPU per step with the {name} hook vs none, in process, {args.hook_pairs} ABAB pairs",
+                             f"{base:.0f} µs", f"{with_hook:.0f} µs", f"{r:.4f}x [{lo:.4f}, {hi:.4f}]",
+                             "control" if name == "no-op" else ""))
             seconds = {k: sum(r[4] for r in v) for k, v in loop.items()}
             agent_rate = {k: sum(r[3] for r in v) / seconds[k] for k, v in loop.items()}
             client_rate = {k: sum(r[2] for r in v) / seconds[k] for k, v in loop.items()}
