@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..sysutil import private_tmpdir
-from .telemetry_rank import STACK_SIGNAL, STEP_COUNT, STEP_RECORD, paths
+from .telemetry_rank import STACK_SIGNAL, STEP_HEADER, STEP_TIME, paths
 
 if TYPE_CHECKING:
     from .agent import HostAgent
@@ -167,25 +167,30 @@ class TelemetryHost:
             self._read_file(r.run_id, r.rank, paths(self.dir, r.run_id, r.rank)["steps"])
 
     def _read_file(self, run_id: str, rank: int, path: str) -> None:
-        """The records the rank's hook stored since the last read (see :class:`.telemetry_rank._StepTimer`)."""
-        done = self._offsets.get(path, 0)  # records already read
+        """The steps the rank's hook stored since the last read (the format: :data:`.telemetry_rank.STEP_HEADER`)."""
+        done = self._offsets.get(path, 0)  # steps already read
+        first = max(done - 1, 0)  # the previous step's time too: dt_ms is the difference
         try:
             with open(path, "rb") as f:
-                head = f.read(STEP_COUNT.size)
-                if len(head) < STEP_COUNT.size:
+                head = f.read(STEP_HEADER.size)
+                if len(head) < STEP_HEADER.size:
                     return
-                (count,) = STEP_COUNT.unpack(head)
+                count, anchor, prev = STEP_HEADER.unpack(head)
                 if count <= done:
                     return
-                f.seek(STEP_COUNT.size + done * STEP_RECORD.size)
-                data = f.read((count - done) * STEP_RECORD.size)
+                f.seek(STEP_HEADER.size + first * STEP_TIME.size)
+                data = f.read((count - first) * STEP_TIME.size)
         except OSError:
             return
+        times = [t for (t,) in STEP_TIME.iter_unpack(data[: len(data) - len(data) % STEP_TIME.size])]
+        if done:
+            prev, times = times[0], times[1:]
         rows = []
-        for step, ts, dt in STEP_RECORD.iter_unpack(data[: len(data) - len(data) % STEP_RECORD.size]):
-            if step != done + len(rows) + 1:  # not stored yet (a weakly ordered CPU): read it next time
+        for t in times:
+            if t < prev or t <= 0.0:  # not stored yet (a weakly ordered CPU): read it next time
                 break
-            rows.append((run_id, rank, step, ts, dt))
+            rows.append((run_id, rank, done + len(rows) + 1, anchor + t, (t - prev) * 1000.0))
+            prev = t
         if not rows:
             return
         self._offsets[path] = done + len(rows)
