@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -175,6 +176,10 @@ def test_hung_rank_stacks_diagnose_top_and_reading_while_the_run_writes(job: Job
         gpu = job.sql("SELECT count(*) AS n, count(gpu_index) + count(gpu_util) + count(gpu_mem_mb) + count(gpu_power_w) "
                       "+ count(gpu_temp_c) AS gpu FROM samples WHERE run_id = (SELECT max(run_id) FROM runs)")[0]
         assert gpu["n"] >= 4 and gpu["gpu"] == 0, gpu  # GPU columns stay NULL without a GPU
+        sampled = job.sql("SELECT rank, pid, state, threads, rss_mb, cpu_percent FROM samples "
+                          "WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY ts DESC LIMIT 4")
+        assert all(r["pid"] and r["state"] in ("sleeping", "running") and r["threads"] >= 1 and r["rss_mb"] > 10
+                   and r["cpu_percent"] is not None for r in sampled), sampled
     finally:
         flag.write_text("")
         box["thread"].join(120)  # type: ignore[attr-defined]
@@ -222,6 +227,19 @@ def _top_json(job: Job) -> Dict[str, Any]:
     return json.loads(done.stdout)
 
 
+def test_top_live_view_refreshes_until_ctrl_c(job: Job, tmp_path: Path) -> None:
+    if not db_path(job.path.parent).exists():
+        spmd(job, _write(tmp_path, "ok.py", "print('x')"), nproc=1)
+    env = {**os.environ, "MONARCH_STATE": str(job.path)}
+    live = subprocess.Popen([sys.executable, "-m", "monarch_cli", "top", "--interval", "0.2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)
+    live.send_signal(signal.SIGINT)
+    out, err = live.communicate(timeout=30)
+    assert live.returncode == 0 and "Traceback" not in err, err
+    assert "run " in out and "rank" in out, out
+
+
 def test_a_failing_rank_exit_codes_and_logs_are_queryable(job: Job, tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(FAIL)
@@ -236,6 +254,14 @@ def test_a_failing_rank_exit_codes_and_logs_are_queryable(job: Job, tmp_path: Pa
     assert {"rank": 0, "stream": "stdout", "line": "hello from 0"} in lines, lines
     events = job.sql("SELECT kind FROM events WHERE run_id = ? AND rank = 1", (rid,))
     assert events == [{"kind": "rank_failed"}], events
+    kinds = [e["kind"] for e in job.sql("SELECT kind FROM events WHERE run_id = ? ORDER BY ts", (rid,))]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end", kinds
+    hosts = job.sql("SELECT node, host, agent, agent_pid, cpus, gpus FROM hosts WHERE run_id = ? ORDER BY node", (rid,))
+    assert [h["node"] for h in hosts] == [0, 1] and all(h["agent"] and h["agent_pid"] and h["cpus"] for h in hosts), hosts
+    assert all(h["gpus"] in (0, None) for h in hosts), hosts  # no GPU here
+    run_row = job.sql("SELECT exit_code, world_size, hosts, command FROM runs WHERE run_id = ?", (rid,))[0]
+    assert run_row["exit_code"] == 3 and run_row["world_size"] == 4 and run_row["hosts"] == 2, run_row
+    assert "fail.py" in run_row["command"], run_row
     d = job.diagnose()
     assert d.exit_code == 1 and d.suspects[0].rank == 1 and "boom-line" in d.summary, d
     csv_out = monarch(job, "sql", "--csv", f"SELECT rank, exit_code FROM ranks WHERE run_id = '{rid}' ORDER BY rank")
