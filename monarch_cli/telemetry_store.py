@@ -97,7 +97,7 @@ TABLES: Dict[str, Tuple[str, List[Tuple[str, str, str]]]] = {
         ("run_id", "TEXT", "run id"),
         ("rank", "INTEGER", "rank"),
         ("step", "INTEGER", "1 for the first optimizer.step() of the run, then 2, 3..."),
-        ("ts", "REAL", "unix time the step ended (the host's clock)"),
+        ("ts", "REAL", "unix time the step ended (the host's clock when the rank started, plus monotonic time since)"),
         ("dt_ms", "REAL", "milliseconds since the previous step ended (since the hook was installed for step 1)"),
     ]),
     "stacks": ("stacks captured by `monarch stack` / `monarch diagnose`, one row per thread", [

@@ -4,7 +4,7 @@
   ``run-spmd`` client) an ``("event", "telemetry", run_id, host, samples, steps)`` message:
   process state, CPU, RSS, threads (psutil), the GPU it uses (NVML, when the host has
   GPUs and ``nvidia-ml-py`` is installed; otherwise those fields are None), and the step
-  records the rank's optimizer hook appended since (see :mod:`.telemetry_rank`).
+  records the rank's optimizer hook stored since (see :mod:`.telemetry_rank`).
 * ``telemetry_sample``: the same, now, for any holder of the keys (``monarch top``).
 * ``telemetry_stacks``: every live rank's Python stack, captured in parallel in a thread
   with ``py-spy dump``; a rank py-spy cannot attach to is asked for the interpreter's own
