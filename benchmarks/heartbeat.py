@@ -28,9 +28,9 @@ FLOOD = ("import sys\nline = 'step %07d loss 0.123456 lr 0.001 tokens/s 123456\\
 
 
 def beats(sock: object, address: str, n: int, stop: "threading.Event | None" = None) -> List[float]:
-    from monarch_cli.runtime import wire
+    from monarch_cli.runtime import protocol, wire
 
-    beat = wire.frames(("heartbeat", address))[0]
+    beat = wire.frames(protocol.header(protocol.Heartbeat(address)))[0]
     out = []
     for _ in range(n):
         if stop is not None and stop.is_set():

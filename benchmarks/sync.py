@@ -55,6 +55,7 @@ def main() -> None:
         raise SystemExit("needs root (a private mount namespace per agent hides the workspace from it)")
     from monarch_cli.jobs.state import HostRecord, JobState, save_state
     from monarch_cli.jobs.job import job_load
+    from monarch_cli.runtime import protocol
     from monarch_cli.runtime.keys import Keys
     from monarch_cli.runtime.workspace import Scanner
 
@@ -78,7 +79,7 @@ def main() -> None:
             hs = job._hostset()
             first = job.sync(ws, _hostset=hs)
             assert first.files == args.files + 1, first
-            ping = timed(lambda: [hs.mb.request(h.agent, lambda cid: ("ping", cid, hs.mb.address)).get(timeout=5)
+            ping = timed(lambda: [hs.mb.request(h.agent, lambda cid: protocol.Ping(cid, hs.mb.address)).get(timeout=5)
                                   for h in hosts], args.repeats, warmup=2)
             cold_scan = timed(lambda: Scanner(str(ws)).scan(), 3)
             files = [str(p) for p in ws.rglob("*.py")]

@@ -72,6 +72,12 @@ def advertised_host() -> str:
     return addr or "127.0.0.1"
 
 
+def listen_host() -> str:
+    """The address servers bind: ``$MONARCH_LISTEN_HOST`` (``0.0.0.0`` in a Kubernetes pod, where a
+    port-forward connects to the pod's localhost) or else the advertised address."""
+    return os.environ.get("MONARCH_LISTEN_HOST") or advertised_host()
+
+
 def bind_port_candidates() -> "list[int]":
     """Ports to try when binding a listening socket: [0] (any) unless a port range is set.
 

@@ -238,7 +238,7 @@ def query(path: Path, sql: str, params: Sequence[Any] = ()) -> Tuple[List[str], 
         elif "one statement at a time" in msg:
             msg = "one statement at a time, please (no ';' between statements)"
         raise StoreError(f"sql: {' '.join(msg.split())}") from None
-    except sqlite3.Warning as e:  # Python < 3.12: "You can only execute one statement at a time."
+    except sqlite3.Warning:  # Python < 3.12: "You can only execute one statement at a time."
         raise StoreError("sql: one statement at a time, please (no ';' between statements)") from None
     finally:
         conn.close()

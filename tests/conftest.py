@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional
 import psutil
 import pytest
 
-from monarch_cli.runtime.agent_launch import launch_agent
+from monarch_cli.runtime.agent_start import launch_agent
 from monarch_cli.runtime.keys import Keys
 from monarch_cli.runtime.mailbox import Mailbox
 

@@ -1,9 +1,12 @@
-"""A backend's options (data on its :class:`~monarch_cli.schedulers.Scheduler`) as flags of ``monarch serve``.
+"""A backend's options (data on its :class:`~monarch_cli.schedulers.Scheduler`) as flags of ``monarch serve``
+and ``monarch stop``.
 
-The generic command knows no backend: before parsing, :class:`BackendOptionsCommand`
+The generic commands know no backend: before parsing, :class:`BackendOptionsCommand`
 looks up ``--scheduler`` in the arguments and adds that backend's options as flags (all
-backends' in ``--help`` when none is named). Their values reach the command through
-:func:`backend_options`, merged with ``-o key=value``.
+backends' in ``--help`` when none is named). ``stop`` learns the backend only from the state
+file, after parsing: :class:`BackendStopOptionsCommand` adds every backend's stop options, and
+the reservation's backend refuses those it does not declare. Their values reach the command
+through :func:`backend_options`, merged with ``-o key=value``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def _named_scheduler(args: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _option_params(names: Sequence[str], taken: Sequence[str]) -> List[click.Parameter]:
+def _option_params(names: Sequence[str], taken: Sequence[str], kind: str = "options") -> List[click.Parameter]:
     from ..schedulers import scheduler_class
 
     params: List[click.Parameter] = []
@@ -41,12 +44,14 @@ def _option_params(names: Sequence[str], taken: Sequence[str]) -> List[click.Par
             cls = scheduler_class(name)
         except Exception:  # an unknown or broken backend: serve itself reports it
             continue
-        for opt in cls.options:
+        panel = f"{cls.name} options (or -o name=value)" if kind == "options" else \
+            f"{cls.name} reservations (or -o name=value)"
+        for opt in getattr(cls, kind):
             decls = [f for f in (opt.cli_flag, opt.short) if f and f not in seen]
             if opt.cli_flag in seen:
                 continue
             seen.update(decls)
-            kwargs: Dict[str, Any] = {"help": opt.help, "rich_help_panel": f"{cls.name} options (or -o name=value)"}
+            kwargs: Dict[str, Any] = {"help": opt.help, "rich_help_panel": panel}
             if opt.type is bool:
                 kwargs.update(is_flag=True, default=False)
             elif opt.type is list:
@@ -84,8 +89,24 @@ class BackendOptionsCommand(typer.core.TyperCommand):
         return super().parse_args(ctx, args)
 
 
-def backend_options(ctx: click.Context, scheduler: str, pairs: Optional[Sequence[str]]) -> Dict[str, Any]:
-    """The backend options given as flags, then ``-o key=value`` (which wins; lists collect both)."""
+class BackendStopOptionsCommand(typer.core.TyperCommand):
+    """``monarch stop``: every backend's stop options are flags (the reservation's backend is known only later)."""
+
+    def parse_args(self, ctx: click.Context, args: List[str]) -> List[str]:
+        from ..schedulers import available
+
+        base = [p for p in self.params if not (p.name or "").startswith(_PREFIX)]
+        taken = [d for p in base for d in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])]
+        flags = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+        # Every backend's module is imported only when a flag is not stop's own (--help included).
+        self.params = base + (_option_params(available(), taken, "stop_options") if flags - set(taken) else [])
+        return super().parse_args(ctx, args)
+
+
+def backend_options(ctx: click.Context, scheduler: str, pairs: Optional[Sequence[str]],
+                    kind: str = "options") -> Dict[str, Any]:
+    """The backend options (``kind``: ``options`` of serve or ``stop_options``) given as flags, then
+    ``-o key=value`` (which wins; lists collect both)."""
     from ..schedulers import parse_option_pairs, scheduler_class
 
     values: Dict[str, Any] = {}
@@ -93,9 +114,9 @@ def backend_options(ctx: click.Context, scheduler: str, pairs: Optional[Sequence
         if value not in (None, False, ()):
             values[key] = list(value) if isinstance(value, tuple) else value
     if pairs:
-        for key, value in parse_option_pairs(pairs, scheduler_class(scheduler).options, scheduler).items():
+        for key, value in parse_option_pairs(pairs, getattr(scheduler_class(scheduler), kind), scheduler).items():
             values[key] = [*values.get(key, []), *value] if isinstance(value, list) else value
     return values
 
 
-__all__ = ["BackendOptionsCommand", "backend_options"]
+__all__ = ["BackendOptionsCommand", "BackendStopOptionsCommand", "backend_options"]

@@ -18,7 +18,7 @@ from ..jobs.console import CLOSED_PIPE_EXIT
 from ..jobs.output import list_runs
 from ..jobs.state import NoReservation, StateError, state_path
 
-from .backend_options import BackendOptionsCommand, backend_options
+from .backend_options import BackendOptionsCommand, BackendStopOptionsCommand, backend_options
 from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out, parse_ranks
 
 if TYPE_CHECKING:  # the job API loads the runtime: only the commands that need it import it
@@ -288,14 +288,20 @@ def warm_cmd(
             out.print(f"  left out: {escape(name)} ({escape(why)})")
 
 
-@app.command("stop")
+@app.command("stop", cls=BackendStopOptionsCommand)
 @friendly
 def stop_cmd(
+    ctx: typer.Context,
     state: Optional[Path] = StateOpt,
     force: bool = typer.Option(False, "--force", help="Also clear an unreadable state file."),
+    option: Optional[List[str]] = typer.Option(None, "--option", "-o", metavar="KEY=VALUE",
+                                               help="A stop option of the reservation's backend (repeatable), "
+                                               "e.g. -o keep_cluster=true."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Release the reservation; none of its processes is left. Nothing to stop is not an error."""
+    """Release the reservation; none of its processes is left. Nothing to stop is not an error.
+
+    A backend may offer stop options (listed below): they apply to its reservations only."""
     from ..jobs import clear_unreadable, job_load
 
     try:
@@ -313,7 +319,7 @@ def stop_cmd(
                   + (f" and stopped its {len(stopped)} agent(s)" if stopped else ""))
         return
     rid = job.state.reservation_id
-    ended = job.stop()
+    ended = job.stop(**backend_options(ctx, job.state.scheduler, option, "stop_options"))
     told = f" (run {', '.join(ended)} in progress was told and ends with exit status 254)" if ended else ""
     _done_msg(as_json, {"stopped": rid, "runs_ended": ended}, f"released reservation {rid}{told}")
 

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 
 from ..config import settings
 from ..runtime.dap_link import GOODBYE, LOOPBACK, DapFrames, accept_same_user, is_goodbye, listen_loopback
+from ..runtime import protocol
 from ..runtime.errors import ActorError
+from ..runtime.mailbox_events import Subscription
 from ..runtime.future import Future
 from .errors import JobError
 from .ranks import parse_rank_list
@@ -83,14 +85,13 @@ class DebugClient:
         self.run_id = run_id
         self.name = f"{getpass.getuser()}@{socket.gethostname()} (pid {os.getpid()})"
         self.events: "queue.Queue[Event]" = queue.Queue()
-        self.mb.event_handlers["debug_output"] = lambda h, f: self.events.put(("output", h[3], h[4], None))
-        self.mb.event_handlers["debug_state"] = lambda h, f: self.events.put(("state", h[3], h[4], h[5]))
+        self._subscription: Optional[Subscription] = None  # opened by the first attach
         self._rows: Dict[int, PausedRank] = {}
 
     # ---------------------------------------------------------------- queries
     def list(self, everything: bool = False) -> List[PausedRank]:
         """Paused (or held, or just finished) ranks of the newest run that has any; all its ranks with ``everything``."""
-        futs = [self.mb.request(h.agent, lambda cid: ("debug_list", cid, self.mb.address, everything))
+        futs = [self.mb.request(h.agent, lambda cid: protocol.DebugList(cid, self.mb.address, everything))
                 for h in self.hs.hosts]
         rows: List[PausedRank] = []
         for host, fut in zip(self.hs.hosts, futs):
@@ -109,9 +110,10 @@ class DebugClient:
             raise JobError(f"rank {rank} is not paused in a breakpoint (paused ranks: {paused})")
         return self._rows[rank]
 
-    def _ask(self, rank: int, kind: str, *args: Any) -> Future[Any]:
-        row = self._row(rank, everything=kind == "debug_dap")
-        return self.mb.request(row.agent, lambda cid: (kind, cid, self.mb.address, row.run_id, rank, *args))
+    def _ask(self, rank: int, request: Any, *args: Any) -> Future[Any]:
+        """Send ``request`` (a :mod:`~monarch_cli.runtime.protocol` ``Debug*`` class) about ``rank``."""
+        row = self._row(rank, everything=request is protocol.DebugDap)
+        return self.mb.request(row.agent, lambda cid: request(cid, self.mb.address, row.run_id, rank, *args))
 
     @staticmethod
     def _get(fut: Future[Any], timeout: float) -> Any:
@@ -124,17 +126,22 @@ class DebugClient:
     def attach(self, rank: int) -> Dict[str, Any]:
         """Hold ``rank``: its pdb output now comes here. Returns what the user has not seen."""
         row = self._row(rank)
-        info = self._get(self._ask(rank, "debug_attach", self.name, settings().heartbeat_timeout), 10)
+        if self._subscription is None:  # the held ranks' pdb output and states, whichever run they are in
+            self._subscription = self.mb.subscribe(None, {
+                protocol.DebugOutput: lambda e, _: self.events.put(("output", e.rank, e.data, None)),
+                protocol.DebugState: lambda e, _: self.events.put(("state", e.rank, e.state, e.detail)),
+            })
+        info = self._get(self._ask(rank, protocol.DebugAttach, self.name, settings().heartbeat_timeout), 10)
         self.mb.watch_agent(row.agent, lambda agent, silence: self.events.put(
             ("state", rank, "lost", f"host agent stopped answering ({silence:.0f} s)")))
         return info
 
     def send(self, rank: int, line: str) -> None:
-        self._get(self._ask(rank, "debug_input", line if line.endswith("\n") else line + "\n"), 10)
+        self._get(self._ask(rank, protocol.DebugInput, line if line.endswith("\n") else line + "\n"), 10)
 
     def detach(self, rank: int) -> None:
         try:
-            self._get(self._ask(rank, "debug_detach"), 10)
+            self._get(self._ask(rank, protocol.DebugDetach), 10)
         except JobError:
             pass  # already gone: nothing to let go of
 
@@ -143,7 +150,7 @@ class DebugClient:
         futs = {}
         for r in sorted(ranks):
             try:
-                futs[r] = self._ask(r, "debug_cast", command + "\n")
+                futs[r] = self._ask(r, protocol.DebugCast, command + "\n")
             except JobError as e:
                 futs[r] = e
         out: Dict[int, Any] = {}
@@ -158,7 +165,7 @@ class DebugClient:
         out: Dict[int, str] = {}
         for r in sorted(ranks):
             try:
-                out[r] = self._get(self._ask(r, "debug_continue"), 10)
+                out[r] = self._get(self._ask(r, protocol.DebugContinue), 10)
             except JobError as e:
                 out[r] = f"error: {e}"
         return out
@@ -176,8 +183,9 @@ class DebugClient:
     def close(self) -> None:
         for r in list(self._rows):
             self.mb.unwatch_agent(self._rows[r].agent)
-        for kind in ("debug_output", "debug_state"):
-            self.mb.event_handlers.pop(kind, None)
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
 
 
 class DapRelay:
@@ -196,9 +204,10 @@ class DapRelay:
         self.cwd = ""
         self._events: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
         mb = client.mb
-        mine = lambda h: (h[2], h[3]) == (self.row.run_id, rank)  # noqa: E731
-        mb.event_handlers["debug_dap_data"] = lambda h, f: self._events.put(("data", h[4])) if mine(h) else None
-        mb.event_handlers["debug_dap_closed"] = lambda h, f: self._events.put(("closed", h[4])) if mine(h) else None
+        self._subscription = mb.subscribe(self.row.run_id, {
+            protocol.DebugDapToIde: lambda e, _: self._events.put(("data", e.message)) if e.rank == rank else None,
+            protocol.DebugDapClosed: lambda e, _: self._events.put(("closed", e.why)) if e.rank == rank else None,
+        })
         mb.watch_agent(self.row.agent,
                        lambda agent, silence: self._events.put(("closed", f"its host agent stopped answering ({silence:.0f} s)")))
         self.listener = listen_loopback()
@@ -214,7 +223,7 @@ class DapRelay:
 
     def bind(self, timeout: float = 60.0) -> None:
         """Route the rank's debugger here (first time: it connects; paused in pdb: pdb hands over)."""
-        reply = self.client._get(self.client._ask(self.rank, "debug_dap", settings().heartbeat_timeout), timeout)
+        reply = self.client._get(self.client._ask(self.rank, protocol.DebugDap, settings().heartbeat_timeout), timeout)
         self.cwd = reply["cwd"]
         self._bound = True
         self._drain_stale()
@@ -238,8 +247,7 @@ class DapRelay:
         self.listener.close()
         mb = self.client.mb
         mb.unwatch_agent(self.row.agent)
-        for kind in ("debug_dap_data", "debug_dap_closed"):
-            mb.event_handlers.pop(kind, None)
+        self._subscription.close()
 
     # --------------------------------------------------------------- private
     def _accept(self, say: Callable[[str], None]) -> None:
@@ -271,7 +279,7 @@ class DapRelay:
         mb = self.client.mb
         for message in messages:
             self._ide_said_bye = self._ide_said_bye or is_goodbye(message)
-            mb.send(self.row.agent, ("debug_dap_data", 0, mb.address, self.row.run_id, self.rank, message))
+            mb.send(self.row.agent, protocol.DebugDapData(0, mb.address, self.row.run_id, self.rank, message))
         if not data:
             self._end_ide_session()
 
@@ -297,8 +305,8 @@ class DapRelay:
         """The IDE left: a goodbye for the rank if it gave none, then unbind (its later output is dropped)."""
         mb = self.client.mb
         if self.ide is not None and not self._ide_said_bye:
-            mb.send(self.row.agent, ("debug_dap_data", 0, mb.address, self.row.run_id, self.rank, GOODBYE))
-        mb.send(self.row.agent, ("debug_dap_end", 0, mb.address, self.row.run_id, self.rank))
+            mb.send(self.row.agent, protocol.DebugDapData(0, mb.address, self.row.run_id, self.rank, GOODBYE))
+        mb.send(self.row.agent, protocol.DebugDapEnd(0, mb.address, self.row.run_id, self.rank))
         if self.ide is not None:
             self.ide.close()
             self.ide = None

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
 
+from ..runtime import protocol
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
 from ..config import configure
@@ -366,17 +367,20 @@ class Job:
         """Forget the modules each host's warm process learned from past runs (per host: how
         many); runs fork from one holding only the explicit preload until they teach it again."""
         hs = self._hostset()
-        futures = [hs.mb.request(h.agent, lambda cid: ("forget_preload", cid, hs.mb.address)) for h in hs.hosts]
+        futures = [hs.mb.request(h.agent, lambda cid: protocol.ForgetPreload(cid, hs.mb.address)) for h in hs.hosts]
         return {h.name: f.get(timeout=10) for h, f in zip(hs.hosts, futures)}
 
-    def stop(self, by: str = "monarch stop") -> List[str]:
+    def stop(self, by: str = "monarch stop", **options: Any) -> List[str]:
         """Release the reservation and forget it; returns the runs that were in progress.
 
         Those runs are told first who stopped them (``by``, this pid, user@host), so they end
-        saying so, with exit status 254, instead of as lost hosts.
+        saying so, with exit status 254, instead of as lost hosts. ``options`` are the backend's
+        stop options (``Scheduler.stop_options``, e.g. skypilot's ``keep_cluster=True``).
         """
+        scheduler = self.scheduler
+        opts = scheduler.check_stop_options(options)  # bad input fails before anything is told or ended
         ended = self._announce_stop(by)
-        self.scheduler.release(self.state)
+        scheduler.release_with(self.state, opts)
         clear_state(self.path)
         Mailbox.discard(self.keys)  # its threads and sockets served this reservation only
         return ended
@@ -393,7 +397,7 @@ class Job:
         who = _stopper(by)
         for h in hosts:
             mb.link(h.agent)
-        asks = [mb.request(h.agent, lambda cid: ("stopping", cid, mb.address, who)) for h in hosts]
+        asks = [mb.request(h.agent, lambda cid: protocol.Stopping(cid, mb.address, who)) for h in hosts]
         deadline = time.monotonic() + timeout
         ended: Set[str] = set()
         for ask in asks:

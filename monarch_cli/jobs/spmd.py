@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import settings
-from ..runtime import wire
+from ..runtime import protocol, wire
 from ..runtime.errors import CallTimeout
 from ..runtime.exit_status import describe_status, signal_name
 from ..runtime.future import Future, gather
@@ -133,7 +133,7 @@ class Launch:
     rank: int
     label: str
     node: int
-    spec: Dict[str, Any]
+    spec: protocol.RankSpec
 
 
 def new_run_id() -> str:
@@ -183,7 +183,7 @@ class HostSet:
         self.mb = Mailbox.for_keys(keys)
         for h in hosts:  # one connection per host: everything comes back on it
             self.mb.link(h.agent)
-        pings = [None if h.name in known_dead else self.mb.request(h.agent, lambda cid: ("ping", cid, self.mb.address))
+        pings = [None if h.name in known_dead else self.mb.request(h.agent, lambda cid: protocol.Ping(cid, self.mb.address))
                  for h in hosts]
         self.infos: List[Dict[str, Any]] = []
         deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
@@ -260,21 +260,21 @@ class SpmdRunner:
         def running() -> Dict[int, str]:
             return {r: h for r, h in host_of.items() if r not in exits}
 
-        def on_output(header: Any, body: List[Any]) -> None:
-            _, _, rid, rank, stream = header
-            if rid == run_id and rank in by_rank:
+        def on_output(event: protocol.Output, body: List[Any]) -> None:
+            rank = event.rank
+            if rank in by_rank:
                 data = bytes(body[0])
                 try:
-                    sink.write(rank, stream, data)
+                    sink.write(rank, event.stream, data)
                     if telemetry is not None:
-                        telemetry.output(rank, stream, data)
+                        telemetry.output(rank, event.stream, data)
                 finally:  # credited even if the console failed (a closed pipe): never stall the ranks
                     # Credit once printed: a host sends only a window ahead, so a slow console
                     # holds the ranks back instead of letting output pile up in memory.
                     node = by_rank[rank].node
                     owed[node] += len(data)
                     if owed[node] >= _CREDIT_EVERY:
-                        mb.send(self.hs.hosts[node].agent, ("output_credit", run_id, owed[node]))
+                        mb.send(self.hs.hosts[node].agent, protocol.OutputCredit(run_id, owed[node]))
                         owed[node] = 0
 
         def finish(rank: int, exit_: RankExit) -> None:
@@ -292,14 +292,15 @@ class SpmdRunner:
                 if len(exits) == len(launches) and not done.done():
                     done.set_result(None)
 
-        def on_exit(header: Any, body: List[Any]) -> None:
-            _, _, rid, rank, exitcode, sig, duration, pid, cause = header
-            if rid != run_id or rank not in by_rank:
+        def on_exit(event: protocol.RankExited, body: List[Any]) -> None:
+            rank = event.rank
+            if rank not in by_rank:
                 return
             launch = by_rank[rank]
-            lost = cause if exitcode is None and sig is None else ""  # never started: no status of its own
-            finish(rank, RankExit(rank, launch.label, self.hs.hosts[launch.node].name, exitcode, sig, duration, pid,
-                                  lost=lost, cause=cause))
+            # Never started: no status of its own.
+            lost = event.cause if event.exitcode is None and event.signal is None else ""
+            finish(rank, RankExit(rank, launch.label, self.hs.hosts[launch.node].name, event.exitcode, event.signal,
+                                  event.duration, event.pid, lost=lost, cause=event.cause))
 
         def on_lost(agent: str, silence: float) -> None:
             for l in launches:
@@ -308,29 +309,26 @@ class SpmdRunner:
                     finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
                                             time.monotonic() - started, lost=why))
 
-        def on_stopped(header: Any, body: List[Any]) -> None:
-            _, _, rid, agent, who = header
-            if rid != run_id:
-                return
+        def on_stopped(event: protocol.ReservationStopped, body: List[Any]) -> None:
             with lock:
-                control.stopped(who)
-            here = [l for l in launches if self.hs.hosts[l.node].agent == agent]
+                control.stopped(event.who)
+            here = [l for l in launches if self.hs.hosts[l.node].agent == event.agent]
             for l in here or launches:  # an agent known by another address: the whole reservation goes
                 finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
                                         time.monotonic() - started, stopped="reservation stopped"))
 
-        def on_paused(header: Any, body: List[Any]) -> None:
-            _, _, rid, rank, host, where = header
-            if rid == run_id and on_pause is not None:
-                on_pause(rank, host, where)
+        def on_paused(event: protocol.RankPaused, body: List[Any]) -> None:
+            if on_pause is not None:
+                on_pause(event.rank, event.host, event.where)
 
-        mb.event_handlers["output"] = on_output
-        mb.event_handlers["rank_exit"] = on_exit
-        mb.event_handlers["rank_paused"] = on_paused
-        mb.event_handlers["reservation_stopped"] = on_stopped
+        handlers: Dict[type, Callable[[Any, List[Any]], None]] = {
+            protocol.Output: on_output, protocol.RankExited: on_exit, protocol.RankPaused: on_paused,
+            protocol.ReservationStopped: on_stopped,
+        }
         if telemetry is not None:
-            mb.event_handlers["telemetry"] = telemetry.on_agent_event
+            handlers[protocol.Telemetry] = telemetry.on_agent_event
             telemetry.started(launches, self.hs, attempt)
+        subscription = mb.subscribe(run_id, handlers)  # this run's events only, until it ends
         for n in nodes:
             mb.watch_agent(self.hs.hosts[n].agent, on_lost)
         # Ctrl-C, torchrun's death signals, plus what the caller forwards (e.g. Slurm's SIGUSR1).
@@ -342,7 +340,7 @@ class SpmdRunner:
                 acks.append(
                     mb.request(
                         self.hs.hosts[n].agent,
-                        lambda cid: ("run_ranks", cid, mb.address, run_id, settings().heartbeat_timeout),
+                        lambda cid: protocol.RunRanks(cid, mb.address, run_id, settings().heartbeat_timeout),
                         wire.dumps(specs),
                     )
                 )
@@ -385,8 +383,7 @@ class SpmdRunner:
             relay.restore()
             for n in nodes:
                 mb.unwatch_agent(self.hs.hosts[n].agent)
-            for kind in ("output", "rank_exit", "rank_paused", "reservation_stopped", "telemetry"):
-                mb.event_handlers.pop(kind, None)
+            subscription.close()
         ordered = [exits[r] for r in sorted(exits)]
         if first_failure and not control.stopped_by:  # stopped: no rank failed first
             ordered.sort(key=lambda e: (e.rank != first_failure[0], e.rank))
@@ -401,14 +398,14 @@ class SpmdRunner:
 
     def _signal(self, nodes: List[int], run_id: str, sig: int) -> None:
         for n in nodes:
-            self.mb.send(self.hs.hosts[n].agent, ("signal_ranks", 0, self.mb.address, run_id, int(sig)))
+            self.mb.send(self.hs.hosts[n].agent, protocol.SignalRanks(0, self.mb.address, run_id, int(sig)))
 
     def reserve_port(self, node: int, run_id: str) -> int:
-        return self.mb.request(self.hs.hosts[node].agent, lambda cid: ("reserve_port", cid, self.mb.address, run_id)).get(timeout=10)
+        return self.mb.request(self.hs.hosts[node].agent, lambda cid: protocol.ReservePort(cid, self.mb.address, run_id)).get(timeout=10)
 
     def release_port(self, node: int, run_id: str) -> None:
         """Give back a port reserved for a run that will not start."""
-        self.mb.request(self.hs.hosts[node].agent, lambda cid: ("release_port", cid, self.mb.address, run_id)).get(timeout=10)
+        self.mb.request(self.hs.hosts[node].agent, lambda cid: protocol.ReleasePort(cid, self.mb.address, run_id)).get(timeout=10)
 
 
 def _cold_notice(host: str, names: List[str]) -> str:
@@ -500,7 +497,7 @@ def plan_spmd(
             rank = node * nproc + local
             if host_store:
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # rank 0 serves the store we reserved
-            launch_spec = {
+            launch_spec: protocol.RankSpec = {
                 "rank": rank,
                 "env": env,
                 "cwd": (node_cwd or {}).get(node, cwd),

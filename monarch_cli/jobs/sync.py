@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..runtime import wire
+from ..runtime import protocol, wire
 from ..runtime.future import gather
 from ..runtime.mailbox import Mailbox
-from ..runtime.sync_host import SyncApply, SyncCheck, SyncStatus
+from ..runtime.agent_sync import SyncApply, SyncCheck, SyncStatus
 from ..runtime.workspace import (
     DEFAULT_MAX_BYTES, FileUpdate, WorkspaceError, check_size, diff, human_bytes, load_scanner, save_scanner,
 )
@@ -100,7 +100,7 @@ def sync_workspace(
         raise JobError(f"cannot read workspace {workspace}: {e.strerror}") from None
     probe = wire.dumps(SyncCheck(reservation, name, "", workspace, "", (st.st_ino, st.st_size, st.st_mtime_ns)))
     statuses: List[SyncStatus] = _gather(
-        [mb.request(h.agent, lambda cid: ("sync_manifest", cid, mb.address), probe) for h in hosts], hosts, timeout)
+        [mb.request(h.agent, lambda cid: protocol.SyncManifest(cid, mb.address), probe) for h in hosts], hosts, timeout)
     report = SyncReport(workspace)
     far = [i for i, s in enumerate(statuses) if not s.shared]
     report.shared_hosts = len(hosts) - len(far)
@@ -124,7 +124,7 @@ def sync_workspace(
     unknown = [i for i in stale if statuses[i].digest not in known]
     if unknown:  # hosts in a state this client did not leave them in: fetch their manifests
         ask = wire.dumps(SyncCheck(reservation, name, client_digest, workspace, "", (0, 0, 0)))
-        got = _gather([mb.request(hosts[i].agent, lambda cid: ("sync_manifest", cid, mb.address), ask) for i in unknown],
+        got = _gather([mb.request(hosts[i].agent, lambda cid: protocol.SyncManifest(cid, mb.address), ask) for i in unknown],
                       [hosts[i] for i in unknown], timeout)
         for i, status in zip(unknown, got):
             statuses[i] = status
@@ -145,7 +145,7 @@ def sync_workspace(
         report.nbytes = max(report.nbytes, nbytes)
         for j, batch in enumerate(batches):
             body = wire.dumps(SyncApply(reservation, name, batch, deleted if j == 0 else [], st.digest if j == 0 else ""))
-            pending.append((i, mb.request(hosts[i].agent, lambda cid: ("sync_apply", cid, mb.address), body)))
+            pending.append((i, mb.request(hosts[i].agent, lambda cid: protocol.SyncApplyRequest(cid, mb.address), body)))
     if pending:
         applied = _gather([f for _, f in pending], [hosts[i] for i, _ in pending], timeout)
         final = {i: a.digest for (i, _), a in zip(pending, applied)}  # each host's last batch

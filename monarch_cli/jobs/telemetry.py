@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
+from ..runtime import protocol
 from ..runtime.future import gather
 from ..telemetry_store import StoreError, TelemetryWriter, _connect_rw, db_path, query
 from .errors import JobError
@@ -78,12 +79,11 @@ class RunTelemetry:
         if not e.ok:
             w.event("rank_lost" if e.lost else "rank_failed", e.rank, e.how)
 
-    def on_agent_event(self, header: Any, _body: Any) -> None:
-        """``("event", "telemetry", run_id, host, samples, steps)`` from a host agent."""
-        _, _, run_id, _host, samples, steps = header
-        if run_id == self.run_id:
-            self.writer.rows("samples", samples)
-            self.writer.rows("steps", steps)
+    def on_agent_event(self, event: protocol.Telemetry, _body: Any) -> None:
+        """A host agent's :class:`~monarch_cli.runtime.protocol.Telemetry` for this run."""
+        if event.run_id == self.run_id:
+            self.writer.rows("samples", event.samples)
+            self.writer.rows("steps", event.steps)
 
     def finish(self, result: Optional["RunResult"]) -> None:
         if result is not None:
@@ -270,7 +270,7 @@ class Inspector:
         """Every live rank's stack, captured by the agents in parallel, grouped, and stored."""
         started = time.monotonic()
         wanted = sorted(ranks) if ranks is not None else None
-        answers = self._ask(lambda mb: lambda cid: ("telemetry_stacks", cid, mb.address, run_id, wanted, native), 30.0)
+        answers = self._ask(lambda mb: lambda cid: protocol.TelemetryStacks(cid, mb.address, run_id, wanted, native), 30.0)
         stacks = [RankStack(**{k: e.get(k) for k in ("run_id", "rank", "host", "pid", "method", "threads", "error", "fallback")})
                   for per_host in answers for e in per_host]
         if stacks:
@@ -304,7 +304,7 @@ class Inspector:
 
     def live(self, run_id: Optional[str] = None) -> Tuple[List[Tuple[Any, ...]], Dict[int, Tuple[Any, ...]]]:
         """(sample rows, rank -> last step row) of the live ranks, straight from the agents."""
-        answers = self._ask(lambda mb: lambda cid: ("telemetry_sample", cid, mb.address, run_id), 10.0)
+        answers = self._ask(lambda mb: lambda cid: protocol.TelemetrySample(cid, mb.address, run_id), 10.0)
         samples = [s for a in answers for s in a["samples"]]
         steps = {int(r): s for a in answers for r, s in a["steps"].items() if s is not None}
         return samples, steps

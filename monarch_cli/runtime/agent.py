@@ -12,6 +12,12 @@ a free port, writes its address, and then:
   are re-parented here, reaped and reported with the cause, and a new fork server starts;
 * with ``--state-file``, registers itself (see :mod:`.agent_registry`) and exits on its own
   once that state file no longer records its reservation.
+
+This module is the core: the poll loop, clients and their heartbeats, the zygotes. What the
+agent answers is a table from message kind (:mod:`.protocol`) to handler, built at start-up
+from what each part registers: :mod:`.agent_procs` (procs), :mod:`.agent_ranks` (SPMD runs),
+:mod:`.agent_debug`, :mod:`.agent_telemetry`, :mod:`.agent_sync`. A request of a kind nobody
+registered is answered with an error naming it.
 """
 
 from __future__ import annotations
@@ -28,35 +34,25 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import zmq
 
 from ..config import configure
-from ..sysutil import atomic_write, signal_if_alive as _signal
-from . import agent_command, agent_registry, lineage, wire
-from .errors import Failure
+from ..sysutil import atomic_write
+from . import agent_command, agent_registry, agent_lineage, agent_sync, protocol, wire
 from .keys import Keys, keys_from_environment
-from .debug_host import DebugHost
+from .agent_debug import DebugHost
 from .preload import LEARNED_ENV, READY_ENV
-from .warm import WarmRanks
-from .ranks import RankHost
-from .telemetry_host import TelemetryHost
+from .agent_warm import WarmRanks
+from .agent_procs import ProcHost
+from .agent_ranks import RankHost
+from .agent_telemetry import TelemetryHost
 from .title import set_title
 from .transport import Transport
 
 READY_PREFIX = agent_command.READY_PREFIX
 _STATE_FIRST_SEEN = 120.0  # seconds `serve` has to record a new agent in its state file
-
-
-@dataclasses.dataclass
-class _Proc:
-    proc_id: str
-    owner: str
-    pid: int
-    stopping: bool = False
-    kill_at: Optional[float] = None
-    cause: str = ""
 
 
 @dataclasses.dataclass
@@ -84,14 +80,16 @@ class _Zygote:
         self.started = time.monotonic()
 
     def fork(self, req_id: int, boot: Dict[str, Any], fds: List[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
-        socket.send_fds(self.sock, [pickle.dumps(("fork", req_id, kind, boot))], list(fds))
+        socket.send_fds(self.sock, [pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot)))], list(fds))
 
-    def receive(self) -> Optional[Tuple[Any, ...]]:
+    def receive(self) -> Optional[Any]:
+        """The zygote's next message (:class:`~.protocol.Forked`, ``ChildExited``, ``WarmReady``);
+        None once it is gone."""
         try:
             data = self.sock.recv(1 << 16)
         except ConnectionResetError:  # it died with our last request unread
             return None
-        return pickle.loads(data) if data else None
+        return protocol.decode(pickle.loads(data)) if data else None
 
     def kill(self) -> None:
         try:
@@ -127,19 +125,25 @@ class HostAgent:
         self.inbox.router_handover = True  # a client's reconnection (a restarted tunnel) takes its route over
         self.host = name or socket.gethostname()
         self.label = f"{reservation} host {self.host}" if reservation else f"host {self.host}"
-        lineage.become_subreaper()
+        agent_lineage.become_subreaper()
         self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
         self._zygotes: Dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
         self.warm = WarmRanks(self.host, self.preload, self._start_warm, self._watch_zygote, self._unwatch_zygote)
+        self.procs = ProcHost(self)
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
         self.telemetry = TelemetryHost(self)
-        self.procs: Dict[int, _Proc] = {}  # by pid
-        self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
+        #: What this agent answers, by message kind: the core's own, then each part's.
+        self.handlers: Dict[str, Callable[[Any, List[Any]], None]] = {}
+        for part in (self._handlers(), self.procs.handlers(), self.ranks.handlers(), self.debug.handlers(), self.telemetry.handlers(),
+                     agent_sync.handlers(self)):
+            for cls, handler in part.items():
+                if cls.KIND in self.handlers:
+                    raise RuntimeError(f"two agent handlers for {cls.KIND!r}")
+                self.handlers[cls.KIND] = handler
         self.clients: Dict[str, _Client] = {}
-        self.stops: List[Tuple[int, str, Set[str]]] = []  # (call id, reply to, proc ids left)
         self._socks: Dict[str, zmq.Socket] = {}
         self._next_req = 0
         self.running = True
@@ -149,8 +153,10 @@ class HostAgent:
         self._state_seen_by: Optional[float] = None  # until the file first records us: when to give up
 
     # ------------------------------------------------------------------ sending
-    def send(self, address: str, header: Tuple[Any, ...], body: List[Any] = ()) -> None:  # type: ignore[assignment]
-        """To ``address`` through the connection it opened to us, else by connecting to it."""
+    def send(self, address: str, msg: Any, body: List[Any] = ()) -> None:  # type: ignore[assignment]
+        """A :mod:`.protocol` message to ``address``, through the connection it opened to us,
+        else by connecting to it."""
+        header = (msg.KIND, *msg)
         try:
             self.inbox.send_multipart([address.encode(), *wire.frames(header, body)], copy=False)
             return
@@ -163,7 +169,7 @@ class HostAgent:
         wire.send_message(sock, header, body)
 
     def reply(self, address: str, cid: int, ok: bool, value: Any) -> None:
-        self.send(address, ("result", cid, ok), wire.dumps(value if ok else (value, "", None)))
+        self.send(address, protocol.Result(cid, ok), wire.dumps(value if ok else (value, "", None)))
 
     # --------------------------------------------------------------------- loop
     def next_request(self) -> int:
@@ -235,74 +241,57 @@ class HostAgent:
                     except Exception as e:  # noqa: BLE001 - keep serving the other clients
                         print(f"monarch agent: bad request: {type(e).__name__}: {e}", file=sys.stderr)
             self._check_clients()
-            self._check_stops()
+            self.procs.tick()
             self._reap_adopted()
             self.ranks.tick()
             self._check_state_file()
             self.telemetry.tick(events)
         self.telemetry.close()
-        self._kill_all()
+        self.procs.kill_all()
         self.ranks.kill_all()
-        lineage.kill_tree()  # whatever else is below us, even in sessions of its own
+        agent_lineage.kill_tree()  # whatever else is below us, even in sessions of its own
         self.zygote.kill()
         self.warm.close()
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
-        header, body = wire.parse(frames[1:])
-        kind = header[0]
-        if kind == "heartbeat":  # answered on the connection it came on, whoever that is
-            self._heartbeat(frames[0].bytes, header[1])
+        head, body = wire.parse(frames[1:])
+        try:
+            msg = protocol.decode(head)
+            handler = self.handlers[msg.KIND] if msg.KIND != "heartbeat" else None
+        except (KeyError, TypeError):  # a newer client, most likely: tell it, if it waits for an answer
+            self._refuse(head)
             return
-        if self.debug.handle(header) or self.telemetry.handle(header, body):
-            return
-        if kind.startswith("sync_"):  # workspace sync: runtime/sync_host.py
-            from . import sync_host
+        if handler is None:  # answered on the connection it came on, whoever that is
+            self._heartbeat(frames[0].bytes, msg.client)
+        else:
+            handler(msg, body)
 
-            sync_host.handle(self, header, body)
-            return
-        if kind == "ping":
-            _, cid, reply_to = header
-            self.reply(reply_to, cid, True, self.info())
-        elif kind == "reserve_port":
-            _, cid, reply_to, run_id = header
-            self.reply(reply_to, cid, True, self.ranks.reserve_port(run_id))
-        elif kind == "release_port":
-            _, cid, reply_to, run_id = header
-            self.reply(reply_to, cid, True, self.ranks.release_port(run_id))
-        elif kind == "run_ranks":
-            _, cid, reply_to, run_id, heartbeat_timeout = header
-            self.clients.setdefault(reply_to, _Client(time.monotonic(), heartbeat_timeout))
-            self.reply(reply_to, cid, True, self.ranks.start(reply_to, run_id, wire.loads(body)))
-        elif kind == "forget_preload":
-            _, cid, reply_to = header
-            self.reply(reply_to, cid, True, self.warm.forget())
-        elif kind == "output_credit":
-            _, run_id, nbytes = header
-            self.ranks.credit(run_id, int(nbytes))
-        elif kind == "signal_ranks":
-            _, cid, reply_to, run_id, sig = header
-            self.reply(reply_to, cid, True, self.ranks.signal_run(run_id, sig))
-        elif kind == "stopping":  # the reservation is being released: tell running runs who did it
-            _, cid, reply_to, who = header
-            self.reply(reply_to, cid, True, self.ranks.announce_stop(who))
-        elif kind == "spawn_procs":
-            _, cid, reply_to = header
-            specs, client_settings, import_context = wire.loads(body)
-            self._spawn(reply_to, specs, client_settings, import_context)
-            self.reply(reply_to, cid, True, None)
-        elif kind == "stop_procs":
-            _, cid, reply_to, proc_ids, grace = header
-            self._stop(cid, reply_to, set(proc_ids), grace)
-        elif kind == "client_exit":
-            self._reap_client(header[1], "client exited")
-        elif kind == "shutdown":
-            _, cid, reply_to = header
-            self.reply(reply_to, cid, True, None)
-            self.running = False
+    def _refuse(self, head: Tuple[Any, ...]) -> None:
+        why = protocol.not_understood(head, f"the host agent on {self.host}")
+        answer = protocol.answer_to(head)
+        if answer is None:
+            print(f"monarch agent: {why}", file=sys.stderr, flush=True)
+        else:
+            self.reply(answer[1], answer[0], False, why)
 
-    def register_client(self, addr: str, heartbeat_timeout: float) -> None:
-        """Track ``addr``'s heartbeats; when they stop, it is reaped (its holds released)."""
-        self.clients.setdefault(addr, _Client(time.monotonic(), heartbeat_timeout))
+    # -------------------------------------------------------- the core's requests
+    def _handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+        return {
+            protocol.Ping: lambda m, _: self.reply(m.reply_to, m.cid, True, self.info()),
+            protocol.ForgetPreload: lambda m, _: self.reply(m.reply_to, m.cid, True, self.warm.forget()),
+            protocol.ClientExit: lambda m, _: self._reap_client(m.client, "client exited"),
+            protocol.Shutdown: self._on_shutdown,
+        }
+
+    def _on_shutdown(self, msg: protocol.Shutdown, _body: List[Any]) -> None:
+        self.reply(msg.reply_to, msg.cid, True, None)
+        self.running = False
+
+    def register_client(self, addr: str, heartbeat_timeout: float, renew: bool = False) -> None:
+        """Track ``addr``'s heartbeats; when they stop, it is reaped (its procs, ranks and holds
+        go). ``renew``: start its clock and timeout afresh if it is tracked already."""
+        if renew or addr not in self.clients:
+            self.clients[addr] = _Client(time.monotonic(), heartbeat_timeout)
 
     def info(self) -> Dict[str, Any]:
         from ..config import advertised_host
@@ -311,7 +300,7 @@ class HostAgent:
             "host": self.host,
             "addr": advertised_host(),
             "pid": os.getpid(),
-            "procs": len(self.procs),
+            "procs": len(self.procs.by_pid),
             "ranks": len(self.ranks.by_pid),
             "cpus": os.cpu_count() or 1,
             "gpus": _count_gpus(),
@@ -325,28 +314,9 @@ class HostAgent:
         if client is not None:
             client.last_seen = time.monotonic()
         try:
-            self.inbox.send_multipart([route, b"ack"])
+            self.inbox.send_multipart([route, protocol.HEARTBEAT_ACK])
         except zmq.ZMQError:  # its connection closed meanwhile
             pass
-
-    def _spawn(
-        self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any], import_context: Dict[str, Any]
-    ) -> None:
-        self.clients[owner] = _Client(time.monotonic(), float(client_settings.get("heartbeat_timeout", 5.0)))
-        for proc_id, ready_cid in specs:
-            req = self.next_request()
-            boot = {
-                "keys": self.keys.encode(),
-                "proc_id": proc_id,
-                "ready_call_id": ready_cid,
-                "owner": owner,
-                "agent": self.address,
-                "host": self.host,
-                "settings": client_settings,
-                "import": import_context,
-            }
-            self.forking[req] = (proc_id, owner)
-            self.zygote.fork(req, boot)
 
     def _from_zygote(self, zygote: _Zygote) -> None:
         msg = zygote.receive()
@@ -355,33 +325,15 @@ class HostAgent:
             return
         if self.warm.on_message(zygote, msg):
             return
-        if msg[0] == "forked":
-            _, req, pid = msg
-            if self.ranks.forked(req, pid):
-                return
-            proc_id, owner = self.forking.pop(req)
-            self.procs[pid] = _Proc(proc_id, owner, pid)
-        elif msg[0] == "exit":
-            _, pid, status = msg
-            self._child_exited(pid, status)
+        if msg.KIND == "forked":
+            if not self.ranks.forked(msg.req_id, msg.pid):
+                self.procs.forked(msg.req_id, msg.pid)
+        elif msg.KIND == "exit":
+            self._child_exited(msg.pid, msg.status)
 
     def _child_exited(self, pid: int, status: int) -> None:
-        if self.ranks.exited(pid, status):
-            return
-        proc = self.procs.pop(pid, None)
-        if proc is None:
-            return
-        failure = Failure(
-            proc=proc.proc_id,
-            host=self.host,
-            pid=pid,
-            exitcode=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-            signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-            reason="stopped" if proc.stopping else proc.cause,
-        )
-        self.send(proc.owner, ("event", "proc_exit", proc.proc_id, failure, proc.stopping))
-        for _, _, left in self.stops:
-            left.discard(proc.proc_id)
+        if not self.ranks.exited(pid, status):
+            self.procs.exited(pid, status)
 
     def _zygote_died(self, zygote: _Zygote) -> None:
         """Its children die with it (PDEATHSIG) and come to us to be reaped: report them with
@@ -398,17 +350,13 @@ class HostAgent:
             if in_use and time.monotonic() - zygote.started > 10:  # else the next run starts it: no crash loop
                 self.rank_zygote()
             return
-        for proc in self.procs.values():
-            proc.cause = cause
-        for proc_id, owner in self.forking.values():  # never started
-            self.send(owner, ("event", "proc_exit", proc_id, Failure(proc_id, self.host, None, reason=cause), False))
-        self.forking.clear()
+        self.procs.zygote_died(cause)
         self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
 
     def _reap_adopted(self) -> None:
         own = {z.process.pid: z.process for z in self._own_zygotes()}
-        for pid, status in lineage.reap_adopted(own):
+        for pid, status in agent_lineage.reap_adopted(own):
             self._child_exited(pid, status)
 
     def _check_state_file(self) -> None:
@@ -426,28 +374,6 @@ class HostAgent:
                   file=sys.stderr, flush=True)
             self.running = False
 
-    # ----------------------------------------------------------------- stopping
-    def _stop(self, cid: int, reply_to: str, proc_ids: Set[str], grace: float) -> None:
-        deadline = time.monotonic() + grace
-        for p in self.procs.values():
-            if p.proc_id in proc_ids and not p.stopping:
-                p.stopping = True
-                p.kill_at = deadline
-                _signal(p.pid, signal.SIGTERM)
-        live = {p.proc_id for p in self.procs.values()}
-        self.stops.append((cid, reply_to, proc_ids & live))
-
-    def _check_stops(self) -> None:
-        now = time.monotonic()
-        for p in self.procs.values():
-            if p.kill_at is not None and now >= p.kill_at:
-                _signal(p.pid, signal.SIGKILL)
-                p.kill_at = None
-        done = [s for s in self.stops if not s[2]]
-        for cid, reply_to, _ in done:
-            self.reply(reply_to, cid, True, None)
-        self.stops = [s for s in self.stops if s[2]]
-
     def _check_clients(self) -> None:
         now = time.monotonic()
         for addr, client in list(self.clients.items()):
@@ -456,21 +382,13 @@ class HostAgent:
 
     def _reap_client(self, addr: str, why: str) -> None:
         self.clients.pop(addr, None)
-        victims = [p for p in self.procs.values() if p.owner == addr]
-        if victims and why != "client exited":
-            print(f"monarch agent: {why}; killing its {len(victims)} proc(s)", file=sys.stderr, flush=True)
-        for p in victims:
-            p.stopping = True
-            _signal(p.pid, signal.SIGKILL)
+        self.procs.reap_owner(addr, why)
         self.ranks.reap_owner(addr)
         self.debug.client_gone(addr)
         sock = self._socks.pop(addr, None)
         if sock is not None:
             sock.close(linger=0)
 
-    def _kill_all(self) -> None:
-        for p in self.procs.values():
-            _signal(p.pid, signal.SIGKILL)
 
 
 def _default_preload() -> str:

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import psutil
 
-from .lineage import kill_tree
+from .agent_lineage import kill_tree
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from ..config import settings
-from . import wire
+from . import protocol, wire
 from .actor import context, endpoints_of
 from .errors import ActorError, Failure, MonarchError
 from .future import Future, gather
@@ -91,7 +91,7 @@ class HostMesh(_Mesh):
         mb = Mailbox.get()
         for a in agents:
             mb.link(a)
-        pings = [mb.request(a, lambda cid: ("ping", cid, mb.address)) for a in agents]
+        pings = [mb.request(a, lambda cid: protocol.Ping(cid, mb.address)) for a in agents]
         refs = []
         for agent, fut in zip(agents, pings):
             try:
@@ -125,7 +125,7 @@ class HostMesh(_Mesh):
                 mb.track_proc(proc_id, host.agent, host.host, mesh, ctx._key)
                 specs.append((proc_id, cid))
             body = wire.dumps((specs, dataclasses.asdict(settings()), _import_context()))
-            acks.append(mb.request(host.agent, lambda cid: ("spawn_procs", cid, mb.address), body))
+            acks.append(mb.request(host.agent, lambda cid: protocol.SpawnProcs(cid, mb.address), body))
         timeout = settings().spawn_timeout
         for fut in acks:
             fut.get(timeout=timeout)
@@ -173,7 +173,7 @@ class ProcMesh(_Mesh):
             futs.append(
                 mb.request(
                     proc.inbox,
-                    lambda cid, p=point: ("spawn", cid, mb.address, key, name, p),
+                    lambda cid, p=point: protocol.Spawn(cid, mb.address, key, name, p),
                     body,
                     proc_id=proc.proc_id,
                     actor=name,
@@ -194,7 +194,7 @@ class ProcMesh(_Mesh):
         mb.expect_exit(p.proc_id for p in self._members)
         # Sent from the caller's thread, so they queue behind what this thread already sent.
         drained = [
-            mb.request(p.inbox, lambda cid: ("stop", cid, mb.address), proc_id=p.proc_id)
+            mb.request(p.inbox, lambda cid: protocol.Stop(cid, mb.address), proc_id=p.proc_id)
             for p in self._members
             if mb.failure_of(p.proc_id) is None
         ]
@@ -211,7 +211,7 @@ class ProcMesh(_Mesh):
         for p in self._members:
             by_agent.setdefault(p.agent, []).append(p.proc_id)
         futs = [
-            mb.request(agent, lambda cid, ids=ids: ("stop_procs", cid, mb.address, ids, settings().stop_grace))
+            mb.request(agent, lambda cid, ids=ids: protocol.StopProcs(cid, mb.address, ids, settings().stop_grace))
             for agent, ids in by_agent.items()
         ]
         gather(futs).get(timeout=settings().stop_grace + 10)
@@ -256,7 +256,7 @@ class ActorMesh(_Mesh):
         """Remove the actors once the messages already sent to them are handled; a future of when that is done."""
         mb = Mailbox.get()
         futs = [
-            mb.request(a.proc.inbox, lambda cid, a=a: ("stop_actor", cid, mb.address, a.key), proc_id=a.proc.proc_id)
+            mb.request(a.proc.inbox, lambda cid, a=a: protocol.StopActor(cid, mb.address, a.key), proc_id=a.proc.proc_id)
             for a in self._members
         ]
         return gather(futs).then(lambda _results: None)
@@ -287,7 +287,7 @@ class EndpointRef:
         method = self._method
         fut = mb.request(
             ref.proc.inbox,
-            lambda cid: ("call", cid, mb.address, ref.key, method),
+            lambda cid: protocol.Call(cid, mb.address, ref.key, method),
             body,
             proc_id=ref.proc.proc_id,
             actor=self._mesh._name,
@@ -331,7 +331,7 @@ class EndpointRef:
         body = wire.dumps((args, kwargs))
         method = self._method
         for ref in self._mesh._members:
-            mb.send(ref.proc.inbox, ("call", None, mb.address, ref.key, method), body)
+            mb.send(ref.proc.inbox, protocol.Call(None, mb.address, ref.key, method), body)
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
         """Call every actor; yield each (already resolved) future as it completes."""
@@ -367,7 +367,7 @@ def this_host() -> HostMesh:
         if boot is not None:
             _local_host = HostMesh(Shape({}), [HostRef(boot["agent"], boot["host"])])
         else:
-            from .agent_launch import start_private_agent
+            from .agent_start import start_private_agent
 
             mb = Mailbox.get()
             addr = start_private_agent(mb.keys)

@@ -21,11 +21,12 @@ import cloudpickle
 import zmq
 
 from ..config import configure
-from . import wire
+from . import protocol, wire
 from .actor import Context, _enter, _leave
 from .errors import ActorError, Failure
 from .keys import Keys
-from .mailbox import EVENTS, POLLIN, Mailbox
+from .mailbox import Mailbox
+from .mailbox_io import EVENTS, POLLIN
 from .shape import Point
 
 _boot: Optional[Dict[str, Any]] = None
@@ -104,36 +105,50 @@ class ProcServer:
         self.loop.call_soon(self._drain)  # more may be queued; the fd will not fire again
 
     def _dispatch(self, frames: List[zmq.Frame]) -> None:
-        header, body = wire.parse(frames[1:])
-        kind = header[0]
+        head, body = wire.parse(frames[1:])
+        try:
+            msg = protocol.decode(head)
+        except (KeyError, TypeError):
+            self._refuse(head)
+            return
+        kind = msg.KIND
         if kind == "call":
-            slot = self.slots.get(header[3])
+            slot = self.slots.get(msg.key)
             if slot is None:
-                self._no_actor(header)
+                self._no_actor(msg)
             elif slot.busy or slot.queue:
-                slot.queue.append((header, body))
+                slot.queue.append((msg, body))
             else:
-                self._run_call(slot, header, body)
+                self._run_call(slot, msg, body)
         elif kind == "spawn":
-            _, cid, reply_to, key, name, point = header
             try:
                 cls, args, kwargs = wire.loads(body)
-                self.spawn_local(key, name, point, cls, args, kwargs)
+                self.spawn_local(msg.key, msg.name, msg.point, cls, args, kwargs)
             except BaseException as e:  # noqa: BLE001
-                self._reply_error(reply_to, cid, f"constructing actor {name!r} at {point} failed", e)
+                self._reply_error(msg.reply_to, msg.cid, f"constructing actor {msg.name!r} at {msg.point} failed", e)
             else:
-                self.mb.reply(reply_to, cid, True, None)
+                self.mb.reply(msg.reply_to, msg.cid, True, None)
         elif kind == "stop_actor":
-            slot = self.slots.get(header[3])
+            slot = self.slots.get(msg.key)
             if slot is not None and (slot.busy or slot.queue):
-                slot.queue.append((header, body))
+                slot.queue.append((msg, body))
             else:
-                self._stop_actor(header)
+                self._stop_actor(msg)
         elif kind == "stop":
-            self.mb.reply(header[2], header[1], True, None)
+            self.mb.reply(msg.reply_to, msg.cid, True, None)
             self.loop.call_soon(self.loop.stop)
         elif kind == "ping":
-            self.mb.reply(header[2], header[1], True, os.getpid())
+            self.mb.reply(msg.reply_to, msg.cid, True, os.getpid())
+        else:
+            self._refuse(head)
+
+    def _refuse(self, head: Tuple[Any, ...]) -> None:
+        why = protocol.not_understood(head, f"proc {self.boot['proc_id']}")
+        answer = protocol.answer_to(head)
+        if answer is not None:
+            self.mb.reply(answer[1], answer[0], False, (why, "", None))
+        else:
+            print(f"monarch: {why}", file=sys.stderr, flush=True)
 
     def spawn_local(self, key: str, name: str, point: Point, cls: type, args: Any, kwargs: Any) -> None:
         ctx = Context(actor=None, actor_name=name, point=point, proc_id=self.boot["proc_id"], _key=key)
@@ -146,18 +161,16 @@ class ProcServer:
             _leave(token)
         self.slots[key] = _Slot(instance, ctx, name)
 
-    def _no_actor(self, header: Tuple[Any, ...]) -> None:
-        _, cid, reply_to, key, method = header
-        msg = f"no actor {key.split('#')[0]!r} on proc {self.boot['proc_id']} (it was stopped or never spawned)"
-        if cid is None:
-            self.mb.send(reply_to, ("event", "endpoint_error", msg))
+    def _no_actor(self, call: protocol.Call) -> None:
+        msg = f"no actor {call.key.split('#')[0]!r} on proc {self.boot['proc_id']} (it was stopped or never spawned)"
+        if call.cid is None:
+            self.mb.send(call.reply_to, protocol.EndpointError(msg))
         else:
-            self.mb.reply(reply_to, cid, False, (msg, "", None))
+            self.mb.reply(call.reply_to, call.cid, False, (msg, "", None))
 
-    def _stop_actor(self, header: Tuple[Any, ...]) -> None:
-        _, cid, reply_to, key = header
-        self.slots.pop(key, None)
-        self.mb.reply(reply_to, cid, True, None)
+    def _stop_actor(self, msg: protocol.StopActor) -> None:
+        self.slots.pop(msg.key, None)
+        self.mb.reply(msg.reply_to, msg.cid, True, None)
 
     def _method(self, slot: _Slot, name: str) -> Tuple[Any, bool]:
         entry = slot.methods.get(name)
@@ -168,8 +181,8 @@ class ProcServer:
             entry = slot.methods[name] = (fn, inspect.iscoroutinefunction(fn))
         return entry
 
-    def _run_call(self, slot: _Slot, header: Tuple[Any, ...], body: List[Any]) -> None:
-        _, cid, reply_to, _key, method = header
+    def _run_call(self, slot: _Slot, call: protocol.Call, body: List[Any]) -> None:
+        cid, reply_to, method = call.cid, call.reply_to, call.method
         token = _enter(slot.ctx)
         try:
             fn, is_async = self._method(slot, method)
@@ -197,18 +210,18 @@ class ProcServer:
         elif cid is not None:
             self.mb.reply(reply_to, cid, True, task.result())
         while slot.queue and not slot.busy:
-            header, body = slot.queue.popleft()
-            if header[0] == "stop_actor":
-                self._stop_actor(header)
+            msg, body = slot.queue.popleft()
+            if msg.KIND == "stop_actor":
+                self._stop_actor(msg)
             else:
-                self._run_call(slot, header, body)
+                self._run_call(slot, msg, body)
 
     def _endpoint_failed(self, slot: _Slot, cid: Optional[int], reply_to: str, method: str, e: BaseException) -> None:
         where = f"{slot.name}.{method} at {slot.ctx.point} on proc {self.boot['proc_id']} ({self.boot['host']})"
         if cid is None:
             print(f"monarch: broadcast to {where} raised:", file=sys.stderr)
             traceback.print_exception(type(e), e, e.__traceback__)
-            self.mb.send(reply_to, ("event", "endpoint_error", f"broadcast to {where} raised {type(e).__name__}: {e}"))
+            self.mb.send(reply_to, protocol.EndpointError(f"broadcast to {where} raised {type(e).__name__}: {e}"))
         else:
             self._reply_error(reply_to, cid, f"{where} raised", e)
 

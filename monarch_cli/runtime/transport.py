@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import zmq
 from zmq.utils import z85
 
-from ..config import advertised_host, bind_port_candidates, settings
+from ..config import advertised_host, bind_port_candidates, listen_host, settings
 from .keys import Keys
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -65,7 +65,7 @@ class Transport:
         if settings().transport == "ipc":
             sock.bind(f"ipc://{_ipc_dir()}/{uuid.uuid4().hex[:16]}")
             return sock, sock.last_endpoint.decode()
-        host = advertised_host()
+        host = listen_host()
         candidates = [port] if port is not None else bind_port_candidates()
         for i, candidate in enumerate(candidates):
             try:
@@ -75,7 +75,10 @@ class Transport:
                 if e.errno != zmq.EADDRINUSE or i == len(candidates) - 1:
                     sock.close(0)
                     raise OSError(e.errno, f"cannot listen on {host}:{candidate or '*'}: {e}") from None
-        return sock, sock.last_endpoint.decode()
+        endpoint = sock.last_endpoint.decode()
+        if host != advertised_host():  # listening on a wildcard ($MONARCH_LISTEN_HOST): peers use the advertised one
+            endpoint = f"tcp://{advertised_host()}:{endpoint.rpartition(':')[2]}"
+        return sock, endpoint
 
     def dealer(self, address: str, identity: Optional[bytes] = None) -> zmq.Socket:
         """A CURVE DEALER to ``address``; ``identity`` names it to the server's ROUTER (a link: see mailbox)."""

@@ -22,7 +22,7 @@ import traceback
 from typing import Any, Dict, List
 
 from ..sysutil import signal_if_alive
-from . import preload
+from . import preload, protocol
 
 _PR_SET_PDEATHSIG = 1
 PRELOAD_ENV = "MONARCH_PRELOAD"
@@ -58,13 +58,13 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[
 
             code = proc.main(boot)
         elif kind == "rank":
-            from . import launcher
+            from . import rank_start
 
-            code = launcher.become_rank(boot, extra)
+            code = rank_start.become_rank(boot, extra)
         elif kind == "cold":
-            from . import launcher
+            from . import rank_start
 
-            launcher.exec_cold(boot, extra)  # only returns by raising
+            rank_start.exec_cold(boot, extra)  # only returns by raising
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
@@ -97,7 +97,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     watchdog = threading.Thread(target=_exit_if_orphaned, args=(os.getppid(), importing), daemon=True)
     watchdog.start()
     from . import proc  # noqa: F401 - the point of the zygote: import once, fork many
-    from . import telemetry_rank  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
+    from . import rank_telemetry  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
 
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
         try:
@@ -133,7 +133,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 if pid == 0:
                     break
                 children.discard(pid)
-                sock.send(pickle.dumps(("exit", pid, status)))
+                sock.send(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
         if sock in ready:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
@@ -145,7 +145,8 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 for pid in children:
                     signal_if_alive(pid, signal.SIGKILL)
                 os._exit(0)
-            _, req_id, kind, boot = pickle.loads(data)
+            fork = protocol.decode(pickle.loads(data))
+            req_id, kind, boot = fork.req_id, fork.kind, fork.boot
             boot["_zygote_pid"] = os.getpid()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -155,7 +156,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
             for f in fds:
                 os.close(f)
             children.add(pid)
-            sock.send(pickle.dumps(("forked", req_id, pid)))
+            sock.send(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
 
 
 def _load_learned(sock: socket.socket) -> None:
@@ -166,7 +167,7 @@ def _load_learned(sock: socket.socket) -> None:
     learned = os.environ.get(preload.LEARNED_ENV)
     held, left_out, offender = preload.import_learned(learned) if learned else ([], {}, None)
     preload.write_ready(ready, held, left_out, offender)
-    sock.send(pickle.dumps(("ready",)))
+    sock.send(pickle.dumps(protocol.header(protocol.WarmReady())))
     if offender is not None:  # not safe to fork any more: the agent starts another without it
         os._exit(0)
 

@@ -204,6 +204,9 @@ class Scheduler(abc.ABC):
     name: ClassVar[str] = ""
     #: The backend's options, as data: flags of ``monarch serve`` and ``-o name=value``.
     options: ClassVar[Sequence[Option]] = ()
+    #: Options of ``monarch stop`` (and ``Job.stop(**options)``), as data the same way; :meth:`release_with`
+    #: gets their values.
+    stop_options: ClassVar[Sequence[Option]] = ()
     #: Whether ``--hosts`` may name hosts (``h1,h2``: :attr:`ReserveRequest.host_names`) rather than count them.
     takes_host_names: ClassVar[bool] = False
 
@@ -226,14 +229,16 @@ class Scheduler(abc.ABC):
 
     def check_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
         """Options without Nones, each known; backends add their own checks."""
-        known = {o.name: o for o in self.options}
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            if not known:
-                flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
-                raise OptionError(f"the {self.name} scheduler takes no options (got {flags})")
-            raise OptionError(f"unknown {self.name} option(s): {', '.join(unknown)}; known: {', '.join(known)}")
-        return {k: v for k, v in options.items() if v is not None and v is not False and v != []}
+        return _checked(options, self.options, f"the {self.name} scheduler", self.name)
+
+    def check_stop_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
+        """Stop options without Nones, each one of :attr:`stop_options`."""
+        return _checked(options, self.stop_options, f"monarch stop of a {self.name} reservation", f"{self.name} stop")
+
+    def release_with(self, reservation: ReservationRecord, options: Dict[str, Any]) -> None:
+        """End the reservation as ``monarch stop`` with :attr:`stop_options` (checked values) asks.
+        Backends without stop options need not override it: it is :meth:`release`."""
+        self.release(reservation)
 
     def check_plan(self, plan: Plan) -> None:
         """Refuse a plan made for another backend (reserve from a printed plan)."""
@@ -272,6 +277,17 @@ class Scheduler(abc.ABC):
     def status_lines(self, reservation: ReservationRecord) -> List[str]:
         """Backend facts for ``monarch status``, a few plain lines."""
         return []
+
+
+def _checked(options: Dict[str, Any], declared: Sequence[Option], what: str, label: str) -> Dict[str, Any]:
+    known = {o.name: o for o in declared}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        if not known:
+            flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
+            raise OptionError(f"{what} takes no options (got {flags})")
+        raise OptionError(f"unknown {label} option(s): {', '.join(unknown)}; known: {', '.join(known)}")
+    return {k: v for k, v in options.items() if v is not None and v is not False and v != []}
 
 
 __all__ = ["HostRecord", "Option", "ReserveRequest", "Plan", "Reservation", "ReservationRecord", "Liveness", "Probe",

@@ -13,13 +13,17 @@ unsets it and ``exec``s the agent with ``--keys-stdin``: the agent (and every ra
 it) has no copy in its environment. What SkyPilot's own processes keep is documented in
 docs/skypilot.md.
 
-SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`SkyProvisioner`.
+The client reaches the agents directly on that port, or, when it is closed to the client,
+through SSH tunnels over the cluster's SSH access (:mod:`.skypilot_ssh`); ``--reach`` picks
+(``auto``: direct if every agent answers there within a second, else tunnels).
+
+SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`~.skypilot_sdk.SkyProvisioner`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import io
 import json
 import os
 import re
@@ -33,8 +37,9 @@ from .. import __version__
 from ..errors import OptionError, PlanError, SchedulerError
 from ..runtime.agent_command import AgentCommand, format_port_range
 from .agents import wait_for_agents
-from .base import HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, \
+from .base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, \
     Scheduler
+from .skypilot_ssh import SshAccess
 
 if TYPE_CHECKING:
     from ..runtime.keys import Keys
@@ -50,13 +55,41 @@ AGENT_START_TIMEOUT = 120.0
 DEFAULT_PYTHON = "python3"
 REDACTED = "<redacted>"
 INSTALL_HINT = "pip install 'monarch-cli[skypilot]'"
+#: How long ``--keep-cluster`` leaves an idle cluster up when neither stop nor serve said (minutes).
+DEFAULT_KEEP_MINUTES = 10
+REACH_MODES = ("auto", "direct", "tunnel")
+
+
+@dataclasses.dataclass
+class Cluster:
+    """What a launch tells the client about the nodes (from SkyPilot's cluster handle)."""
+
+    #: The addresses the client uses, node rank order (the handle's external IPs).
+    ips: List[str]
+    #: The addresses the nodes have among themselves (``SKYPILOT_NODE_IPS``; the agents listen there).
+    internal_ips: List[str] = dataclasses.field(default_factory=list)
+    #: SSH access to the head, when SkyPilot gives it (None: the agents can be reached only directly).
+    ssh: Optional[SshAccess] = None
+
+
+@dataclasses.dataclass
+class Shape:
+    """An existing cluster as SkyPilot reports it: enough to tell whether it can serve a task."""
+
+    state: str
+    nodes: int
+    accelerators: Optional[str] = None  # "A100:8"
+    cloud: Optional[str] = None  # "aws"
 
 
 class Provisioner(Protocol):
     """What the backend needs from SkyPilot; tests replace it through :data:`PROVISIONER_ENV`."""
 
-    def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str], progress: Progress) -> List[str]:
-        """Launch (or reuse) ``cluster`` with ``task``; the nodes' addresses, node rank order."""
+    def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str], progress: Progress) -> Cluster:
+        """Launch ``cluster`` with ``task`` (on an existing cluster: run it there); where its nodes are."""
+
+    def existing(self, cluster: str) -> Optional[Shape]:
+        """``cluster`` as it is now, or None when there is none; changes nothing."""
 
     def state(self, cluster: str) -> Tuple[str, str]:
         """``("UP" | "INIT" | "STOPPED" | "GONE", reason)`` without changing anything."""
@@ -64,91 +97,22 @@ class Provisioner(Protocol):
     def down(self, cluster: str) -> None:
         """Tear ``cluster`` down; nothing of it may be left."""
 
+    def keep(self, cluster: str, idle_minutes: int, down: bool) -> None:
+        """End the task's job (the agents) and leave ``cluster`` up, to stop (or go down) after ``idle_minutes``."""
+
 
 def provisioner() -> Provisioner:
     """SkyPilot's SDK, or the factory named by ``$MONARCH_SKYPILOT_PROVISIONER`` (``module:attr``)."""
     target = os.environ.get(PROVISIONER_ENV)
     if not target:
+        from .skypilot_sdk import SkyProvisioner
+
         return SkyProvisioner()
     module, _, attr = target.partition(":")
     try:
         return getattr(importlib.import_module(module), attr)()
     except (ImportError, AttributeError) as e:
         raise SchedulerError(f"${PROVISIONER_ENV}={target} cannot be loaded: {e}") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _sky() -> Any:
-    try:
-        import sky
-    except ImportError:
-        raise SchedulerError(f"the skypilot scheduler needs SkyPilot, which is not installed: {INSTALL_HINT}") from None
-    return sky
-
-
-class SkyProvisioner:
-    """SkyPilot's Python SDK (>= 0.10: calls return request ids, resolved with ``sky.get``)."""
-
-    def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str], progress: Progress) -> List[str]:
-        sky = _sky()
-        # The secret's value goes in here, in memory: a null value would mean a managed secret to SkyPilot.
-        sky_task = sky.Task.from_yaml_config({**task, "secrets": dict(secrets)})
-        progress(f"sky launch -c {cluster} ({task['num_nodes']} node(s))")
-        try:
-            _, handle = sky.stream_and_get(sky.launch(sky_task, cluster_name=cluster),
-                                           output_stream=_ProgressStream(progress))
-        except Exception as e:  # noqa: BLE001 - SkyPilot raises many kinds; the message is what users need
-            raise SchedulerError(f"sky launch -c {cluster} failed: {_first_line(e)}") \
-                from None
-        ips = (handle.cached_external_ips or handle.external_ips()) if handle is not None else None
-        if not ips:
-            raise SchedulerError(f"SkyPilot launched {cluster} but reports no node addresses")
-        return list(ips)
-
-    def state(self, cluster: str) -> Tuple[str, str]:
-        sky = _sky()
-        try:
-            records = sky.get(sky.status([cluster], refresh=sky.StatusRefreshMode.AUTO))
-        except Exception as e:  # noqa: BLE001 - the API server is down, credentials expired...
-            return "UNKNOWN", f"SkyPilot cannot tell: {_first_line(e)}"
-        if not records:
-            return "GONE", f"SkyPilot has no cluster {cluster} (torn down, autodowned or preempted)"
-        record = records[0]
-        status = record.get("status") if isinstance(record, dict) else getattr(record, "status", None)
-        name = getattr(status, "value", status) or "UNKNOWN"
-        return str(name), f"SkyPilot reports cluster {cluster} as {name}"
-
-    def down(self, cluster: str) -> None:
-        sky = _sky()
-        try:
-            sky.get(sky.down(cluster))
-        except Exception as e:  # noqa: BLE001
-            if "does not exist" not in str(e):
-                raise SchedulerError(f"sky down {cluster} failed: {_first_line(e)}") \
-                    from None
-
-
-class _ProgressStream(io.TextIOBase):
-    """SkyPilot's launch log, line by line, into serve's progress display."""
-
-    def __init__(self, progress: Progress) -> None:
-        self.progress, self.pending = progress, ""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        self.pending += text
-        *lines, self.pending = re.split(r"[\r\n]", self.pending)
-        for line in lines:
-            line = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line).strip()
-            if line:
-                self.progress(f"sky: {line}")
-        return len(text)
 
 
 def parse_minutes(text: str) -> int:
@@ -235,6 +199,15 @@ class SkyPilotScheduler(Scheduler):
         Option("time", str, help="End the agents after this long (45m, 2h, H:MM:SS) and tear the cluster down "
                                  "a minute later (autodown)."),
         Option("python", str, default=DEFAULT_PYTHON, help=f"The nodes' interpreter (default {DEFAULT_PYTHON})."),
+        Option("reach", str, default="auto", help="How the client reaches the agents: direct (their port must be "
+                                                  "open), tunnel (SSH tunnels over the cluster's SSH access), or auto "
+                                                  "(direct if every agent answers there at once, else tunnel)."),
+    )
+    stop_options = (
+        Option("keep_cluster", bool, default=False,
+               help="End the agents but leave the cluster up; it stops itself after --autostop idle minutes "
+                    f"(default: serve's --autostop, else {DEFAULT_KEEP_MINUTES}), and is reused by serve --cluster."),
+        Option("autostop", int, help="With --keep-cluster: idle minutes before the cluster stops."),
     )
 
     # ---------------------------------------------------------------- planning
@@ -244,6 +217,8 @@ class SkyPilotScheduler(Scheduler):
             raise OptionError(f"--hosts must be at least 1, not {request.hosts}")
         if opts.get("region") and not opts.get("cloud"):
             raise OptionError("--region needs --cloud")
+        if opts.get("reach", "auto") not in REACH_MODES:
+            raise OptionError(f"--reach takes {', '.join(REACH_MODES)}, not {opts['reach']!r}")
         for name in ("disk_size", "autostop"):
             if name in opts and opts[name] <= 0:
                 raise OptionError(f"--{name.replace('_', '-')} must be more than zero, not {opts[name]}")
@@ -266,7 +241,10 @@ class SkyPilotScheduler(Scheduler):
                  f"setup on every node: install monarch-cli=={__version__} unless it is there",
                  f"run on every node: the host agent on port {port}, keys handed over on stdin"
                  + (f", ended after {time_minutes} min" if time_minutes else ""),
-                 f"find the agents on port {port} of the nodes' addresses from the cluster handle"]
+                 f"find the agents on port {port} of the nodes' addresses from the cluster handle"
+                 + {"auto": "; reach them directly if they answer there, else through SSH tunnels to the head",
+                    "direct": "; reach them directly",
+                    "tunnel": "; reach them through SSH tunnels to the cluster's head"}[opts.get("reach", "auto")]]
         if "autostop" in task["resources"]:
             stop = task["resources"]["autostop"]
             steps.append(f"once the agents end, {'tear down' if stop['down'] else 'stop'} the cluster after "
@@ -274,7 +252,10 @@ class SkyPilotScheduler(Scheduler):
         summary = f"a SkyPilot cluster {cluster} of {request.hosts} node(s), one host agent per node"
         return Plan(self.name, rid, request.hosts, list(request.command), str(workdir.resolve()), summary, steps,
                     artifacts={"task.yaml (secrets redacted)": yaml_text, "equivalent command": launch_line(cluster)},
-                    options=opts, data={"cluster": cluster, "task": task, "port": port, "version": __version__})
+                    options=opts, data={"cluster": cluster, "task": task, "port": port, "version": __version__,
+                                        "reach": opts.get("reach", "auto"),
+                                        "keep": {"idle_minutes": opts.get("autostop") or DEFAULT_KEEP_MINUTES,
+                                                 "down": bool(opts.get("down"))}})
 
     def task_config(self, hosts: int, opts: Dict[str, Any], agent: AgentCommand, python: str,
                     time_minutes: Optional[int], cluster: str) -> Dict[str, Any]:
@@ -315,24 +296,89 @@ class SkyPilotScheduler(Scheduler):
                 from None
         if plan.data.get("version") != __version__:
             raise PlanError(f"this plan was made by monarch-cli {plan.data.get('version')}, not {__version__}")
+        reach = plan.data.get("reach", "auto")
         prov = provisioner()
+        reused = self._reusable(prov, cluster, task, progress)
         try:
-            ips = prov.launch(cluster, task, {KEYS_SECRET: keys.encode()}, progress)
-            if len(ips) != plan.hosts:
+            nodes = prov.launch(cluster, task, {KEYS_SECRET: keys.encode()}, progress)
+            ips, internal = nodes.ips, nodes.internal_ips or nodes.ips
+            if len(ips) != plan.hosts or len(internal) != plan.hosts:
                 raise SchedulerError(f"cluster {cluster} has {len(ips)} node(s), not {plan.hosts}")
+            if reach == "tunnel" and nodes.ssh is None:
+                raise SchedulerError(f"--reach tunnel: SkyPilot gives no SSH access to cluster {cluster} that "
+                                     "monarch can use (see docs/skypilot.md)")
             names = [f"node{i}" for i in range(len(ips))]
-            found = wait_for_agents(lambda: _listening(names, ips, port), names, progress,
-                                    timeout=AGENT_START_TIMEOUT, check=lambda: _check_up(prov, cluster), interval=0.2)
-        except BaseException:  # a failed launch or Ctrl-C: no cluster is left costing money
-            progress(f"tearing down {cluster}")
-            try:
-                prov.down(cluster)
-            except SchedulerError as e:  # the first error is the one to report
-                progress(f"could not tear down {cluster}: {e}")
+            check = lambda: _check_up(prov, cluster)  # noqa: E731
+            head = None
+            if nodes.ssh is not None and reach != "direct":  # the head sees every agent, whatever is open to us
+                from .skypilot_ssh import connect, listening
+
+                try:
+                    head = connect(nodes.ssh)
+                except SchedulerError as e:
+                    if reach == "tunnel":
+                        raise
+                    progress(f"{e}; reaching the agents directly")
+            if head is not None:
+                try:
+                    found = wait_for_agents(lambda: listening(head, names, internal, port), names, progress,
+                                            timeout=AGENT_START_TIMEOUT, check=check, interval=0.2)
+                finally:
+                    head.close()
+                direct = {} if reach == "tunnel" else _listening(names, ips, port, timeout=1.0)
+                if len(direct) == len(names):
+                    found = [dataclasses.replace(h, agent=direct[h.name]) for h in found]
+                    reach = "direct"
+                else:
+                    if reach == "auto":
+                        progress("the agents' port is closed to this machine: reaching them through SSH tunnels")
+                    reach = "tunnel"
+            else:
+                found = wait_for_agents(lambda: _listening(names, ips, port), names, progress,
+                                        timeout=AGENT_START_TIMEOUT, check=check, interval=0.2)
+                reach = "direct"
+        except BaseException:  # a failed launch or Ctrl-C: no cluster we made is left costing money
+            self._undo(prov, cluster, reused, plan.data.get("keep") or {}, progress)
             raise
         return Reservation(plan.reservation_id, found,
-                           {"cluster": cluster, "node_ips": ips, "port": port, "autostop": task["resources"].get(
-                               "autostop")})
+                           {"cluster": cluster, "node_ips": ips, "internal_ips": internal, "port": port,
+                            "autostop": task["resources"].get("autostop"), "reach": reach,
+                            "ssh": nodes.ssh.to_json() if nodes.ssh is not None else None,
+                            "keep": plan.data.get("keep"), "reused": reused})
+
+    @staticmethod
+    def _reusable(prov: Provisioner, cluster: str, task: Dict[str, Any], progress: Progress) -> bool:
+        """Whether ``cluster`` exists and can run ``task`` (then it is reused); refuse one of another shape."""
+        shape = prov.existing(cluster)
+        if shape is None:
+            return False
+        wanted = task["resources"]
+        mismatch = []
+        if shape.nodes != task["num_nodes"]:
+            mismatch.append(f"{shape.nodes} node(s), not {task['num_nodes']}")
+        if wanted.get("accelerators") and (shape.accelerators or "").lower() != wanted["accelerators"].lower():
+            mismatch.append(f"{shape.accelerators or 'no GPUs'}, not {wanted['accelerators']}")
+        cloud = (wanted.get("infra") or "").split("/")[0].lower()
+        if cloud and shape.cloud and shape.cloud != cloud:
+            mismatch.append(f"on {shape.cloud}, not {cloud}")
+        if mismatch:
+            raise SchedulerError(f"cluster {cluster} exists ({shape.state}) with {'; '.join(mismatch)}: name another "
+                                 f"--cluster, or take it down with `sky down {cluster}`")
+        progress(f"reusing cluster {cluster} ({shape.state}, {shape.nodes} node(s))")
+        return True
+
+    @staticmethod
+    def _undo(prov: Provisioner, cluster: str, reused: bool, keep: Dict[str, Any], progress: Progress) -> None:
+        """After a failed serve: tear down a cluster we made; one we reused is left as it was kept."""
+        try:
+            if reused:
+                progress(f"ending the agents on {cluster}; it stays up")
+                prov.keep(cluster, int(keep.get("idle_minutes") or DEFAULT_KEEP_MINUTES), bool(keep.get("down")))
+            else:
+                progress(f"tearing down {cluster}")
+                prov.down(cluster)
+        except SchedulerError as e:  # the first error is the one to report
+            progress(f"could not clean up {cluster}: {e}")
 
     # ---------------------------------------------------------------- the reservation
     def release(self, reservation: ReservationRecord) -> None:
@@ -340,13 +386,42 @@ class SkyPilotScheduler(Scheduler):
         if cluster:
             provisioner().down(cluster)
 
+    def check_stop_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
+        opts = super().check_stop_options(options)
+        if "autostop" in opts and not opts.get("keep_cluster"):
+            raise OptionError("--autostop (of stop) needs --keep-cluster")
+        if "autostop" in opts and opts["autostop"] <= 0:
+            raise OptionError(f"--autostop must be more than zero, not {opts['autostop']}")
+        return opts
+
+    def release_with(self, reservation: ReservationRecord, options: Dict[str, Any]) -> None:
+        """``--keep-cluster``: the agents end (SkyPilot cancels their job), the cluster stays up with autostop."""
+        data = reservation.scheduler_data
+        if not options.get("keep_cluster"):
+            self.release(reservation)
+            return
+        keep = data.get("keep") or {}
+        minutes = int(options.get("autostop") or keep.get("idle_minutes") or DEFAULT_KEEP_MINUTES)
+        if data.get("cluster"):
+            provisioner().keep(data["cluster"], minutes, bool(keep.get("down")))
+
     def probe(self, reservation: ReservationRecord) -> Probe:
         """Every agent's port accepts: alive, without asking SkyPilot (it runs before every run, and
         importing SkyPilot and asking its API server costs seconds). Otherwise SkyPilot says why."""
         data = reservation.scheduler_data
         ips, port, cluster = data.get("node_ips", []), data.get("port"), data.get("cluster", "")
         names = [f"node{i}" for i in range(len(ips))]
-        answering = _listening(names, ips, int(port)) if ips and port else {}
+        answering: Dict[str, str] = {}
+        if ips and port and data.get("reach") == "tunnel":
+            from .skypilot_ssh import listening, shared_client
+
+            try:
+                head = shared_client(reservation.reservation_id, SshAccess.from_json(data["ssh"]))
+                answering = listening(head, names, data.get("internal_ips") or ips, int(port))
+            except SchedulerError:  # the head is unreachable: SkyPilot says why
+                pass
+        elif ips and port:
+            answering = _listening(names, ips, int(port))
         if ips and len(answering) == len(ips):
             return Probe(Liveness.ALIVE)
         state, reason = provisioner().state(cluster)
@@ -354,6 +429,19 @@ class SkyPilotScheduler(Scheduler):
             return Probe(Liveness.GONE, reason)
         silent = ", ".join(n for n in names if n not in answering)
         return Probe(Liveness.UNKNOWN, f"{reason}; no agent answers on {silent}" if state == "UP" else reason)
+
+    def agent_addresses(self, reservation: ReservationRecord) -> List[str]:
+        """Tunnelled: a loopback port of this process per node, forwarded over the head's SSH connection."""
+        data = reservation.scheduler_data
+        if data.get("reach") != "tunnel":
+            return super().agent_addresses(reservation)
+        from .skypilot_ssh import forwards
+
+        targets = [(ip, int(data["port"])) for ip in data.get("internal_ips") or data.get("node_ips", [])]
+        try:
+            return forwards(reservation.reservation_id, SshAccess.from_json(data["ssh"]), targets)
+        except SchedulerError:  # the head is unreachable: the agents will not answer, and say so by name
+            return super().agent_addresses(reservation)
 
     def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
         wanted = request.options.get("cluster")
@@ -365,22 +453,29 @@ class SkyPilotScheduler(Scheduler):
     def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
         data = reservation.scheduler_data
         return {"skypilot": {"cluster": data.get("cluster"), "nodes": data.get("node_ips", []),
-                             "port": data.get("port"), "autostop": data.get("autostop")}}
+                             "port": data.get("port"), "autostop": data.get("autostop"),
+                             "reach": data.get("reach", "direct"), "reused": bool(data.get("reused"))}}
 
     def status_lines(self, reservation: ReservationRecord) -> List[str]:
         data = reservation.scheduler_data
         state, reason = provisioner().state(data.get("cluster", ""))
         lines = [f"cluster {data.get('cluster')}: {state}" + (f" ({reason})" if state in ("GONE", "UNKNOWN") else "")]
-        lines += [f"node{i}: {ip}:{data.get('port')}" for i, ip in enumerate(data.get("node_ips", []))]
+        if data.get("reach") == "tunnel":
+            ssh = data.get("ssh") or {}
+            lines.append(f"agents reached through SSH tunnels to {ssh.get('user')}@{ssh.get('host')}:{ssh.get('port')}")
+            lines += [f"node{i}: {ip}:{data.get('port')} (internal)"
+                      for i, ip in enumerate(data.get("internal_ips") or [])]
+        else:
+            lines += [f"node{i}: {ip}:{data.get('port')}" for i, ip in enumerate(data.get("node_ips", []))]
         return lines
 
 
-def _listening(names: List[str], ips: List[str], port: int) -> Dict[str, str]:
+def _listening(names: List[str], ips: List[str], port: int, timeout: float = 0.5) -> Dict[str, str]:
     """The agents whose fixed port accepts a connection (CURVE then proves they are ours)."""
     found = {}
     for name, ip in zip(names, ips):
         try:
-            with socket.create_connection((ip, port), timeout=0.5):
+            with socket.create_connection((ip, port), timeout=timeout):
                 found[name] = f"tcp://{ip}:{port}"
         except OSError:
             continue
@@ -393,5 +488,5 @@ def _check_up(prov: Provisioner, cluster: str) -> None:
         raise SchedulerError(f"the agents did not come up: {reason}")
 
 
-__all__ = ["SkyPilotScheduler", "SkyProvisioner", "Provisioner", "provisioner", "parse_minutes", "to_yaml",
+__all__ = ["SkyPilotScheduler", "Provisioner", "Cluster", "Shape", "provisioner", "parse_minutes", "to_yaml",
            "KEYS_SECRET", "PROVISIONER_ENV", "DEFAULT_AGENT_PORT"]

@@ -23,6 +23,7 @@ from monarch_cli.config import configure, settings
 from monarch_cli.jobs import Job
 from monarch_cli.jobs.errors import JobError
 from monarch_cli.jobs.output import MAX_HELD_LINE, TAIL_WIDTH, OutputSink, list_runs, new_run_dir
+from monarch_cli.runtime import protocol
 
 from ..conftest import write_script
 from .conftest import PREFIX, spmd
@@ -259,17 +260,17 @@ def test_heartbeats_go_on_while_a_handler_holds_the_io_thread(job: Job) -> None:
 
     old = settings().heartbeat_timeout
     configure(heartbeat_timeout=1.0)
-    mb.event_handlers["slow_test_event"] = slow
+    subscription = mb.subscribe("slow-test-run", {protocol.Output: slow})
     try:
         mb.watch_agent(host.agent, lambda _agent, silence: lost.append(silence))
         time.sleep(0.3)
-        mb.send(mb.address, ("event", "slow_test_event"))  # handled by the I/O thread: nobody waits
+        mb.send(mb.address, protocol.Output("slow-test-run", 0, 1), [b"x"])  # handled by the I/O thread: nobody waits
         assert handled.wait(10)
         time.sleep(2 * settings().heartbeat_interval)
         assert lost == []
     finally:
         mb.unwatch_agent(host.agent)
-        mb.event_handlers.pop("slow_test_event", None)
+        subscription.close()
         configure(heartbeat_timeout=old)
 
 

@@ -11,7 +11,7 @@ from typing import Dict, List
 from monarch_cli.jobs import Job
 
 from ..conftest import write_script
-from .conftest import PREFIX, spmd
+from .conftest import PREFIX, Run, spmd
 
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
@@ -174,3 +174,37 @@ def test_exec_argv_and_a_missing_program(job: Job) -> None:
     missing = job.exec(["no-such-program-anywhere", "--x"], stdout=BytesIO(), stderr=err)
     assert missing.exit_code == 127
     assert err.getvalue().count(b"cannot execute no-such-program-anywhere") == 2
+
+
+def test_two_runs_at_once_from_one_process_each_get_only_their_own_ranks(job: Job, tmp_path: Path) -> None:
+    """Two ``run_spmd()`` calls in two threads of one process share its mailbox: each run's
+    output and exits reach that run alone (events are routed by run id)."""
+    import threading
+
+    script = write_script(tmp_path, "tagged.py", """
+        import os, sys, time
+        tag = sys.argv[1]
+        rank = int(os.environ["RANK"])
+        for i in range(200):
+            print(f"{tag} rank {rank} line {i}", flush=True)
+            time.sleep(0.005)  # long enough for the two runs to overlap
+    """)
+    runs: Dict[str, Run] = {}
+    both_ready = threading.Barrier(2)
+
+    def run(tag: str) -> None:
+        both_ready.wait()
+        runs[tag] = spmd(job, script, tag, nproc=1)
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in ("alpha", "beta")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(runs) == {"alpha", "beta"}, "a run did not finish"
+    assert runs["alpha"].result.run_id != runs["beta"].result.run_id
+    for tag, r in runs.items():
+        assert r.result.exit_code == 0, r.text()
+        ranks = sorted(e.rank for e in r.result.ranks)
+        assert ranks == list(range(len(job.state.hosts))), "a rank's exit went to the other run, or was lost"
+        assert r.by_rank() == {f"rank{n}": [f"{tag} rank {n} line {i}".encode() for i in range(200)] for n in ranks}

@@ -1,11 +1,14 @@
 """A small Kubernetes API emulator for tests: the real REST paths and watch wire format, for the kinds monarch uses.
 
-Pods, Secrets and Services (``/api/v1``) and Jobs (``/apis/batch/v1``), namespaced:
+Pods, Secrets, Services and Events (``/api/v1``) and Jobs (``/apis/batch/v1``), namespaced:
 create (``dryRun=All`` validates without storing; an existing name is 409 AlreadyExists),
-get, list (``labelSelector`` of ``k=v`` terms, a list ``resourceVersion``), delete (404
+get, list (``labelSelector`` of ``k=v`` terms, ``fieldSelector`` of ``a.b=v`` terms, a list
+``resourceVersion``), delete (404
 Status when absent; a Job deleted with ``propagationPolicy: Foreground`` keeps a
 ``deletionTimestamp`` and the ``foregroundDeletion`` finalizer until its pods are gone, as
-the garbage collector does) and ``?watch=true`` from a ``resourceVersion``: a chunked
+the garbage collector does; ``Background`` removes it and its pods follow; ``Orphan``, and no
+policy, the API's default for ``batch/v1`` Jobs, leaves its pods running without an owner)
+and ``?watch=true`` from a ``resourceVersion``: a chunked
 stream of ``{"type": ..., "object": ...}`` JSON lines that ends after ``timeoutSeconds``;
 a version older than the kept history is answered with an ERROR event carrying a 410 Status.
 
@@ -14,7 +17,16 @@ its watches replay every object and ignore ``resourceVersion`` and ``timeoutSeco
 TODO there), and it needs Python 3.11 and aiohttp; the resume-from-version watch is what the
 backend relies on, and extending it meant rewriting its core. This is ~300 lines of stdlib.
 
-What it does not do: schema validation and admission, RBAC, field selectors, patch,
+``GET pods/<name>/portforward?ports=P`` upgraded to a websocket speaks the kubelet's
+``v4.channel.k8s.io`` port-forward protocol (a data and an error channel per port, each first
+sent the port as two little-endian bytes, every frame a channel byte then data) and relays
+the data channel to a connection that :attr:`ApiServer.dial` opens to the pod's port, as the
+API server proxies to the kubelet and the kubelet connects to the pod's localhost; a failed
+connection is reported on the error channel. The websocket itself is the ``websockets``
+library's sans-I/O protocol (handshake and framing), driven over the handler's socket.
+
+What it does not do: schema validation and admission (but for a namespace that does not
+exist), RBAC, field selectors on watches, patch,
 server-side apply. The objects' statuses are written by the test-side kubelet
 (:mod:`.kubelet`) through :class:`Store`, the emulator's storage, as the real kubelet and
 Job controller write them through the API.
@@ -26,6 +38,9 @@ import copy
 import datetime
 import json
 import re
+import select
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -33,9 +48,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import parse_qs, urlparse
 
-KINDS = {"pods": ("v1", "Pod"), "secrets": ("v1", "Secret"), "services": ("v1", "Service"), "jobs": ("batch/v1", "Job")}
-_PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/(?P<plural>pods|secrets|services|jobs)"
+KINDS = {"pods": ("v1", "Pod"), "secrets": ("v1", "Secret"), "services": ("v1", "Service"), "jobs": ("batch/v1", "Job"),
+         "events": ("v1", "Event")}
+_PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/"
+                   r"(?P<plural>pods|secrets|services|jobs|events)"
                    r"(?:/(?P<name>[a-z0-9.-]+))?/?$")
+_PORT_FORWARD = re.compile(r"^/api/v1/namespaces/(?P<ns>[a-z0-9-]+)/pods/(?P<name>[a-z0-9.-]+)/portforward$")
+#: The kubelet's port-forward websocket subprotocol (it offers no v5 for port-forward).
+PORT_FORWARD_PROTOCOL = "v4.channel.k8s.io"
+#: (namespace, pod, port) -> a socket connected to that port in the pod (the kubelet's part).
+Dial = Callable[[str, str, int], socket.socket]
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 Key = Tuple[str, str, str]
 
@@ -53,6 +75,18 @@ class ApiError(Exception):
     def __init__(self, code: int, reason: str, message: str) -> None:
         super().__init__(message)
         self.body = status(code, reason, message)
+
+
+def _fields_match(obj: Dict[str, Any], selector: str) -> bool:
+    """A ``fieldSelector`` of ``a.b=value`` terms (what the backend asks of events)."""
+    for term in filter(None, selector.split(",")):
+        path, _, value = term.partition("=")
+        found: Any = obj
+        for part in path.split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        if found != value:
+            return False
+    return True
 
 
 def _matches(obj: Dict[str, Any], selector: str) -> bool:
@@ -73,6 +107,7 @@ class Store:
         self.objects: Dict[Key, Dict[str, Any]] = {}
         self.events: List[Tuple[int, str, str, str, Dict[str, Any]]] = []  # (rv, plural, ns, type, object)
         self.oldest = 0  # events at or below this version are forgotten
+        self.namespaces = {"default"}
 
     def _record(self, plural: str, ns: str, kind: str, obj: Dict[str, Any]) -> Dict[str, Any]:
         self.version += 1
@@ -93,6 +128,8 @@ class Store:
             raise ApiError(422, "Invalid", f"{kind} \"{name}\" is invalid: metadata.name: Invalid value")
         if meta.get("namespace", ns) != ns:
             raise ApiError(400, "BadRequest", "the namespace of the object does not match the namespace of the URL")
+        if ns not in self.namespaces:  # the NamespaceLifecycle admission check, dry runs included
+            raise ApiError(404, "NotFound", f'namespaces "{ns}" not found')
         with self.cond:
             if (plural, ns, name) in self.objects:
                 raise ApiError(409, "AlreadyExists", f'{plural} "{name}" already exists')
@@ -110,10 +147,11 @@ class Store:
                 raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
             return copy.deepcopy(obj)
 
-    def list(self, plural: str, ns: Optional[str], selector: str = "") -> Tuple[List[Dict[str, Any]], str]:
+    def list(self, plural: str, ns: Optional[str], selector: str = "",
+             fields: str = "") -> Tuple[List[Dict[str, Any]], str]:
         with self.cond:
             items = [copy.deepcopy(o) for (p, n, _), o in sorted(self.objects.items())
-                     if p == plural and (ns is None or n == ns) and _matches(o, selector)]
+                     if p == plural and (ns is None or n == ns) and _matches(o, selector) and _fields_match(o, fields)]
             return items, str(self.version)
 
     def update(self, plural: str, ns: str, name: str, change: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
@@ -135,12 +173,18 @@ class Store:
             obj = self.objects.get((plural, ns, name))
             if obj is None:
                 raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            if plural == "jobs" and propagation != "Foreground":
+                if propagation != "Background":  # Orphan, the default: the pods stay, without an owner
+                    for (p, n, _), pod in list(self.objects.items()):
+                        if p == "pods" and n == ns and (pod["metadata"].get("labels") or {}).get("job-name") == name:
+                            self.update("pods", ns, pod["metadata"]["name"],
+                                        lambda o: o["metadata"].pop("ownerReferences", None))
+                return self.remove(plural, ns, name) or obj
             if plural in ("jobs", "pods"):  # graceful: the kubelet/garbage collector finishes it
                 def mark(o: Dict[str, Any]) -> None:
                     o["metadata"].setdefault("deletionTimestamp", now())
                     if plural == "jobs":
-                        o["metadata"]["finalizers"] = ["foregroundDeletion" if propagation == "Foreground"
-                                                       else "orphan" if propagation == "Orphan" else "background"]
+                        o["metadata"]["finalizers"] = ["foregroundDeletion"]
                 return self.update(plural, ns, name, mark)
             return self.remove(plural, ns, name) or obj
 
@@ -187,6 +231,7 @@ class Store:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     store: Store
+    api: "ApiServer"
 
     def log_message(self, *args: Any) -> None:  # quiet
         pass
@@ -220,7 +265,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._stream(self.store.watch(plural, ns, one("labelSelector"), one("resourceVersion") or None,
                                                      float(one("timeoutSeconds", "300"))))
             if method == "GET":
-                items, version = self.store.list(plural, ns, one("labelSelector"))
+                items, version = self.store.list(plural, ns, one("labelSelector"), one("fieldSelector"))
                 api_version, kind = KINDS[plural]
                 return self._send(200, {"kind": f"{kind}List", "apiVersion": api_version,
                                         "metadata": {"resourceVersion": version}, "items": items})
@@ -228,7 +273,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(201, self.store.create(plural, ns, self._body(), dry_run=one("dryRun") == "All"))
             if method == "DELETE" and name:
                 body = self._body()
-                return self._send(200, self.store.delete(plural, ns, name, body.get("propagationPolicy", "Background")))
+                return self._send(200, self.store.delete(plural, ns, name, body.get("propagationPolicy", "")))
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
         except ApiError as e:
             self._send(e.body["code"], e.body)
@@ -250,7 +295,80 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def do_GET(self) -> None:
+        url = urlparse(self.path)
+        m = _PORT_FORWARD.match(url.path)
+        if m:
+            try:
+                return self._port_forward(m["ns"], m["name"], parse_qs(url.query))
+            except ApiError as e:
+                return self._send(e.body["code"], e.body)
         self._handle("GET")
+
+    def _port_forward(self, ns: str, name: str, query: Dict[str, List[str]]) -> None:
+        """The port-forward websocket: one port, its data channel relayed to the pod's port."""
+        from websockets.server import ServerProtocol
+
+        pod = self.store.get("pods", ns, name)
+        ports = [p for p in ",".join(query.get("ports", [])).split(",") if p]
+        if len(ports) != 1 or not ports[0].isdigit():
+            raise ApiError(400, "BadRequest", f"this emulator forwards exactly one port, not {ports}")
+        port = int(ports[0])
+        if (pod.get("status") or {}).get("phase") != "Running" or self.api.dial is None:
+            raise ApiError(400, "BadRequest", f"pod {name} is not running")
+        ws = ServerProtocol(subprotocols=[PORT_FORWARD_PROTOCOL], max_size=None)
+        ws.receive_data(self.raw_requestline + b"".join(f"{k}: {v}\r\n".encode() for k, v in self.headers.items())
+                        + b"\r\n")  # the request this handler parsed, for the protocol's own parser
+        (request,) = ws.events_received()
+        response = ws.accept(request)
+        ws.send_response(response)
+        self.close_connection = True
+        conn = self.connection
+        if response.status_code != 101:
+            conn.sendall(b"".join(ws.data_to_send()))
+            return
+        header = struct.pack("<H", port)  # each channel's first frame: the port
+        ws.send_binary(b"\x00" + header)
+        ws.send_binary(b"\x01" + header)
+        try:
+            target = self.api.dial(ns, name, port)
+        except OSError as e:
+            ws.send_binary(b"\x01" + f"error forwarding port {port} to pod {name}, uid {pod['metadata']['uid']}: "
+                                      f"failed to connect to localhost:{port} inside the pod: {e}".encode())
+            ws.send_close()
+            conn.sendall(b"".join(ws.data_to_send()))
+            return
+        with target:
+            try:
+                self._relay(ws, conn, target)
+            except OSError:  # either side reset: the stream ends
+                pass
+
+    @staticmethod
+    def _relay(ws: Any, conn: socket.socket, target: socket.socket) -> None:
+        from websockets.frames import Opcode
+
+        conn.sendall(b"".join(ws.data_to_send()))
+        while True:
+            readable, _, _ = select.select([conn, target], [], [])
+            done = False
+            if conn in readable:
+                data = conn.recv(1 << 16)
+                ws.receive_data(data) if data else ws.receive_eof()
+                for frame in ws.events_received():  # pings and the closing handshake answer themselves
+                    if frame.opcode is Opcode.BINARY and frame.data[:1] == b"\x00" and len(frame.data) > 1:
+                        target.sendall(frame.data[1:])
+                    done = done or frame.opcode is Opcode.CLOSE
+                done = done or not data
+            if target in readable:
+                data = target.recv(1 << 16)
+                if data:
+                    ws.send_binary(b"\x00" + data)
+                else:  # the pod closed its side: so does the stream
+                    ws.send_close()
+                    done = True
+            conn.sendall(b"".join(ws.data_to_send()))
+            if done:
+                return
 
     def do_POST(self) -> None:
         self._handle("POST")
@@ -264,7 +382,9 @@ class ApiServer:
 
     def __init__(self) -> None:
         self.store = Store()
-        handler = type("Handler", (_Handler,), {"store": self.store})
+        #: How port-forwards reach a pod's port: set by the kubelet (:meth:`.kubelet.Kubelet.dial`).
+        self.dial: Optional[Dial] = None
+        handler = type("Handler", (_Handler,), {"store": self.store, "api": self})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -16,8 +16,14 @@ statuses; a failed pod fails the Job (backoffLimit 0) and ends the others; a Job
 and its pods removed before the Job itself (foreground deletion).
 
 With ``hide``, each pod's agent runs in a mount namespace of its own where those directories
-(the client's workspace) are empty, and every pod has its own ``$HOME``. Not real: no
-network namespace (pods differ by loopback IP only), the Secret is not mounted at its mount
+(the client's workspace) are empty, and every pod has its own ``$HOME``. With ``nodes``
+(network namespaces with an address each, tests/netns.py), each pod runs in a namespace of its
+own with that address as pod IP, as behind a CNI, and its own hostname, ``/etc/hosts`` (the
+hostname is the pod IP) and ``/etc/resolv.conf`` (no cluster DNS). Without, pods share this machine's network namespace
+and differ by loopback IP only (so ``MONARCH_LISTEN_HOST``, a wildcard, is dropped: one pod's
+0.0.0.0 would be every pod's). :meth:`dial` connects a port-forward to a pod's port as the
+kubelet does: to localhost inside the pod's network namespace (else to its loopback IP).
+Not real: the Secret is not mounted at its mount
 path (that path is rewritten in env values), no images (an "image" is this machine's Python,
 optionally with a directory first on ``PYTHONPATH``), no resource limits.
 """
@@ -26,11 +32,13 @@ from __future__ import annotations
 
 import base64
 import copy
+import ctypes
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +46,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .apiserver import Store, now
 
@@ -55,15 +63,20 @@ class Kubelet:
     """Runs in a thread beside the emulator; :meth:`close` kills every process it started."""
 
     def __init__(self, store: Store, images: Dict[str, str], gpus: int = 0, root: Optional[Path] = None,
-                 hide: Sequence[Path] = ()) -> None:
+                 hide: Sequence[Path] = (), nodes: Sequence[Tuple[str, str]] = ()) -> None:
         """``images``: image name -> a directory put first on PYTHONPATH ("" for none): what the image holds.
         ``hide``: directories the pods must not see (an empty tmpfs over each, in a mount namespace of the
-        pod's own: needs root), as the client's files are not in a real pod's filesystem."""
+        pod's own: needs root), as the client's files are not in a real pod's filesystem.
+        ``nodes``: (network namespace, address) pairs, one pod each (needs root)."""
         self.store, self.images, self.gpus, self.hide = store, dict(images), gpus, [str(h) for h in hide]
         self.root = Path(root or tempfile.mkdtemp(prefix="kubelet-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.running: Dict[str, _Container] = {}  # pod key "ns/name" -> process
         self.ips: Dict[str, str] = {}
+        self.nodes = list(nodes)
+        #: A ResourceQuota on the number of pods: the Job controller's creations past it fail (an Event).
+        self.pod_quota: Optional[int] = None
+        self.node_of: Dict[str, Tuple[str, str]] = {}  # pod key -> its network namespace and address
         self.job_started: Dict[str, float] = {}
         self._next_ip = 1
         #: A loopback /24 of its own, so kubelets of concurrent test runs never share a pod IP.
@@ -95,10 +108,11 @@ class Kubelet:
             key = f"{job['metadata']['namespace']}/{job['metadata']['name']}"
             names.add(key)
             self._sync_job(job, by_job.get(key, []))
-        for key, orphans in by_job.items():  # garbage collection of pods whose Job is gone
+        for key, owned in by_job.items():  # garbage collection of pods whose owner, their Job, is gone
             if key not in names:
-                for pod in orphans:
-                    self._delete_pod(pod)
+                for pod in owned:
+                    if pod["metadata"].get("ownerReferences"):
+                        self._delete_pod(pod)
         for pod in pods:
             if pod["metadata"].get("deletionTimestamp"):
                 self._delete_pod(pod)
@@ -118,6 +132,9 @@ class Kubelet:
             return
         if not st.get("startTime"):
             for index in range(int(spec.get("completions") or 1)):
+                if self.pod_quota is not None and len(self.store.list("pods", ns)[0]) >= self.pod_quota:
+                    self._failed_create(job, index)
+                    continue
                 self._create_pod(job, index)
             self.job_started[f"{ns}/{name}"] = time.monotonic()
             self.store.update("jobs", ns, name, lambda o: o["status"].update(startTime=now(), active=int(
@@ -161,6 +178,19 @@ class Kubelet:
                "status": {"phase": "Pending"}}
         self.store.create("pods", job["metadata"]["namespace"], pod)
 
+    def _failed_create(self, job: Dict[str, Any], index: int) -> None:
+        """The Job controller's Warning event for a pod the quota refused."""
+        meta = job["metadata"]
+        used = len(self.store.list("pods", meta["namespace"])[0])
+        self.store.create("events", meta["namespace"], {
+            "apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}"},
+            "involvedObject": {"apiVersion": "batch/v1", "kind": "Job", "namespace": meta["namespace"],
+                               "name": meta["name"], "uid": meta["uid"]},
+            "reason": "FailedCreate", "type": "Warning", "count": 1, "source": {"component": "job-controller"},
+            "firstTimestamp": now(), "lastTimestamp": now(),
+            "message": f'Error creating: pods "{meta["name"]}-{index}-x" is forbidden: exceeded quota: pods, '
+                       f"requested: pods=1, used: pods={used}, limited: pods={self.pod_quota}"})
+
     # ------------------------------------------------------------------ pods
     def _sync_pod(self, pod: Dict[str, Any]) -> None:
         meta, st = pod["metadata"], pod["status"]
@@ -195,8 +225,16 @@ class Kubelet:
                                     ": not found"}})]))
             return
         key = f"{ns}/{name}"
-        ip = self.ips.setdefault(key, f"{self._ip_prefix}.{self._next_ip}")
-        self._next_ip += 1
+        if self.nodes:
+            free = [n for n in self.nodes if n not in self.node_of.values()]
+            if not free:
+                return  # stays Pending until a pod ends
+            self.node_of[key] = free[0]
+            ip = self.ips[key] = free[0][1]
+        else:
+            ip = self.ips.setdefault(key, f"{self._ip_prefix}.{self._next_ip}")
+            self._next_ip += 1
+        enter = ["nsenter", f"--net=/run/netns/{self.node_of[key][0]}"] if key in self.node_of else []
         root = self.root / name
         root.mkdir(mode=0o700)
         mounts = self._materialise_volumes(pod, container, root)
@@ -215,11 +253,13 @@ class Kubelet:
                 if value == mount_path or value.startswith(mount_path + "/"):
                     value = str(local) + value[len(mount_path):]
             env[item["name"]] = value
+        if key not in self.node_of:
+            env.pop("MONARCH_LISTEN_HOST", None)
         if self.images[container["image"]]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.images[container["image"]], env.get("PYTHONPATH")]))
         for init in spec.get("initContainers") or []:  # in order, each to completion, before the container
-            done = subprocess.run([_expand(a, env) for a in (init.get("command") or []) + (init.get("args") or [])],
-                                  env=env, cwd=root, capture_output=True, timeout=120)
+            argv = enter + [_expand(a, env) for a in (init.get("command") or []) + (init.get("args") or [])]
+            done = subprocess.run(argv, env=env, cwd=root, capture_output=True, timeout=120)
             if done.returncode != 0:
                 message = (done.stdout + done.stderr).decode(errors="replace")[-300:]
                 self.store.update("pods", ns, name, lambda o: o["status"].update(
@@ -228,14 +268,25 @@ class Kubelet:
                         "state": {"terminated": {"exitCode": done.returncode, "reason": "Error",
                                                  "message": message}}}]))
                 shutil.rmtree(root, ignore_errors=True)
+                self.node_of.pop(key, None)
                 return
         argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
-        if self.hide:  # a private mount namespace with the hidden directories covered by empty tmpfs
-            mounts = " && ".join(f'mount -t tmpfs pod-private "${i + 1}"' for i in range(len(self.hide)))
-            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                    f'{mounts} && shift {len(self.hide)} && exec "$@"', "sh", *self.hide, *argv]
+        setup, words = [], []  # shell commands (run in the pod's own mount namespace) and their "$N" words
+        if key in self.node_of:  # the pod's hostname, /etc/hosts and /etc/resolv.conf, as the kubelet writes them
+            hostname = spec.get("hostname") or name
+            (root / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {hostname}.{spec.get('subdomain')}.{ns}.svc "
+                                        f"{hostname}\n")
+            (root / "resolv.conf").write_text("nameserver 127.0.0.1\n")  # no cluster DNS: a quick refusal
+            setup += ['hostname "$1"', 'mount --bind "$2" /etc/hosts', 'mount --bind "$3" /etc/resolv.conf']
+            words += [hostname, str(root / "hosts"), str(root / "resolv.conf")]
+        for hidden in self.hide:  # the hidden directories covered by empty tmpfs
+            setup.append(f'mount -t tmpfs pod-private "${len(words) + 1}"')
+            words.append(hidden)
+        if setup:
+            argv = ["unshare", "--mount", "--propagation", "private", *(["--uts"] if key in self.node_of else []),
+                    "sh", "-c", f'{" && ".join(setup)} && shift {len(words)} && exec "$@"', "sh", *words, *argv]
         with open(root / "log", "wb") as log:
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=root,
+            proc = subprocess.Popen(enter + argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=root,
                                     start_new_session=True)
         self.running[key] = _Container(proc, root)
         self.store.update("pods", ns, name, lambda o: (o["spec"].update(nodeName="node-0"), o["status"].update(
@@ -269,7 +320,35 @@ class Kubelet:
         if container is not None:
             _kill(container.proc)
             shutil.rmtree(container.root, ignore_errors=True)
+        self.node_of.pop(key, None)
         self.store.remove("pods", meta["namespace"], meta["name"])
+
+    def dial(self, namespace: str, pod: str, port: int) -> socket.socket:
+        """A connection to ``port`` of the pod, made as a port-forward's: to localhost in the pod's network
+        namespace (from a thread that enters it; the socket stays there), or to its loopback IP."""
+        key = f"{namespace}/{pod}"
+        if key not in self.node_of:
+            if key not in self.ips:
+                raise OSError(f"pod {key} has no IP")
+            return socket.create_connection((self.ips[key], port), timeout=2)
+        made: List[Any] = []
+
+        def connect() -> None:
+            try:
+                with open(f"/run/netns/{self.node_of[key][0]}") as netns:
+                    if _libc.setns(netns.fileno(), _CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), "setns")
+                made.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except (OSError, KeyError) as e:
+                made.append(e)
+
+        thread = threading.Thread(target=connect, name=f"kubelet-dial-{pod}")  # only this thread changes namespace
+        thread.start()
+        thread.join()
+        if isinstance(made[0], Exception):
+            raise made[0] if isinstance(made[0], OSError) else OSError(f"pod {key} ended")
+        made[0].settimeout(None)
+        return made[0]
 
     def pids(self) -> List[int]:
         return [c.proc.pid for c in self.running.values()]
@@ -280,6 +359,10 @@ class Kubelet:
         for container in self.running.values():
             _kill(container.proc)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_CLONE_NEWNET = 0x40000000
 
 
 def _expand(text: str, env: Dict[str, str]) -> str:

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 REPO = str(Path(__file__).resolve().parents[2])
 IMAGE = "registry.example/monarch:test"
 OLD_IMAGE = "registry.example/monarch:old"
+TOPOLOGY = "kueue.x-k8s.io/podset-preferred-topology=rack"
 ALLREDUCE = """\
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -48,6 +49,7 @@ def cluster(tmp_path: Path) -> Iterator[Tuple[ApiServer, Kubelet, str]]:
     (old / "monarch_cli").mkdir(parents=True)
     (old / "monarch_cli" / "__init__.py").write_text("__version__ = '0.0.1'\n")
     kubelet = Kubelet(server.store, images={IMAGE: "", OLD_IMAGE: str(old)}, root=tmp_path / "kubelet")
+    server.dial = kubelet.dial
     kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
     yield server, kubelet, kubeconfig
     kubelet.close()
@@ -74,7 +76,8 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
     server, kubelet, kubeconfig = cluster
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
     printed = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                       kubeconfig, "--label", "team=ml", "--time", "1h", "--dry-run", "--json")
+                       kubeconfig, "--label", "team=ml", "--annotation", TOPOLOGY, "--time", "1h", "--dry-run",
+                       "--json")
     assert printed.returncode == 0 and server.store.list("jobs", None)[0] == [], printed.stderr  # contacts nothing
     (tmp_path / "plan.json").write_text(printed.stdout)
     served = _monarch(tmp_path, "serve", "--plan", "plan.json", "--json")  # reserve exactly the printed plan
@@ -90,10 +93,13 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
         assert "keys" not in json.dumps(pod["spec"]["containers"][0]["command"]).lower().replace("--keys", "")
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert secret["data"]["keys"] not in json.dumps(pod) and "MONARCH_KEYS" not in env  # ...and only there
+        assert pod["metadata"]["labels"]["team"] == "ml"  # --label and --annotation reach the pods
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/podset-preferred-topology"] == "rack"
     assert [h.name for h in job.state.hosts] == [f"{rid}-0", f"{rid}-1"]
+    assert job.state.scheduler_data["kubernetes"]["reach"] == "direct"  # pod IPs answer: no port-forward
     assert sum(c.startswith(f"monarch agent {rid} host {rid}-") for c in _processes_of(rid)) == 2
     again = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                     kubeconfig, "--label", "team=ml", "--time", "1h", "--json")
+                     kubeconfig, "--label", "team=ml", "--annotation", TOPOLOGY, "--time", "1h", "--json")
     assert again.returncode == 0 and json.loads(again.stdout)["reservation_id"] == rid, again.stderr  # reused
     other = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", OLD_IMAGE, "--kubeconfig",
                      kubeconfig, "--label", "team=ml", "--time", "1h")
@@ -112,6 +118,9 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
     for plural in ("jobs", "secrets", "services", "pods"):
         assert server.store.list(plural, "default", f"monarch-cli/reservation={rid}")[0] == [], plural
     assert _processes_of(rid) == [] and kubelet.pids() == []
+    # the Job went in the foreground (pods first); the API's default for Jobs would have orphaned them
+    assert any(p == "jobs" and o["metadata"]["name"] == rid and
+               o["metadata"].get("finalizers") == ["foregroundDeletion"] for _, p, _, _, o in server.store.events)
 
 
 def test_image_pull_failure_is_one_line_and_leaves_nothing(cluster: Tuple[ApiServer, Kubelet, str],
@@ -129,12 +138,31 @@ def test_image_pull_failure_is_one_line_and_leaves_nothing(cluster: Tuple[ApiSer
 def test_unschedulable_pods_give_up_with_the_reason(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     server, _, kubeconfig = cluster
-    monkeypatch.setattr("monarch_cli.schedulers.kubernetes.UNSCHEDULABLE_GRACE", 1.0)
+    monkeypatch.setattr("monarch_cli.schedulers.kubernetes.pods.UNSCHEDULABLE_GRACE", 1.0)
     messages: List[str] = []
     with pytest.raises(SchedulerError, match=r"Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"):
         serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, gpus_per_node=8,
               kubeconfig=kubeconfig, progress=messages.append)
     assert any(m.startswith("Pending: pod monarch-") and "Insufficient nvidia.com/gpu" in m for m in messages), messages
+    assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
+
+
+def test_a_quota_that_refuses_pods_is_shown_while_waiting(cluster: Tuple[ApiServer, Kubelet, str],
+                                                         tmp_path: Path) -> None:
+    server, kubelet, kubeconfig = cluster
+    kubelet.pod_quota = 1  # room for one of the two pods
+
+    class Seen(Exception):
+        pass
+
+    def give_up_when_shown(message: str) -> None:
+        if "exceeded quota" in message:
+            raise Seen(message)
+
+    with pytest.raises(Seen, match=r"Pending: the Job default/monarch-\w+ cannot create its pods: Error creating: "
+                                   r"pods .* is forbidden: exceeded quota: pods, requested: pods=1"):
+        serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, kubeconfig=kubeconfig,
+              progress=give_up_when_shown)
     assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
 
 
@@ -181,9 +209,26 @@ def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(cluster
                     kubeconfig, "--validate", "--dry-run")
     assert done.returncode == 0 and "validated by the API server" in done.stdout, done.stderr
     assert all(server.store.list(p, "default")[0] == [] for p in ("jobs", "secrets", "services"))  # a dry run
+    offline = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                       kubeconfig, "--namespace", "nosuch", "--dry-run")
+    assert offline.returncode == 0, offline.stderr  # a plain dry run asks nobody...
+    asked = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                     kubeconfig, "--namespace", "nosuch", "--dry-run", "--validate")
+    lines = asked.stderr.strip().splitlines()  # ...--validate asks the API server, which refuses
+    assert asked.returncode != 0 and len(lines) == 1, asked.stderr
+    assert 'the API server rejects the Secret: namespaces "nosuch" not found (HTTP 404)' in lines[0], lines[0]
     closed = ApiServer()
     config = closed.kubeconfig(tmp_path / "closed")
     closed.close()
+    two = json.loads(Path(kubeconfig).read_text())  # current context: the closed one; --context picks the live one
+    dead = json.loads(Path(config).read_text())
+    two["clusters"].append({"name": "closed", "cluster": dead["clusters"][0]["cluster"]})
+    two["contexts"].append({"name": "closed", "context": {"cluster": "closed", "user": "tester"}})
+    two["current-context"] = "closed"
+    (tmp_path / "two").write_text(json.dumps(two))
+    chosen = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
+                      str(tmp_path / "two"), "--context", "emulator", "--validate", "--dry-run")
+    assert chosen.returncode == 0 and "validated by the API server" in chosen.stdout, chosen.stderr
     done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
                     config, timeout=60)
     lines = done.stderr.strip().splitlines()
@@ -191,7 +236,8 @@ def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(cluster
 
 
 def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
-    """What Kueue does to a queued Job, done by hand: serve waits, saying so, until the Job is unsuspended."""
+    """What Kueue does to a queued Job, done by hand: serve waits, saying so, until the Job is unsuspended.
+    Then, forced port-forwards reach the agents; and a Job deleted behind the client's back is reported gone."""
     server, _, kubeconfig = cluster
     messages: List[str] = []
 
@@ -204,10 +250,34 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, K
             server.store.update("jobs", "default", job["metadata"]["name"], lambda o: o["spec"].update(suspend=False))
 
     job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, queue="team-a",
-                kubeconfig=kubeconfig, progress=admit_when_asked)
+                kubeconfig=kubeconfig, progress=admit_when_asked, port_forward="always")
     assert len(job.state.hosts) == 2 and any("waiting for Kueue" in m for m in messages), messages
+    assert job.state.scheduler_data["kubernetes"]["reach"] == "port-forward"
+    shown = job.status()
+    assert [h["alive"] for h in shown["hosts"]] == [True, True], shown  # through the forwards
+    assert all(a.startswith("tcp://127.0.0.1:") for a in job.scheduler.agent_addresses(job.state))
+    from monarch_cli.schedulers.kubernetes.api import apis
+    from monarch_cli.schedulers.kubernetes.port_forward import agent_answers
+
+    core, _ = apis(job.state.scheduler_data["kubernetes"])
+    pod = job.state.scheduler_data["kubernetes"]["pods"][0]
+    answered, why = agent_answers(core, "default", pod, 1)  # nothing listens there: the kubelet's error channel
+    assert not answered and f"error forwarding port 1 to pod {pod}" in why and "refused" in why, why
+    answered, why = agent_answers(core, "default", "no-such-pod", 29600)  # the API server's refusal
+    assert not answered and "404" in why, why
+
+    from kubernetes import client, config  # as `kubectl delete job` would, behind the client's back
+
+    batch = client.BatchV1Api(config.new_client_from_config(config_file=kubeconfig))
+    batch.delete_namespaced_job(job.state.reservation_id, "default",
+                                body=client.V1DeleteOptions(propagation_policy="Foreground"))
+    deadline = time.monotonic() + 30
+    while server.store.list("jobs", "default")[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stale = job.status()["stale"]
+    assert stale and f"the Job default/{job.state.reservation_id} was deleted" in stale, stale
     job.stop()
-    assert server.store.list("pods", "default")[0] == []
+    assert server.store.list("pods", "default")[0] == [] and server.store.list("secrets", "default")[0] == []
 
 
 def test_an_image_with_another_monarch_cli_is_one_line(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
@@ -242,10 +312,11 @@ def test_a_pod_that_dies_mid_run_ends_the_run(cluster: Tuple[ApiServer, Kubelet,
 
 
 def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
-    from monarch_cli.schedulers.kubernetes import _apis, _PodWatch
+    from monarch_cli.schedulers.kubernetes.api import apis
+    from monarch_cli.schedulers.kubernetes.pods import PodWatch
 
     server = ApiServer()  # no kubelet: the pods are made by hand
-    core, batch = _apis({"kubeconfig": server.kubeconfig(tmp_path / "kubeconfig")})
+    core, batch = apis({"kubeconfig": server.kubeconfig(tmp_path / "kubeconfig")})
 
     def pod(name: str, index: int) -> None:
         server.store.create("pods", "default", {"apiVersion": "v1", "kind": "Pod", "metadata": {
@@ -253,7 +324,7 @@ def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
                                      str(index)}}, "spec": {"containers": [{"name": "agent", "image": "x"}]}})
 
     pod("r-0-a", 0)
-    watch = _PodWatch(core, batch, "default", "r", 2, 1, lambda _m: None)
+    watch = PodWatch(core, batch, "default", "r", 2, 1, lambda _m: None)
     watch._refresh()  # the list
     pod("r-1-b", 1)
     watch._refresh()  # a watch from the list's resourceVersion

@@ -141,6 +141,7 @@ def test_without_the_client_one_line_says_what_to_install(tmp_path: Path) -> Non
     (["--hosts", "2", "--image", "x", "--time", "soon"], "--time takes"),
     (["--hosts", "2", "--image", "x", "--memory", "lots"], "--memory takes a Kubernetes quantity"),
     (["--hosts", "2", "--image", "x", "--pod-template", "/nonexistent.yaml"], "cannot read --pod-template"),
+    (["--hosts", "2", "--image", "x", "--port-forward", "sometimes"], "--port-forward takes auto, always, never"),
 ])
 def test_bad_input_is_one_line(tmp_path: Path, args: List[str], message: str) -> None:
     done = _cli("serve", "-s", "kubernetes", *args, "--dry-run", cwd=tmp_path)

@@ -12,7 +12,7 @@ import pytest
 
 from monarch_cli import Actor, HostMesh, SupervisionError, configure, endpoint, this_host
 from monarch_cli.config import settings
-from monarch_cli.runtime.agent_launch import launch_agent
+from monarch_cli.runtime.agent_start import launch_agent
 from monarch_cli.runtime.mailbox import Mailbox
 
 from ..conftest import all_gone, alive, spawn_python, wait_until

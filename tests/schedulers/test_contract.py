@@ -33,6 +33,13 @@ class FlavouredScheduler(LocalScheduler):
     name = "flavoured"
     options = (Option("flavour", str, None, "Which flavour of host.", short="-f"),
                Option("copies", int, None, "How many copies."))
+    stop_options = (Option("linger", int, None, "Seconds to linger before stopping."),)
+
+    def release_with(self, reservation, options):
+        import json, os
+        with open(os.environ["FLAVOUR_STOP_LOG"], "a") as f:
+            f.write(json.dumps(options) + "\\n")
+        self.release(reservation)
 
     def check_options(self, options):
         return {k: v for k, v in options.items() if v is not None}
@@ -96,6 +103,27 @@ def test_a_backend_from_another_package_gets_its_options_as_flags(tmp_path: Path
                            site=third_party), "has no option 'colour'", "flavour, copies")
     one_line_error(monarch("serve", "-s", "nope", "--dry-run", cwd=tmp_path, site=third_party),
                    "unknown scheduler 'nope'", "flavoured")
+
+
+def test_a_backend_from_another_package_gets_its_stop_options_as_flags(tmp_path: Path, third_party: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "stops.jsonl"
+    monkeypatch.setenv("FLAVOUR_STOP_LOG", str(log))
+    helped = monarch("stop", "--help", cwd=tmp_path, site=third_party)
+    assert helped.returncode == 0 and "--linger" in helped.stdout and "--keep-cluster" in helped.stdout
+    for stop in (["--linger", "5"], ["-o", "linger=7"]):
+        served = monarch("serve", "-s", "flavoured", cwd=tmp_path, site=third_party)
+        assert served.returncode == 0, served.stderr
+        # Another backend's stop option, or a bad value: one line, and the reservation is still there.
+        one_line_error(monarch("stop", "--keep-cluster", cwd=tmp_path, site=third_party),
+                       "unknown flavoured stop option(s): keep_cluster", "known: linger")
+        one_line_error(monarch("stop", "-o", "linger=soon", cwd=tmp_path, site=third_party),
+                       "linger= takes a whole number")
+        assert not log.exists() and monarch("status", cwd=tmp_path, site=third_party).returncode == 0
+        stopped = monarch("stop", *stop, cwd=tmp_path, site=third_party)
+        assert stopped.returncode == 0, stopped.stderr
+        assert json.loads(log.read_text().splitlines()[-1]) == {"linger": int(stop[-1][-1])}
+        log.unlink()
 
 
 def test_a_bug_is_an_internal_error_with_its_traceback_kept(tmp_path: Path, third_party: Path) -> None:

@@ -2,9 +2,15 @@
 
 The skypilot backend finds it through ``$MONARCH_SKYPILOT_PROVISIONER`` (its documented test
 seam). Each node is a network namespace from ``$MSKY_NODES`` (``ns=address,...``); a node's
-processes run in their own mount namespace with a private, empty ``/tmp`` that is also their
-``$HOME``, so the client's workspace (pytest's directories live in /tmp) is not shared and
-must be synced. They get SkyPilot's environment (``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``,
+processes run in their own mount namespace where ``/tmp`` is the node's own disk (a directory
+of the stand-in's, kept while the cluster exists) and also their ``$HOME``, so the client's
+workspace (pytest's directories live in /tmp) is not shared and must be synced.
+
+A cloud whose firewall keeps the agents' port closed: with ``$MSKY_INTERNAL`` (``ns=address,...``,
+a network the client has no route to) the nodes know each other by those addresses
+(``SKYPILOT_NODE_IPS``; the agents listen there), and with ``$MSKY_SSH`` (``user:key_file``)
+the launch gives SSH access to the head as SkyPilot's handle and credentials do (its external
+address, port 22, the user, the private key). They get SkyPilot's environment (``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``,
 ``SKYPILOT_NUM_NODES``, the task's secrets), run ``setup``, then ``exec`` the ``run`` script as
 SkyPilot's job. ``down`` ends every process of the node as terminating a VM would. State
 lives in ``$MSKY_STATE`` (one JSON file per cluster), so serve, status and stop may run in
@@ -19,14 +25,16 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from monarch_cli.errors import SchedulerError
+from monarch_cli.schedulers.skypilot import Cluster, Shape
+from monarch_cli.schedulers.skypilot_ssh import SshAccess
 from monarch_cli.sysutil import signal_if_alive
 
-# $0 is the setup script, $1 the run script; both run in the node's private /tmp ($HOME).
+# $0 is the setup script, $1 the run script, $2 the node's disk; both run in the node's /tmp ($HOME).
 _NODE = """\
-mount -t tmpfs -o mode=700 tmpfs /tmp || exit 97
+mount --bind "$2" /tmp || exit 97
 export HOME=/tmp
 cd "$HOME"
 bash -c "$0" || { echo "MSKY_SETUP_FAILED $?"; exit 98; }
@@ -35,8 +43,30 @@ exec bash -c "$1"
 """
 
 
-def _nodes() -> List[Tuple[str, str]]:
-    return [tuple(item.split("=", 1)) for item in os.environ["MSKY_NODES"].split(",")]  # type: ignore[misc]
+def _nodes(variable: str = "MSKY_NODES") -> List[Tuple[str, str]]:
+    return [tuple(item.split("=", 1)) for item in os.environ[variable].split(",")]  # type: ignore[misc]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it, when this process started it
+    except ChildProcessError:
+        pass
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _proc_state(pid)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "zombie"
+
+
+def _is_sshd(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip().startswith("sshd")
+    except OSError:
+        return False
 
 
 def netns_pids(ns: str) -> List[int]:
@@ -59,35 +89,64 @@ class NamespaceProvisioner:
         (self.state_dir / f"{cluster}.json").write_text(json.dumps(record))
 
     def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str],
-               progress: Callable[[str], None]) -> List[str]:
+               progress: Callable[[str], None]) -> Cluster:
         nodes = _nodes()[:int(task["num_nodes"])]
         if len(nodes) < int(task["num_nodes"]):
             raise SchedulerError(f"the stand-in has {len(_nodes())} node(s), not {task['num_nodes']}")
-        if self._record(cluster).get("state") == "UP":
-            raise SchedulerError(f"the stand-in does not reuse clusters ({cluster} is UP)")
+        record = self._record(cluster)
+        if record and any(_alive(pid) for pid in record["pids"]):
+            raise SchedulerError(f"the stand-in runs one job per cluster ({cluster} runs one)")
         ips = [address for _, address in nodes]
-        record: Dict[str, Any] = {"state": "UP", "nodes": [ns for ns, _ in nodes], "pids": [], "logs": []}
+        internal = [address for _, address in _nodes("MSKY_INTERNAL")][:len(nodes)] \
+            if os.environ.get("MSKY_INTERNAL") else ips
+        launches = record.get("launches", 0) + 1
+        record = {"state": "UP", "nodes": [ns for ns, _ in nodes], "pids": [], "logs": [], "launches": launches,
+                  "accelerators": task["resources"].get("accelerators"), "autostop": None}
         self._save(cluster, record)
         for rank, (ns, _) in enumerate(nodes):
-            env = {**os.environ, **secrets, "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NODE_IPS": "\n".join(ips),
+            env = {**os.environ, **secrets, "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NODE_IPS": "\n".join(internal),
                    "SKYPILOT_NUM_NODES": str(len(nodes)), "SKYPILOT_CLUSTER_INFO": json.dumps({"cluster": cluster})}
             log = self.state_dir / f"{cluster}.node{rank}.log"
-            with open(log, "wb") as out:
+            disk = self.state_dir / f"{cluster}.node{rank}.disk"
+            disk.mkdir(mode=0o700, exist_ok=True)
+            with open(log, "ab") as out:
                 proc = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
-                                         "bash", "-c", _NODE, task["setup"], task["run"]], env=env, stdout=out,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                         "bash", "-c", _NODE, task["setup"], task["run"], str(disk)], env=env,
+                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
             record["pids"].append(proc.pid)
             record["logs"].append(str(log))
             self._save(cluster, record)
             progress(f"stand-in: node{rank} in {ns}: setup")
         for rank, log in enumerate(record["logs"]):
             deadline = time.monotonic() + 60
-            while "MSKY_SETUP_DONE" not in Path(log).read_text(errors="replace"):
+            while Path(log).read_text(errors="replace").count("MSKY_SETUP_DONE") < launches:
                 text = Path(log).read_text(errors="replace")
-                if "MSKY_SETUP_FAILED" in text or time.monotonic() > deadline:
+                if text.count("MSKY_SETUP_FAILED") >= launches or time.monotonic() > deadline:
                     raise SchedulerError(f"setup failed on node{rank}: {text.strip()[-300:]}")
                 time.sleep(0.1)
-        return ips
+        ssh = None
+        if os.environ.get("MSKY_SSH"):
+            user, _, key_file = os.environ["MSKY_SSH"].partition(":")
+            ssh = SshAccess(ips[0], 22, user, key_file)
+        return Cluster(ips, internal, ssh)
+
+    def existing(self, cluster: str) -> Optional[Shape]:
+        record = self._record(cluster)
+        return Shape(record["state"], len(record["nodes"]), record.get("accelerators")) if record else None
+
+    def keep(self, cluster: str, idle_minutes: int, down: bool) -> None:
+        """What ``sky cancel`` then ``sky autostop`` do: the job's processes end, the nodes stay up."""
+        record = self._record(cluster)
+        for pid in record.get("pids", []):
+            signal_if_alive(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for pid in record.get("pids", []):
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._kill(record, spare=_is_sshd)  # what the agent left (nothing, if it cleaned up), sparing sshd
+        record["autostop"] = {"idle_minutes": idle_minutes, "down": down}
+        self._save(cluster, record)
 
     def state(self, cluster: str) -> Tuple[str, str]:
         record = self._record(cluster)
@@ -109,11 +168,11 @@ class NamespaceProvisioner:
             (self.state_dir / f"{cluster}.json").unlink()
 
     @staticmethod
-    def _kill(record: Dict[str, Any]) -> None:
+    def _kill(record: Dict[str, Any], spare: Callable[[int], bool] = lambda pid: False) -> None:
         """SIGKILL everything in the nodes, until nothing is left (a fork may race the first round)."""
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            pids = [pid for ns in record.get("nodes", []) for pid in netns_pids(ns)]
+            pids = [pid for ns in record.get("nodes", []) for pid in netns_pids(ns) if not spare(pid)]
             if not pids:
                 break
             for pid in pids:

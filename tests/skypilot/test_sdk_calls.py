@@ -15,9 +15,11 @@ from typing import Any, Callable, Dict, List
 
 import pytest
 
-from monarch_cli.errors import SchedulerError
+from monarch_cli.errors import OptionError, SchedulerError
 from monarch_cli.jobs import dryrun
-from monarch_cli.schedulers.skypilot import KEYS_SECRET, SkyProvisioner
+from monarch_cli.schedulers import Reservation
+from monarch_cli.schedulers.skypilot import KEYS_SECRET, Shape, SkyPilotScheduler
+from monarch_cli.schedulers.skypilot_sdk import SkyProvisioner
 
 import sky  # noqa: E402 - the test extra installs SkyPilot
 
@@ -38,22 +40,40 @@ def sdk(monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
     state: Dict[str, Any] = {"calls": [], "clusters": {}}
     calls = state["calls"]
 
-    def launch(task: Any, cluster_name: str = "", **_: Any) -> str:
+    # What SkyPilot's handle and credentials hold for a 2-node AWS cluster (CloudVmRayResourceHandle's fields).
+    handle = SimpleNamespace(cached_external_ips=["34.1.1.1", "34.1.1.2"], external_ips=lambda: [],
+                             cached_internal_ips=["172.31.0.5", "172.31.0.6"], cached_external_ssh_ports=[22, 22],
+                             launched_nodes=2, launched_resources=sky.Resources(infra="aws", accelerators="L4:1"))
+    credentials = {"ssh_user": "ubuntu", "ssh_private_key": "~/.sky/clients/abc/ssh/sky-key",
+                   "ssh_control_name": "mesh", "ssh_proxy_command": None}
+    state["credentials"] = credentials
+
+    def launch(task: Any, cluster_name: str = "", _include_credentials: bool = False, **_: Any) -> str:
         state["task"] = task
         state["clusters"][cluster_name] = "UP"
-        return "req-launch"
+        return "req-launch-creds" if _include_credentials else "req-launch"
 
     def stream_and_get(request_id: str, output_stream: Any = None, **_: Any) -> Any:
         output_stream.write("\x1b[32mLaunching on Kubernetes\x1b[0m\nJob submitted, ID: 1\r\n")
-        return 1, SimpleNamespace(cached_external_ips=["10.0.0.1", "10.0.0.2"], external_ips=lambda: [])
+        # A server new enough adds the credentials when asked (MIN_LAUNCH_CREDENTIALS_API_VERSION).
+        return (1, handle, state["credentials"]) if request_id == "req-launch-creds" else (1, handle)
 
     def status(cluster_names: List[str], **_: Any) -> List[Any]:
         name = cluster_names[0]
         found = state["clusters"].get(name)
-        return [SimpleNamespace(status=sky.ClusterStatus[found])] if found else []
+        return [{"name": name, "status": sky.ClusterStatus[found], "handle": handle}] if found else []
 
     def down(cluster_name: str, **_: Any) -> None:
         state["clusters"].pop(cluster_name, None)
+
+    def cancel(cluster_name: str, **_: Any) -> None:
+        state["cancelled"] = cluster_name
+
+    def autostop(cluster_name: str, idle_minutes: int, **_: Any) -> None:
+        state["autostop"] = idle_minutes
+
+    monkeypatch.setattr(sky, "cancel", _checked(sky.cancel, cancel, calls))
+    monkeypatch.setattr(sky, "autostop", _checked(sky.autostop, autostop, calls))
 
     monkeypatch.setattr(sky, "launch", _checked(sky.launch, launch, calls))
     monkeypatch.setattr(sky, "stream_and_get", _checked(sky.stream_and_get, stream_and_get, calls))
@@ -66,8 +86,12 @@ def sdk(monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
 def test_launch_state_and_down_through_the_sdk(sdk: Dict[str, Any], tmp_path: Path) -> None:
     plan = dryrun(["python", "train.py"], "skypilot", hosts=2, state=tmp_path / "s.pkl", gpus="L4", cloud="kubernetes")
     progress: List[str] = []
-    ips = SkyProvisioner().launch("mesh", plan.data["task"], {KEYS_SECRET: "PUBLIC SECRET"}, progress.append)
-    assert ips == ["10.0.0.1", "10.0.0.2"]
+    nodes = SkyProvisioner().launch("mesh", plan.data["task"], {KEYS_SECRET: "PUBLIC SECRET"}, progress.append)
+    assert nodes.ips == ["34.1.1.1", "34.1.1.2"] and nodes.internal_ips == ["172.31.0.5", "172.31.0.6"]
+    # SSH access to the head, for the tunnels: its external address and port, SkyPilot's user and key.
+    assert nodes.ssh is not None and (nodes.ssh.host, nodes.ssh.port, nodes.ssh.user) == ("34.1.1.1", 22, "ubuntu")
+    assert nodes.ssh.key_file == str(Path("~/.sky/clients/abc/ssh/sky-key").expanduser())
+    assert sdk["calls"][0]["_include_credentials"] is True
     assert progress[1:] == ["sky: Launching on Kubernetes", "sky: Job submitted, ID: 1"]  # SkyPilot's log, clean
     task = sdk["task"]
     assert isinstance(task, sky.Task) and task.num_nodes == 2 and task.run == plan.data["task"]["run"]
@@ -80,6 +104,71 @@ def test_launch_state_and_down_through_the_sdk(sdk: Dict[str, Any], tmp_path: Pa
     assert state == "GONE" and "has no cluster mesh" in reason
     assert [c["name"] for c in sdk["calls"]] == ["launch", "stream_and_get", "status", "get", "down", "get",
                                                  "status", "get"]
+
+
+def test_a_key_sent_by_the_api_server_is_kept_0600_and_removed_with_the_cluster(
+        sdk: Dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    sdk["credentials"] = {"ssh_user": "ubuntu", "ssh_private_key_content": "-----BEGIN KEY-----\nxyz\n"}
+    plan = dryrun(["python", "train.py"], "skypilot", hosts=2, state=tmp_path / "s.pkl")
+    nodes = SkyProvisioner().launch("mesh", plan.data["task"], {KEYS_SECRET: "k"}, lambda _: None)
+    key = Path(nodes.ssh.key_file)
+    assert key.read_text() == "-----BEGIN KEY-----\nxyz\n" and key.stat().st_mode & 0o777 == 0o600
+    assert key.parent.stat().st_mode & 0o077 == 0
+    SkyProvisioner().down("mesh")
+    assert not key.exists()
+
+
+def test_an_old_server_without_credentials_in_the_launch_is_asked_through_status(sdk: Dict[str, Any],
+                                                                                 tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    real_status = sky.status
+
+    def status(cluster_names: List[str], **kwargs: Any) -> List[Any]:
+        records = real_status(cluster_names, **kwargs)
+        return [{**r, "credentials": {"ssh_user": "gcpuser", "ssh_private_key": "/k"}} for r in records] \
+            if kwargs.get("_include_credentials") else records
+
+    monkeypatch.setattr(sky, "status", status)
+    monkeypatch.setattr(sky, "launch", lambda *a, **k: "req-launch")  # answered with (job id, handle) only
+    sdk["clusters"]["mesh"] = "UP"
+    plan = dryrun(["python", "train.py"], "skypilot", hosts=2, state=tmp_path / "s.pkl")
+    nodes = SkyProvisioner().launch("mesh", plan.data["task"], {KEYS_SECRET: "k"}, lambda _: None)
+    assert nodes.ssh is not None and (nodes.ssh.user, nodes.ssh.key_file) == ("gcpuser", "/k")
+
+
+def test_a_cluster_behind_a_proxy_command_is_reached_directly_only(sdk: Dict[str, Any], tmp_path: Path) -> None:
+    sdk["credentials"] = {"ssh_user": "sky", "ssh_private_key": "/k", "ssh_proxy_command": "ssh -W %h:%p jump"}
+    plan = dryrun(["python", "train.py"], "skypilot", hosts=2, state=tmp_path / "s.pkl")
+    progress: List[str] = []
+    nodes = SkyProvisioner().launch("mesh", plan.data["task"], {KEYS_SECRET: "k"}, progress.append)
+    assert nodes.ssh is None and any("proxy command" in p for p in progress)
+
+
+def test_an_existing_cluster_is_described_from_its_handle(sdk: Dict[str, Any]) -> None:
+    assert SkyProvisioner().existing("mesh") is None
+    sdk["clusters"]["mesh"] = "STOPPED"
+    assert SkyProvisioner().existing("mesh") == Shape("STOPPED", 2, "L4:1", "aws")
+
+
+def test_stop_keep_cluster_cancels_the_job_and_sets_autostop_without_down(sdk: Dict[str, Any], tmp_path: Path) -> None:
+    sdk["clusters"]["mesh"] = "UP"
+    record = Reservation("sky-1", [], {"cluster": "mesh", "keep": {"idle_minutes": 30, "down": False}})
+    scheduler = SkyPilotScheduler()
+    scheduler.release_with(record, scheduler.check_stop_options({"keep_cluster": True}))
+    assert [c["name"] for c in sdk["calls"]] == ["cancel", "get", "autostop", "get"]
+    assert sdk["calls"][0]["all"] is True and sdk["calls"][2]["idle_minutes"] == 30 and not sdk["calls"][2]["down"]
+    assert sdk["clusters"] == {"mesh": "UP"}  # not torn down
+    sdk["calls"].clear()
+    scheduler.release_with(record, scheduler.check_stop_options({"keep_cluster": True, "autostop": 5}))
+    assert sdk["calls"][2]["idle_minutes"] == 5  # stop's own --autostop wins
+    sdk["calls"].clear()
+    scheduler.release_with(record, scheduler.check_stop_options({}))  # a plain stop: sky down
+    assert [c["name"] for c in sdk["calls"]] == ["down", "get"] and sdk["clusters"] == {}
+    for bad, message in (({"autostop": 5}, "needs --keep-cluster"), ({"keep_cluster": True, "autostop": 0},
+                                                                     "more than zero"), ({"keep": True}, "unknown")):
+        with pytest.raises(OptionError, match=message):
+            scheduler.check_stop_options(bad)
 
 
 def test_a_failed_launch_is_one_line(sdk: Dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

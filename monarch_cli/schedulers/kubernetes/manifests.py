@@ -155,6 +155,8 @@ def build(rid: str, hosts: int, opts: Dict[str, Any], *, agent_port: Optional[in
     container: Dict[str, Any] = {
         "name": CONTAINER, "image": opts["image"], "command": agent.argv(),
         "env": [{"name": "MONARCH_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                # also on the pod's localhost, where a port-forward (the out-of-cluster path) connects
+                {"name": "MONARCH_LISTEN_HOST", "value": "0.0.0.0"},
                 {"name": "MONARCH_KEY_FILE", "value": f"{KEYS_DIR}/{KEYS_FILE}"}],
         "ports": [{"name": "agent", "containerPort": port, "protocol": "TCP"}],
         "volumeMounts": [{"name": "monarch-keys", "mountPath": KEYS_DIR, "readOnly": True},

@@ -24,9 +24,9 @@ import os
 import signal
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
-from . import lineage
+from . import agent_lineage, protocol, wire
 from .exit_status import describe_status, from_wait_status
 
 if TYPE_CHECKING:
@@ -81,11 +81,28 @@ class RankHost:
         self.held: Dict[str, Set[int]] = {}  # run id -> pipes not read until credit comes back
         self.unthrottled: Set[str] = set()  # runs whose client is gone: nobody will credit them
         self.port_held_at: Dict[str, float] = {}
-        self.tracked: Dict[str, Set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
-        self.leftovers: Dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
+        self.tracked: Dict[str, Set[agent_lineage.Pid]] = {}  # run id -> descendants seen under its ranks
+        self.leftovers: Dict[agent_lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
         self._next_scan = 0.0
 
     # ---------------------------------------------------------------- requests
+    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+        """The messages this part of the agent answers."""
+        agent = self.agent
+        return {
+            protocol.ReservePort: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.reserve_port(m.run_id)),
+            protocol.ReleasePort: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.release_port(m.run_id)),
+            protocol.RunRanks: self._on_run_ranks,
+            protocol.OutputCredit: lambda m, _: self.credit(m.run_id, int(m.nbytes)),
+            protocol.SignalRanks: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.signal_run(m.run_id, m.signal)),
+            # The reservation is being released: tell running runs who did it.
+            protocol.Stopping: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.announce_stop(m.who)),
+        }
+
+    def _on_run_ranks(self, msg: protocol.RunRanks, body: List[Any]) -> None:
+        self.agent.register_client(msg.reply_to, msg.heartbeat_timeout)
+        self.agent.reply(msg.reply_to, msg.cid, True, self.start(msg.reply_to, msg.run_id, wire.loads(body)))
+
     def reserve_port(self, run_id: str) -> int:
         """Bind and listen now, keep it open, hand the socket to rank 0 later: no race."""
         from ..config import advertised_host, bind_port_candidates
@@ -114,7 +131,7 @@ class RankHost:
             sock.close()
         return sock is not None
 
-    def start(self, owner: str, run_id: str, specs: List[Dict[str, Any]]) -> Dict[str, List[str]]:
+    def start(self, owner: str, run_id: str, specs: List[protocol.RankSpec]) -> Dict[str, List[str]]:
         """Start the ranks; returns ``made_cold``, the start-up variables that made warm ranks
         start cold, and ``notices`` for the user (e.g. a fresh warm process, and why)."""
         from . import preload  # (the agent's side; controllers import this module too)
@@ -126,7 +143,7 @@ class RankHost:
         notices: List[str] = []
         warm_zygote: Any = None
         for spec in specs:
-            spec["env"] = {**base, **spec["env"], lineage.RUN_ENV: run_id}  # the controller's view wins
+            spec["env"] = {**base, **spec["env"], agent_lineage.RUN_ENV: run_id}  # the controller's view wins
             differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
             if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings
@@ -187,15 +204,15 @@ class RankHost:
     def announce_stop(self, who: str) -> List[str]:
         """Tell each run with ranks here that ``who`` is releasing the reservation; returns those runs.
 
-        Sent as ``("event", "reservation_stopped", run_id, agent address, who)`` before the
-        agent is stopped, so the run ends saying why instead of as a lost host.
+        Sent as :class:`~.protocol.ReservationStopped` before the agent is stopped, so the run
+        ends saying why instead of as a lost host.
         """
         runs: Dict[Tuple[str, str], None] = {}
         for rank in (*self.by_pid.values(), *self.pending.values()):
             if rank.status is None:
                 runs[(rank.owner, rank.run_id)] = None
         for owner, run_id in runs:
-            self.agent.send(owner, ("event", "reservation_stopped", run_id, self.agent.address, who))
+            self.agent.send(owner, protocol.ReservationStopped(run_id, self.agent.address, who))
         return sorted({run_id for _, run_id in runs})
 
     def reap_owner(self, owner: str) -> None:
@@ -223,7 +240,7 @@ class RankHost:
         for pgid in [*self.reaping, *(g for groups in self.groups.values() for g in groups)]:
             _signal_group(pgid, signal.SIGKILL)
         for proc in [*self.leftovers, *(p for seen in self.tracked.values() for p in seen)]:
-            lineage.signal_exact(proc, signal.SIGKILL)
+            agent_lineage.signal_exact(proc, signal.SIGKILL)
 
     def zygote_died(self, zygote_pid: int, cause: str) -> None:
         """The fork server of some ranks died: they die with it (PDEATHSIG) and, re-parented
@@ -281,7 +298,7 @@ class RankHost:
             return True
         if data:
             self.in_flight[rank.run_id] = sent + len(data)
-            self.agent.send(rank.owner, ("event", "output", rank.run_id, rank.rank, rank.fds[fd]), [data])
+            self.agent.send(rank.owner, protocol.Output(rank.run_id, rank.rank, rank.fds[fd]), [data])
         else:
             self._close(fd)
             self._maybe_report(rank)
@@ -297,7 +314,7 @@ class RankHost:
         for proc, kill_at in list(self.leftovers.items()):
             if now >= kill_at:
                 del self.leftovers[proc]
-                lineage.signal_exact(proc, signal.SIGKILL)
+                agent_lineage.signal_exact(proc, signal.SIGKILL)
         if now >= self._next_scan:
             self._next_scan = now + _SCAN_EVERY
             self._track_descendants()
@@ -345,16 +362,16 @@ class RankHost:
 
     def _send_exit(self, rank: _Rank, exitcode: Optional[int], sig: Optional[int]) -> None:
         duration = (rank.exited_at or time.monotonic()) - rank.started
-        self.agent.send(rank.owner, ("event", "rank_exit", rank.run_id, rank.rank, exitcode, sig, duration, rank.pid,
-                                     rank.cause))
+        self.agent.send(rank.owner, protocol.RankExited(rank.run_id, rank.rank, exitcode, sig, duration, rank.pid,
+                                                        rank.cause))
 
     def _track_descendants(self) -> None:
         live = [r for r in self.by_pid.values() if r.status is None and r.pid is not None]
         if not live:
             return
-        table = lineage.children_map()
+        table = agent_lineage.children_map()
         for rank in live:
-            self.tracked.setdefault(rank.run_id, set()).update(lineage.descendants([rank.pid], table))  # type: ignore[list-item]
+            self.tracked.setdefault(rank.run_id, set()).update(agent_lineage.descendants([rank.pid], table))  # type: ignore[list-item]
 
     def _end_run(self, run_id: str) -> None:
         """Once every rank of a run here has ended, end what they left running, as torchrun
@@ -370,11 +387,11 @@ class RankHost:
             if _signal_group(pgid, signal.SIGTERM):
                 self.reaping[pgid] = kill_at
         # Those that left the group (setsid): seen under a rank, or carrying the run's id.
-        under_agent = lineage.descendants([os.getpid()])
+        under_agent = agent_lineage.descendants([os.getpid()])
         ours = {p for p in under_agent if p[0] in self.agent.zygote_pids() or p[0] in self.by_pid}
-        left = (self.tracked.pop(run_id, set()) | lineage.carrying(run_id, under_agent - ours)) - ours
+        left = (self.tracked.pop(run_id, set()) | agent_lineage.carrying(run_id, under_agent - ours)) - ours
         for proc in left:
-            if lineage.signal_exact(proc, signal.SIGTERM):
+            if agent_lineage.signal_exact(proc, signal.SIGTERM):
                 self.leftovers[proc] = kill_at
 
     def live_fds(self) -> Set[int]:

@@ -5,7 +5,7 @@ Two ways in, one behaviour:
 * warm: a child forked from a zygote that has already imported torch calls
   :func:`become_rank`; environment, cwd, ``sys.argv``, ``sys.path[0]``, ``__main__``,
   stdio and thread settings are reset to what a fresh interpreter would have;
-* cold: a fresh interpreter runs ``python -m monarch_cli.runtime.launcher`` with the rank
+* cold: a fresh interpreter runs ``python -m monarch_cli.runtime.rank_start`` with the rank
   spec in ``$MONARCH_RANK_SPEC`` (removed before user code runs).
 
 Rank 0 may be handed an already-listening socket for the rendezvous store, so the master
@@ -24,9 +24,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .title import rank_title, set_title
+
+if TYPE_CHECKING:
+    from .protocol import RankSpec
 
 SPEC_ENV = "MONARCH_RANK_SPEC"
 _store: Any = None  # keeps the rendezvous store alive for the whole run
@@ -178,7 +181,7 @@ def _print_traceback() -> None:
     traceback.print_exception(etype, value, tb)
 
 
-def run_program(spec: Dict[str, Any]) -> int:
+def run_program(spec: RankSpec) -> int:
     """Run the user's program in this (already prepared) process; returns its exit status.
 
     With ``post_mortem``, an uncaught exception leaves the rank in pdb at the failing frame
@@ -210,11 +213,11 @@ def run_program(spec: Dict[str, Any]) -> int:
         return 128 + signal.SIGINT
     except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: traceback, status 1
         _print_traceback()
-        if spec.get("post_mortem") and "monarch_cli.runtime.debugger" in sys.modules:
-            from . import debugger
+        if spec.get("post_mortem") and "monarch_cli.runtime.rank_debug" in sys.modules:
+            from . import rank_debug
 
             sys.stderr.flush()
-            debugger.post_mortem(sys.exc_info()[2])
+            rank_debug.post_mortem(sys.exc_info()[2])
         return _finish(1)
     return _finish(0)
 
@@ -227,7 +230,7 @@ def _die_of_sigint() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def become_rank(spec: Dict[str, Any], extra: Dict[str, int]) -> int:
+def become_rank(spec: RankSpec, extra: Dict[str, int]) -> int:
     """Warm path: reset this forked child to a fresh interpreter's state, then run.
 
     ``extra`` holds inherited fds by role: ``listen`` (rank 0's store socket), ``debug``.
@@ -292,23 +295,23 @@ def _settle_gloo_teardown() -> None:
 
 def _install_telemetry(spec: Dict[str, Any]) -> None:
     if spec.get("telemetry"):
-        from . import telemetry_rank
+        from . import rank_telemetry
 
-        telemetry_rank.install(spec)
+        rank_telemetry.install(spec)
 
 
 def _install_debugger(fd: Optional[int]) -> None:
     if fd is not None:
-        from . import debugger
+        from . import rank_debug
 
-        debugger.install(fd)
+        rank_debug.install(fd)
 
 
-def cold_command(spec: Dict[str, Any]) -> List[str]:
+def cold_command(spec: RankSpec) -> List[str]:
     """The command line of a cold rank (the spec travels in the environment)."""
     if spec["mode"] == "no_python":
         return list(spec["program"])
-    return [sys.executable, *spec.get("python_args", []), "-m", "monarch_cli.runtime.launcher"]
+    return [sys.executable, *spec.get("python_args", []), "-m", "monarch_cli.runtime.rank_start"]
 
 
 def _default_signals() -> None:
@@ -318,7 +321,7 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def exec_cold(spec: Dict[str, Any], extra: Dict[str, int]) -> None:
+def exec_cold(spec: RankSpec, extra: Dict[str, int]) -> None:
     """Cold path, in a forked child: replace this process with a fresh interpreter."""
     os.setsid()
     _default_signals()

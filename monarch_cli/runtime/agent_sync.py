@@ -3,11 +3,11 @@
 Requests arrive on the agent's authenticated inbox like every other request (so a backend
 reached only through one forwarded port gets sync too):
 
-* ``("sync_manifest", cid, reply_to)`` with a :class:`SyncCheck` body: tells whether this host
+* :class:`~.protocol.SyncManifest` with a :class:`SyncCheck` body: tells whether this host
   sees the client's workspace itself (one of its files at the same path with the same inode,
   size and mtime), and otherwise the mirror's directory and digest, plus its manifest when
   the client's digest differs.
-* ``("sync_apply", cid, reply_to)`` with a :class:`SyncApply` body: deletions and files (bytes
+* :class:`~.protocol.SyncApplyRequest` with a :class:`SyncApply` body: deletions and files (bytes
   out of band) written atomically into the mirror.
 
 A mirror lives at ``$MONARCH_REMOTE_DIR/<reservation>/workspace/<name>`` (default
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from . import wire
+from . import protocol, wire
 from .workspace import Entry, FileUpdate, Mirror
 
 if TYPE_CHECKING:
@@ -117,13 +117,19 @@ def apply(req: SyncApply) -> SyncApplied:
     return SyncApplied(written, nbytes, mirror.digest)
 
 
-def handle(agent: "HostAgent", header: Tuple[Any, ...], body: List[Any]) -> None:
-    """Answer one ``sync_*`` request; a failure is the caller's error naming this host."""
-    kind, cid, reply_to = header[:3]
+def handlers(agent: "HostAgent") -> Dict[type, Callable[[Any, List[Any]], None]]:
+    """The messages this part of the agent answers."""
+    return {
+        protocol.SyncManifest: lambda msg, body: _answer(agent, msg, body, check),
+        protocol.SyncApplyRequest: lambda msg, body: _answer(agent, msg, body, apply),
+    }
+
+
+def _answer(agent: "HostAgent", msg: Any, body: List[Any], serve: Callable[[Any], Any]) -> None:
+    """Answer one sync request; a failure is the caller's error naming this host."""
     try:
-        req = wire.loads(body)
-        value: Any = check(req) if kind == "sync_manifest" else apply(req)
+        value = serve(wire.loads(body))
     except Exception as e:  # noqa: BLE001 - a full disk or bad path must reach the client, not kill the agent
-        agent.reply(reply_to, cid, False, f"workspace sync on {agent.host} failed: {type(e).__name__}: {e}")
+        agent.reply(msg.reply_to, msg.cid, False, f"workspace sync on {agent.host} failed: {type(e).__name__}: {e}")
         return
-    agent.reply(reply_to, cid, True, value)
+    agent.reply(msg.reply_to, msg.cid, True, value)

@@ -105,7 +105,7 @@ def _safe(name: str) -> str:
 
 #: Learning is on unless this is 0/false/no in the environment ``monarch serve`` starts agents
 #: with. (It was opt-in while DDP scripts hung at exit in 1 run of 3 when forked from a learned
-#: warm process: a torch teardown race that launcher._settle_gloo_teardown now sidesteps.)
+#: warm process: a torch teardown race that rank_start._settle_gloo_teardown now sidesteps.)
 LEARN_ENV = "MONARCH_LEARN_PRELOAD"
 
 
@@ -239,12 +239,12 @@ class WarmRanks:
                 return
         self.next = self._spawn(wanted)
 
-    def on_message(self, zygote: Any, msg: Tuple[Any, ...]) -> bool:
+    def on_message(self, zygote: Any, msg: Any) -> bool:
         """A message from one of our zygotes; True if it was ours to handle (not a fork/exit)."""
         warm = next((w for w in self._all() if w.zygote is zygote), None)
         if warm is None:
             return False
-        kind = msg[0]
+        kind = msg.KIND
         if kind == "forked":
             warm.children += 1
         elif kind == "exit":

@@ -1,14 +1,14 @@
 """The agent's side of telemetry: samples of its ranks' processes, their step times, their stacks.
 
 * About once a second, for every live rank, the agent sends the rank's owner (the
-  ``run-spmd`` client) an ``("event", "telemetry", run_id, host, samples, steps)`` message:
+  ``run-spmd`` client) an :class:`~.protocol.Telemetry` message:
   process state, CPU, RSS, threads (psutil), the GPU it uses (NVML, when the host has
   GPUs and ``nvidia-ml-py`` is installed; otherwise those fields are None), and the step
-  records the rank's optimizer hook stored since (see :mod:`.telemetry_rank`).
+  records the rank's optimizer hook stored since (see :mod:`.rank_telemetry`).
 * ``telemetry_sample``: the same, now, for any holder of the keys (``monarch top``).
 * ``telemetry_stacks``: every live rank's Python stack, captured in parallel in a thread
   with ``py-spy dump``; a rank py-spy cannot attach to is asked for the interpreter's own
-  dump (faulthandler, on :data:`~.telemetry_rank.STACK_SIGNAL`).
+  dump (faulthandler, on :data:`~.rank_telemetry.STACK_SIGNAL`).
 * when a rank ends, its last step records go to its owner just before its exit is reported
   (:meth:`TelemetryHost.rank_ended`), so the run's ``steps`` are complete when it returns.
 """
@@ -24,14 +24,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ..sysutil import private_tmpdir
-from .telemetry_rank import STACK_SIGNAL, STEP_HEADER, STEP_TIME, paths
+from . import protocol
+from .rank_telemetry import STACK_SIGNAL, STEP_HEADER, STEP_TIME, paths
 
 if TYPE_CHECKING:
     from .agent import HostAgent
-    from .ranks import _Rank
+    from .agent_ranks import _Rank
 
 PUSH_INTERVAL = float(os.environ.get("MONARCH_TELEMETRY_INTERVAL", "1.0") or 1.0)
 _PY_SPY_TIMEOUT = 5.0
@@ -64,25 +65,24 @@ class TelemetryHost:
         return {"telemetry_dir": self.dir}
 
     # ------------------------------------------------------------ requests
-    def handle(self, header: Tuple[Any, ...], body: List[Any]) -> bool:
-        kind = header[0]
-        if kind == "telemetry_sample":
-            _, cid, reply_to, run_id = header
-            ranks = self._live(run_id)
-            self._read_steps(ranks)
-            self.agent.reply(reply_to, cid, True, {
-                "host": self.agent.host,
-                "samples": self._sample(ranks),
-                "steps": {r.rank: self._last_step.get((r.run_id, r.rank)) for r in ranks},
-            })
-        elif kind == "telemetry_stacks":
-            _, cid, reply_to, run_id, wanted, native = header
-            ranks = [r for r in self._live(run_id) if wanted is None or r.rank in wanted]
-            targets = [(r.run_id, r.rank, r.pid) for r in ranks]
-            threading.Thread(target=self._capture, args=(reply_to, cid, targets, bool(native)), daemon=True).start()
-        else:
-            return False
-        return True
+    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+        """The messages this part of the agent answers."""
+        return {protocol.TelemetrySample: self._on_sample, protocol.TelemetryStacks: self._on_stacks}
+
+    def _on_sample(self, msg: protocol.TelemetrySample, _body: List[Any]) -> None:
+        ranks = self._live(msg.run_id)
+        self._read_steps(ranks)
+        self.agent.reply(msg.reply_to, msg.cid, True, {
+            "host": self.agent.host,
+            "samples": self._sample(ranks),
+            "steps": {r.rank: self._last_step.get((r.run_id, r.rank)) for r in ranks},
+        })
+
+    def _on_stacks(self, msg: protocol.TelemetryStacks, _body: List[Any]) -> None:
+        ranks = [r for r in self._live(msg.run_id) if msg.ranks is None or r.rank in msg.ranks]
+        targets = [(r.run_id, r.rank, r.pid) for r in ranks]
+        threading.Thread(target=self._capture, args=(msg.reply_to, msg.cid, targets, bool(msg.native)),
+                         daemon=True).start()
 
     def tick(self, events: Dict[Any, int]) -> None:
         if self._wake_r in events:
@@ -126,7 +126,7 @@ class TelemetryHost:
             steps: List[Step] = []
             for r in ranks:
                 steps += self._pending.pop((run_id, r.rank), [])
-            self.agent.send(owner, ("event", "telemetry", run_id, self.agent.host, self._sample(ranks), steps))
+            self.agent.send(owner, protocol.Telemetry(run_id, self.agent.host, self._sample(ranks), steps))
 
     def _sample(self, ranks: List["_Rank"]) -> List[Sample]:
         import psutil
@@ -167,7 +167,7 @@ class TelemetryHost:
             self._read_file(r.run_id, r.rank, paths(self.dir, r.run_id, r.rank)["steps"])
 
     def _read_file(self, run_id: str, rank: int, path: str) -> None:
-        """The steps the rank's hook stored since the last read (the format: :data:`.telemetry_rank.STEP_HEADER`)."""
+        """The steps the rank's hook stored since the last read (the format: :data:`.rank_telemetry.STEP_HEADER`)."""
         done = self._offsets.get(path, 0)  # steps already read
         first = max(done - 1, 0)  # the previous step's time too: dt_ms is the difference
         try:
@@ -204,7 +204,7 @@ class TelemetryHost:
         self._read_file(rank.run_id, rank.rank, files["steps"])
         steps = self._pending.pop(key, [])
         if steps:
-            self.agent.send(rank.owner, ("event", "telemetry", rank.run_id, self.agent.host, [], steps))
+            self.agent.send(rank.owner, protocol.Telemetry(rank.run_id, self.agent.host, [], steps))
         self._last_step.pop(key, None)
         for path in files.values():
             self._offsets.pop(path, None)

@@ -17,8 +17,9 @@ import json
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
+from . import protocol
 from .dap_link import GOODBYE, DapFrames, accept_same_user, listen_loopback
 
 if TYPE_CHECKING:
@@ -125,9 +126,10 @@ class DebugHost:
         session.dap.clear()
         self._dap_close(session, f"rank {rank} exited ({how})")
         if session.holder:
-            self.agent.send(session.holder, ("event", "debug_state", run_id, rank, "exited", how))
+            self.agent.send(session.holder, protocol.DebugState(run_id, rank, "exited", how))
 
-    def _from_rank(self, s: _Session, msg: Dict[str, Any]) -> None:
+    def _from_rank(self, s: _Session, msg: Any) -> None:
+        """One :data:`~.protocol.RankDebugMessage` from the rank's debugger channel."""
         kind = msg["type"]
         if kind == "output":
             s.transcript += msg["data"]
@@ -137,7 +139,7 @@ class DebugHost:
                 s.confirmed = max(0, s.confirmed - cut)
                 s.casts = [(c, r, max(0, o - cut)) for c, r, o in s.casts]
             if s.holder:
-                self.agent.send(s.holder, ("event", "debug_output", s.run_id, s.rank, msg["data"]))
+                self.agent.send(s.holder, protocol.DebugOutput(s.run_id, s.rank, msg["data"]))
                 s.seen = len(s.transcript)
             if s.transcript.endswith(_PROMPTS):
                 self._finish_casts(s)
@@ -146,15 +148,15 @@ class DebugHost:
             s.state, s.where = "paused", {k: msg[k] for k in ("file", "line", "function", "reason")}
             stepping = s.last_input.split(" ")[0] in _STEPS
             if was != "paused" and not stepping:
-                self.agent.send(s.owner, ("event", "rank_paused", s.run_id, s.rank, self.agent.host, dict(s.where)))
+                self.agent.send(s.owner, protocol.RankPaused(s.run_id, s.rank, self.agent.host, dict(s.where)))
             if s.holder:
-                self.agent.send(s.holder, ("event", "debug_state", s.run_id, s.rank, "paused", dict(s.where)))
+                self.agent.send(s.holder, protocol.DebugState(s.run_id, s.rank, "paused", dict(s.where)))
         elif kind == "resumed":
             s.state = "running"
             if s.last_input.split(" ")[0] not in _STEPS:  # a step pauses again at once: wait for that
                 self._finish_casts(s)
                 if s.holder:
-                    self.agent.send(s.holder, ("event", "debug_state", s.run_id, s.rank, "running", ""))
+                    self.agent.send(s.holder, protocol.DebugState(s.run_id, s.rank, "running", ""))
         elif kind in ("dap_ready", "dap_error"):
             ok = kind == "dap_ready"
             if not ok:
@@ -185,7 +187,7 @@ class DebugHost:
         s.sock.close()
         s.sock = None
 
-    def _to_rank(self, s: _Session, msg: Dict[str, Any]) -> None:
+    def _to_rank(self, s: _Session, msg: protocol.AgentDebugMessage) -> None:
         if s.sock is not None:
             s.sock.setblocking(True)
             try:
@@ -200,34 +202,39 @@ class DebugHost:
                 del self.sessions[key]
 
     # ----------------------------------------------------------- client side
-    def handle(self, header: Tuple[Any, ...]) -> bool:
-        """Serve one ``debug_*`` request; False if ``header`` is not one."""
-        kind = header[0]
-        if not kind.startswith("debug_"):
-            return False
-        cid, reply_to = header[1], header[2]
-        if kind == "debug_list":
-            everything = len(header) > 3 and header[3]
-            rows = [s.describe(self.agent.host) for s in self.sessions.values()
-                    if everything or s.state != "running" or s.holder]
-            self.agent.reply(reply_to, cid, True, rows)
-            return True
-        run_id, rank = header[3], header[4]
+    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+        """The messages this part of the agent answers (``monarch debug``'s requests)."""
+        on_rank = lambda m, _: self._on_rank_request(m)  # noqa: E731
+        return {
+            protocol.DebugList: lambda m, _: self._list(m),
+            **{cls: on_rank for cls in (protocol.DebugAttach, protocol.DebugDetach, protocol.DebugInput,
+                                        protocol.DebugCast, protocol.DebugContinue, protocol.DebugDap,
+                                        protocol.DebugDapData, protocol.DebugDapEnd)},
+        }
+
+    def _list(self, msg: protocol.DebugList) -> None:
+        rows = [s.describe(self.agent.host) for s in self.sessions.values()
+                if msg.everything or s.state != "running" or s.holder]
+        self.agent.reply(msg.reply_to, msg.cid, True, rows)
+
+    def _on_rank_request(self, msg: Any) -> None:
+        """One request about one rank's session (every such message has run_id and rank)."""
+        kind, cid, reply_to, run_id, rank = msg.KIND, msg.cid, msg.reply_to, msg.run_id, msg.rank
         s = self.sessions.get((run_id, rank))
         if s is None:
             self.agent.reply(reply_to, cid, False, f"rank {rank} of run {run_id} is not on host {self.agent.host}")
-            return True
+            return
         if kind == "debug_continue" and s.state != "paused" and (not s.holder or s.holder == reply_to):
             done = f"already finished ({s.exit_how})" if s.state == "exited" else f"not paused (it is {s.state})"
             self.agent.reply(reply_to, cid, True, f"rank {rank} {done}; nothing to continue")
-            return True
+            return
         error = self._refuse(kind, s, reply_to)
         if error:
             self.agent.reply(reply_to, cid, False, error)
-            return True
+            return
         if kind == "debug_attach":
-            s.holder, s.holder_name = reply_to, header[5]
-            self.agent.register_client(reply_to, header[6])
+            s.holder, s.holder_name = reply_to, msg.holder_name
+            self.agent.register_client(reply_to, msg.heartbeat_timeout)
             unseen = s.transcript[s.seen:] or (s.transcript.rsplit("\n", 1)[-1] if s.state == "paused" else "")
             s.seen = s.confirmed = len(s.transcript)
             self.agent.reply(reply_to, cid, True, {"unseen": unseen, "state": s.state, "where": dict(s.where)})
@@ -237,27 +244,26 @@ class DebugHost:
                 s.confirmed = s.seen
             self.agent.reply(reply_to, cid, True, None)
         elif kind == "debug_input":
-            s.last_input = header[5].strip()
+            s.last_input = msg.line.strip()
             s.confirmed = s.seen
-            self._to_rank(s, {"type": "input", "line": header[5]})
+            self._to_rank(s, {"type": "input", "line": msg.line})
             self.agent.reply(reply_to, cid, True, None)
         elif kind == "debug_cast":
-            s.last_input = header[5].strip()
+            s.last_input = msg.line.strip()
             s.casts.append((cid, reply_to, len(s.transcript)))
-            self._to_rank(s, {"type": "input", "line": header[5]})
+            self._to_rank(s, {"type": "input", "line": msg.line})
         elif kind == "debug_continue":
             s.last_input = "continue"
             self._to_rank(s, {"type": "input", "line": "continue\n"})
             self.agent.reply(reply_to, cid, True, "continued")
         elif kind == "debug_dap":
-            self._dap_bind(s, cid, reply_to, header[5])
+            self._dap_bind(s, cid, reply_to, msg.heartbeat_timeout)
         elif kind == "debug_dap_data":
             if s.dap_client == reply_to:
-                self._dap_to_rank(s, header[5])
+                self._dap_to_rank(s, msg.message)
         elif kind == "debug_dap_end":
             if s.dap_client == reply_to:
                 s.dap_client = None
-        return True
 
     # ------------------------------------------------------------------- DAP
     def _dap_bind(self, s: _Session, cid: int, client: str, heartbeat_timeout: float) -> None:
@@ -307,7 +313,7 @@ class DebugHost:
             print(f"monarch agent: rank {s.rank}: debugger link: {e}", file=sys.stderr, flush=True)
         if s.dap_client is not None:
             for message in messages:
-                self.agent.send(s.dap_client, ("event", "debug_dap_data", s.run_id, s.rank, message))
+                self.agent.send(s.dap_client, protocol.DebugDapToIde(s.run_id, s.rank, message))
         if not data:
             self._dap_close(s, "the rank's debugger closed its connection")
 
@@ -331,7 +337,7 @@ class DebugHost:
             s.dap_lost = why
         s.dap_listener = s.dap_sock = None
         if s.dap_client is not None:
-            self.agent.send(s.dap_client, ("event", "debug_dap_closed", s.run_id, s.rank, why))
+            self.agent.send(s.dap_client, protocol.DebugDapClosed(s.run_id, s.rank, why))
             s.dap_client = None
 
     def _unwatch(self, sock: socket.socket) -> None:

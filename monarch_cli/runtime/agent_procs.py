@@ -1,0 +1,137 @@
+"""The agent's side of the actor API: fork procs for a client, report each exit to its owner,
+stop them on request (SIGTERM, then SIGKILL after the grace) and kill them when their owner
+goes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+
+from ..sysutil import signal_if_alive as _signal
+from . import protocol, wire
+from .errors import Failure
+
+if TYPE_CHECKING:
+    from .agent import HostAgent
+
+
+@dataclasses.dataclass
+class _Proc:
+    proc_id: str
+    owner: str
+    pid: int
+    stopping: bool = False
+    kill_at: Optional[float] = None
+    cause: str = ""
+
+
+class ProcHost:
+    def __init__(self, agent: "HostAgent") -> None:
+        self.agent = agent
+        self.by_pid: Dict[int, _Proc] = {}
+        self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
+        self.stops: List[Tuple[int, str, Set[str]]] = []  # (call id, reply to, proc ids left)
+
+    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+        """The messages this part of the agent answers."""
+        return {
+            protocol.SpawnProcs: self._on_spawn,
+            protocol.StopProcs: lambda m, _: self._stop(m.cid, m.reply_to, set(m.proc_ids), m.grace),
+        }
+
+    def _on_spawn(self, msg: protocol.SpawnProcs, body: List[Any]) -> None:
+        specs, client_settings, import_context = wire.loads(body)
+        self._spawn(msg.reply_to, specs, client_settings, import_context)
+        self.agent.reply(msg.reply_to, msg.cid, True, None)
+
+    def _spawn(self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any],
+               import_context: Dict[str, Any]) -> None:
+        agent = self.agent
+        agent.register_client(owner, float(client_settings.get("heartbeat_timeout", 5.0)), renew=True)
+        for proc_id, ready_cid in specs:
+            req = agent.next_request()
+            boot: protocol.ProcBoot = {
+                "keys": agent.keys.encode(),
+                "proc_id": proc_id,
+                "ready_call_id": ready_cid,
+                "owner": owner,
+                "agent": agent.address,
+                "host": agent.host,
+                "settings": client_settings,
+                "import": import_context,
+            }
+            self.forking[req] = (proc_id, owner)
+            agent.zygote.fork(req, boot)
+
+    # ------------------------------------------------------------------ events
+    def forked(self, req: int, pid: int) -> bool:
+        entry = self.forking.pop(req, None)
+        if entry is None:
+            return False
+        self.by_pid[pid] = _Proc(entry[0], entry[1], pid)
+        return True
+
+    def exited(self, pid: int, status: int) -> bool:
+        proc = self.by_pid.pop(pid, None)
+        if proc is None:
+            return False
+        failure = Failure(
+            proc=proc.proc_id,
+            host=self.agent.host,
+            pid=pid,
+            exitcode=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            reason="stopped" if proc.stopping else proc.cause,
+        )
+        self.agent.send(proc.owner, protocol.ProcExited(proc.proc_id, failure, proc.stopping))
+        for _, _, left in self.stops:
+            left.discard(proc.proc_id)
+        return True
+
+    def zygote_died(self, cause: str) -> None:
+        """The fork server died: its procs (dying with it) are reported with ``cause``, and
+        those it never forked are reported now."""
+        for proc in self.by_pid.values():
+            proc.cause = cause
+        for proc_id, owner in self.forking.values():
+            failure = Failure(proc_id, self.agent.host, None, reason=cause)
+            self.agent.send(owner, protocol.ProcExited(proc_id, failure, False))
+        self.forking.clear()
+
+    # ---------------------------------------------------------------- stopping
+    def _stop(self, cid: int, reply_to: str, proc_ids: Set[str], grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for p in self.by_pid.values():
+            if p.proc_id in proc_ids and not p.stopping:
+                p.stopping = True
+                p.kill_at = deadline
+                _signal(p.pid, signal.SIGTERM)
+        live = {p.proc_id for p in self.by_pid.values()}
+        self.stops.append((cid, reply_to, proc_ids & live))
+
+    def tick(self) -> None:
+        """SIGKILL procs past their stop grace; answer stop requests whose procs are all gone."""
+        now = time.monotonic()
+        for p in self.by_pid.values():
+            if p.kill_at is not None and now >= p.kill_at:
+                _signal(p.pid, signal.SIGKILL)
+                p.kill_at = None
+        for cid, reply_to, _ in [s for s in self.stops if not s[2]]:
+            self.agent.reply(reply_to, cid, True, None)
+        self.stops = [s for s in self.stops if s[2]]
+
+    def reap_owner(self, owner: str, why: str) -> None:
+        victims = [p for p in self.by_pid.values() if p.owner == owner]
+        if victims and why != "client exited":
+            print(f"monarch agent: {why}; killing its {len(victims)} proc(s)", file=sys.stderr, flush=True)
+        for p in victims:
+            p.stopping = True
+            _signal(p.pid, signal.SIGKILL)
+
+    def kill_all(self) -> None:
+        for p in self.by_pid.values():
+            _signal(p.pid, signal.SIGKILL)

@@ -1,0 +1,83 @@
+"""Routing a mailbox's events to the runs that asked for them (runs in the client).
+
+Agents send a run's events (its ranks' output and exits, debugger and telemetry traffic) to
+the process that started the run; one process may drive several runs at once (threads, a run
+and a debugger). Each run opens a :class:`Subscription` for its ``run_id`` and the event types
+it handles, and closes it when done; an event is delivered by ``(kind, run_id)``, to the
+subscriptions for exactly that run, else to those for every run (``run_id`` None: the
+debugger, which follows whichever run is paused). An event nobody subscribed to is dropped
+and counted (a late output line of a run that has ended, say).
+
+Handlers run on whichever thread reads the mailbox (its I/O thread or a waiter), one event
+at a time: they must be quick and must not wait for another reply.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+
+#: ``handler(event, body frames)``
+Handler = Callable[[Any, List[Any]], None]
+_Key = Tuple[str, Optional[str]]
+
+
+class EventRouter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # Replaced, never changed in place: the reader looks up without the lock.
+        self._routes: Dict[_Key, Tuple[Handler, ...]] = {}
+        #: Events that reached no subscription, by kind.
+        self.dropped: Dict[str, int] = {}
+
+    def subscribe(self, run_id: Optional[str], handlers: Mapping[Type[Any], Handler]) -> "Subscription":
+        """Deliver ``run_id``'s events of these types (every run's, with None) until closed."""
+        sub = Subscription(self, run_id, {cls.KIND: h for cls, h in handlers.items()})
+        with self._lock:
+            routes = dict(self._routes)
+            for kind, handler in sub.handlers.items():
+                routes[(kind, run_id)] = routes.get((kind, run_id), ()) + (handler,)
+            self._routes = routes
+        return sub
+
+    def _unsubscribe(self, sub: "Subscription") -> None:
+        with self._lock:
+            routes = dict(self._routes)
+            for kind, handler in sub.handlers.items():
+                left = tuple(h for h in routes.get((kind, sub.run_id), ()) if h is not handler)
+                if left:
+                    routes[(kind, sub.run_id)] = left
+                else:
+                    routes.pop((kind, sub.run_id), None)
+            self._routes = routes
+
+    def deliver(self, event: Any, body: List[Any]) -> None:
+        kind = event.KIND
+        routes = self._routes
+        handlers = routes.get((kind, getattr(event, "run_id", None))) or routes.get((kind, None))
+        if not handlers:
+            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+            return
+        for handler in handlers:
+            handler(event, body)
+
+
+class Subscription:
+    """One run's (or one debugger's) share of a mailbox's events; a context manager."""
+
+    def __init__(self, router: EventRouter, run_id: Optional[str], handlers: Dict[str, Handler]) -> None:
+        self._router = router
+        self.run_id = run_id
+        self.handlers = handlers
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._router._unsubscribe(self)
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,231 @@
+"""Requests (and a few one-way messages) from a client to a host agent."""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional
+
+from .base import CLIENT_AGENT, CLIENT_PROC, _message
+
+__all__ = ["Heartbeat", "HEARTBEAT_ACK", "Ping", "ReservePort", "ReleasePort", "RunRanks", "ForgetPreload",
+    "OutputCredit", "SignalRanks", "Stopping", "SpawnProcs", "StopProcs", "ClientExit", "Shutdown",
+    "SyncManifest", "SyncApplyRequest", "TelemetrySample", "TelemetryStacks", "DebugList", "DebugAttach",
+    "DebugDetach", "DebugInput", "DebugCast", "DebugContinue", "DebugDap", "DebugDapData", "DebugDapEnd"]
+
+
+# ------------------------------------------------------------------ client → agent
+@_message("heartbeat", CLIENT_AGENT)
+class Heartbeat(NamedTuple):
+    """Answered with the raw frame :data:`HEARTBEAT_ACK` on the connection it came on."""
+
+    client: str
+
+
+HEARTBEAT_ACK = b"ack"
+
+
+@_message("ping", CLIENT_AGENT + ", " + CLIENT_PROC)
+class Ping(NamedTuple):
+    """Host info from an agent (a dict), the pid from a proc."""
+
+    cid: int
+    reply_to: str
+
+
+@_message("reserve_port", CLIENT_AGENT)
+class ReservePort(NamedTuple):
+    """Bind and hold rank 0's rendezvous port for a run; answered with the port."""
+
+    cid: int
+    reply_to: str
+    run_id: str
+
+
+@_message("release_port", CLIENT_AGENT)
+class ReleasePort(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: str
+
+
+@_message("run_ranks", CLIENT_AGENT)
+class RunRanks(NamedTuple):
+    """Start a run's ranks on this host; the body is a list of :class:`RankSpec`."""
+
+    cid: int
+    reply_to: str
+    run_id: str
+    heartbeat_timeout: float
+
+
+@_message("forget_preload", CLIENT_AGENT)
+class ForgetPreload(NamedTuple):
+    cid: int
+    reply_to: str
+
+
+@_message("output_credit", CLIENT_AGENT)
+class OutputCredit(NamedTuple):
+    """The client has printed ``nbytes`` more of the run's output (flow control, no answer)."""
+
+    run_id: str
+    nbytes: int
+
+
+@_message("signal_ranks", CLIENT_AGENT)
+class SignalRanks(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: str
+    signal: int
+
+
+@_message("stopping", CLIENT_AGENT)
+class Stopping(NamedTuple):
+    """The reservation is being released by ``who``: running runs are told so."""
+
+    cid: int
+    reply_to: str
+    who: str
+
+
+@_message("spawn_procs", CLIENT_AGENT)
+class SpawnProcs(NamedTuple):
+    """Fork procs; the body is ``(specs [(proc_id, ready cid)], client settings, import context)``."""
+
+    cid: int
+    reply_to: str
+
+
+@_message("stop_procs", CLIENT_AGENT)
+class StopProcs(NamedTuple):
+    cid: int
+    reply_to: str
+    proc_ids: List[str]
+    grace: float
+
+
+@_message("client_exit", CLIENT_AGENT)
+class ClientExit(NamedTuple):
+    client: str
+
+
+@_message("shutdown", CLIENT_AGENT)
+class Shutdown(NamedTuple):
+    cid: int
+    reply_to: str
+
+
+@_message("sync_manifest", CLIENT_AGENT)
+class SyncManifest(NamedTuple):
+    """Body: a ``SyncCheck`` (:mod:`.agent_sync`); answered with a ``SyncStatus``."""
+
+    cid: int
+    reply_to: str
+
+
+@_message("sync_apply", CLIENT_AGENT)
+class SyncApplyRequest(NamedTuple):
+    """Body: a ``SyncApply`` (:mod:`.agent_sync`); answered with a ``SyncApplied``."""
+
+    cid: int
+    reply_to: str
+
+
+@_message("telemetry_sample", CLIENT_AGENT)
+class TelemetrySample(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: Optional[str]
+
+
+@_message("telemetry_stacks", CLIENT_AGENT)
+class TelemetryStacks(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: Optional[str]
+    ranks: Optional[List[int]]
+    native: bool
+
+
+# The debugger: ``monarch debug`` (a client) to the agent holding the rank's session.
+@_message("debug_list", CLIENT_AGENT)
+class DebugList(NamedTuple):
+    cid: int
+    reply_to: str
+    everything: bool
+
+
+@_message("debug_attach", CLIENT_AGENT)
+class DebugAttach(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: str
+    rank: int
+    holder_name: str
+    heartbeat_timeout: float
+
+
+@_message("debug_detach", CLIENT_AGENT)
+class DebugDetach(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: str
+    rank: int
+
+
+@_message("debug_input", CLIENT_AGENT)
+class DebugInput(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: str
+    rank: int
+    line: str
+
+
+@_message("debug_cast", CLIENT_AGENT)
+class DebugCast(NamedTuple):
+    """A pdb command whose output is the answer (not streamed to a holder)."""
+
+    cid: int
+    reply_to: str
+    run_id: str
+    rank: int
+    line: str
+
+
+@_message("debug_continue", CLIENT_AGENT)
+class DebugContinue(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: str
+    rank: int
+
+
+@_message("debug_dap", CLIENT_AGENT)
+class DebugDap(NamedTuple):
+    """Bind the rank's debugpy to this client; answered once it is connected."""
+
+    cid: int
+    reply_to: str
+    run_id: str
+    rank: int
+    heartbeat_timeout: float
+
+
+@_message("debug_dap_data", CLIENT_AGENT)
+class DebugDapData(NamedTuple):
+    """One whole DAP message from the IDE (``cid`` 0: no answer)."""
+
+    cid: int
+    reply_to: str
+    run_id: str
+    rank: int
+    message: bytes
+
+
+@_message("debug_dap_end", CLIENT_AGENT)
+class DebugDapEnd(NamedTuple):
+    cid: int
+    reply_to: str
+    run_id: str
+    rank: int

@@ -1,0 +1,243 @@
+"""The kubernetes backend's view of a reservation's pods while serve waits: which agents answer
+(at the pod IP, or through a port-forward), and why waiting is pointless (one-line reasons)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from typing import Any, Dict, Optional, Set, Tuple
+
+from ...errors import SchedulerError
+from ..base import Progress
+from . import manifests
+from .api import api_error
+from .manifests import RESERVATION_LABEL
+
+#: How long every pod may stay Unschedulable before serve gives up (an autoscaler may add nodes).
+UNSCHEDULABLE_GRACE = 120.0
+#: How often serve asks for a port-forward to a pod whose agent does not answer yet.
+FORWARD_PROBE_INTERVAL = 0.5
+#: Container waiting reasons that will not resolve by waiting.
+_TERMINAL_WAITING = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                     "CreateContainerConfigError", "CreateContainerError", "CrashLoopBackOff"}
+
+
+class PodWatch:
+    """The reservation's pods, kept current by watching them from the last resourceVersion seen."""
+
+    def __init__(self, core: Any, batch: Any, namespace: str, job: str, hosts: int, port: int,
+                 progress: Progress, port_forward: str = "auto") -> None:
+        self.core, self.batch, self.ns, self.job, self.hosts, self.port = core, batch, namespace, job, hosts, port
+        self.progress, self.said = progress, ""
+        self.mode = port_forward
+        #: "direct" or "port-forward" once decided (the first agent to answer decides for all).
+        self.reach: Optional[str] = {"always": "port-forward", "never": "direct"}.get(port_forward)
+        self.next_forward: Dict[str, float] = {}
+        self.forward_errors: Set[str] = set()
+        self.events_read = 0.0
+        self.selector = f"{RESERVATION_LABEL}={job}"
+        self.pods: Dict[str, Any] = {}
+        self.version: Optional[str] = None
+        self.unschedulable_since: Optional[float] = None
+        self.answered: Dict[str, str] = {}
+        self.refreshed = 0.0
+
+    def _refresh(self) -> None:
+        from kubernetes import watch
+
+        try:
+            if self.version is None:
+                listed = self.core.list_namespaced_pod(self.ns, label_selector=self.selector)
+                self.pods = {p.metadata.name: p for p in listed.items}
+                self.version = listed.metadata.resource_version
+                return
+            w = watch.Watch()
+            for event in w.stream(self.core.list_namespaced_pod, self.ns, label_selector=self.selector,
+                                  resource_version=self.version, timeout_seconds=1, _request_timeout=10):
+                pod = event["object"]
+                self.version = pod.metadata.resource_version
+                if event["type"] == "DELETED":
+                    self.pods.pop(pod.metadata.name, None)
+                else:
+                    self.pods[pod.metadata.name] = pod
+        except Exception as e:  # noqa: BLE001
+            if getattr(e, "status", None) == 410:  # resourceVersion too old: list again
+                self.version = None
+                return
+            raise api_error(e, f"cannot watch the pods of Job {self.ns}/{self.job}") from None
+
+    def _by_index(self) -> Dict[int, Any]:
+        out = {}
+        for pod in self.pods.values():
+            index = (pod.metadata.labels or {}).get(manifests.INDEX_LABEL)
+            if index is not None and not pod.metadata.deletion_timestamp:
+                out[int(index)] = pod
+        return out
+
+    def pod_names(self) -> Dict[int, str]:
+        return {i: p.metadata.name for i, p in self._by_index().items()}
+
+    def discover(self) -> Dict[str, str]:
+        """``{host name: agent address}`` for each running pod whose agent port accepts a connection."""
+        running = [p for p in self._by_index().values() if p.status and p.status.phase == "Running"]
+        if len(running) < self.hosts or time.monotonic() - self.refreshed > 1.0:
+            self._refresh()  # blocks up to a second for news; once all run, only the ports are polled
+            self.refreshed = time.monotonic()
+        found = {}
+        for index, pod in self._by_index().items():
+            name = f"{self.job}-{index}"
+            ip = pod.status.pod_ip if pod.status else None
+            if pod.status and pod.status.phase == "Running" and ip:
+                address = f"tcp://{ip}:{self.port}"
+                if name not in self.answered and self._answers(pod.metadata.name, index, ip):
+                    self.answered[name] = address
+                if name in self.answered:
+                    found[name] = self.answered[name]
+        return found
+
+    def _answers(self, pod: str, index: int, ip: str) -> bool:
+        """Whether the pod's agent answers: at its IP, else (auto, IP unreachable; always) through a port-forward."""
+        if self.reach != "port-forward":
+            how, why = _dial(ip, self.port)
+            if how == "open":
+                self.reach = "direct"
+                return True
+            if self.reach == "direct" and how == "unreachable":
+                raise SchedulerError(f"pod {pod} (host {index}): its IP {ip} is not reachable from here ({why}); "
+                                     "use --port-forward auto or always from outside the cluster")
+            if self.reach == "direct" or how == "refused":  # reachable, the agent is not listening yet
+                return False
+        if time.monotonic() < self.next_forward.get(pod, 0.0):
+            return False
+        self.next_forward[pod] = time.monotonic() + FORWARD_PROBE_INTERVAL
+        from .port_forward import agent_answers
+
+        answered, why = agent_answers(self.core, self.ns, pod, self.port)
+        if answered and self.reach is None:
+            self.reach = "port-forward"
+            self.progress("pod IPs are not reachable from here: each agent is reached through a port-forward over "
+                          "the Kubernetes API")
+        elif why and why not in self.forward_errors:  # once each: pods alternate
+            self.forward_errors.add(why)
+            self.progress(f"port-forward to pod {pod}: {why}")
+        return answered
+
+    def check(self) -> None:
+        """Raise when waiting is pointless: the Job failed, a pod ended or cannot pull its image."""
+        try:
+            job = self.batch.read_namespaced_job(self.job, self.ns)
+        except Exception as e:  # noqa: BLE001
+            if getattr(e, "status", None) == 404:
+                raise SchedulerError(f"the Job {self.ns}/{self.job} was deleted while starting") from None
+            raise api_error(e, f"cannot read Job {self.ns}/{self.job}") from None
+        why = job_ended(job)
+        if why:  # a failed pod says more than the Job's condition: see the pods as they are now
+            self.version = None
+            self._refresh()
+            self._check_pods()
+            raise SchedulerError(why)
+        self._check_pods()
+        if job.spec.suspend:
+            self._say(f"the Job {self.ns}/{self.job} is suspended: waiting for Kueue to admit it")
+        elif len(self._by_index()) < self.hosts:
+            refused = self._failed_create()
+            if refused:
+                self._say(f"Pending: the Job {self.ns}/{self.job} cannot create its pods: {refused}")
+        unschedulable = [f"pod {p.metadata.name}: {pending_reason(p)}" for _, p in sorted(self._by_index().items())
+                         if pending_reason(p).startswith("Unschedulable")]
+        if unschedulable:
+            self._say(f"Pending: {unschedulable[0]}" + (f" (and {len(unschedulable) - 1} more)"
+                                                         if len(unschedulable) > 1 else ""))
+            self.unschedulable_since = self.unschedulable_since or time.monotonic()
+            if time.monotonic() - self.unschedulable_since > UNSCHEDULABLE_GRACE:
+                raise SchedulerError(f"{unschedulable[0]} (for {UNSCHEDULABLE_GRACE:.0f} s)")
+        else:
+            self.unschedulable_since = None
+
+    def _failed_create(self) -> str:
+        """The Job controller's latest FailedCreate warning (a quota, a policy), at most once a second."""
+        if time.monotonic() < self.events_read + 1.0:
+            return ""
+        self.events_read = time.monotonic()
+        try:
+            events = self.core.list_namespaced_event(
+                self.ns, field_selector=f"involvedObject.kind=Job,involvedObject.name={self.job}").items
+        except Exception:  # noqa: BLE001 - events are a hint; RBAC may not allow them
+            return ""
+        warnings = [e for e in events if e.type == "Warning" and e.reason == "FailedCreate"]
+        return " ".join((warnings[-1].message or "").split())[:300] if warnings else ""
+
+    def _check_pods(self) -> None:
+        """Raise for a pod that ended or cannot pull its image."""
+        for index, pod in sorted(self._by_index().items()):
+            phase = pod.status.phase if pod.status else None
+            if phase in ("Failed", "Succeeded"):
+                raise SchedulerError(f"pod {pod.metadata.name} (host {index}) {phase.lower()} during start-up: "
+                                     f"{exit_reason(pod)}")
+            for cs in (pod.status.container_statuses or []) if pod.status else []:
+                waiting = cs.state.waiting if cs.state else None
+                if waiting and waiting.reason in _TERMINAL_WAITING:
+                    raise SchedulerError(f"pod {pod.metadata.name} (host {index}): {waiting.reason}: "
+                                         f"{(waiting.message or '').strip()[:300]}")
+
+    def _say(self, message: str) -> None:
+        if message != self.said:
+            self.progress(message)
+            self.said = message
+
+
+def _dial(ip: str, port: int, timeout: float = 0.5) -> Tuple[str, str]:
+    """Try the pod IP's port: ("open"|"refused"|"unreachable"|"timeout", why)."""
+    try:
+        with socket.create_connection((ip, port), timeout=timeout):
+            return "open", ""
+    except socket.timeout:
+        return "timeout", f"no answer in {timeout} s"
+    except OSError as e:
+        if e.errno == errno.ECONNREFUSED:
+            return "refused", e.strerror or str(e)
+        if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EACCES, errno.EPERM):
+            return "unreachable", e.strerror or str(e)
+        return "timeout", e.strerror or str(e)
+
+
+def pending_reason(pod: Any) -> str:
+    for cond in (pod.status.conditions or []) if pod.status else []:
+        if cond.type == "PodScheduled" and cond.status == "False" and cond.reason:
+            return f"{cond.reason}: {(cond.message or '').strip()}"
+    return ""
+
+
+def exit_reason(pod: Any) -> str:
+    statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])] if pod.status \
+        else []
+    for cs in statuses:
+        term = cs.state.terminated if cs.state else None
+        if term and (term.exit_code or cs is statuses[-1]):
+            return (f"{cs.name}: " if cs.name != manifests.CONTAINER else "") + f"exit code {term.exit_code}" + (f" ({term.reason})" if term.reason else "") + \
+                (f": {_one_line(term.message)}" if term.message else "")
+    return (pod.status.reason or pod.status.message or "no reason given") if pod.status else "no status"
+
+
+def _one_line(text: str, lines: int = 3) -> str:
+    """The last few lines of a container's message (its log tail), joined into one."""
+    return " | ".join([ln.strip() for ln in text.strip().splitlines() if ln.strip()][-lines:])[-400:]
+
+
+def job_ended(job: Any) -> str:
+    """Why the Job is over ("" while it runs): failed (deadline, a pod failed) or complete."""
+    name = f"{job.metadata.namespace}/{job.metadata.name}"
+    for cond in (job.status.conditions or []) if job.status else []:
+        if cond.status != "True":
+            continue
+        if cond.type == "Failed":
+            if cond.reason == "DeadlineExceeded":
+                return f"the Job {name} reached its deadline (activeDeadlineSeconds={job.spec.active_deadline_seconds})"
+            return f"the Job {name} failed: {cond.reason}: {(cond.message or '').strip()}"
+        if cond.type == "Complete":
+            return f"the Job {name} completed (every agent exited)"
+    return ""
+
+
+__all__ = ["PodWatch", "job_ended", "exit_reason", "pending_reason", "UNSCHEDULABLE_GRACE"]
