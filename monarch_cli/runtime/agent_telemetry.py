@@ -54,7 +54,7 @@ class TelemetryHost:
         agent.watch_fd(self._wake_r)
         self._done: "queue.Queue[Tuple[str, int, bool, Any]]" = queue.Queue()
         self._procs: Dict[int, Any] = {}  # pid -> psutil.Process (cpu_percent needs the previous call)
-        self._offsets: Dict[str, int] = {}  # step file -> records read
+        self._offsets: Dict[str, int] = {}  # step file -> steps read
         self._pending: Dict[Tuple[str, int], List[Step]] = {}  # step rows not yet sent to the owner
         self._last_step: Dict[Tuple[str, int], Step] = {}
         self._next_push = 0.0
