@@ -97,7 +97,7 @@ TABLES: Dict[str, Tuple[str, List[Tuple[str, str, str]]]] = {
         ("run_id", "TEXT", "run id"),
         ("rank", "INTEGER", "rank"),
         ("step", "INTEGER", "1 for the first optimizer.step() of the run, then 2, 3..."),
-        ("ts", "REAL", "unix time the step ended (the host's clock)"),
+        ("ts", "REAL", "unix time the step ended (the host's clock when the rank started, plus monotonic time since)"),
         ("dt_ms", "REAL", "milliseconds since the previous step ended (since the hook was installed for step 1)"),
     ]),
     "stacks": ("stacks captured by `monarch stack` / `monarch diagnose`, one row per thread", [
@@ -176,14 +176,37 @@ def _connect_rw(path: Path) -> "sqlite3.Connection":
     return conn
 
 
-def _deny_attach(action: int, *_: Any) -> int:
-    import sqlite3
+#: PRAGMAs that only read; any other, or one of these given a value, is refused.
+_READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+                 "foreign_key_list", "database_list", "collation_list", "function_list", "module_list",
+                 "pragma_list", "compile_options", "journal_mode", "user_version", "schema_version",
+                 "page_count", "page_size", "freelist_count", "encoding", "data_version", "integrity_check",
+                 "quick_check", "query_only"}
+_TABLE_ARGUMENT = {"table_info", "table_xinfo", "index_list", "index_info", "index_xinfo", "foreign_key_list",
+                   "integrity_check", "quick_check"}
 
-    return sqlite3.SQLITE_DENY if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH) else sqlite3.SQLITE_OK
+
+class _ReadOnly:
+    """The authorizer of a read-only connection: no ATTACH, no VACUUM INTO, no PRAGMA that sets anything."""
+
+    def __init__(self) -> None:
+        self.refused: Optional[str] = None
+
+    def __call__(self, action: int, arg1: Optional[str], arg2: Optional[str], *_: Any) -> int:
+        import sqlite3
+
+        if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH):
+            self.refused = "ATTACH/DETACH (and VACUUM, which attaches) is refused"
+        elif action == sqlite3.SQLITE_PRAGMA and (
+                (arg1 or "").lower() not in _READ_PRAGMAS or (arg2 is not None and (arg1 or "").lower() not in _TABLE_ARGUMENT)):
+            self.refused = f"PRAGMA {arg1}{'=' + arg2 if arg2 is not None else ''} is refused"
+        else:
+            return sqlite3.SQLITE_OK
+        return sqlite3.SQLITE_DENY
 
 
 def connect_readonly(path: Path) -> "sqlite3.Connection":
-    """A connection that cannot change the store: ``mode=ro``, ``query_only``, no ATTACH."""
+    """A connection that cannot change the store: ``mode=ro``, ``query_only``, no ATTACH, no PRAGMA writes."""
     import sqlite3
 
     path = Path(path)
@@ -191,7 +214,7 @@ def connect_readonly(path: Path) -> "sqlite3.Connection":
         raise StoreError(f"no telemetry store at {path}: nothing has run on this reservation yet")
     conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=10.0)
     conn.execute("PRAGMA query_only=1")
-    conn.set_authorizer(_deny_attach)
+    conn.set_authorizer(_ReadOnly())
     return conn
 
 
@@ -200,17 +223,23 @@ def query(path: Path, sql: str, params: Sequence[Any] = ()) -> Tuple[List[str], 
     import sqlite3
 
     conn = connect_readonly(path)
+    guard = _ReadOnly()
+    conn.set_authorizer(guard)
     try:
         cur = conn.execute(sql, params)
         cols = [d[0] for d in cur.description or ()]
         return cols, cur.fetchall()
     except sqlite3.Error as e:
         msg = str(e)
-        if "readonly" in msg or "not authorized" in msg:
+        if guard.refused:
+            msg = f"the telemetry store is read-only here: {guard.refused}; use SELECT"
+        elif "readonly" in msg:
             msg = f"the telemetry store is read-only here ({msg}); use SELECT"
-        raise StoreError(f"sql: {msg}") from None
-    except sqlite3.Warning as e:  # e.g. "You can only execute one statement at a time."
-        raise StoreError(f"sql: {e}") from None
+        elif "one statement at a time" in msg:
+            msg = "one statement at a time, please (no ';' between statements)"
+        raise StoreError(f"sql: {' '.join(msg.split())}") from None
+    except sqlite3.Warning:  # Python < 3.12: "You can only execute one statement at a time."
+        raise StoreError("sql: one statement at a time, please (no ';' between statements)") from None
     finally:
         conn.close()
 

@@ -15,6 +15,8 @@ from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out, parse
 from .sql import run_sql
 
 if TYPE_CHECKING:  # the job API loads the runtime: only the commands that run import it
+    from rich.console import RenderableType
+
     from ..jobs.telemetry import Diagnosis, RankRow, StackReport
 
 
@@ -91,15 +93,15 @@ def top_cmd(
         if as_json:
             emit_json({"run_id": run_id, "ranks": [r.__dict__ for r in rows]})
         else:
-            out.print(_top_table(run_id, rows))
+            out.print(_top_view(run_id, rows))
         return
     from rich.live import Live
 
     try:
-        with Live(_top_table(*job.top()), console=out, auto_refresh=False, screen=False) as live:
+        with Live(_top_view(*job.top()), console=out, auto_refresh=False, screen=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(_top_table(*job.top()), refresh=True)
+                live.update(_top_view(*job.top()), refresh=True)
     except KeyboardInterrupt:  # the way to leave a live view: not an error
         return
 
@@ -137,20 +139,39 @@ def _fmt(v: Optional[float], spec: str, unit: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{unit}"
 
 
+#: Above this many ranks, `top` shows the suspects' rows and a grid of short cells for the rest.
+GRID_ABOVE = 32
+
+
+def _top_view(run_id: Optional[str], rows: List["RankRow"]) -> "RenderableType":
+    """One row per rank; for many ranks, the suspects' rows and then every other rank as one short cell."""
+    if len(rows) <= GRID_ABOVE:
+        return _top_table(run_id, rows)
+    from rich.columns import Columns
+    from rich.console import Group
+    from rich.text import Text
+
+    suspects = [r for r in rows if r.suspect]
+    others = sorted((r for r in rows if not r.suspect), key=lambda r: r.rank)
+    head = _top_table(run_id, suspects) if suspects else Text(f"run {run_id}: {len(rows)} ranks, no suspect", style="bold")
+    cells = [Text(f"{r.rank:>4} {r.state[:8]:<8} {_fmt(r.cpu_percent, '.0f', '%'):>4} "
+                  f"{'-' if r.step is None else r.step:>6} {_fmt(r.output_age, '.0f', 's'):>4}") for r in others]
+    legend = Text(f"{len(others)} other rank(s): rank, state, cpu, step, age of last output", style="dim")
+    return Group(head, legend, Columns(cells, padding=(0, 3), equal=True))
+
+
 def _top_table(run_id: Optional[str], rows: List["RankRow"]) -> Table:
     table = Table(title=f"run {run_id}" if run_id else "no run recorded", header_style="bold", box=None)
-    compact = len(rows) > 32
-    cols = ["rank", "host", "state", "cpu", "rss", "gpu", "step", "step ms", "output age"] + ([] if compact else ["last line"])
+    cols = ["rank", "host", "state", "cpu", "rss", "gpu", "step", "step ms", "output age", "last line"]
     for c in cols:
         table.add_column(c, overflow="ellipsis", no_wrap=True, max_width=60 if c == "last line" else None)
     for r in rows:
         gpu = "-" if r.gpu_util is None else f"{r.gpu_util:.0f}% {_fmt(r.gpu_mem_mb, '.0f', 'M')}"
         cells = [str(r.rank), r.host or "-", r.state, _fmt(r.cpu_percent, ".0f", "%"), _fmt(r.rss_mb, ".0f", "M"), gpu,
-                 "-" if r.step is None else str(r.step), _fmt(r.step_ms, ".1f"), _fmt(r.output_age, ".0f", "s")]
-        if not compact:
-            cells.append(escape(r.last_line))
+                 "-" if r.step is None else str(r.step), _fmt(r.step_ms, ".1f"), _fmt(r.output_age, ".0f", "s"),
+                 r.last_line]
         style = "red" if r.suspect else None
-        table.add_row(*[escape(c) if i < len(cells) - 1 else c for i, c in enumerate(cells)], style=style)
+        table.add_row(*[escape(c) for c in cells], style=style)
     suspects = [r for r in rows if r.suspect]
     if suspects:
         table.caption = escape("; ".join(f"rank {r.rank}: {r.suspect}" for r in suspects[:4]))

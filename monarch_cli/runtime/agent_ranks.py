@@ -62,6 +62,7 @@ class _Rank:
     exited_at: Optional[float] = None
     zygote_pid: int = 0  # the fork server it came from
     cause: str = ""  # why it ended, when not by itself (its warm process died)
+    sampled: bool = False  # its client records telemetry: the agent samples it each second
     #: Signals sent to the run before this rank's fork completed: delivered once it has a pid,
     #: so a run stopped early never waits for a rank nobody signalled.
     signals: List[int] = dataclasses.field(default_factory=list)
@@ -170,7 +171,7 @@ class RankHost:
                     spec[preload.REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
             zygote = warm_zygote if spec["warm"] else self.agent.zygote
             rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2},
-                         zygote_pid=zygote.process.pid)
+                         zygote_pid=zygote.process.pid, sampled=bool(spec.get("telemetry")))
             req = self.agent.next_request()
             self.pending[req] = rank
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")

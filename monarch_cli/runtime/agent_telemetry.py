@@ -4,7 +4,7 @@
   ``run-spmd`` client) an :class:`~.protocol.Telemetry` message:
   process state, CPU, RSS, threads (psutil), the GPU it uses (NVML, when the host has
   GPUs and ``nvidia-ml-py`` is installed; otherwise those fields are None), and the step
-  records the rank's optimizer hook appended since (see :mod:`.rank_telemetry`).
+  records the rank's optimizer hook stored since (see :mod:`.rank_telemetry`).
 * ``telemetry_sample``: the same, now, for any holder of the keys (``monarch top``).
 * ``telemetry_stacks``: every live rank's Python stack, captured in parallel in a thread
   with ``py-spy dump``; a rank py-spy cannot attach to is asked for the interpreter's own
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ..sysutil import private_tmpdir
 from . import protocol
-from .rank_telemetry import STACK_SIGNAL, STEP_RECORD, paths
+from .rank_telemetry import STACK_SIGNAL, STEP_HEADER, STEP_TIME, paths
 
 if TYPE_CHECKING:
     from .agent import HostAgent
@@ -54,7 +54,7 @@ class TelemetryHost:
         agent.watch_fd(self._wake_r)
         self._done: "queue.Queue[Tuple[str, int, bool, Any]]" = queue.Queue()
         self._procs: Dict[int, Any] = {}  # pid -> psutil.Process (cpu_percent needs the previous call)
-        self._offsets: Dict[str, int] = {}
+        self._offsets: Dict[str, int] = {}  # step file -> steps read
         self._pending: Dict[Tuple[str, int], List[Step]] = {}  # step rows not yet sent to the owner
         self._last_step: Dict[Tuple[str, int], Step] = {}
         self._next_push = 0.0
@@ -113,7 +113,7 @@ class TelemetryHost:
         return sorted((r for r in live if r.run_id == run_id), key=lambda r: r.rank)
 
     def _push(self) -> None:
-        live = [r for r in self.agent.ranks.by_pid.values() if r.status is None and r.pid is not None]
+        live = [r for r in self.agent.ranks.by_pid.values() if r.status is None and r.pid is not None and r.sampled]
         for pid in set(self._procs) - {r.pid for r in live}:
             del self._procs[pid]
         if not live:
@@ -167,18 +167,33 @@ class TelemetryHost:
             self._read_file(r.run_id, r.rank, paths(self.dir, r.run_id, r.rank)["steps"])
 
     def _read_file(self, run_id: str, rank: int, path: str) -> None:
-        offset = self._offsets.get(path, 0)
+        """The steps the rank's hook stored since the last read (the format: :data:`.rank_telemetry.STEP_HEADER`)."""
+        done = self._offsets.get(path, 0)  # steps already read
+        first = max(done - 1, 0)  # the previous step's time too: dt_ms is the difference
         try:
             with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
+                head = f.read(STEP_HEADER.size)
+                if len(head) < STEP_HEADER.size:
+                    return
+                count, anchor, prev = STEP_HEADER.unpack(head)
+                if count <= done:
+                    return
+                f.seek(STEP_HEADER.size + first * STEP_TIME.size)
+                data = f.read((count - first) * STEP_TIME.size)
         except OSError:
             return
-        whole = len(data) - len(data) % STEP_RECORD.size
-        if not whole:
+        times = [t for (t,) in STEP_TIME.iter_unpack(data[: len(data) - len(data) % STEP_TIME.size])]
+        if done:
+            prev, times = times[0], times[1:]
+        rows = []
+        for t in times:
+            if t < prev or t <= 0.0:  # not stored yet (a weakly ordered CPU): read it next time
+                break
+            rows.append((run_id, rank, done + len(rows) + 1, anchor + t, (t - prev) * 1000.0))
+            prev = t
+        if not rows:
             return
-        self._offsets[path] = offset + whole
-        rows = [(run_id, rank, *STEP_RECORD.unpack_from(data, i)) for i in range(0, whole, STEP_RECORD.size)]
+        self._offsets[path] = done + len(rows)
         self._pending.setdefault((run_id, rank), []).extend(rows)
         self._last_step[(run_id, rank)] = rows[-1]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import pytest
 from monarch_cli.jobs import Job, serve
 from monarch_cli.jobs.telemetry import RankRow, _suspicions, compress
 from monarch_cli.runtime.agent_telemetry import py_spy_path
-from monarch_cli.telemetry_store import TelemetryWriter, db_path, query
+from monarch_cli.telemetry_store import TelemetryWriter, db_path, query, schema_json, schema_text
 
 from ..conftest import one_line_error
 from .conftest import Run, spmd
@@ -54,6 +55,21 @@ for _ in range(6):
     model(torch.randn(16, 8)).sum().backward()
     opt.step()
 dist.destroy_process_group()
+"""
+
+# Every rank steps, then idles in the same line of the same function; rank 1 stepped fewer
+# times and has been silent since "ready", the others print a tick every 0.2 s.
+LAGGING = """
+import os, sys, time, torch
+rank = int(os.environ["RANK"])
+opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+for _ in range(2 if rank == 1 else 8):
+    opt.step()
+print(f"ready {rank}", flush=True)
+def idle(flag, talk):
+    while not os.path.exists(flag):
+        print("tick", flush=True) if talk else None; time.sleep(0.2)
+idle(sys.argv[1], rank != 1)
 """
 
 FAIL = """
@@ -92,7 +108,8 @@ def in_background(job: Job, script: Path, *args: str, nproc: int) -> Dict[str, R
 
 def ready_lines(job: Job) -> int:
     try:
-        rows = job.sql("SELECT count(*) AS n FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) AND line LIKE 'ready %'")
+        rows = job.sql("SELECT count(*) AS n FROM logs WHERE run_id = (SELECT max(run_id) FROM runs WHERE ended_at IS NULL) "
+                       "AND line LIKE 'ready %'")  # of the run in progress, not the previous one
     except Exception:  # noqa: BLE001 - the store may not exist yet
         return 0
     return rows[0]["n"]
@@ -105,7 +122,8 @@ def test_hung_rank_stacks_diagnose_top_and_reading_while_the_run_writes(job: Job
     box = in_background(job, script, str(flag), "2", nproc=2)
     try:
         wait_for(lambda: ready_lines(job) == 4, why="4 ranks to print ready")
-        # a second process reads while the run's writer is active
+        # a second process reads while the run's writer is active: the store is in WAL mode
+        assert monarch(job, "sql", "PRAGMA journal_mode").stdout.split()[1] == "wal"
         done = monarch(job, "sql", "--json", "SELECT rank, line FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY rank")
         assert done.returncode == 0, done.stderr
         assert [r["line"] for r in json.loads(done.stdout)] == [f"ready {r}" for r in range(4)]
@@ -122,6 +140,19 @@ def test_hung_rank_stacks_diagnose_top_and_reading_while_the_run_writes(job: Job
         assert shown.returncode == 0, shown.stderr
         assert "3 ranks (0-1,3): barrier ← hang.py:" in shown.stdout
         assert "1 rank (2): stuck_in_data_loader ← hang.py:" in shown.stdout
+
+        # --ranks picks ranks, --json gives every rank's every thread, --native adds C frames
+        picked = monarch(job, "stack", "--ranks", "1-2", "--json")
+        assert picked.returncode == 0, picked.stderr
+        data = json.loads(picked.stdout)
+        assert [g["ranks"] for g in data["groups"]] == [[1], [2]], data["groups"]
+        assert [r["rank"] for r in data["ranks"]] == [1, 2]
+        assert all(any(t["main"] and t["frames"] for t in r["threads"]) for r in data["ranks"]), data["ranks"]
+        native = monarch(job, "stack", "--native", "--ranks", "0", "--json")
+        assert native.returncode == 0, native.stderr
+        frames = [f for t in json.loads(native.stdout)["ranks"][0]["threads"] for f in t["frames"]]
+        assert any(f["file"] and not f["file"].endswith(".py") for f in frames), frames  # a native frame
+        assert any(f["function"] == "barrier" for f in frames), frames
 
         verdict = monarch(job, "diagnose", "--json")
         assert verdict.returncode == 1, verdict.stdout + verdict.stderr
@@ -142,6 +173,13 @@ def test_hung_rank_stacks_diagnose_top_and_reading_while_the_run_writes(job: Job
         assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
         assert all(r["rss_mb"] and r["rss_mb"] > 10 and r["last_line"].startswith("ready") for r in ranks)
         assert all(r["gpu_util"] is None for r in ranks)  # no GPU here
+        gpu = job.sql("SELECT count(*) AS n, count(gpu_index) + count(gpu_util) + count(gpu_mem_mb) + count(gpu_power_w) "
+                      "+ count(gpu_temp_c) AS gpu FROM samples WHERE run_id = (SELECT max(run_id) FROM runs)")[0]
+        assert gpu["n"] >= 4 and gpu["gpu"] == 0, gpu  # GPU columns stay NULL without a GPU
+        sampled = job.sql("SELECT rank, pid, state, threads, rss_mb, cpu_percent FROM samples "
+                          "WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY ts DESC LIMIT 4")
+        assert all(r["pid"] and r["state"] in ("sleeping", "running") and r["threads"] >= 1 and r["rss_mb"] > 10
+                   and r["cpu_percent"] is not None for r in sampled), sampled
     finally:
         flag.write_text("")
         box["thread"].join(120)  # type: ignore[attr-defined]
@@ -151,6 +189,55 @@ def test_hung_rank_stacks_diagnose_top_and_reading_while_the_run_writes(job: Job
     assert after[0]["exit_code"] == 0 and after[0]["world_size"] == 4 and after[0]["ended_at"] is not None
     healthy = monarch(job, "diagnose")
     assert healthy.returncode == 0 and "healthy" in healthy.stdout, healthy.stdout + healthy.stderr
+
+
+def test_a_lagging_silent_rank_comes_first_in_top_and_diagnose_names_it(job: Job, tmp_path: Path) -> None:
+    script = _write(tmp_path, "lagging.py", LAGGING)
+    flag = tmp_path / "release"
+    box = in_background(job, script, str(flag), nproc=2)
+    try:
+        wait_for(lambda: ready_lines(job) == 4, why="4 ranks to print ready")
+        ready_at = time.monotonic()
+        top = wait_for(lambda: _top_json(job) if all(r["step"] for r in _top_json(job)["ranks"]) else None,
+                       why="every rank's steps")
+        ranks = top["ranks"]
+        assert [r["step"] for r in sorted(ranks, key=lambda r: r["rank"])] == [8, 2, 8, 8], ranks
+        assert ranks[0]["rank"] == 1 and "at step 2 while the others reached 8" in ranks[0]["suspect"], ranks
+        assert not any(r["suspect"] for r in ranks[1:]), ranks
+        text = monarch(job, "top", "--once")
+        assert text.returncode == 0 and "rank 1: at step 2" in text.stdout, text.stdout + text.stderr
+        time.sleep(max(0.0, 5.0 - (time.monotonic() - ready_at)))  # rank 1 silent for over 4 s
+        verdict = monarch(job, "diagnose", "--silence", "4", "--json")
+        assert verdict.returncode == 1, verdict.stdout + verdict.stderr
+        d = json.loads(verdict.stdout)
+        assert [s["rank"] for s in d["suspects"]] == [1], d
+        reasons = " / ".join(d["suspects"][0]["reasons"])
+        assert "at step 2 while the others reached 8" in reasons and "no output for" in reasons, \
+            [(r["rank"], r["output_age"], r["last_line"]) for r in d["evidence"]["ranks"]]
+        assert [g["ranks"] for g in d["evidence"]["stack_groups"]] == [[0, 1, 2, 3]], d["evidence"]
+    finally:
+        flag.write_text("")
+        box["thread"].join(120)  # type: ignore[attr-defined]
+    assert box["run"].result.exit_code == 0, box["run"].text()
+
+
+def _top_json(job: Job) -> Dict[str, Any]:
+    done = monarch(job, "top", "--once", "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_top_live_view_refreshes_until_ctrl_c(job: Job, tmp_path: Path) -> None:
+    if not db_path(job.path.parent).exists():
+        spmd(job, _write(tmp_path, "ok.py", "print('x')"), nproc=1)
+    env = {**os.environ, "MONARCH_STATE": str(job.path)}
+    live = subprocess.Popen([sys.executable, "-m", "monarch_cli", "top", "--interval", "0.2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)
+    live.send_signal(signal.SIGINT)
+    out, err = live.communicate(timeout=30)
+    assert live.returncode == 0 and "Traceback" not in err, err
+    assert "run " in out and "rank" in out, out
 
 
 def test_a_failing_rank_exit_codes_and_logs_are_queryable(job: Job, tmp_path: Path) -> None:
@@ -167,6 +254,14 @@ def test_a_failing_rank_exit_codes_and_logs_are_queryable(job: Job, tmp_path: Pa
     assert {"rank": 0, "stream": "stdout", "line": "hello from 0"} in lines, lines
     events = job.sql("SELECT kind FROM events WHERE run_id = ? AND rank = 1", (rid,))
     assert events == [{"kind": "rank_failed"}], events
+    kinds = [e["kind"] for e in job.sql("SELECT kind FROM events WHERE run_id = ? ORDER BY ts", (rid,))]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end", kinds
+    hosts = job.sql("SELECT node, host, agent, agent_pid, cpus, gpus FROM hosts WHERE run_id = ? ORDER BY node", (rid,))
+    assert [h["node"] for h in hosts] == [0, 1] and all(h["agent"] and h["agent_pid"] and h["cpus"] for h in hosts), hosts
+    assert all(h["gpus"] in (0, None) for h in hosts), hosts  # no GPU here
+    run_row = job.sql("SELECT exit_code, world_size, hosts, command FROM runs WHERE run_id = ?", (rid,))[0]
+    assert run_row["exit_code"] == 3 and run_row["world_size"] == 4 and run_row["hosts"] == 2, run_row
+    assert "fail.py" in run_row["command"], run_row
     d = job.diagnose()
     assert d.exit_code == 1 and d.suspects[0].rank == 1 and "boom-line" in d.summary, d
     csv_out = monarch(job, "sql", "--csv", f"SELECT rank, exit_code FROM ranks WHERE run_id = '{rid}' ORDER BY rank")
@@ -177,11 +272,22 @@ def test_sql_refuses_writes_and_bad_queries_in_one_line(job: Job, tmp_path: Path
     if not db_path(job.path.parent).exists():
         spmd(job, _write(tmp_path, "ok.py", "print('x')"), nproc=1)
     before = job.sql("SELECT count(*) AS n FROM runs")[0]["n"]
-    for statement in ("DELETE FROM runs", "DROP TABLE logs", "UPDATE runs SET exit_code = 9",
-                      "ATTACH DATABASE 'other.db' AS o", "CREATE TABLE x(a)"):
-        one_line_error(monarch(job, "sql", statement), "sql:")
+    copy = tmp_path / "copy.db"
+    refusals = {
+        "DELETE FROM runs": "read-only", "DROP TABLE logs": "read-only", "UPDATE runs SET exit_code = 9": "read-only",
+        "CREATE TABLE x(a)": "read-only", "WITH old AS (SELECT run_id FROM runs) DELETE FROM runs": "read-only",
+        "INSERT INTO runs (run_id) VALUES ('x') RETURNING run_id": "read-only",
+        f"ATTACH DATABASE '{tmp_path / 'other.db'}' AS o": "ATTACH", f"VACUUM INTO '{copy}'": "VACUUM",
+        "PRAGMA journal_mode=DELETE": "PRAGMA journal_mode", "PRAGMA user_version=9": "PRAGMA user_version",
+        "PRAGMA query_only=0": "PRAGMA query_only", "PRAGMA wal_checkpoint(TRUNCATE)": "PRAGMA wal_checkpoint",
+        "SELECT 1; DELETE FROM runs": "one statement at a time",
+    }
+    for statement, why in refusals.items():
+        one_line_error(monarch(job, "sql", statement), "sql:", why)
     assert job.sql("SELECT count(*) AS n FROM runs")[0]["n"] == before
-    assert not (Path.cwd() / "other.db").exists()
+    assert not (tmp_path / "other.db").exists() and not copy.exists()
+    assert job.sql("PRAGMA journal_mode") == [{"journal_mode": "wal"}] and job.sql("PRAGMA user_version")[0]["user_version"] == 1
+    assert [r["name"] for r in job.sql("PRAGMA table_info(steps)")] == ["run_id", "rank", "step", "ts", "dt_ms"]
     one_line_error(monarch(job, "sql", "SELECT * FROM no_such_table"), "no such table")
     schema = monarch(job, "sql", "--schema")
     assert schema.returncode == 0
@@ -204,6 +310,35 @@ def test_step_times_from_a_real_ddp_loop(job: Job, tmp_path: Path, cold: bool) -
     assert all(r["fastest"] > 0 for r in rows)
 
 
+def test_every_step_of_a_long_loop_is_recorded(job: Job, tmp_path: Path) -> None:
+    """More steps than the step file first holds (4096): it grows, and none is lost or repeated."""
+    script = _write(tmp_path, "many.py", """
+        import torch
+        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        for _ in range(10000):
+            opt.step()
+    """)
+    run = spmd(job, script, nproc=1)
+    assert run.result.exit_code == 0, run.text()
+    rows = job.sql("SELECT rank, count(*) AS n, count(DISTINCT step) AS d, min(step) AS lo, max(step) AS hi, "
+                   "min(ts) > 0 AS stamped FROM steps WHERE run_id = ? GROUP BY rank", (run.result.run_id,))
+    assert rows == [{"rank": r, "n": 10000, "d": 10000, "lo": 1, "hi": 10000, "stamped": 1} for r in (0, 1)], rows
+
+
+def test_telemetry_off_records_nothing(job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MONARCH_TELEMETRY=0`` (the benchmark's reference): no rows, and no step hook in the ranks."""
+    script = _write(tmp_path, "hooks.py", """
+        import torch.optim.optimizer as optimizer
+        print("hooks", len(optimizer._global_optimizer_post_hooks), flush=True)
+    """)
+    for setting, hooks, rows in (("0", b"hooks 0", 0), ("1", b"hooks 1", 1)):
+        monkeypatch.setenv("MONARCH_TELEMETRY", setting)
+        run = spmd(job, script, nproc=1)
+        assert run.result.exit_code == 0, run.text()
+        assert {line for lines in run.by_rank().values() for line in lines} == {hooks}, run.text()
+        assert job.sql("SELECT count(*) AS n FROM runs WHERE run_id = ?", (run.result.run_id,)) == [{"n": rows}]
+
+
 def test_stacks_fall_back_to_the_interpreters_own_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """py-spy that cannot attach. This container has no Yama (no kernel.yama.ptrace_scope to
     restrict), so the same refusal is made real another way: as root, py-spy runs as `nobody`
@@ -220,6 +355,9 @@ def test_stacks_fall_back_to_the_interpreters_own_dump(tmp_path: Path, monkeypat
         monkeypatch.setenv("MONARCH_PY_SPY", "/bin/false")
     j = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
     try:
+        nothing = monarch(j, "diagnose", "--json")  # a reservation that has run nothing: cannot tell
+        assert nothing.returncode == 2, nothing.stdout + nothing.stderr
+        assert json.loads(nothing.stdout)["verdict"] == "unknown"
         script = _write(tmp_path, "hang.py", HANG)
         flag = tmp_path / "release"
         box = in_background(j, script, str(flag), "1", nproc=2)
@@ -246,8 +384,15 @@ def test_stacks_fall_back_to_the_interpreters_own_dump(tmp_path: Path, monkeypat
 def test_retention_keeps_the_newest_runs(tmp_path: Path) -> None:
     path = tmp_path / "telemetry.db"
     for i in range(5):
-        w = TelemetryWriter(path, f"run-{i}", keep_runs=3)
-        w.sql("INSERT INTO runs (run_id) VALUES (?)", (f"run-{i}",))
+        rid = f"run-{i}"
+        w = TelemetryWriter(path, rid, keep_runs=3)
+        w.sql("INSERT INTO runs (run_id) VALUES (?)", (rid,))
+        w.rows("ranks", [(rid, 0, 0, 0, "h", 1, 0, None, 0, "exit 0", 1.0, 2.0, None, 0)])
+        w.rows("hosts", [(rid, 0, "h", "tcp://h:1", 1, 2, 0)])
+        w.rows("samples", [(rid, 0, "h", 1.0, 1, "sleeping", 0.0, 10.0, 1) + (None,) * 5])
+        w.rows("steps", [(rid, 0, 1, 1.0, 5.0)])
+        w.rows("stacks", [("c", rid, 0, "h", 1, 1.0, "py-spy", "MainThread", 1, "f (x.py:1)", None)])
+        w.event("run_end", None, "exit 0")
         w.output(0, 1, b"line\npartial")
         w.end_of_rank(0)
         w.close()
@@ -255,7 +400,57 @@ def test_retention_keeps_the_newest_runs(tmp_path: Path) -> None:
     assert [r[0] for r in rows] == ["run-2", "run-3", "run-4"]
     _, logs = query(path, "SELECT run_id, line FROM logs ORDER BY run_id, rowid")
     assert logs == [(f"run-{i}", text) for i in (2, 3, 4) for text in ("line", "partial")]
+    for table in ("ranks", "hosts", "samples", "steps", "stacks", "events"):  # every row of a pruned run goes
+        _, kept = query(path, f"SELECT DISTINCT run_id FROM {table} ORDER BY run_id")
+        assert [r[0] for r in kept] == ["run-2", "run-3", "run-4"], table
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_every_table_and_column_the_issue_names_exists_and_schema_explains_it(tmp_path: Path) -> None:
+    path = tmp_path / "telemetry.db"
+    TelemetryWriter(path, "r").close()
+    named = {"runs": ["run_id", "command", "started_at", "ended_at", "exit_code", "world_size"],
+             "ranks": ["run_id", "rank", "local_rank", "host", "pid", "exit_code", "signal", "started_at", "ended_at",
+                       "last_output_at"],
+             "logs": ["run_id", "rank", "ts", "stream", "line"], "hosts": [], "events": [], "samples": [],
+             "steps": ["run_id", "rank", "step", "ts", "dt_ms"], "stacks": []}
+    described = schema_json()["tables"]
+    text = schema_text()
+    for table, columns in named.items():
+        _, info = query(path, f"SELECT name FROM pragma_table_info('{table}')")
+        real = [r[0] for r in info]
+        assert set(columns) <= set(real), (table, real)
+        assert [c["name"] for c in described[table]["columns"]] == real  # --schema describes the real store
+        assert all(c["meaning"] for c in described[table]["columns"])
+        assert all(f"\n  {c:<15} " in text for c in real), table
+    samples = [c["name"] for c in described["samples"]["columns"]]
+    assert {"state", "cpu_percent", "rss_mb", "threads", "gpu_util", "gpu_mem_mb", "gpu_power_w", "gpu_temp_c"} <= set(samples)
+
+
+def test_top_is_a_compact_grid_for_many_ranks() -> None:
+    """Up to 32 ranks one row each; above, the suspects' rows and a grid of short cells for the rest."""
+    from rich.console import Console
+
+    from monarch_cli.cli.telemetry import GRID_ABOVE, _top_view
+
+    def shown(n: int) -> str:
+        console = Console(record=True, width=160)
+        rows = [RankRow(r, "node-a", "sleeping", 12.0, 300.0, step=40, step_ms=9.5, output_age=1.0,
+                        last_line=f"loss {r}") for r in range(n)]
+        rows[n - 1].suspect = "at step 31 while the others reached 40"
+        rows[n - 1].step = 31
+        rows.insert(0, rows.pop())  # suspects first, as top() orders them
+        console.print(_top_view("run-1", rows))
+        return console.export_text()
+
+    few, many = shown(4), shown(64)
+    assert "last line" in few and all(f"loss {r}" in few for r in range(4))
+    assert len(few.splitlines()) <= 4 + 4
+    assert "rank 63: at step 31" in many and "loss 63" in many  # the suspect keeps its whole row
+    assert "loss 0" not in many and len(many.splitlines()) <= 64 // 3  # the rest: a grid, not 63 rows
+    cells = " ".join(many.splitlines())
+    assert all(f" {r} sleeping  12%     40   1s" in f" {cells}" for r in range(63)) and "…" not in many, many
+    assert shown(GRID_ABOVE).count("loss ") == GRID_ABOVE
 
 
 def test_rank_ranges_compress() -> None:
@@ -281,6 +476,11 @@ def test_diagnose_rules_for_silence_step_lag_and_idle_gpu() -> None:
     assert "no output for 300 s" in found[1][0]
     assert "at step 31 while the others reached 40" in found[2][0]
     assert "GPU idle" in found[3][0]
+    # no GPU (NULL utilisation, as on this machine), or one rank's figure alone: no GPU verdict either way
+    assert _suspicions([RankRow(r, output_age=2.0, step=40) for r in range(4)]) == {}
+    lone = [RankRow(r, output_age=2.0, step=40) for r in range(4)]
+    lone[0].gpu_util = 0.0
+    assert _suspicions(lone) == {}
 
 
 def test_sql_without_a_store_is_one_line(tmp_path: Path) -> None:
