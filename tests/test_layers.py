@@ -92,7 +92,7 @@ def test_no_module_imports_a_higher_layer() -> None:
 
 #: Optional-weight libraries and the only modules that may import them (lazily: a command that does not use them
 #: never pays for them; `test_commands_import_only_what_they_need` checks the commands).
-OWNED = {"paramiko": {"monarch_cli/schedulers/ssh.py"}, "pathspec": {"monarch_cli/runtime/workspace.py"}}
+OWNED = {"paramiko": {"monarch_cli/schedulers/ssh.py", "monarch_cli/schedulers/skypilot_ssh.py"}, "pathspec": {"monarch_cli/runtime/workspace.py"}}
 
 
 def test_heavy_libraries_are_imported_only_where_needed() -> None:

@@ -19,7 +19,6 @@ import dataclasses
 import getpass
 import os
 import shlex
-import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple

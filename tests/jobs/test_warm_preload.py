@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Iterator, List, Tuple
 
 import psutil
 import pytest
