@@ -10,11 +10,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from ..runtime import protocol
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
+
+if TYPE_CHECKING:
+    from ..runtime.mesh import HostMesh
 from ..config import configure
 from ..errors import OptionError, PlanError
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
@@ -111,6 +114,21 @@ class Job:
         """The hosts with the agent addresses this process reaches them at (a backend's forward, or their own)."""
         addresses = self.scheduler.agent_addresses(self.state)
         return [h if a == h.agent else dataclasses.replace(h, agent=a) for h, a in zip(self.state.hosts, addresses)]
+
+    def host_mesh(self) -> "HostMesh":
+        """The reservation's hosts as an actor-API :class:`~monarch_cli.runtime.mesh.HostMesh`
+        (``job.host_mesh().spawn_procs({"gpus": 8})``). A host this process reaches through a
+        backend's forward (ssh ``--tunnel``) cannot reach this process either: its procs are
+        driven through its agent, on the one connection to it; the others talk directly."""
+        from ..runtime.mesh import HostMesh
+
+        hosts = self._reachable_hosts()
+        host = controller_host([h.agent for h in hosts])
+        if host is not None:
+            configure(host=host)
+        Mailbox.get(self.keys)
+        relay = [h.agent != rec.agent for h, rec in zip(hosts, self.state.hosts)]
+        return HostMesh.connect([h.agent for h in hosts], relay=relay)
 
     # ------------------------------------------------------------------ runs
     def run_spmd(

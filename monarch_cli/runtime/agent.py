@@ -156,17 +156,24 @@ class HostAgent:
     def send(self, address: str, msg: Any, body: List[Any] = ()) -> None:  # type: ignore[assignment]
         """A :mod:`.protocol` message to ``address``, through the connection it opened to us,
         else by connecting to it."""
-        header = (msg.KIND, *msg)
+        self.send_frames(address, wire.frames((msg.KIND, *msg), body))
+
+    def send_frames(self, address: str, frames: List[Any]) -> None:
+        """A message's frames, as they are, to ``address`` (as :meth:`send`): the relay's path."""
         try:
-            self.inbox.send_multipart([address.encode(), *wire.frames(header, body)], copy=False)
+            self.inbox.send_multipart([address.encode(), *frames], copy=False)
             return
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
+        self.send_frames_to_proc(address, frames)
+
+    def send_frames_to_proc(self, address: str, frames: List[Any]) -> None:
+        """Frames to a server socket of this host (a proc's inbox), over a connection of ours."""
         sock = self._socks.get(address)
         if sock is None:
             sock = self._socks[address] = self.transport.dealer(address)
-        wire.send_message(sock, header, body)
+        sock.send_multipart(frames, copy=False)
 
     def reply(self, address: str, cid: int, ok: bool, value: Any) -> None:
         self.send(address, protocol.Result(cid, ok), wire.dumps(value if ok else (value, "", None)))

@@ -41,15 +41,17 @@ class ProcHost:
         return {
             protocol.SpawnProcs: self._on_spawn,
             protocol.StopProcs: lambda m, _: self._stop(m.cid, m.reply_to, set(m.proc_ids), m.grace),
+            protocol.RelayToProc: lambda m, body: self.agent.send_frames_to_proc(m.inbox, body),
+            protocol.RelayToClient: lambda m, body: self.agent.send_frames(m.client, body),
         }
 
     def _on_spawn(self, msg: protocol.SpawnProcs, body: List[Any]) -> None:
         specs, client_settings, import_context = wire.loads(body)
-        self._spawn(msg.reply_to, specs, client_settings, import_context)
+        self._spawn(msg.reply_to, specs, client_settings, import_context, msg.relay)
         self.agent.reply(msg.reply_to, msg.cid, True, None)
 
     def _spawn(self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any],
-               import_context: Dict[str, Any]) -> None:
+               import_context: Dict[str, Any], relay: bool) -> None:
         agent = self.agent
         agent.register_client(owner, float(client_settings.get("heartbeat_timeout", 5.0)), renew=True)
         for proc_id, ready_cid in specs:
@@ -63,6 +65,7 @@ class ProcHost:
                 "host": agent.host,
                 "settings": client_settings,
                 "import": import_context,
+                "relay": relay,
             }
             self.forking[req] = (proc_id, owner)
             agent.zygote.fork(req, boot)

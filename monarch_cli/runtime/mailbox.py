@@ -55,6 +55,7 @@ class Mailbox(MailboxIO):
         self.unhandled: List[Failure] = []
         self.events = EventRouter()
         self._watchers: Dict[str, Callable[[str, float], None]] = {}
+        self._relays: Dict[str, str] = {}  # address -> the agent that relays to it
         #: Set inside procs: called (from the I/O thread) to run an owner's ``__supervise__``.
         self.supervisor: Optional[Callable[[Failure, str], None]] = None
         self._own_events: Dict[str, Callable[[Any], None]] = {
@@ -154,7 +155,12 @@ class Mailbox(MailboxIO):
         """Send one :mod:`.protocol` message (its body frames from :func:`.wire.dumps`)."""
         head = (msg.KIND, *msg)
         if address in self._linked:
-            self._send_link(address, wire.frames(head, body))
+            agent = self._relays.get(address)
+            if agent is not None:  # a proc (or client) reached only through its host's agent
+                relay = protocol.RelayToClient(address) if self.proc_id else protocol.RelayToProc(address)
+                self.send(agent, relay, wire.frames(head, body))
+            else:
+                self._send_link(address, wire.frames(head, body))
             return
         socks: Optional[Dict[str, zmq.Socket]] = getattr(self._tls, "socks", None)
         if socks is None:
@@ -193,16 +199,26 @@ class Mailbox(MailboxIO):
         self.send(address, make(cid), body)
         return fut
 
-    def expect(self, proc_id: Optional[str] = None, actor: Optional[str] = None) -> Tuple[int, Future[Any]]:
-        """Reserve a call id whose result someone else (a new proc) will send."""
+    def expect(self, proc_id: Optional[str] = None, actor: Optional[str] = None,
+               relayed: bool = False) -> Tuple[int, Future[Any]]:
+        """Reserve a call id whose result someone else (a new proc) will send (``relayed``:
+        through its agent, so it arrives on a link, not on this mailbox's own socket)."""
         fut: Future[Any] = Future()
-        fut._mailbox = self
+        if not relayed:
+            fut._mailbox = self
         cid = next(self._ids)
         with self._lock:
             self._pending[cid] = (fut, proc_id, actor)
             if proc_id is not None:
                 self._by_proc.setdefault(proc_id, set()).add(cid)
         return cid, fut
+
+    def relay_through(self, address: str, agent: str) -> None:
+        """Reach ``address`` (a proc's inbox; in a proc, its client) through the host agent
+        ``agent``: for hosts and clients that cannot connect to each other. Answers to what is
+        sent there arrive on the agent's link, read by the I/O thread."""
+        self._relays[address] = agent
+        self._linked.add(address)
 
     def reply(self, address: str, call_id: int, ok: bool, value: Any) -> None:
         """Send a call's outcome; an unpicklable value becomes an error, never a lost reply."""

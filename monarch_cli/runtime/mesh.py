@@ -28,6 +28,7 @@ from .shape import Index, Shape, ValueMesh
 class HostRef:
     agent: str  # the host agent's address
     host: str
+    relay: bool = False  # its procs and this process cannot connect to each other: go through the agent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,19 +87,24 @@ class HostMesh(_Mesh):
     """Host agents, one per host, that spawn and supervise procs."""
 
     @classmethod
-    def connect(cls, agents: Sequence[str], dim: str = "hosts") -> "HostMesh":
-        """A mesh over running agents (addresses as they print them), checked with a ping."""
+    def connect(cls, agents: Sequence[str], dim: str = "hosts", relay: Optional[Sequence[bool]] = None) -> "HostMesh":
+        """A mesh over running agents (addresses as they print them, or forwards to them),
+        checked with a ping. ``relay`` (per agent): this process and that host's procs cannot
+        connect to each other, so messages between them pass through its agent."""
+        relay = list(relay) if relay is not None else [False] * len(agents)
+        if len(relay) != len(agents):
+            raise ValueError(f"relay has {len(relay)} entries for {len(agents)} agents")
         mb = Mailbox.get()
         for a in agents:
             mb.link(a)
         pings = [mb.request(a, lambda cid: protocol.Ping(cid, mb.address)) for a in agents]
         refs = []
-        for agent, fut in zip(agents, pings):
+        for agent, fut, through in zip(agents, pings, relay):
             try:
                 info = fut.get(timeout=settings().spawn_timeout)
             except MonarchError as e:
                 raise MonarchError(f"host agent {agent} did not answer: {e}") from None
-            refs.append(HostRef(agent, info["host"]))
+            refs.append(HostRef(agent, info["host"], bool(through)))
         return cls(Shape({dim: len(refs)}), refs)
 
     def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, name: str = "procs") -> "ProcMesh":
@@ -120,12 +126,12 @@ class HostMesh(_Mesh):
             specs = []
             for i in range(local):
                 proc_id = f"{uid}.{h * local + i}"
-                cid, fut = mb.expect(proc_id)
+                cid, fut = mb.expect(proc_id, relayed=host.relay)
                 ready.append(fut)
                 mb.track_proc(proc_id, host.agent, host.host, mesh, ctx._key)
                 specs.append((proc_id, cid))
             body = wire.dumps((specs, dataclasses.asdict(settings()), _import_context()))
-            acks.append(mb.request(host.agent, lambda cid: protocol.SpawnProcs(cid, mb.address), body))
+            acks.append(mb.request(host.agent, lambda cid, r=host.relay: protocol.SpawnProcs(cid, mb.address, r), body))
         timeout = settings().spawn_timeout
         for fut in acks:
             fut.get(timeout=timeout)
@@ -134,6 +140,8 @@ class HostMesh(_Mesh):
             for i in range(local):
                 proc_id = f"{uid}.{h * local + i}"
                 inbox, pid = ready[h * local + i].get(timeout=timeout)
+                if host.relay:
+                    mb.relay_through(inbox, host.agent)
                 refs.append(ProcRef(proc_id, inbox, host.agent, host.host, pid))
         _Mesh.__init__(mesh, proc_shape, refs)
         return mesh

@@ -281,6 +281,8 @@ def main(boot: Dict[str, Any]) -> int:
     configure(**boot["settings"])
     _adopt_import_context(boot.get("import") or {})
     mb = Mailbox(Keys.decode(boot["keys"]), owner=boot["owner"], proc_id=boot["proc_id"])
+    if boot.get("relay"):  # the owner cannot be reached from here: through our agent, on its link
+        mb.relay_through(boot["owner"], boot["agent"])
     Mailbox.install(mb)
     _server = ProcServer(mb, boot)
     return _server.run()

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar
 
 __all__ = ["MESSAGES", "ROUTES", "header", "decode", "answer_to", "not_understood", "CLIENT_AGENT",
-           "AGENT_CLIENT", "CLIENT_PROC", "PROC_CLIENT", "AGENT_ZYGOTE", "ZYGOTE_AGENT", "ANY"]
+           "AGENT_CLIENT", "CLIENT_PROC", "PROC_AGENT", "PROC_CLIENT", "AGENT_ZYGOTE", "ZYGOTE_AGENT", "ANY"]
 
 M = TypeVar("M", bound=Type[Any])
 
@@ -92,6 +92,7 @@ CLIENT_AGENT = "client → agent"
 AGENT_CLIENT = "agent → client"
 CLIENT_PROC = "client → proc"
 PROC_CLIENT = "proc → owner"
+PROC_AGENT = "proc → agent"
 AGENT_ZYGOTE = "agent → zygote"
 ZYGOTE_AGENT = "zygote → agent"
 ANY = "any → requester"

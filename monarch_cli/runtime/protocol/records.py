@@ -35,7 +35,7 @@ class RankSpec(TypedDict, total=False):
 #: the spawner's import context (sys.path, cwd), ``pid`` and ``_zygote_pid`` are added on the way.
 ProcBoot = TypedDict("ProcBoot", {
     "keys": str, "proc_id": str, "ready_call_id": int, "owner": str, "agent": str, "host": str,
-    "settings": Dict[str, Any], "import": Dict[str, Any], "pid": int, "_zygote_pid": int,
+    "settings": Dict[str, Any], "import": Dict[str, Any], "relay": bool, "pid": int, "_zygote_pid": int,
 }, total=False)
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Optional
 
-from .base import CLIENT_AGENT, CLIENT_PROC, _message
+from .base import CLIENT_AGENT, CLIENT_PROC, PROC_AGENT, _message
 
 __all__ = ["Heartbeat", "HEARTBEAT_ACK", "Ping", "ReservePort", "ReleasePort", "RunRanks", "ForgetPreload",
-    "OutputCredit", "SignalRanks", "Stopping", "SpawnProcs", "StopProcs", "ClientExit", "Shutdown",
+    "OutputCredit", "SignalRanks", "Stopping", "SpawnProcs", "RelayToProc", "RelayToClient", "StopProcs", "ClientExit", "Shutdown",
     "SyncManifest", "SyncApplyRequest", "TelemetrySample", "TelemetryStacks", "DebugList", "DebugAttach",
     "DebugDetach", "DebugInput", "DebugCast", "DebugContinue", "DebugDap", "DebugDapData", "DebugDapEnd"]
 
@@ -90,10 +90,29 @@ class Stopping(NamedTuple):
 
 @_message("spawn_procs", CLIENT_AGENT)
 class SpawnProcs(NamedTuple):
-    """Fork procs; the body is ``(specs [(proc_id, ready cid)], client settings, import context)``."""
+    """Fork procs; the body is ``(specs [(proc_id, ready cid)], client settings, import context)``.
+    ``relay``: the client cannot reach this host, nor the host it: the procs talk to it through
+    this agent (:class:`RelayToProc`, :class:`RelayToClient`)."""
 
     cid: int
     reply_to: str
+    relay: bool
+
+
+@_message("relay_to_proc", CLIENT_AGENT)
+class RelayToProc(NamedTuple):
+    """A message for a proc of this host (at ``inbox``) that the client cannot reach: the body is
+    that message's frames, which the agent passes on as they are (never unpickled)."""
+
+    inbox: str
+
+
+@_message("relay_to_client", PROC_AGENT)
+class RelayToClient(NamedTuple):
+    """A relayed proc's message for its client (a reply, an event): the body is that message's
+    frames, which the agent sends as they are on the connection the client opened to it."""
+
+    client: str
 
 
 @_message("stop_procs", CLIENT_AGENT)
