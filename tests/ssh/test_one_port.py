@@ -17,6 +17,8 @@ import pytest
 from monarch_cli.config import configure, settings
 from monarch_cli.jobs import RunResult, serve
 from monarch_cli.jobs.debug import DebugClient
+from monarch_cli.runtime.actor import Actor, endpoint
+from monarch_cli.runtime.errors import SupervisionError
 
 from .conftest import CLIENT_ADDRESS, SshHosts
 from .test_ssh_backend import PYTHON, _monarch, _ssh_config
@@ -107,6 +109,59 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
         status = _monarch("status", "--state", str(state), "--json")
         assert status.returncode == 0, status.stderr
         assert [(h["name"], h["alive"]) for h in json.loads(status.stdout)["hosts"]] == [("h1", True), ("h2", True)]
+    finally:
+        job.stop()
+        configure(host=before[0], heartbeat_timeout=before[1], heartbeat_interval=before[2])
+
+
+class _Doubler(Actor):
+    """Runs on a host that cannot reach the client: says which host it is on, doubles tensors."""
+
+    @endpoint
+    def double(self, t: "torch.Tensor") -> "tuple[torch.Tensor, str]":
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.214.0.1", 9))  # no packet: the kernel picks this host's own address
+            return t * 2, s.getsockname()[0]
+
+    @endpoint
+    def die(self) -> None:
+        import os
+
+        os._exit(3)
+
+
+def test_actor_procs_on_hosts_that_cannot_reach_the_client_are_relayed_through_their_agents(
+        ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    import torch
+
+    config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
+    state = tmp_path / "job_state.pkl"
+    before = (settings().host, settings().heartbeat_timeout, settings().heartbeat_interval)
+    configure(host="127.0.0.1", heartbeat_timeout=3.0, heartbeat_interval=0.25)  # unreachable from the hosts
+    job = serve(None, "ssh", state=state, hosts="h1,h2", ssh_config=str(config), python=PYTHON, tunnel=True)
+    try:
+        hosts = job.host_mesh()
+        assert [h.relay for h in hosts._members] == [True, True], hosts._members
+        procs = hosts.spawn_procs({"gpus": 1})
+        doublers = procs.spawn("doubler", _Doubler)
+        t = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: out of band, through both relays
+        answers = doublers.double.call(t).get(timeout=60).values()
+        assert [where for _, where in answers] == [h.address for h in ssh_hosts.hosts]
+        assert all(torch.equal(doubled, t * 2) for doubled, _ in answers)
+
+        # Only the forwards ever connected to the agents' ports: nothing came from the client.
+        for h, rec in zip(ssh_hosts.hosts, job.state.hosts):
+            peers = _agent_peers(h.name, int(rec.agent.rpartition(":")[2]))
+            assert peers and set(peers) == {h.address}, peers
+
+        # Supervision: a proc dying on h2 fails its call and is recorded; h1's proc still answers.
+        with pytest.raises(SupervisionError, match="code 3"):
+            doublers.slice(hosts=1).die.call_one().get(timeout=60)
+        assert [f.exitcode for f in procs.failures] == [3], procs.failures
+        assert doublers.slice(hosts=0).double.call_one(torch.ones(2)).get(timeout=60)[1] == ssh_hosts.hosts[0].address
+        procs.stop().get(timeout=60)
     finally:
         job.stop()
         configure(host=before[0], heartbeat_timeout=before[1], heartbeat_interval=before[2])
