@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from monarch_cli.runtime.mailbox import Mailbox
+
 from monarch_cli import (
     Actor,
     ActorError,
@@ -293,6 +295,45 @@ def test_multi_dimensional_mesh_across_two_hosts(agents):
             {"hosts": 0, "gpus": 1},
             {"hosts": 1, "gpus": 1},
         ]
+    finally:
+        procs.stop().get()
+
+
+def _note_unpickled_in(path: str) -> str:
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return path
+
+
+class _Tripwire:
+    """Notes the pid of every process that unpickles it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return _note_unpickled_in, (self.path,)
+
+
+def test_procs_relayed_through_their_agent_beside_direct_ones(agents, tmp_path):
+    hosts = HostMesh.connect(agents, relay=[False, True])
+    assert [h.relay for h in hosts._members] == [False, True]
+    procs = hosts.spawn_procs(per_host={"gpus": 2})
+    try:
+        through = Mailbox.get()._relays  # inbox -> agent
+        assert [through.get(p.inbox) for p in procs._members] == [None, None, agents[1], agents[1]]
+        mesh = procs.spawn("counter", Counter)
+        relayed = mesh.slice(hosts=1)
+        for i in range(20):
+            relayed.record.broadcast(i)
+        assert relayed.history.call().get(timeout=20).values() == [list(range(20))] * 2  # in order
+        assert [w["flat"] for w in mesh.whoami.call().get(timeout=20).values()] == [0, 1, 2, 3]
+        # The agent passes a relayed message's frames on as they are: only the proc unpickles them.
+        wire = str(tmp_path / "unpickled")
+        one = relayed.slice(gpus=0)
+        pid = one.whoami.call_one().get(timeout=20)["pid"]
+        assert one.record.call_one(_Tripwire(wire)).get(timeout=20) is None
+        assert open(wire).read().split() == [str(pid)]
     finally:
         procs.stop().get()
 
