@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -17,11 +18,9 @@ import pytest
 from monarch_cli.config import configure, settings
 from monarch_cli.jobs import RunResult, serve
 from monarch_cli.jobs.debug import DebugClient
-from monarch_cli.runtime.actor import Actor, endpoint
-from monarch_cli.runtime.errors import SupervisionError
 
 from .conftest import CLIENT_ADDRESS, SshHosts
-from .test_ssh_backend import PYTHON, _monarch, _ssh_config
+from .test_ssh_backend import PYTHON, REPO, _monarch, _ssh_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.ssh]
 
@@ -114,54 +113,73 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
         configure(host=before[0], heartbeat_timeout=before[1], heartbeat_interval=before[2])
 
 
-class _Doubler(Actor):
-    """Runs on a host that cannot reach the client: says which host it is on, doubles tensors."""
 
+# An actor script driving a served reservation, as a user runs one: its own process (one
+# process drives one reservation's actors), the reservation loaded from its state file.
+ACTOR_SCRIPT = """\
+import json, os, socket, sys, torch
+from monarch_cli import Actor, endpoint
+from monarch_cli.jobs import job_load
+from monarch_cli.runtime.errors import SupervisionError
+
+class Doubler(Actor):
     @endpoint
-    def double(self, t: "torch.Tensor") -> "tuple[torch.Tensor, str]":
-        import socket
-
+    def double(self, t):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.214.0.1", 9))  # no packet: the kernel picks this host's own address
+            s.connect(("10.214.0.1", 9))  # no packet sent: the kernel names this host's own address
             return t * 2, s.getsockname()[0]
 
     @endpoint
-    def die(self) -> None:
-        import os
-
+    def die(self):
         os._exit(3)
+
+hosts = job_load(sys.argv[1]).host_mesh()
+procs = hosts.spawn_procs({"gpus": 1})
+doublers = procs.spawn("doubler", Doubler)
+t = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: out of band, through both relays
+answers = doublers.double.call(t).get(timeout=60).values()
+print(json.dumps({"relay": [h.relay for h in hosts._members], "where": [w for _, w in answers],
+                  "doubled": [torch.equal(d, t * 2) for d, _ in answers]}), flush=True)
+sys.stdin.readline()  # the test looks at the agents' connections meanwhile
+try:
+    doublers.slice(hosts=1).die.call_one().get(timeout=60)
+    died = None
+except SupervisionError as e:
+    died = str(e)
+after = doublers.slice(hosts=0).double.call_one(torch.ones(2)).get(timeout=60)[1]
+failures = [f.exitcode for f in procs.failures]
+procs.stop().get(timeout=60)
+print(json.dumps({"died": died, "failures": failures, "after": after}), flush=True)
+"""
 
 
 def test_actor_procs_on_hosts_that_cannot_reach_the_client_are_relayed_through_their_agents(
         ssh_hosts: SshHosts, tmp_path: Path) -> None:
-    import torch
-
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
     state = tmp_path / "job_state.pkl"
-    before = (settings().host, settings().heartbeat_timeout, settings().heartbeat_interval)
-    configure(host="127.0.0.1", heartbeat_timeout=3.0, heartbeat_interval=0.25)  # unreachable from the hosts
     job = serve(None, "ssh", state=state, hosts="h1,h2", ssh_config=str(config), python=PYTHON, tunnel=True)
     try:
-        hosts = job.host_mesh()
-        assert [h.relay for h in hosts._members] == [True, True], hosts._members
-        procs = hosts.spawn_procs({"gpus": 1})
-        doublers = procs.spawn("doubler", _Doubler)
-        t = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: out of band, through both relays
-        answers = doublers.double.call(t).get(timeout=60).values()
-        assert [where for _, where in answers] == [h.address for h in ssh_hosts.hosts]
-        assert all(torch.equal(doubled, t * 2) for doubled, _ in answers)
-
-        # Only the forwards ever connected to the agents' ports: nothing came from the client.
-        for h, rec in zip(ssh_hosts.hosts, job.state.hosts):
-            peers = _agent_peers(h.name, int(rec.agent.rpartition(":")[2]))
-            assert peers and set(peers) == {h.address}, peers
-
-        # Supervision: a proc dying on h2 fails its call and is recorded; h1's proc still answers.
-        with pytest.raises(SupervisionError, match="code 3"):
-            doublers.slice(hosts=1).die.call_one().get(timeout=60)
-        assert [f.exitcode for f in procs.failures] == [3], procs.failures
-        assert doublers.slice(hosts=0).double.call_one(torch.ones(2)).get(timeout=60)[1] == ssh_hosts.hosts[0].address
-        procs.stop().get(timeout=60)
+        (tmp_path / "actors.py").write_text(ACTOR_SCRIPT)
+        # The script's mailbox listens on its loopback: no host can connect to it.
+        script = subprocess.Popen([sys.executable, str(tmp_path / "actors.py"), str(state)], cwd=tmp_path,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": REPO, "MONARCH_HOST": "127.0.0.1"})
+        try:
+            first = json.loads(script.stdout.readline() or "null")
+            assert first is not None, script.communicate(timeout=30)[1][-3000:]
+            assert first == {"relay": [True, True], "where": [h.address for h in ssh_hosts.hosts],
+                             "doubled": [True, True]}, first
+            # Only the forwards ever connected to the agents' ports: nothing came from the client.
+            for h, rec in zip(ssh_hosts.hosts, job.state.hosts):
+                peers = _agent_peers(h.name, int(rec.agent.rpartition(":")[2]))
+                assert peers and set(peers) == {h.address}, peers
+            out, err = script.communicate("go\n", timeout=120)
+        finally:
+            script.kill()
+        assert script.returncode == 0, err[-3000:]
+        # Supervision: the proc that died on h2 failed its call and was recorded; h1's still answered.
+        second = json.loads(out)
+        assert "exited with code 3" in second["died"] and second["failures"] == [3], second
+        assert second["after"] == ssh_hosts.hosts[0].address, second
     finally:
         job.stop()
-        configure(host=before[0], heartbeat_timeout=before[1], heartbeat_interval=before[2])
