@@ -20,7 +20,7 @@ from typing import List
 import psutil
 import zmq
 from _common import print_table, timed
-from monarch_cli import Actor, endpoint, this_host
+from monarch_cli import Actor, HostMesh, endpoint, this_host
 
 PAYLOAD = {"step": 1, "loss": 0.125, "name": "x" * 48}
 
@@ -86,6 +86,15 @@ def main() -> None:
     rtt = statistics.median(call_times)
     rows.append(("raw pyzmq round trip (floor)", f"{floor * 1e6:.0f} µs", "-", "reference"))
     rows.append(("call_one round trip (median)", f"{rtt * 1e6:.0f} µs", f"{rtt / floor:.2f}x floor", "<= 1.5x floor"))
+
+    # The same call to a proc reached through its host's agent (hosts that cannot reach the client).
+    relayed_procs = HostMesh.connect([host._members[0].agent], relay=[True]).spawn_procs(per_host={"gpus": 1})
+    relayed = relayed_procs.spawn("echo", Echo)
+    relayed_times = timed(lambda: relayed.echo.call_one(PAYLOAD).get(), n, warmup=20)
+    relayed_procs.stop().get()
+    relayed_rtt = statistics.median(relayed_times)
+    rows.append(("call_one relayed by the agent (median)", f"{relayed_rtt * 1e6:.0f} µs",
+                 f"{relayed_rtt / rtt:.2f}x direct", "reported"))
 
     best = 0.0
     for _ in range(3 if args.quick else 5):
