@@ -166,10 +166,6 @@ class HostAgent:
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-        self.send_frames_to_proc(address, frames)
-
-    def send_frames_to_proc(self, address: str, frames: List[Any]) -> None:
-        """Frames to a server socket of this host (a proc's inbox), over a connection of ours."""
         sock = self._socks.get(address)
         if sock is None:
             sock = self._socks[address] = self.transport.dealer(address)

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
+import zmq
+
 from ..sysutil import signal_if_alive as _signal
 from . import protocol, wire
 from .errors import Failure
@@ -35,13 +37,14 @@ class ProcHost:
         self.by_pid: Dict[int, _Proc] = {}
         self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
         self.stops: List[Tuple[int, str, Set[str]]] = []  # (call id, reply to, proc ids left)
+        self.relayed: Dict[str, Optional[zmq.Socket]] = {}  # relayed proc -> our connection to its inbox
 
     def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
         """The messages this part of the agent answers."""
         return {
             protocol.SpawnProcs: self._on_spawn,
             protocol.StopProcs: lambda m, _: self._stop(m.cid, m.reply_to, set(m.proc_ids), m.grace),
-            protocol.RelayToProc: lambda m, body: self.agent.send_frames_to_proc(m.inbox, body),
+            protocol.RelayToProc: self._relay_to_proc,
             protocol.RelayToClient: lambda m, body: self.agent.send_frames(m.client, body),
         }
 
@@ -68,6 +71,8 @@ class ProcHost:
                 "relay": relay,
             }
             self.forking[req] = (proc_id, owner)
+            if relay:
+                self.relayed[proc_id] = None
             agent.zygote.fork(req, boot)
 
     # ------------------------------------------------------------------ events
@@ -90,6 +95,7 @@ class ProcHost:
             signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
             reason="stopped" if proc.stopping else proc.cause,
         )
+        self._unrelay(proc.proc_id)
         self.agent.send(proc.owner, protocol.ProcExited(proc.proc_id, failure, proc.stopping))
         for _, _, left in self.stops:
             left.discard(proc.proc_id)
@@ -102,8 +108,24 @@ class ProcHost:
             proc.cause = cause
         for proc_id, owner in self.forking.values():
             failure = Failure(proc_id, self.agent.host, None, reason=cause)
+            self._unrelay(proc_id)
             self.agent.send(owner, protocol.ProcExited(proc_id, failure, False))
         self.forking.clear()
+
+    # ------------------------------------------------------------------ relaying
+    def _relay_to_proc(self, msg: protocol.RelayToProc, body: List[Any]) -> None:
+        """Pass a client's message, frames as they are, to a proc of ours it cannot reach."""
+        if msg.proc_id not in self.relayed:
+            return  # not ours, or it has exited: its owner was told with a proc_exit
+        sock = self.relayed[msg.proc_id]
+        if sock is None:
+            sock = self.relayed[msg.proc_id] = self.agent.transport.dealer(msg.inbox)
+        sock.send_multipart(body, copy=False)
+
+    def _unrelay(self, proc_id: str) -> None:
+        sock = self.relayed.pop(proc_id, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     # ---------------------------------------------------------------- stopping
     def _stop(self, cid: int, reply_to: str, proc_ids: Set[str], grace: float) -> None:

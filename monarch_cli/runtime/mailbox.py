@@ -55,7 +55,7 @@ class Mailbox(MailboxIO):
         self.unhandled: List[Failure] = []
         self.events = EventRouter()
         self._watchers: Dict[str, Callable[[str, float], None]] = {}
-        self._relays: Dict[str, str] = {}  # address -> the agent that relays to it
+        self._relays: Dict[str, Tuple[str, Optional[str]]] = {}  # address -> (agent relaying to it, proc id)
         #: Set inside procs: called (from the I/O thread) to run an owner's ``__supervise__``.
         self.supervisor: Optional[Callable[[Failure, str], None]] = None
         self._own_events: Dict[str, Callable[[Any], None]] = {
@@ -155,9 +155,10 @@ class Mailbox(MailboxIO):
         """Send one :mod:`.protocol` message (its body frames from :func:`.wire.dumps`)."""
         head = (msg.KIND, *msg)
         if address in self._linked:
-            agent = self._relays.get(address)
-            if agent is not None:  # a proc (or client) reached only through its host's agent
-                relay = protocol.RelayToClient(address) if self.proc_id else protocol.RelayToProc(address)
+            through = self._relays.get(address)
+            if through is not None:  # a proc (or, in a proc, its client) reached only through an agent
+                agent, proc_id = through
+                relay = protocol.RelayToProc(proc_id, address) if proc_id else protocol.RelayToClient(address)
                 self.send(agent, relay, wire.frames(head, body))
             else:
                 self._send_link(address, wire.frames(head, body))
@@ -213,11 +214,11 @@ class Mailbox(MailboxIO):
                 self._by_proc.setdefault(proc_id, set()).add(cid)
         return cid, fut
 
-    def relay_through(self, address: str, agent: str) -> None:
-        """Reach ``address`` (a proc's inbox; in a proc, its client) through the host agent
-        ``agent``: for hosts and clients that cannot connect to each other. Answers to what is
-        sent there arrive on the agent's link, read by the I/O thread."""
-        self._relays[address] = agent
+    def relay_through(self, address: str, agent: str, proc_id: Optional[str] = None) -> None:
+        """Reach ``address`` (proc ``proc_id``'s inbox; in a proc, its client) through the host
+        agent ``agent``: for hosts and clients that cannot connect to each other. Answers to
+        what is sent there arrive on the agent's link, read by the I/O thread."""
+        self._relays[address] = (agent, proc_id)
         self._linked.add(address)
 
     def reply(self, address: str, call_id: int, ok: bool, value: Any) -> None:

@@ -141,7 +141,7 @@ class HostMesh(_Mesh):
                 proc_id = f"{uid}.{h * local + i}"
                 inbox, pid = ready[h * local + i].get(timeout=timeout)
                 if host.relay:
-                    mb.relay_through(inbox, host.agent)
+                    mb.relay_through(inbox, host.agent, proc_id)
                 refs.append(ProcRef(proc_id, inbox, host.agent, host.host, pid))
         _Mesh.__init__(mesh, proc_shape, refs)
         return mesh

@@ -320,8 +320,8 @@ def test_procs_relayed_through_their_agent_beside_direct_ones(agents, tmp_path):
     assert [h.relay for h in hosts._members] == [False, True]
     procs = hosts.spawn_procs(per_host={"gpus": 2})
     try:
-        through = Mailbox.get()._relays  # inbox -> agent
-        assert [through.get(p.inbox) for p in procs._members] == [None, None, agents[1], agents[1]]
+        through = Mailbox.get()._relays  # inbox -> (agent, proc id)
+        assert [through.get(p.inbox, (None,))[0] for p in procs._members] == [None, None, agents[1], agents[1]]
         mesh = procs.spawn("counter", Counter)
         relayed = mesh.slice(hosts=1)
         for i in range(20):

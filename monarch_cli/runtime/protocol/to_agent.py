@@ -102,8 +102,10 @@ class SpawnProcs(NamedTuple):
 @_message("relay_to_proc", CLIENT_AGENT)
 class RelayToProc(NamedTuple):
     """A message for a proc of this host (at ``inbox``) that the client cannot reach: the body is
-    that message's frames, which the agent passes on as they are (never unpickled)."""
+    that message's frames, which the agent passes on as they are (never unpickled). Only to a
+    proc this agent forked and that is still alive (else its owner has a ``proc_exit``)."""
 
+    proc_id: str
     inbox: str
 
 
