@@ -126,7 +126,10 @@ class Job:
         host = controller_host([h.agent for h in hosts])
         if host is not None:
             configure(host=host)
-        Mailbox.get(self.keys)
+        try:
+            Mailbox.get(self.keys)  # the actor API's one mailbox: this reservation's keys
+        except RuntimeError as e:
+            raise JobError(f"cannot drive reservation {self.state.reservation_id}'s actors: {e}") from None
         relay = [h.agent != rec.agent for h, rec in zip(hosts, self.state.hosts)]
         return HostMesh.connect([h.agent for h in hosts], relay=relay)
 
