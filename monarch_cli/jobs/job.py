@@ -29,7 +29,7 @@ from .output import OutputSink, list_runs, new_run_dir
 from .telemetry import Diagnosis, Inspector, RankRow, RunTelemetry, StackReport
 from .telemetry import enabled as telemetry_enabled
 from .spmd import (
-    HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, new_run_id, plan_exec, plan_spmd,
+    HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, VersionMismatch, new_run_id, plan_exec, plan_spmd,
     remote_environment, user_environment,
 )
 from .sync import SyncReport, sync_workspace
@@ -595,6 +595,8 @@ def serve(
             existing._hostset()
         except StaleReservation:
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
+        except VersionMismatch as e:
+            why_not = str(e).split(":")[0]  # "host h runs monarch-cli X, this client Y"
         if why_not is None:
             say(f"reusing reservation {existing.state.reservation_id}")
             argv = request.command

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
+from .. import __version__
 from ..config import settings
 from ..runtime import protocol, wire
 from ..runtime.errors import CallTimeout
@@ -43,6 +44,10 @@ _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MO
 
 class StaleReservation(JobError):
     """The reservation's agents are gone (allocation ended, processes killed)."""
+
+
+class VersionMismatch(JobError):
+    """The reservation's agents run another monarch-cli version than this client."""
 
 
 @dataclasses.dataclass
@@ -191,7 +196,7 @@ class HostSet:
             try:
                 if fut is None:
                     raise LookupError(host.name)  # no need to wait for an answer that cannot come
-                self.infos.append(fut.get(timeout=max(0.0, deadline - time.monotonic())))
+                info = fut.get(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - any failure to answer means the same thing here
                 if not require_all:  # `status`: this host is dead, the others may be fine
                     self.infos.append(None)  # type: ignore[arg-type]
@@ -200,6 +205,18 @@ class HostSet:
                     f"host {host.name} (agent {host.agent}) is not answering: the reservation is gone or unreachable; "
                     "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
                 ) from None
+            _check_version(host, info)
+            self.infos.append(info)
+
+
+def _check_version(host: HostRecord, info: Dict[str, Any]) -> None:
+    """Client and agents must run the same monarch-cli: their messages and pickles are not
+    versioned. Checked on every connection, whatever started the agent (an image, a remote
+    install, a SkyPilot setup); an agent too old to say its version is not refused."""
+    theirs = info.get("version")
+    if theirs is not None and theirs != __version__:
+        raise VersionMismatch(f"host {host.name} runs monarch-cli {theirs}, this client {__version__}: "
+                       f"install monarch-cli=={__version__} there (or this client's version here), then serve again")
 
 
 class SpmdRunner:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import zmq
 
+from .. import __version__
 from ..config import configure
 from ..sysutil import atomic_write
 from . import agent_command, agent_registry, agent_lineage, agent_sync, protocol, wire
@@ -301,6 +302,7 @@ class HostAgent:
 
         return {
             "host": self.host,
+            "version": __version__,  # a client of another version refuses to drive this agent
             "addr": advertised_host(),
             "pid": os.getpid(),
             "procs": len(self.procs.by_pid),

@@ -130,6 +130,44 @@ def test_serve_reuses_a_matching_reservation_and_replaces_only_when_asked(tmp_pa
             j.scheduler.release(j.state)  # no-op for agents already gone
 
 
+def test_agents_of_another_monarch_cli_version_are_refused_in_one_line(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Client and agents must run the same version (their messages are not versioned): a run
+    says which host runs which, serve will not reuse them without --replace, stop still works."""
+    import shutil
+    import subprocess
+    import sys
+
+    import monarch_cli
+
+    other = tmp_path / "other"  # a copy of this package that says it is another version
+    shutil.copytree(Path(monarch_cli.__file__).parent, other / "monarch_cli",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    init = other / "monarch_cli" / "__init__.py"
+    init.write_text(init.read_text().replace(f'__version__ = "{monarch_cli.__version__}"', '__version__ = "0.0.1-other"'))
+    state = tmp_path / "job_state.pkl"
+    script = write_script(tmp_path, "train.py", "print('ran')\n")
+    with monkeypatch.context() as mp:  # the agents start with the other copy first on their path
+        mp.chdir(tmp_path)  # (`python -m` puts the directory it starts in first: not the repository's)
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(other), os.environ.get("PYTHONPATH")])))
+        job = serve(["torchrun", "--nproc-per-node=1", str(script)], hosts=1, state=state)
+    try:
+        with pytest.raises(JobError) as info:
+            job.run_spmd()
+        assert str(info.value).startswith(f"host local0 runs monarch-cli 0.0.1-other, this client {monarch_cli.__version__}")
+        cli = subprocess.run([sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(state)],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode != 0 and "Traceback" not in cli.stderr
+        assert len(cli.stderr.strip().splitlines()) == 1 and "runs monarch-cli 0.0.1-other" in cli.stderr
+        with pytest.raises(JobError) as refused:
+            serve(["torchrun", "--nproc-per-node=1", str(script)], hosts=1, state=state)
+        assert "0.0.1-other" in str(refused.value) and "--replace" in str(refused.value)
+    finally:
+        agents = agent_pids(state)
+        job_load(state).stop()
+    assert wait_until(lambda: not living(agents), 10), living(agents)
+
+
 def job_load_or_none(state: Path):
     try:
         return job_load(state)
