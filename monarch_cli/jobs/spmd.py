@@ -358,7 +358,7 @@ class SpmdRunner:
                     mb.request(
                         self.hs.hosts[n].agent,
                         lambda cid: protocol.RunRanks(cid, mb.address, run_id, settings().heartbeat_timeout),
-                        wire.dumps(specs),
+                        wire.dumps_data(specs),
                     )
                 )
             if telemetry is not None:  # its thread opens the store now, not while the launch is on its way

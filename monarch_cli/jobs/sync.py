@@ -11,22 +11,21 @@ only their time differs) and the deletions. See docs/sync.md.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from ..runtime import protocol, wire
 from ..runtime.future import gather
 from ..runtime.mailbox import Mailbox
-from ..runtime.agent_sync import SyncApply, SyncCheck, SyncStatus
-from ..runtime.workspace import (
-    DEFAULT_MAX_BYTES, FileUpdate, WorkspaceError, check_size, diff, human_bytes, load_scanner, save_scanner,
-)
+from ..runtime.protocol.sync import SyncApply, SyncCheck, SyncStatus
 from .errors import JobError
 from .state import HostRecord
+
+if TYPE_CHECKING:  # the scanner is imported where a host needs a mirror: a run on shared hosts needs none of it
+    from ..runtime.workspace import FileUpdate
 
 _BATCH_BYTES = 32 << 20  # bytes per apply request: bounds memory on both sides
 
@@ -58,6 +57,8 @@ class SyncReport:
         if not self.changed:
             text = f"workspace up to date on {hosts} ({self.total_files} files checked in {ms})"
         else:
+            from ..runtime.workspace import human_bytes
+
             text = f"synced {self.files} file{'s' if self.files != 1 else ''}, {human_bytes(self.nbytes)}"
             if self.deleted:
                 text += f", {self.deleted} deleted"
@@ -75,7 +76,11 @@ class SyncReport:
 def mirror_name(workspace: str) -> str:
     """One mirror per client workspace on each host: its basename plus a hash of its path."""
     base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(workspace.rstrip("/")) or "root").lstrip(".-_") or "ws"
-    return f"{base[:40]}-{hashlib.blake2b(workspace.encode(), digest_size=4).hexdigest()}"
+    try:  # hashlib's blake2b itself, without hashlib loading OpenSSL's hashes (~2 ms on every run)
+        from _blake2 import blake2b
+    except ImportError:  # not CPython
+        from hashlib import blake2b
+    return f"{base[:40]}-{blake2b(workspace.encode(), digest_size=4).hexdigest()}"
 
 
 def sync_workspace(
@@ -98,7 +103,7 @@ def sync_workspace(
         st = os.stat(workspace)
     except OSError as e:
         raise JobError(f"cannot read workspace {workspace}: {e.strerror}") from None
-    probe = wire.dumps(SyncCheck(reservation, name, "", workspace, "", (st.st_ino, st.st_size, st.st_mtime_ns)))
+    probe = wire.dumps_data(SyncCheck(reservation, name, "", workspace, "", (st.st_ino, st.st_size, st.st_mtime_ns)))
     statuses: List[SyncStatus] = _gather(
         [mb.request(h.agent, lambda cid: protocol.SyncManifest(cid, mb.address), probe) for h in hosts], hosts, timeout)
     report = SyncReport(workspace)
@@ -109,6 +114,8 @@ def sync_workspace(
     if not far:  # nothing to mirror: no scan at all
         report.seconds = time.perf_counter() - started
         return report
+    from ..runtime.workspace import DEFAULT_MAX_BYTES, WorkspaceError, check_size, load_scanner, save_scanner
+
     limit = max_bytes if max_bytes is not None else int(os.environ.get("MONARCH_SYNC_MAX_BYTES", DEFAULT_MAX_BYTES))
     cache_file = cache_dir / "sync" / f"{name}.pkl"
     scanner = load_scanner(cache_file, workspace)
@@ -162,6 +169,8 @@ def sync_workspace(
 
 
 def _plan(scanner: Any, manifest: Dict[str, Any], host_files: Dict[str, Any]) -> Tuple[List[List[FileUpdate]], List[str], int, int]:
+    from ..runtime.workspace import FileUpdate, WorkspaceError, diff
+
     changes = diff(manifest, host_files)
     batches: List[List[FileUpdate]] = [[]]
     size = nbytes = 0

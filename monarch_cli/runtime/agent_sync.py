@@ -16,57 +16,19 @@ A mirror lives at ``$MONARCH_REMOTE_DIR/<reservation>/workspace/<name>`` (defaul
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List
 
 from . import protocol, wire
-from .workspace import Entry, FileUpdate, Mirror
+from .protocol.sync import SyncApplied, SyncApply, SyncCheck, SyncStatus  # noqa: F401 - the bodies this module answers
+from .workspace import Mirror
 
 if TYPE_CHECKING:
     from .agent import HostAgent
 
 _mirrors: Dict[str, Mirror] = {}
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-@dataclasses.dataclass
-class SyncCheck:
-    """Client -> host: which mirror, the client's digest, and the probe for a shared filesystem."""
-
-    reservation: str
-    name: str
-    digest: str  # "" asks only whether the workspace is shared, and the mirror's digest
-    workspace: str  # the client's absolute workspace path
-    probe: str  # a file of the workspace (relative; "" for the directory itself) ...
-    probe_stat: Tuple[int, int, int]  # ... and its (inode, size, mtime_ns) as the client sees it
-
-
-@dataclasses.dataclass
-class SyncStatus:
-    """Host -> client: ``files`` is the mirror's manifest (with hashes), sent only when digests differ."""
-
-    shared: bool
-    directory: str
-    digest: str
-    files: Optional[Dict[str, Tuple[Entry, str]]]
-
-
-@dataclasses.dataclass
-class SyncApply:
-    reservation: str
-    name: str
-    updates: List[FileUpdate]
-    deleted: List[str]
-    base: str  # the mirror digest these changes were computed against ("" for a later batch)
-
-
-@dataclasses.dataclass
-class SyncApplied:
-    written: int
-    nbytes: int
-    digest: str
 
 
 def remote_root() -> str:

@@ -21,9 +21,7 @@ import io
 import pickle
 import struct
 import sys
-from typing import Any, List, Sequence, Tuple
-
-import cloudpickle
+from typing import Any, List, Optional, Sequence, Tuple
 
 # Below this size an out-of-band frame costs more than it saves.
 _OOB_MIN = 4096
@@ -33,14 +31,6 @@ _LEN = struct.Struct("<I")
 # A message with this much in-band data is pickled again with big bytes/bytearray lifted out.
 _LIFT_AT = 1 << 20
 _LIFTED = b"L"  # first byte of a lifted message's pickle frame (a plain pickle starts with PROTO)
-
-
-class _Pickler(cloudpickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is not type and isinstance(obj, torch.Tensor):
-            return _reduce_tensor(obj)
-        return super().reducer_override(obj)
 
 
 def _reduce_tensor(t: Any) -> Any:
@@ -81,21 +71,41 @@ def _rebuild_tensor(array: Any, dtype: str, device: str, requires_grad: bool, is
     return t
 
 
-class _BytesLifter(_Pickler):
-    """The second pass: ``persistent_id`` sends big ``bytes``/``bytearray`` out of band.
+_picklers: Optional[Tuple[type, type]] = None
 
-    A separate class because defining ``persistent_id`` at all costs a Python call per
-    pickled object, which the usual small message must not pay.
-    """
 
-    lifted = 0
+def _pickler_classes() -> Tuple[type, type]:
+    """cloudpickle's pickler and the bytes-lifting one, made at first use: a process that only
+    sends plain data (:func:`dumps_data`, a run's client) never imports cloudpickle (~3 ms)."""
+    global _picklers
+    if _picklers is None:
+        import cloudpickle
 
-    def persistent_id(self, obj: Any) -> Any:
-        kind = type(obj)
-        if (kind is bytes or kind is bytearray) and len(obj) >= _OOB_MIN:
-            self.lifted += 1
-            return (kind is bytearray, pickle.PickleBuffer(obj))
-        return None
+        class _Pickler(cloudpickle.Pickler):
+            def reducer_override(self, obj: Any) -> Any:
+                torch = sys.modules.get("torch")
+                if torch is not None and type(obj) is not type and isinstance(obj, torch.Tensor):
+                    return _reduce_tensor(obj)
+                return super().reducer_override(obj)
+
+        class _BytesLifter(_Pickler):
+            """The second pass: ``persistent_id`` sends big ``bytes``/``bytearray`` out of band.
+
+            A separate class because defining ``persistent_id`` at all costs a Python call per
+            pickled object, which the usual small message must not pay.
+            """
+
+            lifted = 0
+
+            def persistent_id(self, obj: Any) -> Any:
+                kind = type(obj)
+                if (kind is bytes or kind is bytearray) and len(obj) >= _OOB_MIN:
+                    self.lifted += 1
+                    return (kind is bytearray, pickle.PickleBuffer(obj))
+                return None
+
+        _picklers = (_Pickler, _BytesLifter)
+    return _picklers
 
 
 class _Unpickler(pickle.Unpickler):
@@ -118,13 +128,22 @@ def _dump(pickler: type, obj: Any) -> Tuple[List[Any], Any]:
 
 def dumps(obj: Any) -> List[Any]:
     """Encode ``obj`` into frames: ``[pickle, *buffers]``."""
-    frames, _ = _dump(_Pickler, obj)
+    pickler, lifter_class = _pickler_classes()
+    frames, _ = _dump(pickler, obj)
     if len(frames[0]) >= _LIFT_AT:
-        lifted, lifter = _dump(_BytesLifter, obj)
+        lifted, lifter = _dump(lifter_class, obj)
         if lifter.lifted:
             lifted[0] = _LIFTED + lifted[0]
             return lifted
     return frames
+
+
+def dumps_data(obj: Any) -> List[Any]:
+    """Encode plain data (builtins; classes importable by name on both sides: the protocol's
+    records, dataclasses of this package) as :func:`dumps` would, with the standard pickler:
+    no functions or classes by value, no out-of-band buffers. For the small control bodies on
+    a run's path (the ranks' specs, a workspace check)."""
+    return [pickle.dumps(obj, 5)]
 
 
 def loads(frames: Sequence[Any]) -> Any:

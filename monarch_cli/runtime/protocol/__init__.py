@@ -6,5 +6,6 @@ from .base import *  # noqa: F401,F403
 from .from_agent import *  # noqa: F401,F403
 from .procs import *  # noqa: F401,F403
 from .records import *  # noqa: F401,F403
+from .sync import *  # noqa: F401,F403
 from .to_agent import *  # noqa: F401,F403
 from .zygote import *  # noqa: F401,F403
