@@ -10,12 +10,12 @@ connects to it gets no further than without it. Forwards live as long as this pr
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 from typing import Any, Dict, Tuple
 
-_CHUNK = 1 << 16
+from .forwarding import pipe
+
 # A forward refused once its agent has gone (ZeroMQ reconnecting) is expected, not news for the
 # console: without this, logging's last-resort handler prints paramiko's "channel open FAILED".
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
@@ -49,33 +49,11 @@ class Forward:
             except Exception:  # noqa: BLE001 - the SSH connection is gone: refuse, the runtime reports the host
                 conn.close()
                 continue
-            threading.Thread(target=_pipe, args=(conn, channel), daemon=True).start()
+            threading.Thread(target=pipe, args=(conn, channel), daemon=True).start()
 
     def close(self) -> None:
         self._listener.close()
         self.client.close()
-
-
-def _pipe(conn: socket.socket, channel: Any) -> None:
-    """Copy bytes both ways until either side closes."""
-    try:
-        while True:
-            readable, _, _ = select.select([conn, channel], [], [])
-            if conn in readable:
-                data = conn.recv(_CHUNK)
-                if not data:
-                    break
-                channel.sendall(data)
-            if channel in readable:
-                data = channel.recv(_CHUNK)
-                if not data:
-                    break
-                conn.sendall(data)
-    except OSError:
-        pass
-    finally:
-        channel.close()
-        conn.close()
 
 
 _FORWARDS: Dict[Tuple[str, str], Forward] = {}

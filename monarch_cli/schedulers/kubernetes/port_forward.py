@@ -13,16 +13,16 @@ this process: each command opens its own (listeners at once, a websocket per con
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from ..forwarding import CHUNK, pipe
+
 #: After a forward could not be opened (the pod is gone, no RBAC), refuse for a while without
 #: asking the API server again: ZeroMQ reconnects every 100 ms.
 RETRY_AFTER = 1.0
-_CHUNK = 1 << 16
 #: How long a stream may take to end once this side is done with it.
 _END_TIMEOUT = 5.0
 
@@ -61,34 +61,12 @@ def _end(stream: Any) -> None:
     try:
         stream.shutdown(socket.SHUT_WR)
         stream.settimeout(_END_TIMEOUT)
-        while stream.recv(_CHUNK):
+        while stream.recv(CHUNK):
             pass
     except OSError:
         pass
     finally:
         stream.close()
-
-
-def _pipe(conn: socket.socket, stream: Any) -> None:
-    """Copy bytes both ways until either side ends, then end both."""
-    try:
-        while True:
-            readable, _, _ = select.select([conn, stream], [], [])
-            if conn in readable:
-                data = conn.recv(_CHUNK)
-                if not data:
-                    break
-                stream.sendall(data)
-            if stream in readable:
-                data = stream.recv(_CHUNK)
-                if not data:
-                    break
-                conn.sendall(data)
-    except OSError:
-        pass
-    finally:
-        conn.close()
-        _end(stream)
 
 
 class PodForward:
@@ -121,7 +99,7 @@ class PodForward:
             self._refused_until = time.monotonic() + RETRY_AFTER
             conn.close()
             return
-        _pipe(conn, remote)
+        pipe(conn, remote, _end)
 
     def close(self) -> None:
         self._listener.close()
