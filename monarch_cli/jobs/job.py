@@ -288,8 +288,10 @@ class Job:
     def _explain_losses(self, exits: List[RankExit]) -> None:
         """A host stops answering, or its ranks are signalled by nobody we know of, most often
         because its allocation ended (a time limit: the scheduler signals the ranks, then kills
-        the agents; which the client sees first is a race): ask the scheduler which."""
-        unexplained = [e for e in exits if e.lost or (e.signal is not None and not (e.cause or e.stopped))]
+        the agents; which the client sees first is a race): ask the scheduler which. A rank whose
+        agent named a cause (its warm process died) is asked about too: the same end of the
+        allocation may have signalled that process first."""
+        unexplained = [e for e in exits if e.lost or (e.signal is not None and not e.stopped)]
         if not unexplained:
             return
         probe = self.scheduler.probe(self.state)
@@ -298,7 +300,7 @@ class Job:
             if e.lost:
                 e.lost = f"{e.lost}: {why}"
             else:
-                e.cause = why
+                e.cause = f"{e.cause}; {why}" if e.cause else why
 
     def _sink(self, spec: SpmdSpec, launches: List[Launch], log_dir: Path, ranks: Optional[Set[int]],
               color: Optional[bool], stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
