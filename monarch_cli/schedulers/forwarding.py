@@ -1,10 +1,12 @@
-"""What the backends' loopback forwards share (ssh ``--tunnel``, Kubernetes port-forwards): the
-byte pump between a local connection and the stream that carries it to a host."""
+"""What the backends' loopback forwards share (ssh ``--tunnel``, Kubernetes port-forwards): a
+loopback listener whose connections each get a thread, and the byte pump between a local
+connection and the stream that carries it to a host."""
 
 from __future__ import annotations
 
 import select
 import socket
+import threading
 from typing import Any, Callable, Optional
 
 CHUNK = 1 << 16
@@ -36,3 +38,29 @@ def pipe(conn: socket.socket, other: Any, end_other: Optional[Callable[[Any], No
 
 def _close(stream: Any) -> None:
     stream.close()
+
+
+class LoopbackListener:
+    """Listens on 127.0.0.1 (a free port) for as long as this process lives or until closed; each
+    connection is handed to :meth:`serve_connection` on a thread of its own."""
+
+    def __init__(self, name: str) -> None:
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.address = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, name=name, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self.serve_connection, args=(conn, peer), daemon=True).start()
+
+    def serve_connection(self, conn: socket.socket, peer: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._listener.close()

@@ -14,45 +14,32 @@ import socket
 import threading
 from typing import Any, Dict, Tuple
 
-from .forwarding import pipe
+from .forwarding import LoopbackListener, pipe
 
 # A forward refused once its agent has gone (ZeroMQ reconnecting) is expected, not news for the
 # console: without this, logging's last-resort handler prints paramiko's "channel open FAILED".
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
-class Forward:
-    """Listens on 127.0.0.1 (a free port); each connection becomes a ``direct-tcpip`` channel to
-    ``remote`` as the host sees it, over ``client`` (a connected ``paramiko.SSHClient``, kept open)."""
+class Forward(LoopbackListener):
+    """A loopback port whose each connection becomes a ``direct-tcpip`` channel to ``remote`` as
+    the host sees it, over ``client`` (a connected ``paramiko.SSHClient``, kept open)."""
 
     def __init__(self, client: Any, remote: Tuple[str, int]) -> None:
         self.client = client
         self.remote = remote
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(16)
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, name=f"monarch-ssh-forward-{self.port}", daemon=True).start()
+        super().__init__(f"monarch-ssh-forward-{remote[0]}:{remote[1]}")
 
-    @property
-    def address(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return
-            try:
-                channel = self.client.get_transport().open_channel("direct-tcpip", self.remote, peer)
-            except Exception:  # noqa: BLE001 - the SSH connection is gone: refuse, the runtime reports the host
-                conn.close()
-                continue
-            threading.Thread(target=pipe, args=(conn, channel), daemon=True).start()
+    def serve_connection(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            channel = self.client.get_transport().open_channel("direct-tcpip", self.remote, peer)
+        except Exception:  # noqa: BLE001 - the SSH connection is gone: refuse, the runtime reports the host
+            conn.close()
+            return
+        pipe(conn, channel)
 
     def close(self) -> None:
-        self._listener.close()
+        super().close()
         self.client.close()
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from ..forwarding import CHUNK, pipe
+from ..forwarding import CHUNK, LoopbackListener, pipe
 
 #: After a forward could not be opened (the pod is gone, no RBAC), refuse for a while without
 #: asking the API server again: ZeroMQ reconnects every 100 ms.
@@ -69,27 +69,15 @@ def _end(stream: Any) -> None:
         stream.close()
 
 
-class PodForward:
-    """Listens on 127.0.0.1 (a free port); each connection becomes a port-forward to ``port`` of ``pod``."""
+class PodForward(LoopbackListener):
+    """A loopback port whose each connection becomes a port-forward to ``port`` of ``pod``."""
 
     def __init__(self, core: Any, namespace: str, pod: str, port: int) -> None:
         self.core, self.namespace, self.pod, self.port = core, namespace, pod, port
         self._refused_until = 0.0
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(16)
-        self.address = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, name=f"monarch-k8s-forward-{pod}", daemon=True).start()
+        super().__init__(f"monarch-k8s-forward-{pod}")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
-
-    def _relay(self, conn: socket.socket) -> None:
+    def serve_connection(self, conn: socket.socket, _peer: Any) -> None:
         if time.monotonic() < self._refused_until:
             conn.close()
             return
@@ -100,9 +88,6 @@ class PodForward:
             conn.close()
             return
         pipe(conn, remote, _end)
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 _FORWARDS: Dict[Tuple[str, str], PodForward] = {}
