@@ -104,16 +104,18 @@ class Job:
                 "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
             )
         hosts = self._reachable_hosts()
-        host = controller_host([h.agent for h in hosts])
-        if host is not None:  # agents on other hosts could not reach a loopback address
-            configure(host=host)
         dead = [] if require_all else self.scheduler.dead_hosts(self.state)
         return HostSet(hosts, self.keys, require_all=require_all, known_dead=dead)
 
     def _reachable_hosts(self) -> List[HostRecord]:
-        """The hosts with the agent addresses this process reaches them at (a backend's forward, or their own)."""
+        """The hosts with the agent addresses this process reaches them at (a backend's forward, or
+        their own); this process's mailbox is set to listen where they can reach it back."""
         addresses = self.scheduler.agent_addresses(self.state)
-        return [h if a == h.agent else dataclasses.replace(h, agent=a) for h, a in zip(self.state.hosts, addresses)]
+        hosts = [h if a == h.agent else dataclasses.replace(h, agent=a) for h, a in zip(self.state.hosts, addresses)]
+        host = controller_host([h.agent for h in hosts])
+        if host is not None:  # agents on other hosts could not reach a loopback address
+            configure(host=host)
+        return hosts
 
     def host_mesh(self) -> "HostMesh":
         """The reservation's hosts as an actor-API :class:`~monarch_cli.runtime.mesh.HostMesh`
@@ -123,9 +125,6 @@ class Job:
         from ..runtime.mesh import HostMesh
 
         hosts = self._reachable_hosts()
-        host = controller_host([h.agent for h in hosts])
-        if host is not None:
-            configure(host=host)
         try:
             Mailbox.get(self.keys)  # the actor API's one mailbox: this reservation's keys
         except RuntimeError as e:
@@ -413,9 +412,6 @@ class Job:
         if self.scheduler.probe(self.state).gone:
             return []
         hosts = self._reachable_hosts()
-        host = controller_host([h.agent for h in hosts])
-        if host is not None:
-            configure(host=host)
         mb = Mailbox.for_keys(self.keys)
         who = _stopper(by)
         for h in hosts:
