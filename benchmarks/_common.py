@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import platform
 import time
-from typing import Callable, List, Sequence
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
 
-def timed(fn: Callable[[], object], n: int, warmup: int = 0) -> List[float]:
+def timed(fn: Callable[[], object], n: int, warmup: int = 0) -> list[float]:
     """Seconds per call of ``fn``, ``n`` times, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()

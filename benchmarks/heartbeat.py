@@ -19,15 +19,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import List
 
 from _common import print_table
 
-FLOOD = ("import sys\nline = 'step %07d loss 0.123456 lr 0.001 tokens/s 123456\\n'\n"
-         "for i in range({n}):\n    sys.stdout.write(line % i)\n")
+FLOOD = (
+    "import sys\nline = 'step %07d loss 0.123456 lr 0.001 tokens/s 123456\\n'\n"
+    "for i in range({n}):\n    sys.stdout.write(line % i)\n"
+)
 
 
-def beats(sock: object, address: str, n: int, stop: "threading.Event | None" = None) -> List[float]:
+def beats(sock: object, address: str, n: int, stop: threading.Event | None = None) -> list[float]:
     from monarch_cli.runtime import protocol, wire
 
     beat = wire.frames(protocol.header(protocol.Heartbeat(address)))[0]
@@ -43,7 +44,7 @@ def beats(sock: object, address: str, n: int, stop: "threading.Event | None" = N
     return out
 
 
-def row(name: str, xs: List[float]) -> List[str]:
+def row(name: str, xs: list[float]) -> list[str]:
     xs = sorted(xs)
     p99 = xs[min(len(xs) - 1, int(len(xs) * 0.99))]
     return [name, str(len(xs)), f"{statistics.median(xs) * 1e3:.2f}", f"{p99 * 1e3:.2f}", f"{xs[-1] * 1e3:.2f}"]
@@ -68,12 +69,13 @@ def main() -> None:
             script = cwd / "flood.py"
             script.write_text(FLOOD.format(n=args.megabytes * 1_000_000 // 49))
             stop = threading.Event()
-            busy: List[float] = []
+            busy: list[float] = []
             result = {}
 
             def flood() -> None:
-                result["run"] = job.run_spmd(["torchrun", "--nproc-per-node=1", str(script)], stdout=io.BytesIO(),
-                                             stderr=io.BytesIO())
+                result["run"] = job.run_spmd(
+                    ["torchrun", "--nproc-per-node=1", str(script)], stdout=io.BytesIO(), stderr=io.BytesIO()
+                )
                 stop.set()
 
             runner = threading.Thread(target=flood)
@@ -88,10 +90,11 @@ def main() -> None:
         finally:
             job.stop()
     assert result["run"].exit_code == 0
-    print_table("heartbeat round trip (ms) on the agent's one port",
-                ["agent", "beats", "median", "p99", "max"],
-                [row("idle (reference)", idle),
-                 row(f"while a rank streams {args.megabytes} MB ({took:.1f} s)", busy)])
+    print_table(
+        "heartbeat round trip (ms) on the agent's one port",
+        ["agent", "beats", "median", "p99", "max"],
+        [row("idle (reference)", idle), row(f"while a rank streams {args.megabytes} MB ({took:.1f} s)", busy)],
+    )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 from _common import print_table
 
-WORKLOADS: Dict[str, str] = {
+WORKLOADS: dict[str, str] = {
     "empty script (fixed cost)": "pass\n",
     # 50 MB of short lines, one print() each: ~1.1 M lines of ~45 bytes.
     "50 MB of short lines": (
@@ -43,11 +42,15 @@ WORKLOADS: Dict[str, str] = {
     "one 10 MB line, no newline": "import sys\nsys.stdout.write('x' * 10_000_000)\n",
     "3,000 unflushed dots": "for _ in range(3000):\n    print('.', end='')\n",
 }
-SIZES = {"empty script (fixed cost)": 0, "50 MB of short lines": 50e6, "one 10 MB line, no newline": 10e6,
-         "3,000 unflushed dots": 3000}
+SIZES = {
+    "empty script (fixed cost)": 0,
+    "50 MB of short lines": 50e6,
+    "one 10 MB line, no newline": 10e6,
+    "3,000 unflushed dots": 3000,
+}
 
 
-def run(cmd: List[str], cwd: Path, env: dict, out: Path) -> None:
+def run(cmd: list[str], cwd: Path, env: dict, out: Path) -> None:
     with open(out, "wb") as sink:
         proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=sink, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -92,18 +95,29 @@ def main() -> None:
     for name, plain, via, cpu, inside in rows:
         p, m = statistics.median(plain), statistics.median(via)
         rate = f"{SIZES[name] / m / 1e6:.1f}" if SIZES[name] >= 1e6 else ""
-        cells.append((name, f"{p:.3f} s", f"{m:.3f} s", f"{m / p:.1f}x", rate, f"{statistics.median(cpu):.3f} s",
-                      f"{statistics.median(inside):.3f} s"))
-    print_table(f"output throughput, 1 rank, median of {n} (serve once: {serve_time:.2f} s)",
-                ("workload", "python > file", "monarch > file", "ratio", "monarch MB/s", "CLI CPU", "run (result.json)"),
-                cells)
+        cells.append(
+            (
+                name,
+                f"{p:.3f} s",
+                f"{m:.3f} s",
+                f"{m / p:.1f}x",
+                rate,
+                f"{statistics.median(cpu):.3f} s",
+                f"{statistics.median(inside):.3f} s",
+            )
+        )
+    print_table(
+        f"output throughput, 1 rank, median of {n} (serve once: {serve_time:.2f} s)",
+        ("workload", "python > file", "monarch > file", "ratio", "monarch MB/s", "CLI CPU", "run (result.json)"),
+        cells,
+    )
 
 
 def _latest_run(cwd: Path) -> Path:
     return max((cwd / ".monarch" / "logs").iterdir(), key=lambda p: p.stat().st_mtime)
 
 
-def _timed_run(cmd: List[str], cwd: Path, env: dict, out: Path) -> Tuple[float, float]:
+def _timed_run(cmd: list[str], cwd: Path, env: dict, out: Path) -> tuple[float, float]:
     """Wall seconds, and the child's CPU seconds (user + system)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()

@@ -15,17 +15,17 @@ import platform
 import statistics
 import sys
 import time
-from typing import List
 
 import psutil
 import zmq
 from _common import print_table, timed
+
 from monarch_cli import Actor, HostMesh, endpoint, this_host
 
 PAYLOAD = {"step": 1, "loss": 0.125, "name": "x" * 48}
 
 
-def _echo_server(port_q: "mp.Queue[int]") -> None:
+def _echo_server(port_q: mp.Queue[int]) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -42,7 +42,7 @@ class FloorClient:
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
-        q: "mp.Queue[int]" = ctx.Queue()
+        q: mp.Queue[int] = ctx.Queue()
         self.server = ctx.Process(target=_echo_server, args=(q,), daemon=True)
         self.server.start()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -76,8 +76,8 @@ def main() -> None:
     echo = procs.spawn("echo", Echo)
     floor_client = FloorClient()
     # Interleave the two in blocks so that machine noise hits both alike.
-    floor_times: List[float] = []
-    call_times: List[float] = []
+    floor_times: list[float] = []
+    call_times: list[float] = []
     for _ in range(10):
         floor_times += timed(floor_client.round_trip, n // 10, warmup=20)
         call_times += timed(lambda: echo.echo.call_one(PAYLOAD).get(), n // 10, warmup=20)
@@ -93,8 +93,14 @@ def main() -> None:
     relayed_times = timed(lambda: relayed.echo.call_one(PAYLOAD).get(), n, warmup=20)
     relayed_procs.stop().get()
     relayed_rtt = statistics.median(relayed_times)
-    rows.append(("call_one relayed by the agent (median)", f"{relayed_rtt * 1e6:.0f} µs",
-                 f"{relayed_rtt / rtt:.2f}x direct", "reported"))
+    rows.append(
+        (
+            "call_one relayed by the agent (median)",
+            f"{relayed_rtt * 1e6:.0f} µs",
+            f"{relayed_rtt / rtt:.2f}x direct",
+            "reported",
+        )
+    )
 
     best = 0.0
     for _ in range(3 if args.quick else 5):
@@ -103,7 +109,9 @@ def main() -> None:
         for f in futs:
             f.get()
         best = max(best, 1000 / (time.perf_counter() - t))
-    rows.append(("pipelined calls, 1000 in flight", f"{best:,.0f} /s", f"{best * floor:.2f}x floor rate", ">= 20,000 /s"))
+    rows.append(
+        ("pipelined calls, 1000 in flight", f"{best:,.0f} /s", f"{best * floor:.2f}x floor rate", ">= 20,000 /s")
+    )
 
     spawn_times = []
     for _ in range(5 if args.quick else 15):
@@ -117,14 +125,18 @@ def main() -> None:
     time.sleep(0.5)
     rss = psutil.Process(procs._members[0].pid).memory_info().rss
     uss = psutil.Process(procs._members[0].pid).memory_full_info().uss
-    rows.append(("idle proc memory (RSS / unique)", f"{rss / 2**20:.0f} MB / {uss / 2**20:.0f} MB", "-", "RSS <= 40 MB"))
+    rows.append(
+        ("idle proc memory (RSS / unique)", f"{rss / 2**20:.0f} MB / {uss / 2**20:.0f} MB", "-", "RSS <= 40 MB")
+    )
     procs.stop().get()
 
     for size in (1, 4, 16):
         mesh = host.spawn_procs(per_host={"gpus": size})
         actors = mesh.spawn("echo", Echo)
         lat = statistics.median(timed(lambda: actors.echo.call(PAYLOAD).get(), max(50, n // (4 * size)), warmup=20))
-        rows.append((f"call() on {size:>2} procs (median)", f"{lat * 1e6:.0f} µs", f"{lat / floor:.2f}x floor", "reported"))
+        rows.append(
+            (f"call() on {size:>2} procs (median)", f"{lat * 1e6:.0f} µs", f"{lat / floor:.2f}x floor", "reported")
+        )
         mesh.stop().get()
 
     print_table(f"runtime, Python {platform.python_version()}", ("measure", "result", "ratio", "target"), rows)

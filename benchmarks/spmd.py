@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 from _common import print_table, timed
 
@@ -64,10 +63,10 @@ dist.barrier()
 dist.destroy_process_group()
 """
 
-Row = Tuple[str, List[float], str]
+Row = tuple[str, list[float], str]
 
 
-def run(cmd: List[str], cwd: Path, env: Dict[str, str]) -> str:
+def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired as e:
@@ -80,7 +79,7 @@ def run(cmd: List[str], cwd: Path, env: Dict[str, str]) -> str:
 class Workload:
     """One script, one reservation (``hosts`` local hosts), in its own directory."""
 
-    def __init__(self, root: Path, name: str, script: str, hosts: int, nproc: int, env: Dict[str, str]) -> None:
+    def __init__(self, root: Path, name: str, script: str, hosts: int, nproc: int, env: dict[str, str]) -> None:
         self.cwd = root / name
         self.cwd.mkdir()
         (self.cwd / "script.py").write_text(script)
@@ -88,30 +87,50 @@ class Workload:
         self.env = {**env, "MONARCH_STATE": str(self.cwd / ".monarch" / "job_state.pkl")}
         self.monarch = [sys.executable, "-m", "monarch_cli"]
 
-    def torchrun(self) -> List[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={self.hosts * self.nproc}", "script.py"]
+    def torchrun(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.hosts * self.nproc}",
+            "script.py",
+        ]
 
     def serve(self) -> float:
         t = time.perf_counter()
-        run([*self.monarch, "serve", "--hosts", str(self.hosts), "--", "torchrun",
-             f"--nproc-per-node={self.nproc}", "script.py"], self.cwd, self.env)
+        run(
+            [
+                *self.monarch,
+                "serve",
+                "--hosts",
+                str(self.hosts),
+                "--",
+                "torchrun",
+                f"--nproc-per-node={self.nproc}",
+                "script.py",
+            ],
+            self.cwd,
+            self.env,
+        )
         return time.perf_counter() - t
 
     def cli(self, *flags: str) -> None:
         run([*self.monarch, "run-spmd", *flags], self.cwd, self.env)
 
-    def warm(self) -> List[dict]:
+    def warm(self) -> list[dict]:
         return [h["warm"] for h in json.loads(run([*self.monarch, "warm", "--json"], self.cwd, self.env))["hosts"]]
 
-    def settle(self, timeout: float = 300) -> List[dict]:
+    def settle(self, timeout: float = 300) -> list[dict]:
         """Run until every host's warm process holds what the ranks import (learning is in the
         background: a run teaches, the warm process is rebuilt after it)."""
         deadline = time.monotonic() + timeout
         self.cli()
         while time.monotonic() < deadline:
             warm = self.warm()
-            if all(w and w["ready"] and not w["warming"] and (w["learned_held"] or not w.get("learning")) for w in warm):
+            if all(
+                w and w["ready"] and not w["warming"] and (w["learned_held"] or not w.get("learning")) for w in warm
+            ):
                 return warm
             time.sleep(0.5)
         raise SystemExit(f"{self.cwd.name}: the warm processes did not settle within {timeout:.0f} s: {warm}")
@@ -124,15 +143,19 @@ def _verdict(met: bool) -> str:
     return "met" if met else "NOT met"
 
 
-def mib(warm: List[dict]) -> str:
+def mib(warm: list[dict]) -> str:
     return " + ".join(f"{(w['rss_bytes'] or 0) / 2**20:.0f} MiB ({w['modules']} modules)" for w in warm)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-learn", dest="learn", action="store_false",
-                        help="measure a warm process that holds torch only (MONARCH_LEARN_PRELOAD=0)")
+    parser.add_argument(
+        "--no-learn",
+        dest="learn",
+        action="store_false",
+        help="measure a warm process that holds torch only (MONARCH_LEARN_PRELOAD=0)",
+    )
     parser.add_argument("--only", choices=["allreduce"], help="the bare all-reduce table alone (~1 minute)")
     args = parser.parse_args()
     n = args.repeats
@@ -142,11 +165,13 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         env["MONARCH_CACHE_DIR"] = str(root / "cache")
         env["MONARCH_LEARN_PRELOAD"] = "1" if args.learn else "0"
-        print(f"warm processes: {'learned preload (the default)' if args.learn else 'torch only (MONARCH_LEARN_PRELOAD=0)'}")
+        print(
+            f"warm processes: {'learned preload (the default)' if args.learn else 'torch only (MONARCH_LEARN_PRELOAD=0)'}"
+        )
         bare = Workload(root, "allreduce", ALL_REDUCE, hosts=1, nproc=2, env=env)
         ddp = Workload(root, "train_ddp", (REPO / "examples" / "train_ddp.py").read_text(), hosts=2, nproc=2, env=env)
         par = Workload(root, "ddp_fsdp_dtensor", PARALLEL, hosts=1, nproc=2, env=env)
-        tables: List[Tuple[str, List[Row], List[str]]] = []
+        tables: list[tuple[str, list[Row], list[str]]] = []
         try:
             # --- bare all-reduce: every row of the original table, plus the CLI's own cost
             cold = timed(lambda: run(bare.torchrun(), bare.cwd, bare.env), n)
@@ -171,33 +196,57 @@ def main() -> None:
             overhead = statistics.median(cli) - statistics.median(api)
             speedup = statistics.median(cold) / statistics.median(cli)
             bare_warm = bare.warm()
-            tables.append(("SPMD, 2 ranks gloo all-reduce", [
-                ("torchrun --standalone --nproc-per-node=2 (cold)", cold, "reference"),
-                ("monarch serve (once)", [serve_time], ""),
-                ("first monarch run-spmd (CLI process)", first, ""),
-                ("repeated monarch run-spmd (CLI process)", cli, ">= 15x"),
-                ("repeated monarch run-spmd --cold (CLI process)", cli_cold, ""),
-                ("repeated job.run_spmd() from Python", api, ""),
-            ], [f"repeated CLI run vs cold torchrun: {speedup:.1f}x (target >= 15x: {_verdict(speedup >= 15)})",
-                f"CLI process minus job.run_spmd(): {overhead:.3f} s (target <= 0.150 s: {_verdict(overhead <= 0.150)})",
-                f"warm process: {mib(bare_warm)}"]))
+            tables.append(
+                (
+                    "SPMD, 2 ranks gloo all-reduce",
+                    [
+                        ("torchrun --standalone --nproc-per-node=2 (cold)", cold, "reference"),
+                        ("monarch serve (once)", [serve_time], ""),
+                        ("first monarch run-spmd (CLI process)", first, ""),
+                        ("repeated monarch run-spmd (CLI process)", cli, ">= 15x"),
+                        ("repeated monarch run-spmd --cold (CLI process)", cli_cold, ""),
+                        ("repeated job.run_spmd() from Python", api, ""),
+                    ],
+                    [
+                        f"repeated CLI run vs cold torchrun: {speedup:.1f}x (target >= 15x: {_verdict(speedup >= 15)})",
+                        f"CLI process minus job.run_spmd(): {overhead:.3f} s (target <= 0.150 s: {_verdict(overhead <= 0.150)})",
+                        f"warm process: {mib(bare_warm)}",
+                    ],
+                )
+            )
             bare.stop()
 
-            for w, label, reference in () if args.only else (
-                (ddp, "examples/train_ddp.py, 2 local hosts x 2 ranks", "torchrun --standalone --nproc-per-node=4 (cold)"),
-                (par, "DDP + FSDP + DTensor script, 2 ranks", "torchrun --standalone --nproc-per-node=2 (cold)"),
+            for w, label, reference in (
+                ()
+                if args.only
+                else (
+                    (
+                        ddp,
+                        "examples/train_ddp.py, 2 local hosts x 2 ranks",
+                        "torchrun --standalone --nproc-per-node=4 (cold)",
+                    ),
+                    (par, "DDP + FSDP + DTensor script, 2 ranks", "torchrun --standalone --nproc-per-node=2 (cold)"),
+                )
             ):
                 cold = timed(lambda: run(w.torchrun(), w.cwd, w.env), n)
                 w.serve()
                 first = timed(w.cli, 1)
                 warm = w.settle()
                 cli = timed(w.cli, n)
-                tables.append((label, [
-                    (reference, cold, "reference"),
-                    ("first monarch run-spmd after serve", first, ""),
-                    ("repeated monarch run-spmd (CLI process)", cli, ">= 8x"),
-                ], [f"warm processes with the learned set: {mib(warm)}; "
-                    f"{sum(x['learned_held'] for x in warm)} modules learned from the runs"]))
+                tables.append(
+                    (
+                        label,
+                        [
+                            (reference, cold, "reference"),
+                            ("first monarch run-spmd after serve", first, ""),
+                            ("repeated monarch run-spmd (CLI process)", cli, ">= 8x"),
+                        ],
+                        [
+                            f"warm processes with the learned set: {mib(warm)}; "
+                            f"{sum(x['learned_held'] for x in warm)} modules learned from the runs"
+                        ],
+                    )
+                )
                 w.stop()
         finally:
             for w in (bare, ddp, par):
@@ -213,8 +262,10 @@ def main() -> None:
         print_table(what, ("what", "median", "min", "speed-up vs torchrun", "target"), cells)
         for note in notes:
             print("  " + note)
-    print("  context: Monarch 0.7's run_spmd() of a 2-rank DDP script took 3.5 s per run on this machine "
-          "(growing run after run; from the issue, not measured here)")
+    print(
+        "  context: Monarch 0.7's run_spmd() of a 2-rank DDP script took 3.5 s per run on this machine "
+        "(growing run after run; from the issue, not measured here)"
+    )
 
 
 if __name__ == "__main__":

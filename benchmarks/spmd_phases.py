@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
 
 from _common import print_table
 
@@ -121,8 +120,12 @@ def main() -> None:
         (root / "script.py").write_text(SCRIPT)
         (root / "driver.py").write_text(DRIVER)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-        env.update(MONARCH_STATE=str(root / ".monarch" / "job_state.pkl"), MONARCH_CACHE_DIR=str(root / "cache"),
-                   PHASES_DIR=str(root), PHASES_OUT=str(root / "client.json"))
+        env.update(
+            MONARCH_STATE=str(root / ".monarch" / "job_state.pkl"),
+            MONARCH_CACHE_DIR=str(root / "cache"),
+            PHASES_DIR=str(root),
+            PHASES_OUT=str(root / "client.json"),
+        )
         if args.typer:
             env["PHASES_TYPER"] = "1"
         monarch = [sys.executable, "-m", "monarch_cli"]
@@ -144,11 +147,17 @@ def main() -> None:
                 time.sleep(0.5)
             for _ in range(2):
                 cli("run-spmd")
-            runs: List[Dict[str, float]] = []
+            runs: list[dict[str, float]] = []
             for _ in range(args.repeats):
                 t0 = time.time()
-                done = subprocess.run([sys.executable, str(root / "driver.py"), "run-spmd"], cwd=root, env=env,
-                                      capture_output=True, text=True, timeout=180)
+                done = subprocess.run(
+                    [sys.executable, str(root / "driver.py"), "run-spmd"],
+                    cwd=root,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=180,
+                )
                 t1 = time.time()
                 if done.returncode != 0 or "cold" in done.stderr:
                     raise SystemExit(f"run failed or started cold: {done.stderr}")
@@ -166,8 +175,11 @@ def main() -> None:
         spans = [1000 * (r[b] - r[a]) for r in runs]
         rows.append((name, f"{statistics.median(spans):.1f} ms", f"{min(spans):.1f} ms", f"{max(spans):.1f} ms"))
     route = "Typer" if args.typer else "default (fast route)"
-    print_table(f"run-spmd phases, bare all-reduce, 2 ranks, {args.repeats} runs, CLI route: {route}",
-                ("phase", "median", "min", "max"), rows)
+    print_table(
+        f"run-spmd phases, bare all-reduce, 2 ranks, {args.repeats} runs, CLI route: {route}",
+        ("phase", "median", "min", "max"),
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Tuple
 
 from _common import print_table, timed
 
 
-def start_hidden_agent(keys: "object", name: str, hide: Path, remote: Path, log: Path) -> Tuple[int, str]:
+def start_hidden_agent(keys: object, name: str, hide: Path, remote: Path, log: Path) -> tuple[int, str]:
     from monarch_cli.runtime.agent_command import READY_PREFIX, AgentCommand
 
     addr = log.with_suffix(".addr")
@@ -32,9 +31,14 @@ def start_hidden_agent(keys: "object", name: str, hide: Path, remote: Path, log:
     script = 'mount -t tmpfs tmpfs "$0" && exec "$@"'
     env = {**os.environ, "MONARCH_HOST": "127.0.0.1", "MONARCH_REMOTE_DIR": str(remote)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(hide),
-                                 *agent.argv()], stdin=subprocess.PIPE, stdout=out, stderr=out,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(hide), *agent.argv()],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+        )
     assert proc.stdin is not None
     proc.stdin.write(keys.encode().encode() + b"\n")  # type: ignore[attr-defined]
     proc.stdin.close()
@@ -52,8 +56,8 @@ def main() -> None:
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (a private mount namespace per agent hides the workspace from it)")
-    from monarch_cli.jobs.state import HostRecord, JobState, save_state
     from monarch_cli.jobs.job import job_load
+    from monarch_cli.jobs.state import HostRecord, JobState, save_state
     from monarch_cli.runtime import protocol
     from monarch_cli.runtime.keys import Keys
     from monarch_cli.runtime.workspace import Scanner
@@ -78,8 +82,13 @@ def main() -> None:
             hs = job._hostset()
             first = job.sync(ws, _hostset=hs)
             assert first.files == args.files + 1, first
-            ping = timed(lambda: [hs.mb.request(h.agent, lambda cid: protocol.Ping(cid, hs.mb.address)).get(timeout=5)
-                                  for h in hosts], args.repeats, warmup=2)
+            ping = timed(
+                lambda: [
+                    hs.mb.request(h.agent, lambda cid: protocol.Ping(cid, hs.mb.address)).get(timeout=5) for h in hosts
+                ],
+                args.repeats,
+                warmup=2,
+            )
             cold_scan = timed(lambda: Scanner(str(ws)).scan(), 3)
             files = [str(p) for p in ws.rglob("*.py")]
             floor = timed(lambda: [os.lstat(f) for f in files], args.repeats)
@@ -102,7 +111,7 @@ def main() -> None:
             job.stop()
 
     ref = statistics.median(ping)
-    rows: List[Tuple[str, List[float], str]] = [
+    rows: list[tuple[str, list[float], str]] = [
         ("ping both agents (reference)", ping, ""),
         (f"lstat {args.files} files once (floor of any change check)", floor, ""),
         (f"scan {args.files} files, no cache (reference)", cold_scan, ""),
@@ -110,8 +119,16 @@ def main() -> None:
         ("sync, nothing changed", none, "<= 20 ms"),
         ("sync, one file changed", one, "<= 50 ms"),
     ]
-    cells = [(name, f"{statistics.median(t) * 1000:.1f} ms", f"{min(t) * 1000:.1f} ms",
-              f"{statistics.median(t) / ref:.1f}x", target) for name, t, target in rows]
+    cells = [
+        (
+            name,
+            f"{statistics.median(t) * 1000:.1f} ms",
+            f"{min(t) * 1000:.1f} ms",
+            f"{statistics.median(t) / ref:.1f}x",
+            target,
+        )
+        for name, t, target in rows
+    ]
     print_table(f"workspace sync, {args.files} files, 2 hosts", ("what", "median", "min", "vs ping", "target"), cells)
 
 

@@ -39,8 +39,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
 
 from _common import print_table, timed
 
@@ -78,8 +78,10 @@ waiting_for_release(sys.argv[1])
 """
 
 
-def cli(args: List[str], cwd: Path, env: Dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-m", "monarch_cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+def cli(args: list[str], cwd: Path, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise SystemExit(f"monarch {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done.stdout
@@ -89,7 +91,7 @@ def med(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
-def paired(off: Sequence[float], on: Sequence[float], draws: int = 4000) -> Tuple[float, float, float]:
+def paired(off: Sequence[float], on: Sequence[float], draws: int = 4000) -> tuple[float, float, float]:
     """Median of the per-pair ratios on/off, and a 95 % bootstrap interval of that median."""
     ratios = [b / a for a, b in zip(off, on)]
     rng = random.Random(0)
@@ -125,7 +127,7 @@ def self_cpu() -> float:
 def turns(pairs: int, one: Callable[[bool], None]) -> None:
     """ABAB: off and on alternate, each side first in half the pairs."""
     for i in range(pairs):
-        for on in ((False, True) if i % 2 else (True, False)):
+        for on in (False, True) if i % 2 else (True, False):
             one(on)
 
 
@@ -153,7 +155,7 @@ def hook_us() -> float:
     return med(best)
 
 
-def hook_in_context(pairs: int) -> Dict[str, Tuple[float, float, float, float]]:
+def hook_in_context(pairs: int) -> dict[str, tuple[float, float, float, float]]:
     """CPU µs per training step (the loop's model, in this process) with monarch's hook and with a
     no-op hook (the control: the noise floor), each against no hook, ABAB in short segments.
     Catches what a direct timing cannot: the hook's effect on the step around it."""
@@ -167,8 +169,10 @@ def hook_in_context(pairs: int) -> Dict[str, Tuple[float, float, float, float]]:
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     opt = torch.optim.SGD(model.parameters(), lr=0.001)
     x = torch.randn(64, 256)
-    hooks = {"monarch": _StepTimer(os.path.join(tempfile.mkdtemp(prefix="monarch-bench-hook-"), "steps")),
-             "no-op": lambda *_: None}
+    hooks = {
+        "monarch": _StepTimer(os.path.join(tempfile.mkdtemp(prefix="monarch-bench-hook-"), "steps")),
+        "no-op": lambda *_: None,
+    }
 
     def segment(n: int = 100) -> float:
         c = time.process_time()
@@ -179,9 +183,9 @@ def hook_in_context(pairs: int) -> Dict[str, Tuple[float, float, float, float]]:
         return (time.process_time() - c) / n * 1e6
 
     segment(300)
-    got: Dict[str, List[float]] = {"none": [], "monarch": [], "no-op": []}
+    got: dict[str, list[float]] = {"none": [], "monarch": [], "no-op": []}
     for i in range(pairs):
-        for name in (["none", "monarch", "no-op"] if i % 2 else ["no-op", "monarch", "none"]):
+        for name in ["none", "monarch", "no-op"] if i % 2 else ["no-op", "monarch", "none"]:
             handle = optimizer.register_optimizer_step_post_hook(hooks[name]) if name != "none" else None
             got[name].append(segment())
             if handle is not None:
@@ -209,14 +213,14 @@ for i in range(int(sys.argv[1])):
 """
 
 
-def install_us(n: int = 15) -> Tuple[float, float]:
+def install_us(n: int = 15) -> tuple[float, float]:
     """Median (wall µs, CPU µs) of installing telemetry in a rank forked from a process that has torch."""
     done = subprocess.run([sys.executable, "-c", INSTALL, str(n)], capture_output=True, text=True, check=True)
     pairs = [tuple(map(float, line.split())) for line in done.stdout.splitlines()]
     return med([p[0] for p in pairs]), med([p[1] for p in pairs])
 
 
-def mean_diff(off: Sequence[float], on: Sequence[float], draws: int = 4000) -> Tuple[float, float, float]:
+def mean_diff(off: Sequence[float], on: Sequence[float], draws: int = 4000) -> tuple[float, float, float]:
     """Mean of the per-pair differences on - off, and a 95 % bootstrap interval of it."""
     d = [b - a for a, b in zip(off, on)]
     rng = random.Random(1)
@@ -224,7 +228,7 @@ def mean_diff(off: Sequence[float], on: Sequence[float], draws: int = 4000) -> T
     return statistics.mean(d), boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1]
 
 
-def agent_pids(state: Path) -> List[int]:
+def agent_pids(state: Path) -> list[int]:
     from monarch_cli.telemetry_store import db_path, query
 
     _, rows = query(db_path(state.parent), "SELECT DISTINCT agent_pid FROM hosts WHERE agent_pid IS NOT NULL")
@@ -242,8 +246,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from monarch_cli.jobs import job_load
 
-    rows: List[Tuple[str, ...]] = []
-    notes: List[str] = []
+    rows: list[tuple[str, ...]] = []
+    notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="monarch-bench-tel-") as tmp:
         cwd = Path(tmp)
         (cwd / "allreduce.py").write_text(ALLREDUCE)
@@ -259,9 +263,9 @@ def main() -> None:
             agents = agent_pids(state)
 
             # ---- warm re-run, whole CLI process
-            wall: Dict[bool, List[float]] = {False: [], True: []}
-            client: Dict[bool, List[float]] = {False: [], True: []}
-            agent: Dict[bool, List[float]] = {False: [], True: []}
+            wall: dict[bool, list[float]] = {False: [], True: []}
+            client: dict[bool, list[float]] = {False: [], True: []}
+            agent: dict[bool, list[float]] = {False: [], True: []}
 
             def rerun(on: bool) -> None:
                 c0, a0, t0 = children_cpu(), cpu_of(agents), time.perf_counter()
@@ -273,33 +277,63 @@ def main() -> None:
             turns(args.pairs, rerun)
             n = args.pairs
             w_off = med(wall[False])
-            rows.append((f"warm re-run, 4 ranks, whole CLI: wall, {n} ABAB pairs", f"{w_off * 1000:.0f} ms",
-                         f"{med(wall[True]) * 1000:.0f} ms", ratio_cell(wall[False], wall[True]), "≤ 1.02x"))
+            rows.append(
+                (
+                    f"warm re-run, 4 ranks, whole CLI: wall, {n} ABAB pairs",
+                    f"{w_off * 1000:.0f} ms",
+                    f"{med(wall[True]) * 1000:.0f} ms",
+                    ratio_cell(wall[False], wall[True]),
+                    "≤ 1.02x",
+                )
+            )
             d_client, lo_c, hi_c = mean_diff(client[False], client[True])
             d_agent, lo_a, hi_a = mean_diff(agent[False], agent[True])
-            for name, (d, lo, hi), off_cpu in (("the client (CLI process)", (d_client, lo_c, hi_c), client[False]),
-                                               ("both host agents", (d_agent, lo_a, hi_a), agent[False])):
-                rows.append((f"  CPU time of {name}, per run", f"{statistics.mean(off_cpu) * 1000:.1f} ms",
-                             f"{(statistics.mean(off_cpu) + d) * 1000:.1f} ms",
-                             f"{d * 1000:+.1f} ms [{lo * 1000:+.1f}, {hi * 1000:+.1f}]", ""))
+            for name, (d, lo, hi), off_cpu in (
+                ("the client (CLI process)", (d_client, lo_c, hi_c), client[False]),
+                ("both host agents", (d_agent, lo_a, hi_a), agent[False]),
+            ):
+                rows.append(
+                    (
+                        f"  CPU time of {name}, per run",
+                        f"{statistics.mean(off_cpu) * 1000:.1f} ms",
+                        f"{(statistics.mean(off_cpu) + d) * 1000:.1f} ms",
+                        f"{d * 1000:+.1f} ms [{lo * 1000:+.1f}, {hi * 1000:+.1f}]",
+                        "",
+                    )
+                )
             inst_wall, inst_cpu = install_us()
-            rows.append(("  installing telemetry in a warm rank (direct; x4 ranks)", "", f"{inst_cpu:.0f} µs CPU",
-                         f"{4 * inst_cpu / 1000:+.1f} ms", ""))
+            rows.append(
+                (
+                    "  installing telemetry in a warm rank (direct; x4 ranks)",
+                    "",
+                    f"{inst_cpu:.0f} µs CPU",
+                    f"{4 * inst_cpu / 1000:+.1f} ms",
+                    "",
+                )
+            )
             d_total = d_client + d_agent + 4 * inst_cpu / 1e6
             hi_total = hi_c + hi_a + 4 * inst_cpu / 1e6
-            rows.append(("  CPU added per run / the run's wall time", "", f"{d_total * 1000:+.1f} ms",
-                         f"{d_total / w_off * 100:+.2f} % [..{hi_total / w_off * 100:+.2f} %]", "≤ 2 %"))
+            rows.append(
+                (
+                    "  CPU added per run / the run's wall time",
+                    "",
+                    f"{d_total * 1000:+.1f} ms",
+                    f"{d_total / w_off * 100:+.2f} % [..{hi_total / w_off * 100:+.2f} %]",
+                    "≤ 2 %",
+                )
+            )
 
             # ---- step-bound loop, in process (this process is the client)
             os.chdir(cwd)
             os.environ["MONARCH_STATE"] = str(state)
             job = job_load(state)
 
-            def loop_run(on: bool, steps: int) -> Tuple[float, float, float, float, float]:
+            def loop_run(on: bool, steps: int) -> tuple[float, float, float, float, float]:
                 os.environ["MONARCH_TELEMETRY"] = "1" if on else "0"
                 c0, a0, t0 = self_cpu(), cpu_of(agents), time.perf_counter()
-                result = job.run_spmd(["torchrun", "--nproc-per-node=1", "loop.py", str(steps)],
-                                      stdout=io.BytesIO(), stderr=io.BytesIO())
+                result = job.run_spmd(
+                    ["torchrun", "--nproc-per-node=1", "loop.py", str(steps)], stdout=io.BytesIO(), stderr=io.BytesIO()
+                )
                 elapsed = time.perf_counter() - t0
                 if result.exit_code != 0:
                     raise SystemExit(f"the loop failed: exit {result.exit_code}")
@@ -310,36 +344,76 @@ def main() -> None:
 
             probe, _, _, _, _ = loop_run(False, 200)
             steps = max(200, int(args.loop_seconds / (probe / 200)))
-            loop: Dict[bool, List[Tuple[float, float, float, float, float]]] = {False: [], True: []}
+            loop: dict[bool, list[tuple[float, float, float, float, float]]] = {False: [], True: []}
             turns(args.loop_pairs, lambda on: loop[on].append(loop_run(on, steps)))
             os.environ["MONARCH_TELEMETRY"] = "1"
             lw = {k: [r[0] for r in v] for k, v in loop.items()}
             step_ms = med(lw[False]) / steps * 1000
-            rows.append((f"step-bound loop, 2 ranks x {steps} steps of ~{step_ms:.2f} ms: loop wall, "
-                         f"{args.loop_pairs} ABAB pairs", f"{med(lw[False]) * 1000:.0f} ms", f"{med(lw[True]) * 1000:.0f} ms",
-                         ratio_cell(lw[False], lw[True]), "≤ 1.01x"))
+            rows.append(
+                (
+                    f"step-bound loop, 2 ranks x {steps} steps of ~{step_ms:.2f} ms: loop wall, "
+                    f"{args.loop_pairs} ABAB pairs",
+                    f"{med(lw[False]) * 1000:.0f} ms",
+                    f"{med(lw[True]) * 1000:.0f} ms",
+                    ratio_cell(lw[False], lw[True]),
+                    "≤ 1.01x",
+                )
+            )
             rank_loop_cpu = {k: statistics.mean(r[1] for r in v) for k, v in loop.items()}
-            rows.append(("  CPU time of the 2 ranks' loops", f"{rank_loop_cpu[False] * 1000:.0f} ms",
-                         f"{rank_loop_cpu[True] * 1000:.0f} ms",
-                         ratio_cell([r[1] for r in loop[False]], [r[1] for r in loop[True]]), ""))
+            rows.append(
+                (
+                    "  CPU time of the 2 ranks' loops",
+                    f"{rank_loop_cpu[False] * 1000:.0f} ms",
+                    f"{rank_loop_cpu[True] * 1000:.0f} ms",
+                    ratio_cell([r[1] for r in loop[False]], [r[1] for r in loop[True]]),
+                    "",
+                )
+            )
             h = hook_us()
             hook_share = h / (step_ms * 1000)
-            rows.append(("  the step hook itself, per optimizer.step() (direct, tight loop)", f"{step_ms * 1000:.0f} µs/step",
-                         f"{h:.2f} µs", f"{hook_share * 100:+.3f} %", ""))
+            rows.append(
+                (
+                    "  the step hook itself, per optimizer.step() (direct, tight loop)",
+                    f"{step_ms * 1000:.0f} µs/step",
+                    f"{h:.2f} µs",
+                    f"{hook_share * 100:+.3f} %",
+                    "",
+                )
+            )
             context = hook_in_context(args.hook_pairs)
             for name, (base, with_hook, r, lo, hi) in context.items():
-                rows.append((f"  CPU per step with the {name} hook vs none, in process, {args.hook_pairs} ABAB pairs",
-                             f"{base:.0f} µs", f"{with_hook:.0f} µs", f"{r:.4f}x [{lo:.4f}, {hi:.4f}]",
-                             "control" if name == "no-op" else ""))
+                rows.append(
+                    (
+                        f"  CPU per step with the {name} hook vs none, in process, {args.hook_pairs} ABAB pairs",
+                        f"{base:.0f} µs",
+                        f"{with_hook:.0f} µs",
+                        f"{r:.4f}x [{lo:.4f}, {hi:.4f}]",
+                        "control" if name == "no-op" else "",
+                    )
+                )
             seconds = {k: sum(r[4] for r in v) for k, v in loop.items()}
             agent_rate = {k: sum(r[3] for r in v) / seconds[k] for k, v in loop.items()}
             client_rate = {k: sum(r[2] for r in v) / seconds[k] for k, v in loop.items()}
             d_agent_rate = agent_rate[True] - agent_rate[False]
             d_client_rate = client_rate[True] - client_rate[False]
-            rows.append(("  CPU of both agents per second of run (sampling)", f"{agent_rate[False] * 1000:.1f} ms/s",
-                         f"{agent_rate[True] * 1000:.1f} ms/s", f"{d_agent_rate * 100:+.2f} % of a core", ""))
-            rows.append(("  CPU of the client per second of run (rows)", f"{client_rate[False] * 1000:.1f} ms/s",
-                         f"{client_rate[True] * 1000:.1f} ms/s", f"{d_client_rate * 100:+.2f} % of a core", ""))
+            rows.append(
+                (
+                    "  CPU of both agents per second of run (sampling)",
+                    f"{agent_rate[False] * 1000:.1f} ms/s",
+                    f"{agent_rate[True] * 1000:.1f} ms/s",
+                    f"{d_agent_rate * 100:+.2f} % of a core",
+                    "",
+                )
+            )
+            rows.append(
+                (
+                    "  CPU of the client per second of run (rows)",
+                    f"{client_rate[False] * 1000:.1f} ms/s",
+                    f"{client_rate[True] * 1000:.1f} ms/s",
+                    f"{d_client_rate * 100:+.2f} % of a core",
+                    "",
+                )
+            )
             # The ranks hold one core each; whatever the agents and the client add per second is taken from
             # them only when every core is busy, shared among the ranks: spread over the 2 ranks' cores.
             # The hook's cost is what it does to the step around it (the in-context row), not its own
@@ -347,25 +421,46 @@ def main() -> None:
             base, with_hook = context["monarch"][:2]
             hook_ctx_us = max(with_hook - base, h)
             share = hook_ctx_us / (step_ms * 1000) + max(d_agent_rate + d_client_rate, 0.0) / 2
-            rows.append((f"  loop cost bound: hook in context ({hook_ctx_us:.1f} µs/step) + (agents + client) / 2 ranks",
-                         "", "", f"{share * 100:+.3f} %", "≤ 1 %"))
-            notes.append(f"The warm re-run adds {d_total * 1000:.1f} ms of CPU ({d_total / w_off * 100:.2f} % of its "
-                         f"{w_off * 1000:.0f} ms); the step-bound loop about {share * 100:.2f} % of its {step_ms:.2f} ms "
-                         f"steps (the hook: {hook_ctx_us:.1f} µs per step in context, {h:.2f} µs alone). The wall-clock "
-                         "pairs bound the effect only as tightly as their interval; the CPU rows are the tighter bound.")
+            rows.append(
+                (
+                    f"  loop cost bound: hook in context ({hook_ctx_us:.1f} µs/step) + (agents + client) / 2 ranks",
+                    "",
+                    "",
+                    f"{share * 100:+.3f} %",
+                    "≤ 1 %",
+                )
+            )
+            notes.append(
+                f"The warm re-run adds {d_total * 1000:.1f} ms of CPU ({d_total / w_off * 100:.2f} % of its "
+                f"{w_off * 1000:.0f} ms); the step-bound loop about {share * 100:.2f} % of its {step_ms:.2f} ms "
+                f"steps (the hook: {hook_ctx_us:.1f} µs per step in context, {h:.2f} µs alone). The wall-clock "
+                "pairs bound the effect only as tightly as their interval; the CPU rows are the tighter bound."
+            )
 
             # ---- monarch stack on 16 ranks
             flag = cwd / "release"
-            box: Dict[str, object] = {}
-            t = threading.Thread(target=lambda: box.setdefault("r", job.run_spmd(
-                ["torchrun", "--nproc-per-node=8", "wait.py", str(flag)], stdout=io.BytesIO(), stderr=io.BytesIO())))
+            box: dict[str, object] = {}
+            t = threading.Thread(
+                target=lambda: box.setdefault(
+                    "r",
+                    job.run_spmd(
+                        ["torchrun", "--nproc-per-node=8", "wait.py", str(flag)],
+                        stdout=io.BytesIO(),
+                        stderr=io.BytesIO(),
+                    ),
+                )
+            )
             t.start()
             try:
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline:
                     report = job.stacks()
-                    if len(report.stacks) == 16 and all(s.threads for s in report.stacks) and len(report.groups) == 1 \
-                            and "waiting_for_release" in report.groups[0].summary:
+                    if (
+                        len(report.stacks) == 16
+                        and all(s.threads for s in report.stacks)
+                        and len(report.groups) == 1
+                        and "waiting_for_release" in report.groups[0].summary
+                    ):
                         break
                     time.sleep(0.5)
                 else:
@@ -380,8 +475,15 @@ def main() -> None:
 
             floor = timed(lambda: subprocess.run([sys.executable, "-c", "pass"], check=True), args.repeats * 2)
             sql = timed(lambda: cli(["sql", "SELECT count(*) FROM logs"], cwd, env[True]), args.repeats * 2)
-            rows.append(("monarch sql, simple query (whole CLI process)", f"{med(floor) * 1000:.0f} ms (python -c pass)",
-                         f"{med(sql) * 1000:.0f} ms", f"{med(sql) / med(floor):.2f}x floor", "< 150 ms"))
+            rows.append(
+                (
+                    "monarch sql, simple query (whole CLI process)",
+                    f"{med(floor) * 1000:.0f} ms (python -c pass)",
+                    f"{med(sql) * 1000:.0f} ms",
+                    f"{med(sql) / med(floor):.2f}x floor",
+                    "< 150 ms",
+                )
+            )
         finally:
             cli(["stop"], cwd, env[True])
     print_table("telemetry", ["measure", "off / reference", "on", "on vs off [95% CI]", "target"], rows)

@@ -6,13 +6,13 @@ whole reservation::
     from monarch_cli import Actor, endpoint, this_host
 """
 
-from typing import Any, List
+from typing import Any
 
 from .config import configure
 from .runtime import __all__ as _RUNTIME  # the runtime package itself loads lazily
 
 __version__ = "0.1.0"
-__all__: List[str] = ["configure", *_RUNTIME]
+__all__: list[str] = ["configure", *_RUNTIME]
 
 
 def __getattr__(name: str) -> Any:

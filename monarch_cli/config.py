@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional, Tuple
+from typing import Any
 
 
 @dataclasses.dataclass
 class Settings:
     #: Default timeout (seconds) for ``Future.get()`` when none is given; ``None`` waits forever.
-    call_timeout: Optional[float] = None
+    call_timeout: float | None = None
     #: How long ``spawn_procs``/``spawn`` may take before they fail.
     spawn_timeout: float = 60.0
     #: Interval of the liveness heartbeat between a process and the agents it uses.
@@ -24,11 +24,11 @@ class Settings:
     #: ``"tcp"`` (CURVE-encrypted, works across hosts) or ``"ipc"`` (unix sockets, one host).
     transport: str = "tcp"
     #: Address other hosts use to reach this process; default: ``$MONARCH_HOST`` or this host's IP.
-    host: Optional[str] = None
+    host: str | None = None
     #: Grace period between SIGTERM and SIGKILL when a proc mesh stops.
     stop_grace: float = 5.0
     #: Keep every TCP port this process (and the procs it spawns) listens on within [lo, hi].
-    port_range: Optional[Tuple[int, int]] = None
+    port_range: tuple[int, int] | None = None
 
 
 _settings = Settings()
@@ -78,7 +78,7 @@ def listen_host() -> str:
     return os.environ.get("MONARCH_LISTEN_HOST") or advertised_host()
 
 
-def bind_port_candidates() -> "list[int]":
+def bind_port_candidates() -> list[int]:
     """Ports to try when binding a listening socket: [0] (any) unless a port range is set.
 
     The range is tried from a random starting point, so processes sharing it rarely collide.

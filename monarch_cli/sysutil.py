@@ -8,12 +8,11 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
 
 __all__ = ["atomic_write", "private_tmpdir", "signal_if_alive", "source_address_towards"]
 
 
-def atomic_write(path: Union[str, Path], data: Union[str, bytes], mode: int = 0o600, *, durable: bool = False) -> Path:
+def atomic_write(path: str | Path, data: str | bytes, mode: int = 0o600, *, durable: bool = False) -> Path:
     """Write ``data`` to ``path`` through a temporary file and a rename.
 
     Readers see the old file or the whole new one, never half of it, and the file has
@@ -64,7 +63,7 @@ def signal_if_alive(pid: int, sig: int) -> bool:
         return False
 
 
-def source_address_towards(host: str) -> Optional[str]:
+def source_address_towards(host: str) -> str | None:
     """This machine's address on the route towards ``host`` (a UDP connect sends nothing).
 
     None when ``host`` cannot be resolved or no route leads there.

@@ -13,8 +13,9 @@ import collections
 import os
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import sqlite3  # imported where used: a run's client loads it in the writer thread, off its path
@@ -25,94 +26,122 @@ SCHEMA_VERSION = 1
 KEEP_RUNS = int(os.environ.get("MONARCH_TELEMETRY_RUNS", "50") or 50)
 
 #: table -> (what it holds, [(column, type, meaning)]). The DDL and `monarch sql --schema` both come from here.
-TABLES: Dict[str, Tuple[str, List[Tuple[str, str, str]]]] = {
-    "runs": ("one row per `run-spmd` run", [
-        ("run_id", "TEXT PRIMARY KEY", "run id, sortable by start time (also the log directory's name)"),
-        ("command", "TEXT", "the command line, shell-quoted"),
-        ("started_at", "REAL", "unix time the run started"),
-        ("ended_at", "REAL", "unix time it ended; NULL while it runs (or if the client died)"),
-        ("exit_code", "INTEGER", "the run's exit status (the first failing rank's; 128+N for signal N)"),
-        ("world_size", "INTEGER", "number of ranks"),
-        ("hosts", "INTEGER", "number of hosts used"),
-        ("restarts", "INTEGER", "torchrun --max-restarts attempts used"),
-        ("interrupted", "INTEGER", "1 if Ctrl-C (or a forwarded signal) stopped it"),
-        ("log_dir", "TEXT", "where the raw per-rank logs are"),
-    ]),
-    "ranks": ("one row per rank of a run (its last attempt)", [
-        ("run_id", "TEXT", "run id"),
-        ("rank", "INTEGER", "global rank"),
-        ("local_rank", "INTEGER", "rank on its host"),
-        ("node", "INTEGER", "host index (GROUP_RANK)"),
-        ("host", "TEXT", "host name"),
-        ("pid", "INTEGER", "process id on its host (set once it exits)"),
-        ("exit_code", "INTEGER", "exit code; NULL if killed by a signal or still running"),
-        ("signal", "INTEGER", "signal that killed it, else NULL"),
-        ("status", "INTEGER", "shell-style status: 0 ok, N exit code, 128+N signal, 255 host lost"),
-        ("how", "TEXT", "'exit 0', 'killed by SIGKILL', 'lost: ...'"),
-        ("started_at", "REAL", "unix time it was started"),
-        ("ended_at", "REAL", "unix time its exit was reported; NULL while it runs"),
-        ("last_output_at", "REAL", "unix time of its last output line"),
-        ("lines", "INTEGER", "output lines so far"),
-    ]),
-    "logs": ("every output line of every rank", [
-        ("run_id", "TEXT", "run id"),
-        ("rank", "INTEGER", "rank"),
-        ("ts", "REAL", "unix time the controller received it"),
-        ("stream", "TEXT", "'stdout' or 'stderr'"),
-        ("line", "TEXT", "the line, without its line end (invalid UTF-8 backslash-escaped)"),
-    ]),
-    "hosts": ("the hosts a run used", [
-        ("run_id", "TEXT", "run id"),
-        ("node", "INTEGER", "host index"),
-        ("host", "TEXT", "host name"),
-        ("agent", "TEXT", "the host agent's address"),
-        ("agent_pid", "INTEGER", "the host agent's process id"),
-        ("cpus", "INTEGER", "CPUs on the host"),
-        ("gpus", "INTEGER", "NVIDIA GPUs visible on the host"),
-    ]),
-    "events": ("what happened to a run, in order", [
-        ("run_id", "TEXT", "run id"),
-        ("ts", "REAL", "unix time"),
-        ("rank", "INTEGER", "the rank concerned, or NULL"),
-        ("kind", "TEXT", "run_start, rank_failed, rank_lost, restart, interrupt, run_end"),
-        ("detail", "TEXT", "free text"),
-    ]),
-    "samples": ("each live rank's process, sampled by its host agent about once a second", [
-        ("run_id", "TEXT", "run id"),
-        ("rank", "INTEGER", "rank"),
-        ("host", "TEXT", "host name"),
-        ("ts", "REAL", "unix time of the sample (the host's clock)"),
-        ("pid", "INTEGER", "process id"),
-        ("state", "TEXT", "process state: running, sleeping, disk-sleep, stopped, zombie..."),
-        ("cpu_percent", "REAL", "CPU use since the previous sample (100 = one core)"),
-        ("rss_mb", "REAL", "resident memory, MiB"),
-        ("threads", "INTEGER", "OS threads"),
-        ("gpu_index", "INTEGER", "GPU the rank's process uses (NVML); NULL without a GPU"),
-        ("gpu_util", "REAL", "that GPU's utilisation, percent; NULL without a GPU"),
-        ("gpu_mem_mb", "REAL", "GPU memory the process uses, MiB; NULL without a GPU"),
-        ("gpu_power_w", "REAL", "that GPU's power draw, watts; NULL without a GPU"),
-        ("gpu_temp_c", "REAL", "that GPU's temperature, Celsius; NULL without a GPU"),
-    ]),
-    "steps": ("optimizer steps, from a hook monarch installs in every rank (no change to your code)", [
-        ("run_id", "TEXT", "run id"),
-        ("rank", "INTEGER", "rank"),
-        ("step", "INTEGER", "1 for the first optimizer.step() of the run, then 2, 3..."),
-        ("ts", "REAL", "unix time the step ended (the host's clock when the rank started, plus monotonic time since)"),
-        ("dt_ms", "REAL", "milliseconds since the previous step ended (since the hook was installed for step 1)"),
-    ]),
-    "stacks": ("stacks captured by `monarch stack` / `monarch diagnose`, one row per thread", [
-        ("capture_id", "TEXT", "one id per capture command"),
-        ("run_id", "TEXT", "run id"),
-        ("rank", "INTEGER", "rank"),
-        ("host", "TEXT", "host name"),
-        ("pid", "INTEGER", "process id"),
-        ("ts", "REAL", "unix time of the capture"),
-        ("method", "TEXT", "'py-spy' or 'faulthandler' (the interpreter's own dump, when py-spy cannot attach)"),
-        ("thread", "TEXT", "thread name (py-spy) or id"),
-        ("is_main", "INTEGER", "1 for the main thread"),
-        ("stack", "TEXT", "frames, innermost first, one 'function (file:line)' per line"),
-        ("error", "TEXT", "why no stack was captured, else NULL"),
-    ]),
+TABLES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
+    "runs": (
+        "one row per `run-spmd` run",
+        [
+            ("run_id", "TEXT PRIMARY KEY", "run id, sortable by start time (also the log directory's name)"),
+            ("command", "TEXT", "the command line, shell-quoted"),
+            ("started_at", "REAL", "unix time the run started"),
+            ("ended_at", "REAL", "unix time it ended; NULL while it runs (or if the client died)"),
+            ("exit_code", "INTEGER", "the run's exit status (the first failing rank's; 128+N for signal N)"),
+            ("world_size", "INTEGER", "number of ranks"),
+            ("hosts", "INTEGER", "number of hosts used"),
+            ("restarts", "INTEGER", "torchrun --max-restarts attempts used"),
+            ("interrupted", "INTEGER", "1 if Ctrl-C (or a forwarded signal) stopped it"),
+            ("log_dir", "TEXT", "where the raw per-rank logs are"),
+        ],
+    ),
+    "ranks": (
+        "one row per rank of a run (its last attempt)",
+        [
+            ("run_id", "TEXT", "run id"),
+            ("rank", "INTEGER", "global rank"),
+            ("local_rank", "INTEGER", "rank on its host"),
+            ("node", "INTEGER", "host index (GROUP_RANK)"),
+            ("host", "TEXT", "host name"),
+            ("pid", "INTEGER", "process id on its host (set once it exits)"),
+            ("exit_code", "INTEGER", "exit code; NULL if killed by a signal or still running"),
+            ("signal", "INTEGER", "signal that killed it, else NULL"),
+            ("status", "INTEGER", "shell-style status: 0 ok, N exit code, 128+N signal, 255 host lost"),
+            ("how", "TEXT", "'exit 0', 'killed by SIGKILL', 'lost: ...'"),
+            ("started_at", "REAL", "unix time it was started"),
+            ("ended_at", "REAL", "unix time its exit was reported; NULL while it runs"),
+            ("last_output_at", "REAL", "unix time of its last output line"),
+            ("lines", "INTEGER", "output lines so far"),
+        ],
+    ),
+    "logs": (
+        "every output line of every rank",
+        [
+            ("run_id", "TEXT", "run id"),
+            ("rank", "INTEGER", "rank"),
+            ("ts", "REAL", "unix time the controller received it"),
+            ("stream", "TEXT", "'stdout' or 'stderr'"),
+            ("line", "TEXT", "the line, without its line end (invalid UTF-8 backslash-escaped)"),
+        ],
+    ),
+    "hosts": (
+        "the hosts a run used",
+        [
+            ("run_id", "TEXT", "run id"),
+            ("node", "INTEGER", "host index"),
+            ("host", "TEXT", "host name"),
+            ("agent", "TEXT", "the host agent's address"),
+            ("agent_pid", "INTEGER", "the host agent's process id"),
+            ("cpus", "INTEGER", "CPUs on the host"),
+            ("gpus", "INTEGER", "NVIDIA GPUs visible on the host"),
+        ],
+    ),
+    "events": (
+        "what happened to a run, in order",
+        [
+            ("run_id", "TEXT", "run id"),
+            ("ts", "REAL", "unix time"),
+            ("rank", "INTEGER", "the rank concerned, or NULL"),
+            ("kind", "TEXT", "run_start, rank_failed, rank_lost, restart, interrupt, run_end"),
+            ("detail", "TEXT", "free text"),
+        ],
+    ),
+    "samples": (
+        "each live rank's process, sampled by its host agent about once a second",
+        [
+            ("run_id", "TEXT", "run id"),
+            ("rank", "INTEGER", "rank"),
+            ("host", "TEXT", "host name"),
+            ("ts", "REAL", "unix time of the sample (the host's clock)"),
+            ("pid", "INTEGER", "process id"),
+            ("state", "TEXT", "process state: running, sleeping, disk-sleep, stopped, zombie..."),
+            ("cpu_percent", "REAL", "CPU use since the previous sample (100 = one core)"),
+            ("rss_mb", "REAL", "resident memory, MiB"),
+            ("threads", "INTEGER", "OS threads"),
+            ("gpu_index", "INTEGER", "GPU the rank's process uses (NVML); NULL without a GPU"),
+            ("gpu_util", "REAL", "that GPU's utilisation, percent; NULL without a GPU"),
+            ("gpu_mem_mb", "REAL", "GPU memory the process uses, MiB; NULL without a GPU"),
+            ("gpu_power_w", "REAL", "that GPU's power draw, watts; NULL without a GPU"),
+            ("gpu_temp_c", "REAL", "that GPU's temperature, Celsius; NULL without a GPU"),
+        ],
+    ),
+    "steps": (
+        "optimizer steps, from a hook monarch installs in every rank (no change to your code)",
+        [
+            ("run_id", "TEXT", "run id"),
+            ("rank", "INTEGER", "rank"),
+            ("step", "INTEGER", "1 for the first optimizer.step() of the run, then 2, 3..."),
+            (
+                "ts",
+                "REAL",
+                "unix time the step ended (the host's clock when the rank started, plus monotonic time since)",
+            ),
+            ("dt_ms", "REAL", "milliseconds since the previous step ended (since the hook was installed for step 1)"),
+        ],
+    ),
+    "stacks": (
+        "stacks captured by `monarch stack` / `monarch diagnose`, one row per thread",
+        [
+            ("capture_id", "TEXT", "one id per capture command"),
+            ("run_id", "TEXT", "run id"),
+            ("rank", "INTEGER", "rank"),
+            ("host", "TEXT", "host name"),
+            ("pid", "INTEGER", "process id"),
+            ("ts", "REAL", "unix time of the capture"),
+            ("method", "TEXT", "'py-spy' or 'faulthandler' (the interpreter's own dump, when py-spy cannot attach)"),
+            ("thread", "TEXT", "thread name (py-spy) or id"),
+            ("is_main", "INTEGER", "1 for the main thread"),
+            ("stack", "TEXT", "frames, innermost first, one 'function (file:line)' per line"),
+            ("error", "TEXT", "why no stack was captured, else NULL"),
+        ],
+    ),
 }
 
 _INDEXES = [
@@ -124,12 +153,27 @@ _INDEXES = [
 ]
 _KEYS = {"ranks": "PRIMARY KEY (run_id, rank)", "hosts": "PRIMARY KEY (run_id, node)"}
 
-EXAMPLES: List[Tuple[str, str]] = [
-    ("the last 5 runs", "SELECT run_id, exit_code, ended_at - started_at AS seconds, command FROM runs ORDER BY started_at DESC LIMIT 5"),
-    ("how each rank of the latest run ended", "SELECT rank, host, how, last_output_at FROM ranks WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY rank"),
-    ("the last lines of the first rank that failed", "SELECT rank, line FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) AND rank = (SELECT rank FROM ranks WHERE run_id = logs.run_id AND status != 0 ORDER BY ended_at LIMIT 1) ORDER BY ts DESC LIMIT 20"),
-    ("step time per rank (slowest first)", "SELECT rank, count(*) AS steps, avg(dt_ms) AS mean_ms, max(dt_ms) AS worst_ms FROM steps WHERE run_id = (SELECT max(run_id) FROM runs) AND step > 1 GROUP BY rank ORDER BY mean_ms DESC"),
-    ("peak memory per rank", "SELECT rank, max(rss_mb), max(gpu_mem_mb) FROM samples WHERE run_id = (SELECT max(run_id) FROM runs) GROUP BY rank"),
+EXAMPLES: list[tuple[str, str]] = [
+    (
+        "the last 5 runs",
+        "SELECT run_id, exit_code, ended_at - started_at AS seconds, command FROM runs ORDER BY started_at DESC LIMIT 5",
+    ),
+    (
+        "how each rank of the latest run ended",
+        "SELECT rank, host, how, last_output_at FROM ranks WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY rank",
+    ),
+    (
+        "the last lines of the first rank that failed",
+        "SELECT rank, line FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) AND rank = (SELECT rank FROM ranks WHERE run_id = logs.run_id AND status != 0 ORDER BY ended_at LIMIT 1) ORDER BY ts DESC LIMIT 20",
+    ),
+    (
+        "step time per rank (slowest first)",
+        "SELECT rank, count(*) AS steps, avg(dt_ms) AS mean_ms, max(dt_ms) AS worst_ms FROM steps WHERE run_id = (SELECT max(run_id) FROM runs) AND step > 1 GROUP BY rank ORDER BY mean_ms DESC",
+    ),
+    (
+        "peak memory per rank",
+        "SELECT rank, max(rss_mb), max(gpu_mem_mb) FROM samples WHERE run_id = (SELECT max(run_id) FROM runs) GROUP BY rank",
+    ),
     ("grep every run's output", "SELECT run_id, rank, line FROM logs WHERE line LIKE '%NCCL%' ORDER BY ts"),
 ]
 
@@ -138,7 +182,7 @@ def db_path(state_dir: Path) -> Path:
     return Path(state_dir) / DB_NAME
 
 
-def _ddl() -> List[str]:
+def _ddl() -> list[str]:
     out = []
     for table, (_, cols) in TABLES.items():
         parts = [f"{name} {kind}" for name, kind, _ in cols]
@@ -152,7 +196,7 @@ class StoreError(Exception):
     """A query the store refuses or cannot answer (the message is one line for the user)."""
 
 
-def _connect_rw(path: Path) -> "sqlite3.Connection":
+def _connect_rw(path: Path) -> sqlite3.Connection:
     import sqlite3
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,35 +221,66 @@ def _connect_rw(path: Path) -> "sqlite3.Connection":
 
 
 #: PRAGMAs that only read; any other, or one of these given a value, is refused.
-_READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
-                 "foreign_key_list", "database_list", "collation_list", "function_list", "module_list",
-                 "pragma_list", "compile_options", "journal_mode", "user_version", "schema_version",
-                 "page_count", "page_size", "freelist_count", "encoding", "data_version", "integrity_check",
-                 "quick_check", "query_only"}
-_TABLE_ARGUMENT = {"table_info", "table_xinfo", "index_list", "index_info", "index_xinfo", "foreign_key_list",
-                   "integrity_check", "quick_check"}
+_READ_PRAGMAS = {
+    "table_info",
+    "table_xinfo",
+    "table_list",
+    "index_list",
+    "index_info",
+    "index_xinfo",
+    "foreign_key_list",
+    "database_list",
+    "collation_list",
+    "function_list",
+    "module_list",
+    "pragma_list",
+    "compile_options",
+    "journal_mode",
+    "user_version",
+    "schema_version",
+    "page_count",
+    "page_size",
+    "freelist_count",
+    "encoding",
+    "data_version",
+    "integrity_check",
+    "quick_check",
+    "query_only",
+}
+_TABLE_ARGUMENT = {
+    "table_info",
+    "table_xinfo",
+    "index_list",
+    "index_info",
+    "index_xinfo",
+    "foreign_key_list",
+    "integrity_check",
+    "quick_check",
+}
 
 
 class _ReadOnly:
     """The authorizer of a read-only connection: no ATTACH, no VACUUM INTO, no PRAGMA that sets anything."""
 
     def __init__(self) -> None:
-        self.refused: Optional[str] = None
+        self.refused: str | None = None
 
-    def __call__(self, action: int, arg1: Optional[str], arg2: Optional[str], *_: Any) -> int:
+    def __call__(self, action: int, arg1: str | None, arg2: str | None, *_: Any) -> int:
         import sqlite3
 
         if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH):
             self.refused = "ATTACH/DETACH (and VACUUM, which attaches) is refused"
         elif action == sqlite3.SQLITE_PRAGMA and (
-                (arg1 or "").lower() not in _READ_PRAGMAS or (arg2 is not None and (arg1 or "").lower() not in _TABLE_ARGUMENT)):
+            (arg1 or "").lower() not in _READ_PRAGMAS
+            or (arg2 is not None and (arg1 or "").lower() not in _TABLE_ARGUMENT)
+        ):
             self.refused = f"PRAGMA {arg1}{'=' + arg2 if arg2 is not None else ''} is refused"
         else:
             return sqlite3.SQLITE_OK
         return sqlite3.SQLITE_DENY
 
 
-def connect_readonly(path: Path) -> "sqlite3.Connection":
+def connect_readonly(path: Path) -> sqlite3.Connection:
     """A connection that cannot change the store: ``mode=ro``, ``query_only``, no ATTACH, no PRAGMA writes."""
     import sqlite3
 
@@ -218,7 +293,7 @@ def connect_readonly(path: Path) -> "sqlite3.Connection":
     return conn
 
 
-def query(path: Path, sql: str, params: Sequence[Any] = ()) -> Tuple[List[str], List[Tuple[Any, ...]]]:
+def query(path: Path, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run one read-only statement; returns (column names, rows). Errors are :class:`StoreError`."""
     import sqlite3
 
@@ -246,8 +321,11 @@ def query(path: Path, sql: str, params: Sequence[Any] = ()) -> Tuple[List[str], 
 
 def schema_text() -> str:
     """The tables, their columns, what they mean, and example queries: for a person or a coding agent."""
-    lines = [f"Telemetry store (SQLite, read-only here). Times are unix seconds; the latest run is "
-             f"(SELECT max(run_id) FROM runs). Kept: the last {KEEP_RUNS} runs.", ""]
+    lines = [
+        f"Telemetry store (SQLite, read-only here). Times are unix seconds; the latest run is "
+        f"(SELECT max(run_id) FROM runs). Kept: the last {KEEP_RUNS} runs.",
+        "",
+    ]
     for table, (what, cols) in TABLES.items():
         lines.append(f"{table}: {what}")
         for name, kind, meaning in cols:
@@ -259,10 +337,12 @@ def schema_text() -> str:
     return "\n".join(lines)
 
 
-def schema_json() -> Dict[str, Any]:
+def schema_json() -> dict[str, Any]:
     return {
-        "tables": {t: {"description": what, "columns": [{"name": n, "type": k.split()[0], "meaning": m} for n, k, m in cols]}
-                   for t, (what, cols) in TABLES.items()},
+        "tables": {
+            t: {"description": what, "columns": [{"name": n, "type": k.split()[0], "meaning": m} for n, k, m in cols]}
+            for t, (what, cols) in TABLES.items()
+        },
         "examples": [{"description": what, "sql": sql} for what, sql in EXAMPLES],
         "keep_runs": KEEP_RUNS,
     }
@@ -281,12 +361,12 @@ class TelemetryWriter:
         self.path = Path(path)
         self.run_id = run_id
         self.keep_runs = keep_runs
-        self._queue: Deque[Tuple[str, Any]] = collections.deque()
+        self._queue: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._closing = False
         self._committed = threading.Event()  # set once everything queued before close() is committed
-        self._partial: Dict[Tuple[int, int], bytes] = {}
-        self.error: Optional[str] = None
+        self._partial: dict[tuple[int, int], bytes] = {}
+        self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="monarch-telemetry", daemon=True)
         self._starting = threading.Lock()
         if start:
@@ -313,7 +393,7 @@ class TelemetryWriter:
             self._queue.append(("rows", (table, rows)))
             self._wake.set()
 
-    def event(self, kind: str, rank: Optional[int] = None, detail: str = "") -> None:
+    def event(self, kind: str, rank: int | None = None, detail: str = "") -> None:
         self.rows("events", [(self.run_id, time.time(), rank, kind, detail)])
 
     def flush(self, timeout: float = 10.0) -> None:
@@ -348,7 +428,7 @@ class TelemetryWriter:
             self._committed.set()
             conn.close()
 
-    def _serve(self, conn: "sqlite3.Connection") -> None:
+    def _serve(self, conn: sqlite3.Connection) -> None:
         import sqlite3
 
         while True:
@@ -364,9 +444,9 @@ class TelemetryWriter:
             if closing and not self._queue:
                 return
 
-    def _write(self, conn: "sqlite3.Connection") -> None:
-        logs: List[Tuple[Any, ...]] = []
-        last: Dict[int, Tuple[float, int]] = {}
+    def _write(self, conn: sqlite3.Connection) -> None:
+        logs: list[tuple[Any, ...]] = []
+        last: dict[int, tuple[float, int]] = {}
         waiters = []
         conn.execute("BEGIN")
         while self._queue:
@@ -388,8 +468,15 @@ class TelemetryWriter:
                 for stream in (1, 2):
                     rest = self._partial.pop((rank, stream), b"")
                     if rest:
-                        logs.append((self.run_id, rank, ts, "stdout" if stream == 1 else "stderr",
-                                     rest.decode("utf-8", "backslashreplace")))
+                        logs.append(
+                            (
+                                self.run_id,
+                                rank,
+                                ts,
+                                "stdout" if stream == 1 else "stderr",
+                                rest.decode("utf-8", "backslashreplace"),
+                            )
+                        )
                         last[rank] = (ts, last.get(rank, (0.0, 0))[1] + 1)
             elif kind == "sql":
                 conn.execute(*item)
@@ -402,8 +489,10 @@ class TelemetryWriter:
         if logs:
             conn.executemany("INSERT INTO logs VALUES (?,?,?,?,?)", logs)
         for rank, (ts, n) in last.items():
-            conn.execute("UPDATE ranks SET last_output_at = ?, lines = coalesce(lines, 0) + ? WHERE run_id = ? AND rank = ?",
-                         (ts, n, self.run_id, rank))
+            conn.execute(
+                "UPDATE ranks SET last_output_at = ?, lines = coalesce(lines, 0) + ? WHERE run_id = ? AND rank = ?",
+                (ts, n, self.run_id, rank),
+            )
         conn.execute("COMMIT")
         for w in waiters:
             w.set()
@@ -412,13 +501,17 @@ class TelemetryWriter:
         """The rank's output is complete: store an unterminated last line."""
         self._queue.append(("end_rank", (rank, time.time())))
 
-    def _prune(self, conn: "sqlite3.Connection") -> None:
+    def _prune(self, conn: sqlite3.Connection) -> None:
         """Retention by run: delete the oldest runs past ``keep_runs`` (this one not yet inserted)."""
         (count,) = conn.execute("SELECT count(*) FROM runs").fetchone()
         if count < self.keep_runs:
             return
-        old = [r for (r,) in conn.execute("SELECT run_id FROM runs ORDER BY run_id DESC LIMIT -1 OFFSET ?",
-                                          (max(self.keep_runs - 1, 0),))]
+        old = [
+            r
+            for (r,) in conn.execute(
+                "SELECT run_id FROM runs ORDER BY run_id DESC LIMIT -1 OFFSET ?", (max(self.keep_runs - 1, 0),)
+            )
+        ]
         conn.execute("BEGIN IMMEDIATE")
         for table in TABLES:
             conn.executemany(f"DELETE FROM {table} WHERE run_id = ?", [(r,) for r in old])

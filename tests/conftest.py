@@ -7,8 +7,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import psutil
 import pytest
@@ -48,7 +48,7 @@ def keys() -> Keys:
 
 
 @pytest.fixture(scope="session")
-def agents(keys: Keys) -> Iterator[List[str]]:
+def agents(keys: Keys) -> Iterator[list[str]]:
     """Two host agents on this machine, reporting themselves as host0 and host1."""
     procs, addrs = [], []
     for i in range(2):
@@ -92,7 +92,7 @@ def run_python(code: str, *args: str, timeout: float = 120, **kwargs) -> subproc
     )
 
 
-def spawn_python(code: str, *args: str, env: Optional[Dict[str, str]] = None, **kwargs) -> subprocess.Popen:
+def spawn_python(code: str, *args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-u", "-c", textwrap.dedent(code), *args],
         stdout=subprocess.PIPE,

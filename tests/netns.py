@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from typing import List, Tuple
 
 from monarch_cli.sysutil import signal_if_alive
 
@@ -18,7 +17,7 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, check=check)
 
 
-def add_hosts(prefix: str, subnet: str, n: int) -> List[Tuple[str, str]]:
+def add_hosts(prefix: str, subnet: str, n: int) -> list[tuple[str, str]]:
     """The bridge and ``n`` hosts, each ``(namespace, address)``; the caller tears them down."""
     bridge = f"{prefix}-br0"
     sh("ip", "link", "add", bridge, "type", "bridge")
@@ -30,8 +29,12 @@ def add_hosts(prefix: str, subnet: str, n: int) -> List[Tuple[str, str]]:
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         sh("ip", "link", "set", veth, "master", bridge, "up")
-        for cmd in (["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"],
-                    ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", f"{subnet}.1"]):
+        for cmd in (
+            ["ip", "addr", "add", f"{address}/24", "dev", "eth0"],
+            ["ip", "link", "set", "eth0", "up"],
+            ["ip", "link", "set", "lo", "up"],
+            ["ip", "route", "add", "default", "via", f"{subnet}.1"],
+        ):
             sh("ip", "netns", "exec", ns, *cmd)
         hosts.append((ns, address))
     return hosts

@@ -29,7 +29,12 @@ def monarch(*args: str, cwd: Path, state: Path | None = None, timeout: float = 1
         env["MONARCH_STATE"] = str(state)
     return subprocess.run(
         [sys.executable, "-m", "monarch_cli", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -42,8 +47,19 @@ def test_help_lists_the_commands(tmp_path):
 
 def test_dry_run_starts_nothing_and_says_what_it_would_do(tmp_path):
     state = tmp_path / "s" / "job_state.pkl"
-    proc = monarch("serve", "--hosts", "2", "--dry-run", "--json", "--", "torchrun", "--nproc-per-node=2", "t.py",
-                   cwd=tmp_path, state=state)
+    proc = monarch(
+        "serve",
+        "--hosts",
+        "2",
+        "--dry-run",
+        "--json",
+        "--",
+        "torchrun",
+        "--nproc-per-node=2",
+        "t.py",
+        cwd=tmp_path,
+        state=state,
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["scheduler"] == "local" and plan["hosts"] == 2
@@ -68,7 +84,9 @@ def test_serve_reserves_exactly_the_plan_a_dry_run_printed(tmp_path):
         # each agent runs the very command line the plan printed (the keys went on stdin);
         # its title in ps is its reservation, so the command it was started with is read from its log
         for log, step in zip(plan["data"]["logs"], plan["steps"]):
-            started = [line for line in Path(log).read_text().splitlines() if line.startswith("monarch agent: started as: ")]
+            started = [
+                line for line in Path(log).read_text().splitlines() if line.startswith("monarch agent: started as: ")
+            ]
             assert started and started[-1].removeprefix("monarch agent: started as: ") in step
         again = monarch("serve", "--plan", "plan.json", cwd=tmp_path, state=state)
         one_line_error(again, "--replace")  # a plan makes a new reservation; it never replaces one silently
@@ -127,8 +145,7 @@ def test_bash_completion_is_printed_installed_and_completes(tmp_path):
     env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
 
     def bash(script: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=60)
+        return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
 
     # The shell is detected from monarch's parent: `$(...)` keeps bash from exec-ing it in its own place.
     shown = bash('out=$(monarch --show-completion) && echo "$out"')
@@ -155,8 +172,9 @@ def test_from_a_subdirectory_the_reservation_and_the_served_paths_are_found(tmp_
     (sub / "train.py").write_text("import os; print('served script in', os.getcwd())\n")
     (sub / "local.py").write_text("import os; print('local script in', os.getcwd())\n")
     (project / ".monarch").mkdir()  # hermetic: a .monarch/ in a parent of tmp_path must not be used
-    served = monarch("serve", "--", "torchrun", "--nproc-per-node=1", "--log-dir=tlogs", "examples/train.py",
-                     cwd=project)
+    served = monarch(
+        "serve", "--", "torchrun", "--nproc-per-node=1", "--log-dir=tlogs", "examples/train.py", cwd=project
+    )
     assert served.returncode == 0, served.stderr
     state = project / ".monarch" / "job_state.pkl"
     try:
@@ -168,7 +186,8 @@ def test_from_a_subdirectory_the_reservation_and_the_served_paths_are_found(tmp_
         assert default.returncode == 0, default.stderr
         assert default.stdout == f"[rank0] served script in {project}\n"
         assert [p.read_text() for p in project.glob("tlogs/*/attempt_0/0/stdout.log")] == [
-            f"served script in {project}\n"]  # the relative --log-dir too
+            f"served script in {project}\n"
+        ]  # the relative --log-dir too
 
         explicit = monarch("run-spmd", "--no-color", "--", "torchrun", "--nproc-per-node=1", "local.py", cwd=sub)
         assert explicit.returncode == 0, explicit.stderr  # a command typed here means paths from here
@@ -205,8 +224,9 @@ def test_corrupt_state_is_reported_and_stop_force_clears_it(tmp_path):
 def test_serve_run_status_exec_logs_stop(tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
     state = tmp_path / ".monarch" / "job_state.pkl"
-    served = monarch("serve", "--hosts", "2", "--json", "--", "torchrun", "--nproc-per-node=2", "train.py",
-                     cwd=tmp_path, state=state)
+    served = monarch(
+        "serve", "--hosts", "2", "--json", "--", "torchrun", "--nproc-per-node=2", "train.py", cwd=tmp_path, state=state
+    )
     assert served.returncode == 0, served.stderr
     try:
         assert oct(state.stat().st_mode & 0o777) == "0o600"
@@ -234,7 +254,9 @@ def test_serve_run_status_exec_logs_stop(tmp_path):
         ex_json = monarch("exec", "--json", "--", "exit $GROUP_RANK", cwd=tmp_path, state=state)
         report = json.loads(ex_json.stdout)
         assert ex_json.returncode == 1 and [(r["host"], r["exit_code"]) for r in report["ranks"]] == [
-            ("local0", 0), ("local1", 1)]
+            ("local0", 0),
+            ("local1", 1),
+        ]
 
         logs = monarch("logs", "--json", cwd=tmp_path, state=state)
         assert logs.returncode == 0 and json.loads(logs.stdout)["run_id"].startswith("exec-")
@@ -272,15 +294,24 @@ def test_logs_follow_prints_a_run_as_it_happens_and_stops_with_it(tmp_path):
     state = tmp_path / ".monarch" / "job_state.pkl"
     assert monarch("serve", "--", "python", "slow.py", cwd=tmp_path, state=state).returncode == 0
     try:
-        run = subprocess.Popen([sys.executable, "-m", "monarch_cli", "run-spmd"], cwd=tmp_path,
-                               env={**os.environ, "MONARCH_STATE": str(state)},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli", "run-spmd"],
+            cwd=tmp_path,
+            env={**os.environ, "MONARCH_STATE": str(state)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         logs_root = state.parent / "logs"
         deadline = time.monotonic() + 30
         while not (logs_root.exists() and any(logs_root.iterdir())) and time.monotonic() < deadline:
             time.sleep(0.05)
-        follow = subprocess.Popen([sys.executable, "-m", "monarch_cli", "logs", "-f"], cwd=tmp_path,
-                                  env={**os.environ, "MONARCH_STATE": str(state)}, stdout=subprocess.PIPE, text=True)
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli", "logs", "-f"],
+            cwd=tmp_path,
+            env={**os.environ, "MONARCH_STATE": str(state)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         first = follow.stdout.readline()
         assert first.startswith("[rank0] step 0") and run.poll() is None  # seen while the run goes on
         rest = follow.stdout.read()  # (not communicate(): it would skip what readline buffered)
@@ -292,8 +323,9 @@ def test_logs_follow_prints_a_run_as_it_happens_and_stops_with_it(tmp_path):
 
 def test_the_installed_monarch_command_runs() -> None:
     """The console script (not only `python -m monarch_cli`), from the interpreter's own bin/."""
-    done = subprocess.run([str(Path(sys.executable).parent / "monarch"), "--help"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "monarch"), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert "run-spmd" in done.stdout and "debug" in done.stdout
 
@@ -314,6 +346,7 @@ only = sys.argv[1]
 app = cli._app(None if only == "all" else only)
 print(json.dumps(sorted(typer.main.get_command(app).commands)))
 """
+
     def commands(only: str) -> set:
         done = subprocess.run([sys.executable, "-c", code, only], capture_output=True, text=True, cwd=REPO)
         assert done.returncode == 0, done.stderr

@@ -11,19 +11,27 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 from .conftest import REPO
 
 PACKAGE = REPO / "monarch_cli"
 #: Each package's layer; a module may import its own layer and the ones below, never above.
-LAYERS = {"cli": 4, "jobs": 3, "schedulers": 2, "runtime": 1, "config": 0, "errors": 0, "sysutil": 0, "templates": 0,
-          "telemetry_store": 0}
+LAYERS = {
+    "cli": 4,
+    "jobs": 3,
+    "schedulers": 2,
+    "runtime": 1,
+    "config": 0,
+    "errors": 0,
+    "sysutil": 0,
+    "templates": 0,
+    "telemetry_store": 0,
+}
 #: The top-level modules of the package itself (``monarch_cli/__init__.py`` re-exports the runtime lazily).
 ROOT = {"__init__": 1, "__main__": 4}
 
 
-def _modules() -> List[str]:
+def _modules() -> list[str]:
     names = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(REPO).with_suffix("")
@@ -45,7 +53,7 @@ def _layer(module: str) -> int:
     return LAYERS[parts[1]]
 
 
-def _imports(path: Path, module: str) -> List[Tuple[int, str]]:
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
     """Every monarch_cli module ``path`` imports (at any depth of the file), with its line."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -69,7 +77,7 @@ def _imports(path: Path, module: str) -> List[Tuple[int, str]]:
 
 
 def test_no_module_imports_a_higher_layer() -> None:
-    wrong: List[str] = []
+    wrong: list[str] = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(REPO).with_suffix("")
         parts = list(rel.parts)
@@ -86,13 +94,17 @@ def test_no_module_imports_a_higher_layer() -> None:
                 continue
             if theirs > mine:
                 wrong.append(f"{path.relative_to(REPO)}:{line} imports {target}")
-    assert not wrong, "imports against the layering (cli -> jobs -> schedulers -> runtime -> config/errors):\n" + \
-        "\n".join(wrong)
+    assert not wrong, (
+        "imports against the layering (cli -> jobs -> schedulers -> runtime -> config/errors):\n" + "\n".join(wrong)
+    )
 
 
 #: Optional-weight libraries and the only modules that may import them (lazily: a command that does not use them
 #: never pays for them; `test_commands_import_only_what_they_need` checks the commands).
-OWNED = {"paramiko": {"monarch_cli/schedulers/ssh.py", "monarch_cli/schedulers/skypilot_ssh.py"}, "pathspec": {"monarch_cli/runtime/workspace.py"}}
+OWNED = {
+    "paramiko": {"monarch_cli/schedulers/ssh.py", "monarch_cli/schedulers/skypilot_ssh.py"},
+    "pathspec": {"monarch_cli/runtime/workspace.py"},
+}
 
 
 def test_heavy_libraries_are_imported_only_where_needed() -> None:
@@ -100,8 +112,13 @@ def test_heavy_libraries_are_imported_only_where_needed() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = str(path.relative_to(REPO))
         for node in ast.walk(ast.parse(path.read_text(), rel)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             for name in names:
                 owners = OWNED.get(name.split(".")[0])
                 if owners is not None and rel not in owners:
@@ -117,10 +134,11 @@ def test_the_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
     assert _layer("monarch_cli.jobs.state") > _layer("monarch_cli.schedulers.fake")
 
 
-def _import_alone(module: str) -> Tuple[str, int, str]:
+def _import_alone(module: str) -> tuple[str, int, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO
+    )
     return module, done.returncode, done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
 
 
@@ -134,7 +152,7 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
     assert not failed, "\n".join(failed)
 
 
-def _loaded_by(argv: List[str], cwd: Path, before: str = "") -> Dict[str, bool]:
+def _loaded_by(argv: list[str], cwd: Path, before: str = "") -> dict[str, bool]:
     """Run the CLI with ``argv`` in a fresh interpreter and report which heavy modules it loaded."""
     code = (
         f"import sys\n{before}\n"
@@ -144,8 +162,14 @@ def _loaded_by(argv: List[str], cwd: Path, before: str = "") -> Dict[str, bool]:
         "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec']\n"
         "print({m: m in sys.modules for m in heavy})\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     return ast.literal_eval(done.stdout.strip().splitlines()[-1])
 

@@ -50,15 +50,20 @@ def _exit(code: int) -> None:
 #: Which module registers each command (tests/test_cli.py checks this against the full app).
 COMMAND_MODULES = {
     **dict.fromkeys(["serve", "run-spmd", "sync", "exec", "status", "warm", "stop", "logs", "demo"], "jobs"),
-    "debug": "debug", "sbatch": "slurm", "version": "version",
+    "debug": "debug",
+    "sbatch": "slurm",
+    "version": "version",
     **dict.fromkeys(["sql", "stack", "diagnose", "top"], "telemetry"),
 }
 _ALL = ("debug", "jobs", "slurm", "telemetry", "version")
 
 
 def _only_module(argv: "list[str]") -> "str | None":
-    if not argv or {"-h", "--help"} & set(argv) or any(a.startswith("--install-completion") or
-                                                       a.startswith("--show-completion") for a in argv):
+    if (
+        not argv
+        or {"-h", "--help"} & set(argv)
+        or any(a.startswith("--install-completion") or a.startswith("--show-completion") for a in argv)
+    ):
         return None
     return COMMAND_MODULES.get(argv[0])
 

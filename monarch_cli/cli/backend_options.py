@@ -11,7 +11,8 @@ through :func:`backend_options`, merged with ``-o key=value``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import typer.core
 
@@ -21,7 +22,7 @@ _PREFIX = "backend_opt__"
 DEFAULT_SCHEDULER = "local"
 
 
-def _named_scheduler(args: Sequence[str]) -> Optional[str]:
+def _named_scheduler(args: Sequence[str]) -> str | None:
     """The ``--scheduler``/``-s`` value among ``args`` (before ``--``), if any."""
     for i, word in enumerate(args):
         if word == "--":
@@ -34,46 +35,55 @@ def _named_scheduler(args: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _option_params(names: Sequence[str], taken: Sequence[str], kind: str = "options") -> List[click.Parameter]:
+def _option_params(names: Sequence[str], taken: Sequence[str], kind: str = "options") -> list[click.Parameter]:
     from ..schedulers import scheduler_class
 
-    params: List[click.Parameter] = []
+    params: list[click.Parameter] = []
     seen = set(taken)
     for name in names:
         try:
             cls = scheduler_class(name)
-        except Exception:  # an unknown or broken backend: serve itself reports it
+        except Exception:  # noqa: BLE001 - an unknown or broken backend: serve itself reports it
             continue
-        panel = f"{cls.name} options (or -o name=value)" if kind == "options" else \
-            f"{cls.name} reservations (or -o name=value)"
+        panel = (
+            f"{cls.name} options (or -o name=value)"
+            if kind == "options"
+            else f"{cls.name} reservations (or -o name=value)"
+        )
         for opt in getattr(cls, kind):
             decls = [f for f in (opt.cli_flag, opt.short) if f and f not in seen]
             if opt.cli_flag in seen:
                 continue
             seen.update(decls)
-            kwargs: Dict[str, Any] = {"help": opt.help, "rich_help_panel": panel}
+            kwargs: dict[str, Any] = {"help": opt.help, "rich_help_panel": panel}
             if opt.type is bool:
                 kwargs.update(is_flag=True, default=False)
             elif opt.type is list:
                 kwargs.update(multiple=True, type=click.types.STRING, default=(), metavar="<str>")
             else:
-                kwargs.update(type=click.types.INT if opt.type is int else click.types.STRING, default=None,
-                              metavar="<int>" if opt.type is int else "<str>")
-            params.append(typer.core.TyperOption(param_decls=[*decls, _PREFIX + opt.name], expose_value=False,
-                                                 callback=_keep, **kwargs))
+                kwargs.update(
+                    type=click.types.INT if opt.type is int else click.types.STRING,
+                    default=None,
+                    metavar="<int>" if opt.type is int else "<str>",
+                )
+            params.append(
+                typer.core.TyperOption(
+                    param_decls=[*decls, _PREFIX + opt.name], expose_value=False, callback=_keep, **kwargs
+                )
+            )
     return params
 
 
 def _keep(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     """Keep a backend option's value aside: the command's function has no parameter for it."""
-    ctx.meta.setdefault(_PREFIX, {})[str(param.name)[len(_PREFIX):]] = value
+    ctx.meta.setdefault(_PREFIX, {})[str(param.name)[len(_PREFIX) :]] = value
     return value
 
 
 class BackendOptionsCommand(typer.core.TyperCommand):
     """``monarch serve``: the named backend's options become flags, and help lists them."""
 
-    def parse_args(self, ctx: click.Context, args: List[str]) -> List[str]:
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         base = [p for p in self.params if not (p.name or "").startswith(_PREFIX)]
         named = _named_scheduler(args)
         if named is not None:
@@ -92,7 +102,7 @@ class BackendOptionsCommand(typer.core.TyperCommand):
 class BackendStopOptionsCommand(typer.core.TyperCommand):
     """``monarch stop``: every backend's stop options are flags (the reservation's backend is known only later)."""
 
-    def parse_args(self, ctx: click.Context, args: List[str]) -> List[str]:
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         from ..schedulers import available
 
         base = [p for p in self.params if not (p.name or "").startswith(_PREFIX)]
@@ -103,13 +113,14 @@ class BackendStopOptionsCommand(typer.core.TyperCommand):
         return super().parse_args(ctx, args)
 
 
-def backend_options(ctx: click.Context, scheduler: str, pairs: Optional[Sequence[str]],
-                    kind: str = "options") -> Dict[str, Any]:
+def backend_options(
+    ctx: click.Context, scheduler: str, pairs: Sequence[str] | None, kind: str = "options"
+) -> dict[str, Any]:
     """The backend options (``kind``: ``options`` of serve or ``stop_options``) given as flags, then
     ``-o key=value`` (which wins; lists collect both)."""
     from ..schedulers import parse_option_pairs, scheduler_class
 
-    values: Dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for key, value in ctx.meta.get(_PREFIX, {}).items():
         if value not in (None, False, ()):
             values[key] = list(value) if isinstance(value, tuple) else value

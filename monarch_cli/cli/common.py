@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import typer
 
@@ -24,8 +25,12 @@ err = rich_console(stderr=True)
 out = rich_console(stderr=False)
 F = TypeVar("F", bound=Callable[..., Any])
 
-StateOpt = typer.Option(None, "--state", help="Job state file (default: $MONARCH_STATE, else .monarch/job_state.pkl "
-                                              "here or in the nearest parent directory that has a .monarch/).")
+StateOpt = typer.Option(
+    None,
+    "--state",
+    help="Job state file (default: $MONARCH_STATE, else .monarch/job_state.pkl "
+    "here or in the nearest parent directory that has a .monarch/).",
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts and agents.")
 CmdArg = typer.Argument(None, help="The command, after `--`.", show_default=False)
 
@@ -62,7 +67,7 @@ def friendly(fn: F) -> F:
                 sys.stdout.flush()  # a closed pipe shows here, while we can still exit quietly
         except (typer.Exit, typer.Abort, click.ClickException):
             raise
-        except (Exception, KeyboardInterrupt) as e:
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
             raise typer.Exit(explain(e, as_json)) from None
 
     return wrapper  # type: ignore[return-value]

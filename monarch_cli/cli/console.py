@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any
 
 from ..errors import MonarchError, UserError
 from ..jobs.console import CLOSED_PIPE_EXIT, silence
@@ -29,10 +29,10 @@ from ..jobs.console import CLOSED_PIPE_EXIT, silence
 #: Exit status of an internal error (a bug): sysexits' EX_SOFTWARE.
 INTERNAL_ERROR = 70
 #: A piece of a line: plain text, or ``(rich style, text)``.
-Piece = Union[str, Tuple[str, str]]
+Piece = str | tuple[str, str]
 
 _debug = {"on": bool(os.environ.get("MONARCH_DEBUG"))}
-_rich: Dict[bool, Any] = {}  # stderr? -> the rich console, made on first use
+_rich: dict[bool, Any] = {}  # stderr? -> the rich console, made on first use
 
 
 def set_debug(on: bool) -> None:
@@ -164,7 +164,7 @@ def internal_error(e: BaseException, as_json: bool = False) -> int:
     return INTERNAL_ERROR
 
 
-def _save_traceback(text: str) -> Optional[str]:
+def _save_traceback(text: str) -> str | None:
     directory = Path(tempfile.gettempdir()) / f"monarch-{os.getuid()}" / "errors"
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -8,13 +8,13 @@ import os
 import queue
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
 
-from ..jobs.errors import JobError
 from ..jobs.debug import DebugClient, PausedRank, select_ranks, vscode_config
+from ..jobs.errors import JobError
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out
 from .interrupts import reliable_ctrl_c
 
@@ -25,7 +25,7 @@ _PROMPTS = ("(Pdb) ", ">>> ", "... ")
 _HISTORY = Path(os.environ.get("MONARCH_DEBUG_HISTORY", Path.home() / ".monarch_debug_history"))
 
 
-def _client(state: Optional[Path], run: Optional[str]) -> DebugClient:
+def _client(state: Path | None, run: str | None) -> DebugClient:
     from ..jobs import job_load
 
     return DebugClient(job_load(state), run)
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
-def _table(rows: List[PausedRank]) -> "Table":
+def _table(rows: list[PausedRank]) -> Table:
     from rich.table import Table  # only when there is a table to show
 
     table = Table(header_style="bold", box=None)
@@ -55,12 +55,19 @@ def _table(rows: List[PausedRank]) -> "Table":
         state = r.state if r.state != "exited" else f"exited ({r.exit})"
         if r.reason == "post-mortem" and r.state == "paused":
             state = "post-mortem"
-        table.add_row(str(r.rank), r.host, str(r.pid or "-"), escape(_where(r)), escape(r.function or "-"), state,
-                      escape(r.holder or "-"))
+        table.add_row(
+            str(r.rank),
+            r.host,
+            str(r.pid or "-"),
+            escape(_where(r)),
+            escape(r.function or "-"),
+            state,
+            escape(r.holder or "-"),
+        )
     return table
 
 
-def _split_prompt(text: str) -> Tuple[str, Optional[str]]:
+def _split_prompt(text: str) -> tuple[str, str | None]:
     for prompt in _PROMPTS:
         if text.endswith(prompt):
             return text[: -len(prompt)], prompt
@@ -163,7 +170,7 @@ def attached_session(client: DebugClient, rank: int) -> None:
         client.detach(rank)
 
 
-def _relay(client: DebugClient, rank: int) -> Optional[str]:
+def _relay(client: DebugClient, rank: int) -> str | None:
     """Print the rank's answer; the next prompt, or None when the session is over."""
     pending = ""
     while True:
@@ -205,9 +212,13 @@ def print_cast(results: dict) -> None:
 @friendly
 def debug_main(
     ctx: typer.Context,
-    state: Optional[Path] = StateOpt,
-    run: Optional[str] = typer.Option(None, "--run", help="Run id (default: the newest run with paused ranks)."),
-    dap: Optional[int] = typer.Option(None, "--dap", help="Relay an IDE (debugpy / DAP) to RANK from a local port only you can use; runs until the rank ends or Ctrl-C."),
+    state: Path | None = StateOpt,
+    run: str | None = typer.Option(None, "--run", help="Run id (default: the newest run with paused ranks)."),
+    dap: int | None = typer.Option(
+        None,
+        "--dap",
+        help="Relay an IDE (debugpy / DAP) to RANK from a local port only you can use; runs until the rank ends or Ctrl-C.",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """The interactive prompt: list, attach RANK, cast RANKS CMD, continue [RANKS], quit."""
@@ -244,8 +255,10 @@ def _dap(client: DebugClient, rank: int, as_json: bool) -> None:
         if as_json:  # one line, at once: a script reads it, then connects
             print(json.dumps({"rank": rank, **info, "vscode": config}), flush=True)
         else:
-            out.print(f"rank {rank}: attach your IDE (DAP) to [bold]{info['host']}:{info['port']}[/] "
-                      "(this machine, your user only)")
+            out.print(
+                f"rank {rank}: attach your IDE (DAP) to [bold]{info['host']}:{info['port']}[/] "
+                "(this machine, your user only)"
+            )
             out.print("If it was paused in pdb it now waits for the IDE and then runs on under it.")
             out.print("VS Code launch.json entry:")
             print(json.dumps(config, indent=2))
@@ -261,8 +274,9 @@ def _dap(client: DebugClient, rank: int, as_json: bool) -> None:
 
 @debug_app.command("list")
 @friendly
-def list_cmd(state: Optional[Path] = StateOpt, run: Optional[str] = typer.Option(None, "--run"),
-             as_json: bool = JsonOpt) -> None:
+def list_cmd(
+    state: Path | None = StateOpt, run: str | None = typer.Option(None, "--run"), as_json: bool = JsonOpt
+) -> None:
     """The paused ranks."""
     rows = _client(state, run).list()
     if as_json:
@@ -275,7 +289,7 @@ def list_cmd(state: Optional[Path] = StateOpt, run: Optional[str] = typer.Option
 
 @debug_app.command("attach")
 @friendly
-def attach_cmd(rank: int, state: Optional[Path] = StateOpt, run: Optional[str] = typer.Option(None, "--run")) -> None:
+def attach_cmd(rank: int, state: Path | None = StateOpt, run: str | None = typer.Option(None, "--run")) -> None:
     """A pdb session on RANK (leave with `detach`, Ctrl-C or Ctrl-D)."""
     _load_history()
     client = _client(state, run)
@@ -289,9 +303,13 @@ def attach_cmd(rank: int, state: Optional[Path] = StateOpt, run: Optional[str] =
 
 @debug_app.command("cast")
 @friendly
-def cast_cmd(ranks: str, command: List[str] = typer.Argument(..., help="The pdb command."),
-             state: Optional[Path] = StateOpt, run: Optional[str] = typer.Option(None, "--run"),
-             as_json: bool = JsonOpt) -> None:
+def cast_cmd(
+    ranks: str,
+    command: list[str] = typer.Argument(..., help="The pdb command."),
+    state: Path | None = StateOpt,
+    run: str | None = typer.Option(None, "--run"),
+    as_json: bool = JsonOpt,
+) -> None:
     """Run one pdb command on RANKS and print each rank's output."""
     client = _client(state, run)
     line = shlex.join(command) if len(command) > 1 else command[0]
@@ -306,9 +324,12 @@ def cast_cmd(ranks: str, command: List[str] = typer.Argument(..., help="The pdb 
 
 @debug_app.command("continue")
 @friendly
-def continue_cmd(ranks: str = typer.Argument("*", help="Which ranks (default: all paused)."),
-                 state: Optional[Path] = StateOpt, run: Optional[str] = typer.Option(None, "--run"),
-                 as_json: bool = JsonOpt) -> None:
+def continue_cmd(
+    ranks: str = typer.Argument("*", help="Which ranks (default: all paused)."),
+    state: Path | None = StateOpt,
+    run: str | None = typer.Option(None, "--run"),
+    as_json: bool = JsonOpt,
+) -> None:
     """Let paused ranks run on."""
     client = _client(state, run)
     rows = client.list()
@@ -341,4 +362,4 @@ def _save_history() -> None:
         pass
 
 
-__all__: List[Any] = ["debug_app"]
+__all__: list[Any] = ["debug_app"]

@@ -14,32 +14,53 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from .console import explain
 
 #: option -> (parameter, kind): "flag" (True), "unflag" (False), "value", "path", "many", "seconds"
-_Options = Dict[str, Tuple[str, str]]
+_Options = dict[str, tuple[str, str]]
 _RUN_SPMD: _Options = {
-    "--state": ("state", "path"), "--ranks": ("ranks", "value"), "--cold": ("cold", "flag"),
-    "--color": ("color", "flag"), "--no-color": ("color", "unflag"), "--post-mortem": ("post_mortem", "flag"),
-    "--env": ("env", "many"), "-e": ("env", "many"), "--workspace": ("workspace", "path"),
-    "--no-sync": ("no_sync", "flag"), "--straggler-grace": ("straggler_grace", "seconds"), "--json": ("as_json", "flag"),
-}
-_EXEC: _Options = {
-    "--state": ("state", "path"), "--color": ("color", "flag"), "--no-color": ("color", "unflag"),
+    "--state": ("state", "path"),
+    "--ranks": ("ranks", "value"),
+    "--cold": ("cold", "flag"),
+    "--color": ("color", "flag"),
+    "--no-color": ("color", "unflag"),
+    "--post-mortem": ("post_mortem", "flag"),
+    "--env": ("env", "many"),
+    "-e": ("env", "many"),
+    "--workspace": ("workspace", "path"),
+    "--no-sync": ("no_sync", "flag"),
+    "--straggler-grace": ("straggler_grace", "seconds"),
     "--json": ("as_json", "flag"),
 }
-_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "run-spmd": {"command": None, "state": None, "ranks": None, "cold": False, "color": None, "post_mortem": False,
-                 "env": None, "workspace": None, "no_sync": False, "straggler_grace": 30.0, "as_json": False},
+_EXEC: _Options = {
+    "--state": ("state", "path"),
+    "--color": ("color", "flag"),
+    "--no-color": ("color", "unflag"),
+    "--json": ("as_json", "flag"),
+}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "run-spmd": {
+        "command": None,
+        "state": None,
+        "ranks": None,
+        "cold": False,
+        "color": None,
+        "post_mortem": False,
+        "env": None,
+        "workspace": None,
+        "no_sync": False,
+        "straggler_grace": 30.0,
+        "as_json": False,
+    },
     "exec": {"command": None, "state": None, "color": None, "as_json": False},
 }
 _COMMANDS = {"run-spmd": _RUN_SPMD, "exec": _EXEC}
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # what --straggler-grace takes here; Typer judges the rest
 
 
-def parse(argv: List[str]) -> Optional[Tuple[str, Dict[str, Any]]]:
+def parse(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
     """``(command, its parameters)`` for ``argv`` (``["run-spmd", ...]``), or None: ask Typer."""
     if not argv or argv[0] not in _COMMANDS:
         return None
@@ -96,7 +117,7 @@ def parse(argv: List[str]) -> Optional[Tuple[str, Dict[str, Any]]]:
     return name, params
 
 
-def main(argv: List[str]) -> Optional[int]:
+def main(argv: list[str]) -> int | None:
     """Run ``monarch run-spmd|exec ...`` if :func:`parse` understands it; its exit status, or None."""
     parsed = parse(argv)
     if parsed is None:
@@ -111,5 +132,5 @@ def main(argv: List[str]) -> Optional[int]:
             return runs.run_spmd(**params) if name == "run-spmd" else runs.exec_command(**params)
         finally:
             sys.stdout.flush()  # a closed pipe shows here, while we can still exit quietly
-    except (Exception, KeyboardInterrupt) as e:
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
         return explain(e, params["as_json"])

@@ -15,7 +15,8 @@ import select
 import signal
 import socket
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 _GRACE_S = 0.1  # how long the Python-level handler gets before the signal is sent again
 

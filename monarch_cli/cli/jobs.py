@@ -8,14 +8,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 import typer
 from rich.markup import escape
 
 from ..jobs.output import list_runs
 from ..jobs.state import NoReservation, StateError, state_path
-
 from . import runs
 from .backend_options import BackendOptionsCommand, BackendStopOptionsCommand, backend_options
 from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out
@@ -27,24 +26,41 @@ from .runs import render_result as _render_result
 @friendly
 def serve_cmd(
     ctx: typer.Context,
-    command: Optional[List[str]] = CmdArg,
-    scheduler: str = typer.Option("local", "--scheduler", "-s", help="The backend: local (alias local_cwd), slurm, ssh, kubernetes, "
-                                  "skypilot, or one a package registers; its options are listed below."),
-    hosts: Optional[str] = typer.Option(None, "--hosts", "-n", metavar="N|NAMES",
-                                        help="How many hosts to reserve (default 1; inside a Slurm allocation, all its "
-                                        "nodes), or, for a backend that reaches hosts by name (ssh), their names: h1,h2."),
-    state: Optional[Path] = StateOpt,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (with --json: as JSON for --plan), start nothing."),
-    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Reserve exactly this plan (what --dry-run --json printed)."),
+    command: list[str] | None = CmdArg,
+    scheduler: str = typer.Option(
+        "local",
+        "--scheduler",
+        "-s",
+        help="The backend: local (alias local_cwd), slurm, ssh, kubernetes, "
+        "skypilot, or one a package registers; its options are listed below.",
+    ),
+    hosts: str | None = typer.Option(
+        None,
+        "--hosts",
+        "-n",
+        metavar="N|NAMES",
+        help="How many hosts to reserve (default 1; inside a Slurm allocation, all its "
+        "nodes), or, for a backend that reaches hosts by name (ssh), their names: h1,h2.",
+    ),
+    state: Path | None = StateOpt,
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the plan (with --json: as JSON for --plan), start nothing."
+    ),
+    plan_file: Path | None = typer.Option(
+        None, "--plan", help="Reserve exactly this plan (what --dry-run --json printed)."
+    ),
     replace: bool = typer.Option(False, "--replace", help="Release an existing reservation that cannot serve this."),
-    preload: Optional[str] = typer.Option(None, "--preload", help="Modules warm ranks import up front (default: torch)."),
-    agent_port: Optional[int] = typer.Option(None, "--agent-port", min=1, max=65535,
-                                             help="Agents listen on this port (local: port+i for host i)."),
-    port_range: Optional[str] = typer.Option(None, "--port-range", metavar="LO-HI",
-                                             help="Keep every port agents, procs and ranks open within LO-HI."),
-    option: Optional[List[str]] = typer.Option(None, "--option", "-o", metavar="KEY=VALUE",
-                                               help="A backend option (repeatable), e.g. -o partition=gpu."),
-    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts."),
+    preload: str | None = typer.Option(None, "--preload", help="Modules warm ranks import up front (default: torch)."),
+    agent_port: int | None = typer.Option(
+        None, "--agent-port", min=1, max=65535, help="Agents listen on this port (local: port+i for host i)."
+    ),
+    port_range: str | None = typer.Option(
+        None, "--port-range", metavar="LO-HI", help="Keep every port agents, procs and ranks open within LO-HI."
+    ),
+    option: list[str] | None = typer.Option(
+        None, "--option", "-o", metavar="KEY=VALUE", help="A backend option (repeatable), e.g. -o partition=gpu."
+    ),
+    nodes: int | None = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Reserve hosts and leave them up; reuse a reservation that can serve the request."""
@@ -53,16 +69,25 @@ def serve_cmd(
     if plan_file is not None:
         started = time.monotonic()
         with err.status("reserving...") as spinner:
-            job = reserve_plan(_read_plan(plan_file), state=state, replace=replace,
-                               progress=lambda msg: spinner.update(escape(msg)))
+            job = reserve_plan(
+                _read_plan(plan_file), state=state, replace=replace, progress=lambda msg: spinner.update(escape(msg))
+            )
         _served(job, started, as_json)
         return
     hosts = str(nodes) if nodes is not None else hosts
     options = backend_options(ctx, scheduler, option)
     ports = _port_range(port_range)
     if dry_run:
-        plan = dryrun(command, scheduler, hosts=hosts, state=state, preload=preload, agent_port=agent_port,
-                      port_range=ports, **options)
+        plan = dryrun(
+            command,
+            scheduler,
+            hosts=hosts,
+            state=state,
+            preload=preload,
+            agent_port=agent_port,
+            port_range=ports,
+            **options,
+        )
         if as_json:
             emit_json(plan.to_json())
         else:
@@ -70,9 +95,18 @@ def serve_cmd(
         return
     started = time.monotonic()
     with err.status("reserving...") as spinner:
-        job = serve(command, scheduler, hosts=hosts, state=state, replace=replace, preload=preload,
-                    agent_port=agent_port, port_range=ports, progress=lambda msg: spinner.update(escape(msg)),
-                    **options)
+        job = serve(
+            command,
+            scheduler,
+            hosts=hosts,
+            state=state,
+            replace=replace,
+            preload=preload,
+            agent_port=agent_port,
+            port_range=ports,
+            progress=lambda msg: spinner.update(escape(msg)),
+            **options,
+        )
     _served(job, started, as_json)
 
 
@@ -80,12 +114,12 @@ def _read_plan(path: Path) -> Any:
     from ..errors import PlanError
 
     try:
-        return (sys.stdin.read() if str(path) == "-" else path.read_text())
+        return sys.stdin.read() if str(path) == "-" else path.read_text()
     except OSError as e:
         raise PlanError(f"cannot read the plan {path}: {e.strerror or e}") from None
 
 
-def _port_range(text: Optional[str]) -> Optional["tuple[int, int]"]:
+def _port_range(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     from ..errors import UserError
@@ -115,19 +149,32 @@ def _served(job: Any, started: float, as_json: bool) -> None:
 @app.command("run-spmd", context_settings={"allow_interspersed_args": False})
 @friendly
 def run_spmd_cmd(
-    command: Optional[List[str]] = CmdArg,
-    state: Optional[Path] = StateOpt,
-    ranks: Optional[str] = typer.Option(None, "--ranks", help="Only print these ranks (e.g. 0,2-3); all are logged."),
+    command: list[str] | None = CmdArg,
+    state: Path | None = StateOpt,
+    ranks: str | None = typer.Option(None, "--ranks", help="Only print these ranks (e.g. 0,2-3); all are logged."),
     cold: bool = typer.Option(False, "--cold", help="Start ranks in fresh interpreters (skip the warm start)."),
-    color: Optional[bool] = typer.Option(None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."),
-    post_mortem: bool = typer.Option(False, "--post-mortem", help="Keep a rank that raises paused in pdb at the failing frame."),
-    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="NAME=VALUE, or NAME to forward this shell's value, "
-                                                                   "to every rank (repeatable)."),
-    workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory mirrored to hosts that do not share "
-                                                                      "this filesystem (default: where the command runs)."),
+    color: bool | None = typer.Option(
+        None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."
+    ),
+    post_mortem: bool = typer.Option(
+        False, "--post-mortem", help="Keep a rank that raises paused in pdb at the failing frame."
+    ),
+    env: list[str] | None = typer.Option(
+        None, "--env", "-e", help="NAME=VALUE, or NAME to forward this shell's value, to every rank (repeatable)."
+    ),
+    workspace: Path | None = typer.Option(
+        None,
+        "--workspace",
+        help="Directory mirrored to hosts that do not share this filesystem (default: where the command runs).",
+    ),
     no_sync: bool = typer.Option(False, "--no-sync", help="Do not mirror the workspace before the run."),
-    straggler_grace: float = typer.Option(30.0, "--straggler-grace", min=0, metavar="SECONDS",
-                                          help="Name the ranks still running this long after the first one ended."),
+    straggler_grace: float = typer.Option(
+        30.0,
+        "--straggler-grace",
+        min=0,
+        metavar="SECONDS",
+        help="Name the ranks still running this long after the first one ended.",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Run the served command (or the one after `--`) on every host of the reservation.
@@ -136,15 +183,18 @@ def run_spmd_cmd(
     to monarch is forwarded to the ranks, which get torchrun's --shutdown-timeout (30 s)
     before SIGKILL; the exit status is then 128+N. A run whose reservation is stopped exits 254.
     """
-    raise typer.Exit(runs.run_spmd(command, state, ranks, cold, color, post_mortem, env, workspace, no_sync,
-                                   straggler_grace, as_json))
+    raise typer.Exit(
+        runs.run_spmd(
+            command, state, ranks, cold, color, post_mortem, env, workspace, no_sync, straggler_grace, as_json
+        )
+    )
 
 
 @app.command("sync")
 @friendly
 def sync_cmd(
-    workspace: Optional[Path] = typer.Option(None, "--workspace", help="Directory to mirror (default: here)."),
-    state: Optional[Path] = StateOpt,
+    workspace: Path | None = typer.Option(None, "--workspace", help="Directory to mirror (default: here)."),
+    state: Path | None = StateOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Mirror the workspace to the hosts that do not share this filesystem now (run-spmd does it too)."""
@@ -160,9 +210,9 @@ def sync_cmd(
 @app.command("exec", context_settings={"allow_interspersed_args": False})
 @friendly
 def exec_cmd(
-    command: Optional[List[str]] = CmdArg,
-    state: Optional[Path] = StateOpt,
-    color: Optional[bool] = typer.Option(None, "--color/--no-color"),
+    command: list[str] | None = CmdArg,
+    state: Path | None = StateOpt,
+    color: bool | None = typer.Option(None, "--color/--no-color"),
     as_json: bool = JsonOpt,
 ) -> None:
     """Run a shell command on every host, with host-prefixed output and per-host exit codes."""
@@ -172,8 +222,8 @@ def exec_cmd(
 @app.command("status")
 @friendly
 def status_cmd(
-    state: Optional[Path] = StateOpt,
-    job_id: Optional[str] = typer.Option(None, "--job", help="A `monarch sbatch` job id: its Slurm state and run."),
+    state: Path | None = StateOpt,
+    job_id: str | None = typer.Option(None, "--job", help="A `monarch sbatch` job id: its Slurm state and run."),
     as_json: bool = JsonOpt,
 ) -> None:
     """The reservation: scheduler, hosts and agent liveness, age, last run."""
@@ -189,15 +239,17 @@ def status_cmd(
     except NoReservation as e:
         if as_json:
             emit_json({"reservation": None, "message": str(e)})
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
         raise
     info = job.status()
     if as_json:
         emit_json(info)
         raise typer.Exit(0 if info["alive"] else 1)
     health = "[green]up[/]" if info["alive"] else "[red]gone[/]"
-    out.print(f"[bold]{info['reservation_id']}[/] ({info['scheduler']}) {health}, "
-              f"made {_age(info['age_seconds'])} ago; state: {info['state_file']}")
+    out.print(
+        f"[bold]{info['reservation_id']}[/] ({info['scheduler']}) {health}, "
+        f"made {_age(info['age_seconds'])} ago; state: {info['state_file']}"
+    )
     if info["stale"]:
         out.print(f"[red]{escape(info['stale'])}[/]")
     for line in info.get("scheduler_lines", []):
@@ -208,8 +260,13 @@ def status_cmd(
     for col in ("host", "agent", "alive", "ranks running", "warm process"):
         table.add_column(col)
     for h in info["hosts"]:
-        table.add_row(h["name"], h["agent"], "[green]yes[/]" if h["alive"] else "[red]no[/]",
-                      "-" if h["ranks_running"] is None else str(h["ranks_running"]), _warm_cell(h.get("warm")))
+        table.add_row(
+            h["name"],
+            h["agent"],
+            "[green]yes[/]" if h["alive"] else "[red]no[/]",
+            "-" if h["ranks_running"] is None else str(h["ranks_running"]),
+            _warm_cell(h.get("warm")),
+        )
     out.print(table)
     if info["default_command"]:
         where = f"  (in {info['default_cwd']})" if info.get("default_cwd") else ""
@@ -217,8 +274,10 @@ def status_cmd(
     last = info["last_run"]
     if last:
         outcome = "[green]ok[/]" if last["exit_code"] == 0 else f"[red]exit {last['exit_code']}[/]"
-        out.print(f"last run: {last['run_id']} {outcome} in {last['duration']:.2f} s, "
-                  f"{_age(time.time() - last['finished_at'])} ago")
+        out.print(
+            f"last run: {last['run_id']} {outcome} in {last['duration']:.2f} s, "
+            f"{_age(time.time() - last['finished_at'])} ago"
+        )
     raise typer.Exit(0 if info["alive"] else 1)
 
 
@@ -226,7 +285,7 @@ def status_cmd(
 @friendly
 def warm_cmd(
     forget: bool = typer.Option(False, "--forget", help="Forget the modules learned from past runs, on every host."),
-    state: Optional[Path] = StateOpt,
+    state: Path | None = StateOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Each host's warm process: modules it holds, learned from past runs, left out, memory."""
@@ -235,8 +294,11 @@ def warm_cmd(
     job = job_load(state)
     if forget:
         forgotten = job.forget_preload()
-        _done_msg(as_json, {"forgotten": forgotten},
-                  "forgot " + ", ".join(f"{n} module(s) on {h}" for h, n in forgotten.items()))
+        _done_msg(
+            as_json,
+            {"forgotten": forgotten},
+            "forgot " + ", ".join(f"{n} module(s) on {h}" for h, n in forgotten.items()),
+        )
         return
     hosts = job.status()["hosts"]
     if as_json:
@@ -253,11 +315,15 @@ def warm_cmd(
 @friendly
 def stop_cmd(
     ctx: typer.Context,
-    state: Optional[Path] = StateOpt,
+    state: Path | None = StateOpt,
     force: bool = typer.Option(False, "--force", help="Also clear an unreadable state file."),
-    option: Optional[List[str]] = typer.Option(None, "--option", "-o", metavar="KEY=VALUE",
-                                               help="A stop option of the reservation's backend (repeatable), "
-                                               "e.g. -o keep_cluster=true."),
+    option: list[str] | None = typer.Option(
+        None,
+        "--option",
+        "-o",
+        metavar="KEY=VALUE",
+        help="A stop option of the reservation's backend (repeatable), e.g. -o keep_cluster=true.",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Release the reservation; none of its processes is left. Nothing to stop is not an error.
@@ -268,16 +334,22 @@ def stop_cmd(
     try:
         job = job_load(state)
     except NoReservation:
-        _done_msg(as_json, {"stopped": None, "message": "nothing to stop"},
-                  f"nothing to stop: no reservation at {state_path(state)}")
+        _done_msg(
+            as_json,
+            {"stopped": None, "message": "nothing to stop"},
+            f"nothing to stop: no reservation at {state_path(state)}",
+        )
         return
     except StateError:
         if not force:
             raise
         cleared = clear_unreadable(state)
         stopped = cleared["agents_stopped"]
-        _done_msg(as_json, {"stopped": None, **cleared}, "cleared the unreadable state file"
-                  + (f" and stopped its {len(stopped)} agent(s)" if stopped else ""))
+        _done_msg(
+            as_json,
+            {"stopped": None, **cleared},
+            "cleared the unreadable state file" + (f" and stopped its {len(stopped)} agent(s)" if stopped else ""),
+        )
         return
     rid = job.state.reservation_id
     ended = job.stop(**backend_options(ctx, job.state.scheduler, option, "stop_options"))
@@ -288,11 +360,11 @@ def stop_cmd(
 @app.command("logs")
 @friendly
 def logs_cmd(
-    run: Optional[str] = typer.Argument(None, help="Run id (default: the latest)."),
-    rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Only this rank, raw."),
+    run: str | None = typer.Argument(None, help="Run id (default: the latest)."),
+    rank: int | None = typer.Option(None, "--rank", "-r", help="Only this rank, raw."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the run ends."),
-    state: Optional[Path] = StateOpt,
-    job_id: Optional[str] = typer.Option(None, "--job", help="A `monarch sbatch` job id: that job's runs."),
+    state: Path | None = StateOpt,
+    job_id: str | None = typer.Option(None, "--job", help="A `monarch sbatch` job id: that job's runs."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Print a run's per-rank logs (kept under .monarch/logs/<run-id>/)."""
@@ -315,11 +387,13 @@ def logs_cmd(
             fail(f"run {run_dir.name} has no rank {rank}")
     if as_json:
         result = run_dir / "result.json"
-        emit_json({
-            "run_id": run_dir.name,
-            "logs": {f.stem: str(f) for f in files},
-            "result": json.loads(result.read_text()) if result.exists() else None,
-        })
+        emit_json(
+            {
+                "run_id": run_dir.name,
+                "logs": {f.stem: str(f) for f in files},
+                "result": json.loads(result.read_text()) if result.exists() else None,
+            }
+        )
         return
     _print_logs(run_dir, files, raw=rank is not None, follow=follow)
 
@@ -349,8 +423,10 @@ def demo_cmd(
                 _render_result(result)
                 code = code or result.exit_code
                 if i == 0 and runs > 1:
-                    with err.status("the hosts' warm processes learn what the ranks imported (in the background; "
-                                    "a run would not wait for it)..."):
+                    with err.status(
+                        "the hosts' warm processes learn what the ranks imported (in the background; "
+                        "a run would not wait for it)..."
+                    ):
                         job.wait_warm()
         finally:
             err.print(f"[bold]{runs + 2}.[/] monarch stop")
@@ -359,7 +435,7 @@ def demo_cmd(
 
 
 # -------------------------------------------------------------------- rendering
-def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> None:
+def _print_logs(run_dir: Path, files: list[Path], raw: bool, follow: bool) -> None:
     offsets = {f: 0 for f in files}
     sink = sys.stdout.buffer
     while True:
@@ -382,7 +458,7 @@ def _print_logs(run_dir: Path, files: List[Path], raw: bool, follow: bool) -> No
         time.sleep(0.2)
 
 
-def _warm_cell(warm: Optional[dict]) -> str:
+def _warm_cell(warm: dict | None) -> str:
     if not warm:
         return "-"
     if not warm["ready"]:

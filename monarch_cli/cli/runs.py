@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Set
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..jobs.console import CLOSED_PIPE_EXIT
@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the job API loads the runtime: imported when a command runs
     from ..jobs import RunResult
 
 
-def parse_ranks(text: Optional[str]) -> Optional[Set[int]]:
+def parse_ranks(text: str | None) -> set[int] | None:
     """``--ranks``: the same syntax as ``monarch debug`` (``0,2-3``, ``0:8:2``), without a known size."""
     if text is None:
         return None
@@ -29,9 +29,19 @@ def parse_ranks(text: Optional[str]) -> Optional[Set[int]]:
     return parse_rank_list(text, None, "--ranks")
 
 
-def run_spmd(command: Optional[List[str]], state: Optional[Path], ranks: Optional[str], cold: bool,
-             color: Optional[bool], post_mortem: bool, env: Optional[List[str]], workspace: Optional[Path],
-             no_sync: bool, straggler_grace: float, as_json: bool) -> int:
+def run_spmd(
+    command: list[str] | None,
+    state: Path | None,
+    ranks: str | None,
+    cold: bool,
+    color: bool | None,
+    post_mortem: bool,
+    env: list[str] | None,
+    workspace: Path | None,
+    no_sync: bool,
+    straggler_grace: float,
+    as_json: bool,
+) -> int:
     """``monarch run-spmd``; returns the exit status."""
     from ..jobs import job_load
     from ..jobs.spmd import parse_env_flags
@@ -39,9 +49,19 @@ def run_spmd(command: Optional[List[str]], state: Optional[Path], ranks: Optiona
     job = job_load(state)
     rank_set = parse_ranks(ranks)
     stdout = sys.stderr.buffer if as_json else None  # keep stdout for the JSON result
-    result = job.run_spmd(command or None, cold=cold, ranks=rank_set, color=color, stdout=stdout,
-                          post_mortem=post_mortem, straggler_grace=straggler_grace, env=parse_env_flags(env or []),
-                          workspace=workspace, sync=not no_sync, on_event=say)
+    result = job.run_spmd(
+        command or None,
+        cold=cold,
+        ranks=rank_set,
+        color=color,
+        stdout=stdout,
+        post_mortem=post_mortem,
+        straggler_grace=straggler_grace,
+        env=parse_env_flags(env or []),
+        workspace=workspace,
+        sync=not no_sync,
+        on_event=say,
+    )
     if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
         return CLOSED_PIPE_EXIT
     if as_json:
@@ -51,7 +71,7 @@ def run_spmd(command: Optional[List[str]], state: Optional[Path], ranks: Optiona
     return result.exit_code
 
 
-def exec_command(command: Optional[List[str]], state: Optional[Path], color: Optional[bool], as_json: bool) -> int:
+def exec_command(command: list[str] | None, state: Path | None, color: bool | None, as_json: bool) -> int:
     """``monarch exec``; returns the exit status."""
     if not command:
         raise UserError("give the command after `--`, e.g. monarch exec -- nvidia-smi")
@@ -80,11 +100,15 @@ def exec_command(command: Optional[List[str]], state: Optional[Path], color: Opt
     return result.exit_code
 
 
-def render_result(result: "RunResult") -> None:
+def render_result(result: RunResult) -> None:
     n = len(result.ranks)
     if result.exit_code == 0:
-        err_lines.line(("green", "✓"), f" {n} rank(s) finished in ", ("bold", f"{result.duration:.2f} s"),
-                       f" (run {result.run_id})")
+        err_lines.line(
+            ("green", "✓"),
+            f" {n} rank(s) finished in ",
+            ("bold", f"{result.duration:.2f} s"),
+            f" (run {result.run_id})",
+        )
         return
     from rich.markup import escape
     from rich.table import Table

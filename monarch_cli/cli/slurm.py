@@ -5,7 +5,6 @@ from __future__ import annotations
 import shlex
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -54,19 +53,26 @@ def sbatch_cmd(ctx: typer.Context) -> None:
         if as_json:
             return
         out.print(job_id)
-        err.print(f"[green]✓[/] submitted Slurm job [bold]{job_id}[/]; follow it with "
-                  f"[bold]monarch status --job {job_id}[/] and [bold]monarch logs --job {job_id} -f[/]")
+        err.print(
+            f"[green]✓[/] submitted Slurm job [bold]{job_id}[/]; follow it with "
+            f"[bold]monarch status --job {job_id}[/] and [bold]monarch logs --job {job_id} -f[/]"
+        )
 
     job_id, code = submit_batch(command, options, state, wait=bool(own.get("--wait")), on_submitted=submitted)
     if as_json:
-        emit_json({"job_id": job_id, "exit_code": code,
-                   **({"status": batch_status(job_id, state)} if code is not None else {})})
+        emit_json(
+            {
+                "job_id": job_id,
+                "exit_code": code,
+                **({"status": batch_status(job_id, state)} if code is not None else {}),
+            }
+        )
     elif code is not None:
         err.print(f"{'[green]✓[/]' if code == 0 else '[red]✗[/]'} Slurm job {job_id} ended with exit status {code}")
     raise typer.Exit(code or 0)
 
 
-def batch_status_cmd(job_id: str, state: Optional[Path], as_json: bool) -> None:
+def batch_status_cmd(job_id: str, state: Path | None, as_json: bool) -> None:
     """``monarch status --job ID``: Slurm's view of a batch job, its run and its result."""
     from ..jobs.slurm_batch import batch_status
 

@@ -14,15 +14,16 @@ import io
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any
 
 from ..telemetry_store import StoreError, db_path, query, schema_json, schema_text
 
 _MAX_CELL = 120
 
 
-def store_path(state: Optional[str]) -> Path:
+def store_path(state: str | None) -> Path:
     """The store next to the state file (same rules as ``--state`` everywhere)."""
     if state:
         return db_path(Path(state).expanduser().parent)
@@ -30,7 +31,7 @@ def store_path(state: Optional[str]) -> Path:
     return db_path(Path(env).expanduser().parent if env else Path(".monarch"))
 
 
-def render(cols: List[str], rows: Sequence[Tuple[Any, ...]], fmt: str) -> str:
+def render(cols: list[str], rows: Sequence[tuple[Any, ...]], fmt: str) -> str:
     if fmt == "json":
         return json.dumps([dict(zip(cols, r)) for r in rows], indent=1, default=_plain) + "\n"
     if fmt == "csv":
@@ -57,12 +58,16 @@ def _cell(v: Any) -> str:
     return text if len(text) <= _MAX_CELL else text[: _MAX_CELL - 1] + "…"
 
 
-def run_sql(statement: Optional[str], state: Optional[str], fmt: str, schema: bool) -> Tuple[int, str, str]:
+def run_sql(statement: str | None, state: str | None, fmt: str, schema: bool) -> tuple[int, str, str]:
     """(exit code, stdout text, stderr text) for ``monarch sql``."""
     if schema:
         return 0, (json.dumps(schema_json(), indent=1) + "\n") if fmt == "json" else schema_text() + "\n", ""
     if not statement or not statement.strip():
-        return 2, "", "monarch: error: give a query, e.g. monarch sql \"SELECT * FROM runs\" (monarch sql --schema lists the tables)\n"
+        return (
+            2,
+            "",
+            'monarch: error: give a query, e.g. monarch sql "SELECT * FROM runs" (monarch sql --schema lists the tables)\n',
+        )
     try:
         cols, rows = query(store_path(state), statement)
     except StoreError as e:
@@ -70,7 +75,7 @@ def run_sql(statement: Optional[str], state: Optional[str], fmt: str, schema: bo
     return 0, render(cols, rows, fmt), ""
 
 
-def fast_main(argv: List[str]) -> int:
+def fast_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="monarch sql", add_help=False)
     parser.add_argument("statement", nargs="?")
     parser.add_argument("--state")
@@ -84,7 +89,9 @@ def fast_main(argv: List[str]) -> int:
     if args.json and args.csv:
         sys.stderr.write("monarch: error: --json and --csv together: pick one\n")
         return 2
-    code, out, err = run_sql(args.statement, args.state, "json" if args.json else "csv" if args.csv else "text", args.schema)
+    code, out, err = run_sql(
+        args.statement, args.state, "json" if args.json else "csv" if args.csv else "text", args.schema
+    )
     sys.stdout.write(out)
     sys.stderr.write(err)
     return code

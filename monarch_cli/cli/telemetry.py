@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the job API loads the runtime: only the commands that run i
     from ..jobs.telemetry import Diagnosis, RankRow, StackReport
 
 
-def _job(state: Optional[Path]):  # type: ignore[no-untyped-def]
+def _job(state: Path | None):  # type: ignore[no-untyped-def]
     from ..jobs import job_load
 
     return job_load(state)
@@ -28,8 +28,8 @@ def _job(state: Optional[Path]):  # type: ignore[no-untyped-def]
 
 @app.command("sql")
 def sql_cmd(
-    statement: Optional[str] = typer.Argument(None, help="One SELECT statement."),
-    state: Optional[Path] = StateOpt,
+    statement: str | None = typer.Argument(None, help="One SELECT statement."),
+    state: Path | None = StateOpt,
     as_json: bool = typer.Option(False, "--json", help="Rows as a JSON list of objects."),
     as_csv: bool = typer.Option(False, "--csv", help="Rows as CSV with a header line."),
     schema: bool = typer.Option(False, "--schema", help="The tables, their columns, what they mean, example queries."),
@@ -38,8 +38,9 @@ def sql_cmd(
     if as_json and as_csv:
         err.print("[bold red]monarch: error:[/] --json and --csv together: pick one")
         raise typer.Exit(2)
-    code, text, problem = run_sql(statement, str(state) if state else None,
-                                  "json" if as_json else "csv" if as_csv else "text", schema)
+    code, text, problem = run_sql(
+        statement, str(state) if state else None, "json" if as_json else "csv" if as_csv else "text", schema
+    )
     sys.stdout.write(text)
     sys.stderr.write(problem)
     raise typer.Exit(code)
@@ -48,10 +49,10 @@ def sql_cmd(
 @app.command("stack")
 @friendly
 def stack_cmd(
-    ranks: Optional[str] = typer.Option(None, "--ranks", help="Only these ranks (e.g. 0,2-3)."),
+    ranks: str | None = typer.Option(None, "--ranks", help="Only these ranks (e.g. 0,2-3)."),
     native: bool = typer.Option(False, "--native", help="Include native (C/C++) frames (py-spy --native)."),
     full: bool = typer.Option(False, "--full", help="Print every group's whole main-thread stack."),
-    state: Optional[Path] = StateOpt,
+    state: Path | None = StateOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """The Python stacks of every live rank of the current run, grouped by identical stack."""
@@ -66,7 +67,7 @@ def stack_cmd(
 @friendly
 def diagnose_cmd(
     silence: float = typer.Option(60.0, "--silence", help="Seconds without output that make a rank suspect."),
-    state: Optional[Path] = StateOpt,
+    state: Path | None = StateOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """One verdict on the current (or last) run: exit 0 healthy, 1 a suspect rank found, 2 cannot tell."""
@@ -83,7 +84,7 @@ def diagnose_cmd(
 def top_cmd(
     once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
     interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes."),
-    state: Optional[Path] = StateOpt,
+    state: Path | None = StateOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """One row per rank: host, state, CPU, RSS, GPU, step, step time, output age, last line; suspects first."""
@@ -107,13 +108,15 @@ def top_cmd(
 
 
 # -------------------------------------------------------------------- rendering
-def _render_stacks(report: "StackReport", full: bool) -> None:
+def _render_stacks(report: StackReport, full: bool) -> None:
     if not report.stacks:
         err.print("no live rank to capture (nothing running on this reservation)")
         return
     methods = sorted({s.method for s in report.stacks})
-    out.print(f"[bold]run {report.run_id}[/]: {len(report.stacks)} rank(s), {len(report.groups)} distinct stack(s) "
-              f"in {report.elapsed:.2f} s ({', '.join(methods)})")
+    out.print(
+        f"[bold]run {report.run_id}[/]: {len(report.stacks)} rank(s), {len(report.groups)} distinct stack(s) "
+        f"in {report.elapsed:.2f} s ({', '.join(methods)})"
+    )
     for g in report.groups:
         out.print(f"  [bold]{escape(g.describe())}[/]")
         if full:
@@ -121,10 +124,12 @@ def _render_stacks(report: "StackReport", full: bool) -> None:
                 out.print(f"      {escape(str(f['function']))} ({escape(str(f['file']))}:{f['line']})")
 
 
-def _render_diagnosis(d: "Diagnosis") -> None:
+def _render_diagnosis(d: Diagnosis) -> None:
     from ..jobs.telemetry import compress
 
-    mark = {"healthy": "[green]healthy[/]", "suspect": "[red]suspect[/]", "unknown": "[yellow]cannot tell[/]"}[d.verdict]
+    mark = {"healthy": "[green]healthy[/]", "suspect": "[red]suspect[/]", "unknown": "[yellow]cannot tell[/]"}[
+        d.verdict
+    ]
     out.print(f"{mark}: {escape(d.summary)}")
     for s in d.suspects:
         out.print(f"  rank {s.rank}{' on ' + s.host if s.host else ''}:")
@@ -135,7 +140,7 @@ def _render_diagnosis(d: "Diagnosis") -> None:
         out.print(f"  stacks: {n} rank{'s' if n != 1 else ''} ({compress(g['ranks'])}): {escape(g['summary'])}")
 
 
-def _fmt(v: Optional[float], spec: str, unit: str = "") -> str:
+def _fmt(v: float | None, spec: str, unit: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{unit}"
 
 
@@ -143,7 +148,7 @@ def _fmt(v: Optional[float], spec: str, unit: str = "") -> str:
 GRID_ABOVE = 32
 
 
-def _top_view(run_id: Optional[str], rows: List["RankRow"]) -> "RenderableType":
+def _top_view(run_id: str | None, rows: list[RankRow]) -> RenderableType:
     """One row per rank; for many ranks, the suspects' rows and then every other rank as one short cell."""
     if len(rows) <= GRID_ABOVE:
         return _top_table(run_id, rows)
@@ -153,23 +158,39 @@ def _top_view(run_id: Optional[str], rows: List["RankRow"]) -> "RenderableType":
 
     suspects = [r for r in rows if r.suspect]
     others = sorted((r for r in rows if not r.suspect), key=lambda r: r.rank)
-    head = _top_table(run_id, suspects) if suspects else Text(f"run {run_id}: {len(rows)} ranks, no suspect", style="bold")
-    cells = [Text(f"{r.rank:>4} {r.state[:8]:<8} {_fmt(r.cpu_percent, '.0f', '%'):>4} "
-                  f"{'-' if r.step is None else r.step:>6} {_fmt(r.output_age, '.0f', 's'):>4}") for r in others]
+    head = (
+        _top_table(run_id, suspects) if suspects else Text(f"run {run_id}: {len(rows)} ranks, no suspect", style="bold")
+    )
+    cells = [
+        Text(
+            f"{r.rank:>4} {r.state[:8]:<8} {_fmt(r.cpu_percent, '.0f', '%'):>4} "
+            f"{'-' if r.step is None else r.step:>6} {_fmt(r.output_age, '.0f', 's'):>4}"
+        )
+        for r in others
+    ]
     legend = Text(f"{len(others)} other rank(s): rank, state, cpu, step, age of last output", style="dim")
     return Group(head, legend, Columns(cells, padding=(0, 3), equal=True))
 
 
-def _top_table(run_id: Optional[str], rows: List["RankRow"]) -> Table:
+def _top_table(run_id: str | None, rows: list[RankRow]) -> Table:
     table = Table(title=f"run {run_id}" if run_id else "no run recorded", header_style="bold", box=None)
     cols = ["rank", "host", "state", "cpu", "rss", "gpu", "step", "step ms", "output age", "last line"]
     for c in cols:
         table.add_column(c, overflow="ellipsis", no_wrap=True, max_width=60 if c == "last line" else None)
     for r in rows:
         gpu = "-" if r.gpu_util is None else f"{r.gpu_util:.0f}% {_fmt(r.gpu_mem_mb, '.0f', 'M')}"
-        cells = [str(r.rank), r.host or "-", r.state, _fmt(r.cpu_percent, ".0f", "%"), _fmt(r.rss_mb, ".0f", "M"), gpu,
-                 "-" if r.step is None else str(r.step), _fmt(r.step_ms, ".1f"), _fmt(r.output_age, ".0f", "s"),
-                 r.last_line]
+        cells = [
+            str(r.rank),
+            r.host or "-",
+            r.state,
+            _fmt(r.cpu_percent, ".0f", "%"),
+            _fmt(r.rss_mb, ".0f", "M"),
+            gpu,
+            "-" if r.step is None else str(r.step),
+            _fmt(r.step_ms, ".1f"),
+            _fmt(r.output_age, ".0f", "s"),
+            r.last_line,
+        ]
         style = "red" if r.suspect else None
         table.add_row(*[escape(c) for c in cells], style=style)
     suspects = [r for r in rows if r.suspect]

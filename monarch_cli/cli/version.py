@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import platform
 import sys
-from typing import Dict, Optional
 
 import typer
 
@@ -20,8 +19,9 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
-                                 help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an internal error."),
 ) -> None:
     """Reserve hosts once, then run torchrun-style SPMD jobs on them in a fraction of a second."""
@@ -31,7 +31,7 @@ def _root(
 @app.command("version")
 def version_cmd(as_json: bool = JsonOpt) -> None:
     """monarch-cli's version, the Python it runs on and the torch installed there (not imported)."""
-    info: Dict[str, Optional[str]] = {
+    info: dict[str, str | None] = {
         "monarch_cli": __version__,
         "python": platform.python_version(),
         "executable": sys.executable,
@@ -40,11 +40,13 @@ def version_cmd(as_json: bool = JsonOpt) -> None:
     if as_json:
         emit_json(info)
         return
-    out.print(f"monarch-cli {info['monarch_cli']}\npython {info['python']} ({info['executable']})\n"
-              f"torch {info['torch'] or '(not installed)'}")
+    out.print(
+        f"monarch-cli {info['monarch_cli']}\npython {info['python']} ({info['executable']})\n"
+        f"torch {info['torch'] or '(not installed)'}"
+    )
 
 
-def _installed(distribution: str) -> Optional[str]:
+def _installed(distribution: str) -> str | None:
     from importlib import metadata  # 8 ms: only for this command, not for every `monarch` start
 
     try:

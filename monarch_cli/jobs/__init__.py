@@ -10,8 +10,15 @@ from typing import Any
 from .errors import JobError
 
 _HOME = {
-    "Job": "job", "clear_unreadable": "job", "dryrun": "job", "job_load": "job", "reserve_plan": "job", "serve": "job",
-    "RankExit": "spmd", "RunResult": "spmd", "StaleReservation": "spmd",
+    "Job": "job",
+    "clear_unreadable": "job",
+    "dryrun": "job",
+    "job_load": "job",
+    "reserve_plan": "job",
+    "serve": "job",
+    "RankExit": "spmd",
+    "RunResult": "spmd",
+    "StaleReservation": "spmd",
 }
 
 
@@ -21,4 +28,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Job", "JobError", "RankExit", "RunResult", "StaleReservation", "clear_unreadable", "dryrun", "job_load", "reserve_plan", "serve"]
+__all__ = [
+    "Job",
+    "JobError",
+    "RankExit",
+    "RunResult",
+    "StaleReservation",
+    "clear_unreadable",
+    "dryrun",
+    "job_load",
+    "reserve_plan",
+    "serve",
+]

@@ -15,7 +15,8 @@ import contextlib
 import os
 import sys
 import threading
-from typing import BinaryIO, Callable, Optional
+from collections.abc import Callable
+from typing import BinaryIO
 
 #: Exit status of a command whose output pipe closed: 128 + SIGPIPE, as the shell reports
 #: a tool killed by it (``git log | head`` exits 141 too).
@@ -35,7 +36,7 @@ def silence(stream: object) -> None:
 class ConsoleStream:
     """A binary stream that swallows writes once its reader has gone, and says so once."""
 
-    def __init__(self, target: BinaryIO, on_closed: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, target: BinaryIO, on_closed: Callable[[], None] | None = None) -> None:
         self.target = target
         self.on_closed = on_closed
         self.reader_gone = False
@@ -73,8 +74,11 @@ class ConsoleStream:
                 return
             self.failed = True
         with contextlib.suppress(OSError, ValueError):
-            print(f"monarch: the console failed ({error.strerror or error}); output goes on to the "
-                  "per-rank logs only", file=sys.__stderr__, flush=True)
+            print(
+                f"monarch: the console failed ({error.strerror or error}); output goes on to the per-rank logs only",
+                file=sys.__stderr__,
+                flush=True,
+            )
 
     def _gone(self) -> None:
         with self._lock:

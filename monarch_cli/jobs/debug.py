@@ -6,27 +6,31 @@ clients may look, one at a time may hold a rank.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import getpass
 import os
 import queue
 import select
 import socket
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..config import settings
-from ..runtime.dap_link import GOODBYE, LOOPBACK, DapFrames, accept_same_user, is_goodbye, listen_loopback
 from ..runtime import protocol
+from ..runtime.dap_link import GOODBYE, LOOPBACK, DapFrames, accept_same_user, is_goodbye, listen_loopback
 from ..runtime.errors import ActorError
-from ..runtime.mailbox_events import Subscription
 from ..runtime.future import Future
+from ..runtime.mailbox_events import Subscription
 from .errors import JobError
 from .ranks import parse_rank_list
 
 if TYPE_CHECKING:  # the job (and the runtime) load when a client is made, not when the CLI starts
     from .job import Job
 
-Event = Tuple[str, int, str, Any]  # (kind, rank, what, detail): ("output", 3, text, None), ("state", 3, "paused", where)
+Event = tuple[
+    str, int, str, Any
+]  # (kind, rank, what, detail): ("output", 3, text, None), ("state", 3, "paused", where)
 
 
 @dataclasses.dataclass
@@ -35,26 +39,26 @@ class PausedRank:
     rank: int
     host: str
     agent: str
-    pid: Optional[int]
+    pid: int | None
     state: str
-    file: Optional[str]
-    line: Optional[int]
-    function: Optional[str]
-    reason: Optional[str]
-    holder: Optional[str]
-    exit: Optional[str]
-    coords: Dict[str, int]
+    file: str | None
+    line: int | None
+    function: str | None
+    reason: str | None
+    holder: str | None
+    exit: str | None
+    coords: dict[str, int]
     started: float = 0.0
 
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}" if self.file else "-"
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "agent"}
 
 
-def select_ranks(expr: str, rows: List[PausedRank]) -> Set[int]:
+def select_ranks(expr: str, rows: list[PausedRank]) -> set[int]:
     """Ranks named by ``expr``: ``*``, ``0,3``, ``2-5``, ``0:8:2``, or ``hosts=1,gpus=0:2``."""
     expr = expr.strip()
     known = {r.rank for r in rows}
@@ -73,27 +77,29 @@ def select_ranks(expr: str, rows: List[PausedRank]) -> Set[int]:
         raise JobError(f"cannot read ranks {expr!r}: use *, 0,3, 2-5, 0:8:2 or hosts=1,gpus=0:2") from None
 
 
-def _numbers(text: str, size: int) -> Set[int]:
+def _numbers(text: str, size: int) -> set[int]:
     return parse_rank_list(text, size)
 
 
 class DebugClient:
-    def __init__(self, job: "Job", run_id: Optional[str] = None) -> None:
+    def __init__(self, job: Job, run_id: str | None = None) -> None:
         self.job = job
         self.hs = job._hostset()
         self.mb = self.hs.mb
         self.run_id = run_id
         self.name = f"{getpass.getuser()}@{socket.gethostname()} (pid {os.getpid()})"
-        self.events: "queue.Queue[Event]" = queue.Queue()
-        self._subscription: Optional[Subscription] = None  # opened by the first attach
-        self._rows: Dict[int, PausedRank] = {}
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._subscription: Subscription | None = None  # opened by the first attach
+        self._rows: dict[int, PausedRank] = {}
 
     # ---------------------------------------------------------------- queries
-    def list(self, everything: bool = False) -> List[PausedRank]:
+    def list(self, everything: bool = False) -> builtins.list[PausedRank]:
         """Paused (or held, or just finished) ranks of the newest run that has any; all its ranks with ``everything``."""
-        futs = [self.mb.request(h.agent, lambda cid: protocol.DebugList(cid, self.mb.address, everything))
-                for h in self.hs.hosts]
-        rows: List[PausedRank] = []
+        futs = [
+            self.mb.request(h.agent, lambda cid: protocol.DebugList(cid, self.mb.address, everything))
+            for h in self.hs.hosts
+        ]
+        rows: list[PausedRank] = []
         for host, fut in zip(self.hs.hosts, futs):
             rows += [PausedRank(agent=host.agent, **row) for row in fut.get(timeout=10)]
         newest = max(rows, key=lambda r: r.started, default=None)  # not by id: ids can tie within a second
@@ -123,17 +129,24 @@ class DebugClient:
             raise JobError(str(e).split("\n")[0]) from None
 
     # ---------------------------------------------------------------- actions
-    def attach(self, rank: int) -> Dict[str, Any]:
+    def attach(self, rank: int) -> dict[str, Any]:
         """Hold ``rank``: its pdb output now comes here. Returns what the user has not seen."""
         row = self._row(rank)
         if self._subscription is None:  # the held ranks' pdb output and states, whichever run they are in
-            self._subscription = self.mb.subscribe(None, {
-                protocol.DebugOutput: lambda e, _: self.events.put(("output", e.rank, e.data, None)),
-                protocol.DebugState: lambda e, _: self.events.put(("state", e.rank, e.state, e.detail)),
-            })
+            self._subscription = self.mb.subscribe(
+                None,
+                {
+                    protocol.DebugOutput: lambda e, _: self.events.put(("output", e.rank, e.data, None)),
+                    protocol.DebugState: lambda e, _: self.events.put(("state", e.rank, e.state, e.detail)),
+                },
+            )
         info = self._get(self._ask(rank, protocol.DebugAttach, self.name, settings().heartbeat_timeout), 10)
-        self.mb.watch_agent(row.agent, lambda agent, silence: self.events.put(
-            ("state", rank, "lost", f"host agent stopped answering ({silence:.0f} s)")))
+        self.mb.watch_agent(
+            row.agent,
+            lambda agent, silence: self.events.put(
+                ("state", rank, "lost", f"host agent stopped answering ({silence:.0f} s)")
+            ),
+        )
         return info
 
     def send(self, rank: int, line: str) -> None:
@@ -145,7 +158,7 @@ class DebugClient:
         except JobError:
             pass  # already gone: nothing to let go of
 
-    def cast(self, ranks: Set[int], command: str, timeout: float = 60.0) -> Dict[int, Any]:
+    def cast(self, ranks: set[int], command: str, timeout: float = 60.0) -> dict[int, Any]:
         """One pdb command to many ranks; each rank's output, or the reason it was refused."""
         futs = {}
         for r in sorted(ranks):
@@ -153,7 +166,7 @@ class DebugClient:
                 futs[r] = self._ask(r, protocol.DebugCast, command + "\n")
             except JobError as e:
                 futs[r] = e
-        out: Dict[int, Any] = {}
+        out: dict[int, Any] = {}
         for r, fut in futs.items():
             try:
                 out[r] = fut if isinstance(fut, JobError) else self._get(fut, timeout)
@@ -161,8 +174,8 @@ class DebugClient:
                 out[r] = e
         return out
 
-    def continue_(self, ranks: Set[int]) -> Dict[int, str]:
-        out: Dict[int, str] = {}
+    def continue_(self, ranks: set[int]) -> dict[int, str]:
+        out: dict[int, str] = {}
         for r in sorted(ranks):
             try:
                 out[r] = self._get(self._ask(r, protocol.DebugContinue), 10)
@@ -170,7 +183,7 @@ class DebugClient:
                 out[r] = f"error: {e}"
         return out
 
-    def dap(self, rank: int, timeout: float = 60.0) -> "DapRelay":
+    def dap(self, rank: int, timeout: float = 60.0) -> DapRelay:
         """Connect ``rank``'s debugpy and open a port on this machine for an IDE (see :class:`DapRelay`)."""
         relay = DapRelay(self, rank)
         try:
@@ -202,23 +215,28 @@ class DapRelay:
         self.rank = rank
         self.row = client._row(rank, everything=True)
         self.cwd = ""
-        self._events: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
+        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
         mb = client.mb
-        self._subscription = mb.subscribe(self.row.run_id, {
-            protocol.DebugDapToIde: lambda e, _: self._events.put(("data", e.message)) if e.rank == rank else None,
-            protocol.DebugDapClosed: lambda e, _: self._events.put(("closed", e.why)) if e.rank == rank else None,
-        })
-        mb.watch_agent(self.row.agent,
-                       lambda agent, silence: self._events.put(("closed", f"its host agent stopped answering ({silence:.0f} s)")))
+        self._subscription = mb.subscribe(
+            self.row.run_id,
+            {
+                protocol.DebugDapToIde: lambda e, _: self._events.put(("data", e.message)) if e.rank == rank else None,
+                protocol.DebugDapClosed: lambda e, _: self._events.put(("closed", e.why)) if e.rank == rank else None,
+            },
+        )
+        mb.watch_agent(
+            self.row.agent,
+            lambda agent, silence: self._events.put(("closed", f"its host agent stopped answering ({silence:.0f} s)")),
+        )
         self.listener = listen_loopback()
         self.host, self.port = LOOPBACK, self.listener.getsockname()[1]
-        self.ide: Optional[socket.socket] = None
+        self.ide: socket.socket | None = None
         self._frames = DapFrames()
         self._ide_said_bye = False
         self._bound = False
-        self._ended: Optional[str] = None
+        self._ended: str | None = None
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         return {"host": self.host, "port": self.port, "cwd": self.cwd}
 
     def bind(self, timeout: float = 60.0) -> None:
@@ -228,7 +246,7 @@ class DapRelay:
         self._bound = True
         self._drain_stale()
 
-    def serve(self, on_notice: Optional[Callable[[str], None]] = None) -> str:
+    def serve(self, on_notice: Callable[[str], None] | None = None) -> str:
         """Relay IDE sessions until the rank's debugger goes away; returns why it ended."""
         say = on_notice or (lambda _msg: None)
         while self._ended is None:
@@ -326,7 +344,7 @@ class DapRelay:
             self._events.put(event)
 
 
-def vscode_config(rank: int, dap: Dict[str, Any]) -> Dict[str, Any]:
+def vscode_config(rank: int, dap: dict[str, Any]) -> dict[str, Any]:
     """A launch.json entry that attaches VS Code to the rank, paths mapped to this checkout."""
     return {
         "name": f"monarch: attach to rank {rank}",

@@ -9,8 +9,9 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from ..runtime import protocol
 from ..runtime.keys import Keys
@@ -26,20 +27,30 @@ from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
 from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
 from .output import OutputSink, list_runs, new_run_dir
+from .spmd import (
+    HostSet,
+    Launch,
+    RankExit,
+    RunResult,
+    SpmdRunner,
+    StaleReservation,
+    VersionMismatch,
+    new_run_id,
+    plan_exec,
+    plan_spmd,
+    remote_environment,
+    user_environment,
+)
+from .state import HostRecord, JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
+from .sync import SyncReport, sync_workspace
 from .telemetry import Diagnosis, Inspector, RankRow, RunTelemetry, StackReport
 from .telemetry import enabled as telemetry_enabled
-from .spmd import (
-    HostSet, Launch, RankExit, RunResult, SpmdRunner, StaleReservation, VersionMismatch, new_run_id, plan_exec, plan_spmd,
-    remote_environment, user_environment,
-)
-from .sync import SyncReport, sync_workspace
-from .state import HostRecord, JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .torchrun import SpmdSpec, parse_command
 
-Command = Union[str, Sequence[str], Any]  # a command line, an argv list, or a torchx AppDef
+Command = str | Sequence[str] | Any  # a command line, an argv list, or a torchx AppDef
 
 
-def _command_and_hosts(cmd: Command, hosts: Optional[int]) -> "tuple[List[str], Optional[int]]":
+def _command_and_hosts(cmd: Command, hosts: int | None) -> tuple[list[str], int | None]:
     """Accept an argv list, a shell string, or a torchx AppDef (its first role).
 
     The host count is ``hosts`` if given, else the AppDef's replicas, else None (the
@@ -52,7 +63,9 @@ def _command_and_hosts(cmd: Command, hosts: Optional[int]) -> "tuple[List[str], 
     roles = getattr(cmd, "roles", None)
     if roles is not None:  # torchx.specs.AppDef
         if len(roles) != 1:
-            raise JobError(f"AppDef {getattr(cmd, 'name', '')!r} has {len(roles)} roles; monarch runs exactly one SPMD role")
+            raise JobError(
+                f"AppDef {getattr(cmd, 'name', '')!r} has {len(roles)} roles; monarch runs exactly one SPMD role"
+            )
         role = roles[0]
         argv = _unwrap_torchx_shell([role.entrypoint, *role.args])
         return argv, hosts or int(role.num_replicas)
@@ -62,7 +75,7 @@ def _command_and_hosts(cmd: Command, hosts: Optional[int]) -> "tuple[List[str], 
 _TORCHX_MACRO = re.compile(r"\$\{(\w+)(?::=([^}]*))?\}")
 
 
-def _unwrap_torchx_shell(argv: List[str]) -> List[str]:
+def _unwrap_torchx_shell(argv: list[str]) -> list[str]:
     """torchx's dist.ddp wraps torchrun in ``bash -c "..."`` with ``${macros}``: unwrap it.
 
     ``${app_id}`` becomes ``monarch`` (a run id is made per run anyway); ``${VAR:=default}``
@@ -107,7 +120,7 @@ class Job:
         dead = [] if require_all else self.scheduler.dead_hosts(self.state)
         return HostSet(hosts, self.keys, require_all=require_all, known_dead=dead)
 
-    def _reachable_hosts(self) -> List[HostRecord]:
+    def _reachable_hosts(self) -> list[HostRecord]:
         """The hosts with the agent addresses this process reaches them at (a backend's forward, or
         their own); this process's mailbox is set to listen where they can reach it back."""
         addresses = self.scheduler.agent_addresses(self.state)
@@ -117,7 +130,7 @@ class Job:
             configure(host=host)
         return hosts
 
-    def host_mesh(self) -> "HostMesh":
+    def host_mesh(self) -> HostMesh:
         """The reservation's hosts as an actor-API :class:`~monarch_cli.runtime.mesh.HostMesh`
         (``job.host_mesh().spawn_procs({"gpus": 8})``). A host this process reaches through a
         backend's forward (ssh ``--tunnel``) cannot reach this process either: its procs are
@@ -135,21 +148,21 @@ class Job:
     # ------------------------------------------------------------------ runs
     def run_spmd(
         self,
-        command: Optional[Command] = None,
+        command: Command | None = None,
         *,
         cold: bool = False,
-        ranks: Optional[Set[int]] = None,
-        color: Optional[bool] = None,
-        stdout: Optional[BinaryIO] = None,
-        stderr: Optional[BinaryIO] = None,
+        ranks: set[int] | None = None,
+        color: bool | None = None,
+        stdout: BinaryIO | None = None,
+        stderr: BinaryIO | None = None,
         grace: float = 3.0,
-        on_event: Optional[Callable[[str], None]] = None,
+        on_event: Callable[[str], None] | None = None,
         post_mortem: bool = False,
         forward_signals: Sequence[int] = (),
-        workspace: Union[str, Path, None] = None,
+        workspace: str | Path | None = None,
         sync: bool = True,
-        env: Optional[Dict[str, str]] = None,
-        shutdown_timeout: Optional[float] = None,
+        env: dict[str, str] | None = None,
+        shutdown_timeout: float | None = None,
         straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
@@ -186,23 +199,41 @@ class Job:
         say = on_event or (lambda _msg: None)
         node_cwd, node_environ = self._prepare_hosts(hostset, cwd or os.getcwd(), workspace, sync, env or {}, say)
         if spec.moot_flags():
-            say(f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
-                "rendezvous, on rank 0's host")
+            say(
+                f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
+                "rendezvous, on rank 0's host"
+            )
         started = time.monotonic()
-        exits: List[RankExit] = []
+        exits: list[RankExit] = []
         attempt = 0
-        runner = SpmdRunner(hostset, log_dir, grace=grace, say=say, straggler_grace=straggler_grace,
-                            shutdown_timeout=shutdown_timeout_from(
-                                shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout))
+        runner = SpmdRunner(
+            hostset,
+            log_dir,
+            grace=grace,
+            say=say,
+            straggler_grace=straggler_grace,
+            shutdown_timeout=shutdown_timeout_from(
+                shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout
+            ),
+        )
         stdout, stderr = _consoles(stdout, stderr, runner)
         telemetry = RunTelemetry(self.path.parent, run_id, argv, log_dir) if telemetry_enabled() else None
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             try:
-                launches = plan_spmd(spec, hostset, run_id, cold=cold, master_port=port, restart_count=attempt,
-                                     post_mortem=post_mortem, cwd=cwd,
-                                     environ={**user_environment(), **(env or {})},
-                                     node_cwd=node_cwd, node_environ=node_environ)
+                launches = plan_spmd(
+                    spec,
+                    hostset,
+                    run_id,
+                    cold=cold,
+                    master_port=port,
+                    restart_count=attempt,
+                    post_mortem=post_mortem,
+                    cwd=cwd,
+                    environ={**user_environment(), **(env or {})},
+                    node_cwd=node_cwd,
+                    node_environ=node_environ,
+                )
             except BaseException:
                 if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
                     runner.release_port(0, run_id)
@@ -211,9 +242,16 @@ class Job:
                 raise
             sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
             try:
-                exits = runner.run(launches, run_id, sink, on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
-                                   on_notice=say if attempt == 0 else None, forward_signals=forward_signals,
-                                   telemetry=telemetry, attempt=attempt)
+                exits = runner.run(
+                    launches,
+                    run_id,
+                    sink,
+                    on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
+                    on_notice=say if attempt == 0 else None,
+                    forward_signals=forward_signals,
+                    telemetry=telemetry,
+                    attempt=attempt,
+                )
             except BaseException:
                 if telemetry is not None:
                     telemetry.finish(None)
@@ -226,22 +264,34 @@ class Job:
                 break
             attempt += 1
             say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
-        result = _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control),
-                                  stdout, stderr)
+        result = _console_verdict(
+            _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control), stdout, stderr
+        )
         if telemetry is not None:
             telemetry.finish(result)
         self._record(result, argv)
         return result
 
-    def sync(self, workspace: Union[str, Path, None] = None, *, _hostset: Optional[HostSet] = None) -> SyncReport:
+    def sync(self, workspace: str | Path | None = None, *, _hostset: HostSet | None = None) -> SyncReport:
         """Mirror ``workspace`` (default: here) to every host that does not share this filesystem."""
         hostset = _hostset or self._hostset()
-        return sync_workspace(hostset.mb, hostset.hosts, self.state.reservation_id,
-                              str(workspace if workspace is not None else os.getcwd()), self.path.parent)
+        return sync_workspace(
+            hostset.mb,
+            hostset.hosts,
+            self.state.reservation_id,
+            str(workspace if workspace is not None else os.getcwd()),
+            self.path.parent,
+        )
 
-    def _prepare_hosts(self, hostset: HostSet, cwd: str, workspace: Union[str, Path, None], sync: bool,
-                       env: Dict[str, str], say: Callable[[str], None]
-                       ) -> "tuple[Dict[int, str], Dict[int, Dict[str, str]]]":
+    def _prepare_hosts(
+        self,
+        hostset: HostSet,
+        cwd: str,
+        workspace: str | Path | None,
+        sync: bool,
+        env: dict[str, str],
+        say: Callable[[str], None],
+    ) -> tuple[dict[int, str], dict[int, dict[str, str]]]:
         """Sync the workspace; where ranks run, and with what environment, on synced hosts."""
         if not sync:
             return {}, {}
@@ -256,8 +306,15 @@ class Job:
         node_cwd = {n: os.path.normpath(os.path.join(d, rel)) for n, d in report.directories.items()}
         return node_cwd, {n: remote_env for n in report.directories}
 
-    def exec(self, command: Command, *, color: Optional[bool] = None, stdout: Optional[BinaryIO] = None,
-             stderr: Optional[BinaryIO] = None, on_event: Optional[Callable[[str], None]] = None) -> RunResult:
+    def exec(
+        self,
+        command: Command,
+        *,
+        color: bool | None = None,
+        stdout: BinaryIO | None = None,
+        stderr: BinaryIO | None = None,
+        on_event: Callable[[str], None] | None = None,
+    ) -> RunResult:
         """Run a shell command on every host; output is prefixed with the host's name.
 
         It runs in this directory, or in its mirror on hosts that do not share it (synced first).
@@ -270,8 +327,14 @@ class Job:
         log_dir = new_run_dir(self.logs_root, run_id)
         node_cwd, node_environ = self._prepare_hosts(hostset, os.getcwd(), None, True, {}, lambda _msg: None)
         launches = plan_exec(argv, hostset, node_cwd=node_cwd, node_environ=node_environ)
-        runner = SpmdRunner(hostset, log_dir, grace=float("inf"), say=on_event, straggler_grace=float("inf"),
-                            shutdown_timeout=shutdown_timeout_from(None))
+        runner = SpmdRunner(
+            hostset,
+            log_dir,
+            grace=float("inf"),
+            say=on_event,
+            straggler_grace=float("inf"),
+            shutdown_timeout=shutdown_timeout_from(None),
+        )
         stdout, stderr = _consoles(stdout, stderr, runner)
         sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
         started = time.monotonic()
@@ -281,10 +344,11 @@ class Job:
             sink.close()
         exits.sort(key=lambda e: e.rank)
         self._explain_losses(exits)
-        return _console_verdict(_result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control),
-                                stdout, stderr)
+        return _console_verdict(
+            _result(run_id, exits, time.monotonic() - started, log_dir, 0, runner.control), stdout, stderr
+        )
 
-    def _explain_losses(self, exits: List[RankExit]) -> None:
+    def _explain_losses(self, exits: list[RankExit]) -> None:
         """A host stops answering, or its ranks are signalled by nobody we know of, most often
         because its allocation ended (a time limit: the scheduler signals the ranks, then kills
         the agents; which the client sees first is a race): ask the scheduler which. A rank whose
@@ -301,9 +365,19 @@ class Job:
             else:
                 e.cause = f"{e.cause}; {why}" if e.cause else why
 
-    def _sink(self, spec: SpmdSpec, launches: List[Launch], log_dir: Path, ranks: Optional[Set[int]],
-              color: Optional[bool], stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
-              run_id: str, attempt: int, cwd: Optional[str] = None) -> OutputSink:
+    def _sink(
+        self,
+        spec: SpmdSpec,
+        launches: list[Launch],
+        log_dir: Path,
+        ranks: set[int] | None,
+        color: bool | None,
+        stdout: BinaryIO | None,
+        stderr: BinaryIO | None,
+        run_id: str,
+        attempt: int,
+        cwd: str | None = None,
+    ) -> OutputSink:
         labels = {l.rank: l.label for l in launches}
         nproc = 1 + max(int(l.spec["env"]["LOCAL_RANK"]) for l in launches)
         shown = set(labels) if ranks is None else set(ranks)
@@ -316,10 +390,18 @@ class Job:
             for r in labels:
                 extra[(r, 1)] = base / str(r) / "stdout.log"
                 extra[(r, 2)] = base / str(r) / "stderr.log"
-        return OutputSink(log_dir, labels, console=shown, hidden_streams=hidden, color=color,
-                          stdout=stdout, stderr=stderr, extra_logs=extra)
+        return OutputSink(
+            log_dir,
+            labels,
+            console=shown,
+            hidden_streams=hidden,
+            color=color,
+            stdout=stdout,
+            stderr=stderr,
+            extra_logs=extra,
+        )
 
-    def _record(self, result: RunResult, argv: List[str]) -> None:
+    def _record(self, result: RunResult, argv: list[str]) -> None:
         (result.log_dir / "result.json").write_text(json.dumps({**result.to_json(), "command": argv}, indent=1))
         try:
             state = load_state(self.path)
@@ -338,26 +420,36 @@ class Job:
         self.state = state
 
     # --------------------------------------------------------------- control
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         """Scheduler, hosts with agent liveness, age and the last run; never raises for a stale job."""
         hostset = self._hostset(require_all=False)  # each host answers, or not, for itself
         dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
         stale = None
         probe = self.scheduler.probe(self.state)  # cheap; the scheduler may know better than a ping
         if probe.gone and not dead:  # e.g. Slurm ended the job while its agents still answer
-            stale = (f"reservation {self.state.reservation_id} is gone ({probe.reason}); run `monarch serve "
-                     "--replace` for a new one, or `monarch stop` to clear it")
+            stale = (
+                f"reservation {self.state.reservation_id} is gone ({probe.reason}); run `monarch serve "
+                "--replace` for a new one, or `monarch stop` to clear it"
+            )
         if dead:
             why = probe.reason if probe.gone else None
             how = "gone" if len(dead) == len(self.state.hosts) else "partly gone"
-            stale = (f"reservation {self.state.reservation_id} is {how}: {', '.join(dead)} not answering"
-                     f"{f' ({why})' if why else ''}; run `monarch serve --replace` for a new one, "
-                     "or `monarch stop` to clear it")
+            stale = (
+                f"reservation {self.state.reservation_id} is {how}: {', '.join(dead)} not answering"
+                f"{f' ({why})' if why else ''}; run `monarch serve --replace` for a new one, "
+                "or `monarch stop` to clear it"
+            )
         hosts = []
         for h, info in zip(self.state.hosts, hostset.infos):
-            hosts.append({"name": h.name, "agent": h.agent, "alive": info is not None,
-                          "ranks_running": info["ranks"] if info else None,
-                          "warm": info.get("warm") if info else None})
+            hosts.append(
+                {
+                    "name": h.name,
+                    "agent": h.agent,
+                    "alive": info is not None,
+                    "ranks_running": info["ranks"] if info else None,
+                    "warm": info.get("warm") if info else None,
+                }
+            )
         return {
             "state_file": str(self.path),
             "scheduler": self.state.scheduler,
@@ -379,20 +471,22 @@ class Job:
         deadline = time.monotonic() + timeout
         while True:
             warm = [h["warm"] for h in self.status()["hosts"]]
-            if all(w and w["ready"] and not w["warming"] and (w["learned_held"] or not w.get("learning")) for w in warm):
+            if all(
+                w and w["ready"] and not w["warming"] and (w["learned_held"] or not w.get("learning")) for w in warm
+            ):
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.2)
 
-    def forget_preload(self) -> Dict[str, int]:
+    def forget_preload(self) -> dict[str, int]:
         """Forget the modules each host's warm process learned from past runs (per host: how
         many); runs fork from one holding only the explicit preload until they teach it again."""
         hs = self._hostset()
         futures = [hs.mb.request(h.agent, lambda cid: protocol.ForgetPreload(cid, hs.mb.address)) for h in hs.hosts]
         return {h.name: f.get(timeout=10) for h, f in zip(hs.hosts, futures)}
 
-    def stop(self, by: str = "monarch stop", **options: Any) -> List[str]:
+    def stop(self, by: str = "monarch stop", **options: Any) -> list[str]:
         """Release the reservation and forget it; returns the runs that were in progress.
 
         Those runs are told first who stopped them (``by``, this pid, user@host), so they end
@@ -407,7 +501,7 @@ class Job:
         Mailbox.discard(self.keys)  # its threads and sockets served this reservation only
         return ended
 
-    def _announce_stop(self, by: str, timeout: float = 2.0) -> List[str]:
+    def _announce_stop(self, by: str, timeout: float = 2.0) -> list[str]:
         """Best effort: an agent that does not answer in ``timeout`` has no run to tell."""
         if self.scheduler.probe(self.state).gone:
             return []
@@ -418,7 +512,7 @@ class Job:
             mb.link(h.agent)
         asks = [mb.request(h.agent, lambda cid: protocol.Stopping(cid, mb.address, who)) for h in hosts]
         deadline = time.monotonic() + timeout
-        ended: Set[str] = set()
+        ended: set[str] = set()
         for ask in asks:
             try:
                 ended.update(ask.get(timeout=max(0.01, deadline - time.monotonic())))
@@ -426,15 +520,15 @@ class Job:
                 pass
         return sorted(ended)
 
-    def runs(self) -> List[Path]:
+    def runs(self) -> list[Path]:
         return list_runs(self.logs_root)
 
     # ------------------------------------------------------------- telemetry
-    def sql(self, statement: str, params: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+    def sql(self, statement: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """A read-only query of the reservation's telemetry store (``monarch sql --schema``)."""
         return Inspector(self).sql(statement, params)
 
-    def stacks(self, ranks: Optional[Set[int]] = None, native: bool = False) -> StackReport:
+    def stacks(self, ranks: set[int] | None = None, native: bool = False) -> StackReport:
         """The Python stacks of the current run's live ranks, grouped by identical stack (and stored)."""
         return Inspector(self).stacks(ranks, native)
 
@@ -442,7 +536,7 @@ class Job:
         """Which rank differs from the rest and why; ``exit_code`` 0 healthy, 1 suspect, 2 cannot tell."""
         return Inspector(self).diagnose(silence)
 
-    def top(self) -> "tuple[Optional[str], List[RankRow]]":
+    def top(self) -> tuple[str | None, list[RankRow]]:
         """(run id, one row per rank, most suspicious first)."""
         return Inspector(self).top()
 
@@ -466,17 +560,20 @@ def _stopper(by: str) -> str:
     return f"{by} (pid {os.getpid()}, from {user}@{socket.gethostname()}{tty})"
 
 
-def _pause_notice(rank: int, host: str, where: Dict[str, Any]) -> str:
+def _pause_notice(rank: int, host: str, where: dict[str, Any]) -> str:
     what = "stopped after an uncaught exception" if where.get("reason") == "post-mortem" else "paused"
-    return (f"rank {rank} {what} at {where.get('file')}:{where.get('line')} in {where.get('function')}() "
-            f"on {host}; attach with: monarch debug attach {rank}")
+    return (
+        f"rank {rank} {what} at {where.get('file')}:{where.get('line')} in {where.get('function')}() "
+        f"on {host}; attach with: monarch debug attach {rank}"
+    )
 
 
-def _consoles(stdout: Optional[BinaryIO], stderr: Optional[BinaryIO],
-              runner: SpmdRunner) -> "tuple[BinaryIO, BinaryIO]":
+def _consoles(stdout: BinaryIO | None, stderr: BinaryIO | None, runner: SpmdRunner) -> tuple[BinaryIO, BinaryIO]:
     """The run's output streams; when their reader goes away (``| head``), the run ends quietly."""
-    return (cast(BinaryIO, ConsoleStream(stdout or sys.stdout.buffer, runner.console_closed)),
-            cast(BinaryIO, ConsoleStream(stderr or sys.stderr.buffer, runner.console_closed)))
+    return (
+        cast(BinaryIO, ConsoleStream(stdout or sys.stdout.buffer, runner.console_closed)),
+        cast(BinaryIO, ConsoleStream(stderr or sys.stderr.buffer, runner.console_closed)),
+    )
 
 
 def _reader_gone(*streams: BinaryIO) -> bool:
@@ -490,7 +587,7 @@ def _console_verdict(result: RunResult, *streams: BinaryIO) -> RunResult:
     return result
 
 
-def _check_ranks(ranks: Set[int], world_size: int) -> None:
+def _check_ranks(ranks: set[int], world_size: int) -> None:
     """Ranks to show that the run does not have are a mistake, not a silent console."""
     unknown = sorted(r for r in ranks if not 0 <= r < world_size)
     have = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
@@ -500,7 +597,7 @@ def _check_ranks(ranks: Set[int], world_size: int) -> None:
         raise JobError(f"--ranks {','.join(map(str, unknown))}: no such rank; this run has {have}")
 
 
-def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:
+def _streams(redirects: str | None, local_rank: int) -> set[int]:
     """torchrun's --redirects value for one local rank, as the streams kept off the console."""
     if not redirects:
         return set()
@@ -511,22 +608,34 @@ def _streams(redirects: Optional[str], local_rank: int) -> Set[int]:
     return {0: set(), 1: {1}, 2: {2}, 3: {1, 2}}[int(value)]
 
 
-def _result(run_id: str, exits: List[RankExit], duration: float, log_dir: Path, restarts: int,
-            control: Optional[RunControl]) -> RunResult:
+def _result(
+    run_id: str, exits: list[RankExit], duration: float, log_dir: Path, restarts: int, control: RunControl | None
+) -> RunResult:
     first = next((e for e in exits if not e.ok), None)
     status = first.status if first else 0
     if control is None:
         return RunResult(run_id, status, exits, duration, log_dir, first, restarts)
-    return RunResult(run_id, control.exit_code(status), exits, duration, log_dir, first, restarts,
-                     interrupted=control.interrupts > 0, ending=control.ending(), received_signal=control.received,
-                     stopped_by=control.stopped_by, stragglers=control.stragglers)
+    return RunResult(
+        run_id,
+        control.exit_code(status),
+        exits,
+        duration,
+        log_dir,
+        first,
+        restarts,
+        interrupted=control.interrupts > 0,
+        ending=control.ending(),
+        received_signal=control.received,
+        stopped_by=control.stopped_by,
+        stragglers=control.stragglers,
+    )
 
 
 # ---------------------------------------------------------------------- entry points
-Hosts = Union[int, str, Sequence[str], None]  # a count, or host names ("h1,h2" or a list) for a backend that takes them
+Hosts = int | str | Sequence[str] | None  # a count, or host names ("h1,h2" or a list) for a backend that takes them
 
 
-def _host_names(backend: Scheduler, hosts: Hosts) -> "tuple[Optional[int], List[str]]":
+def _host_names(backend: Scheduler, hosts: Hosts) -> tuple[int | None, list[str]]:
     """``hosts`` as (count, names): a number (or its text) is a count; anything else names hosts."""
     if hosts is None or isinstance(hosts, int):
         return hosts, []
@@ -544,8 +653,15 @@ def _host_names(backend: Scheduler, hosts: Hosts) -> "tuple[Optional[int], List[
     return len(names), names
 
 
-def _request(backend: Scheduler, command: Command, hosts: Hosts, preload: Optional[str],
-             agent_port: Optional[int], port_range: Optional[Tuple[int, int]], options: Dict[str, Any]) -> ReserveRequest:
+def _request(
+    backend: Scheduler,
+    command: Command,
+    hosts: Hosts,
+    preload: str | None,
+    agent_port: int | None,
+    port_range: tuple[int, int] | None,
+    options: dict[str, Any],
+) -> ReserveRequest:
     count, names = _host_names(backend, hosts)
     if count is not None and count < 1:
         raise JobError(f"--hosts must be at least 1, not {count}")
@@ -555,8 +671,15 @@ def _request(backend: Scheduler, command: Command, hosts: Hosts, preload: Option
         raise JobError(f"--hosts must be at least 1, not {nhosts}")
     if argv:
         parse_command(argv)  # a bad default command is an error now, not at the first run
-    return ReserveRequest(hosts=nhosts, command=argv, options=backend.check_options(options), preload=preload,
-                          agent_port=agent_port, port_range=port_range, host_names=names)
+    return ReserveRequest(
+        hosts=nhosts,
+        command=argv,
+        options=backend.check_options(options),
+        preload=preload,
+        agent_port=agent_port,
+        port_range=port_range,
+        host_names=names,
+    )
 
 
 def serve(
@@ -564,13 +687,13 @@ def serve(
     scheduler: str = "local",
     *,
     hosts: Hosts = None,
-    state: Union[str, Path, None] = None,
+    state: str | Path | None = None,
     replace: bool = False,
-    preload: Optional[str] = None,
-    agent_port: Optional[int] = None,
-    port_range: Optional[Tuple[int, int]] = None,
-    progress: Optional[Callable[[str], None]] = None,
-    cwd: Union[str, Path, None] = None,
+    preload: str | None = None,
+    agent_port: int | None = None,
+    port_range: tuple[int, int] | None = None,
+    progress: Callable[[str], None] | None = None,
+    cwd: str | Path | None = None,
     **options: Any,
 ) -> Job:
     """Reserve hosts (or reuse a reservation that can serve this request) and return the job.
@@ -586,8 +709,11 @@ def serve(
     served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if request.command else None
     existing = _existing(path, replace, say)
     if existing is not None:
-        why_not = backend.can_serve(existing.state, request) if existing.state.scheduler == backend.name else \
-            f"it is a {existing.state.scheduler} reservation, not {backend.name}"
+        why_not = (
+            backend.can_serve(existing.state, request)
+            if existing.state.scheduler == backend.name
+            else f"it is a {existing.state.scheduler} reservation, not {backend.name}"
+        )
         gone = False
         try:
             existing._hostset()
@@ -606,9 +732,14 @@ def serve(
     return _reserve(backend, backend.plan(request, path.parent), path, say, served_in)
 
 
-def reserve_plan(plan: Union[Plan, Dict[str, Any], str], *, state: Union[str, Path, None] = None,
-                 replace: bool = False, cwd: Union[str, Path, None] = None,
-                 progress: Optional[Callable[[str], None]] = None) -> Job:
+def reserve_plan(
+    plan: Plan | dict[str, Any] | str,
+    *,
+    state: str | Path | None = None,
+    replace: bool = False,
+    cwd: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Job:
     """Carry out a plan that :func:`dryrun` returned (or its JSON, as ``serve --dry-run --json`` prints it).
 
     The plan's command will run in ``cwd`` (default: the current directory), as with :func:`serve`.
@@ -634,7 +765,7 @@ def reserve_plan(plan: Union[Plan, Dict[str, Any], str], *, state: Union[str, Pa
     return _reserve(backend, plan, path, say, served_in)
 
 
-def _existing(path: Path, replace: bool, say: Callable[[str], None]) -> Optional[Job]:
+def _existing(path: Path, replace: bool, say: Callable[[str], None]) -> Job | None:
     try:
         return job_load(path)
     except NoReservation:
@@ -657,7 +788,7 @@ def _release_for(existing: Job, why_not: str, replace: bool, path: Path, say: Ca
     existing.stop(by="monarch serve --replace")
 
 
-def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: Optional[str]) -> Job:
+def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: str | None) -> Job:
     keys = Keys.generate()
     reservation = backend.reserve(plan, keys, say)
     job_state = JobState(
@@ -674,9 +805,17 @@ def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], No
     return Job(job_state, path)
 
 
-def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Hosts = None,
-           state: Union[str, Path, None] = None, preload: Optional[str] = None, agent_port: Optional[int] = None,
-           port_range: Optional[Tuple[int, int]] = None, **options: Any) -> Plan:
+def dryrun(
+    command: Command = None,
+    scheduler: str = "local",
+    *,
+    hosts: Hosts = None,
+    state: str | Path | None = None,
+    preload: str | None = None,
+    agent_port: int | None = None,
+    port_range: tuple[int, int] | None = None,
+    **options: Any,
+) -> Plan:
     """The plan :func:`serve` would carry out, without starting anything; :func:`reserve_plan` carries it out."""
     backend = get_scheduler(scheduler)
     request = _request(backend, command, hosts, preload, agent_port, port_range, options)
@@ -684,18 +823,18 @@ def dryrun(command: Command = None, scheduler: str = "local", *, hosts: Hosts = 
     return backend.plan(request, state_path(state).parent)
 
 
-def clear_unreadable(state: Union[str, Path, None] = None) -> Dict[str, Any]:
+def clear_unreadable(state: str | Path | None = None) -> dict[str, Any]:
     """What ``stop --force`` does to an unreadable state file: stop the agents registered for
     it on this machine (local backend), then delete it."""
     path = state_path(state)
-    stopped: List[int] = []
+    stopped: list[int] = []
     for name in sorted(set(available()) - set(ALIASES)):
         stopped += get_scheduler(name).release_unreadable(path)
     clear_state(path)
     return {"cleared": str(path), "agents_stopped": stopped}
 
 
-def job_load(path: Union[str, Path, None] = None) -> Job:
+def job_load(path: str | Path | None = None) -> Job:
     """Reattach to the reservation recorded at ``path`` (default ``.monarch/job_state.pkl``)."""
     p = state_path(path)
     return Job(load_state(p), p)

@@ -14,7 +14,8 @@ import math
 import os
 import signal
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..runtime.exit_status import signal_name
 
@@ -32,7 +33,7 @@ DEFAULT_STRAGGLER_GRACE = 30.0
 _UNREPORTED_WAIT = 5.0
 
 
-def shutdown_timeout_from(flag: Optional[float]) -> float:
+def shutdown_timeout_from(flag: float | None) -> float:
     """torchrun's order: ``--shutdown-timeout``, then ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30 s."""
     if flag is not None:
         return float(flag)
@@ -45,7 +46,7 @@ def shutdown_timeout_from(flag: Optional[float]) -> float:
 
 def rank_list(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0-2,5`` (short even for thousands of ranks)."""
-    parts: List[str] = []
+    parts: list[str] = []
     ordered = sorted(ranks)
     i = 0
     while i < len(ordered):
@@ -60,9 +61,9 @@ def rank_list(ranks: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def ranks_by_host(running: Dict[int, str]) -> str:
+def ranks_by_host(running: dict[int, str]) -> str:
     """``{2: 'h1', 3: 'h1', 0: 'h0'}`` -> ``rank 0 on h0 and ranks 2,3 on h1``."""
-    hosts: Dict[str, List[int]] = {}
+    hosts: dict[str, list[int]] = {}
     for rank in sorted(running):
         hosts.setdefault(running[rank], []).append(rank)
     groups = [f"{'rank' if len(r) == 1 else 'ranks'} {rank_list(r)} on {h}" for h, r in hosts.items()]
@@ -76,8 +77,16 @@ class RunControl:
     serialise calls (the runner holds its lock).
     """
 
-    def __init__(self, hosts: Dict[int, str], send: Callable[[int], None], say: Callable[[str], None], *,
-                 failure_grace: float, shutdown_timeout: float, straggler_grace: float) -> None:
+    def __init__(
+        self,
+        hosts: dict[int, str],
+        send: Callable[[int], None],
+        say: Callable[[str], None],
+        *,
+        failure_grace: float,
+        shutdown_timeout: float,
+        straggler_grace: float,
+    ) -> None:
         self.hosts = hosts  # rank -> host name
         self.send = send
         self.say = say
@@ -85,16 +94,16 @@ class RunControl:
         self.shutdown_timeout = shutdown_timeout
         self.straggler_grace = straggler_grace
         self.interrupts = 0
-        self.received: Optional[int] = None  # the death signal that ended the run
-        self.stopped_by: Optional[str] = None  # who released the reservation meanwhile
-        self.stragglers: List[int] = []
+        self.received: int | None = None  # the death signal that ended the run
+        self.stopped_by: str | None = None  # who released the reservation meanwhile
+        self.stragglers: list[int] = []
         self.console_gone = False  # the output's reader went away (`| head`)
-        self.killed: List[int] = []  # ranks still running when SIGKILL was sent
-        self.gave_up: List[int] = []
-        self._received_at: Optional[float] = None
-        self._last_exit_at: Optional[float] = None
-        self._first_exit: Optional[Tuple[int, float]] = None
-        self._term_at: Optional[float] = None  # SIGTERM to the rest after a failure
+        self.killed: list[int] = []  # ranks still running when SIGKILL was sent
+        self.gave_up: list[int] = []
+        self._received_at: float | None = None
+        self._last_exit_at: float | None = None
+        self._first_exit: tuple[int, float] | None = None
+        self._term_at: float | None = None  # SIGTERM to the rest after a failure
         self._kill_at = math.inf
         self._give_up_at = math.inf
         self._give_up_why = ""
@@ -116,8 +125,10 @@ class RunControl:
             if self.received is None:
                 self.received, self._received_at = sig, now
                 self._kill_at = min(self._kill_at, now + self.shutdown_timeout)
-                self.say(f"received {signal_name(sig)}; forwarded it to the ranks; ranks still running in "
-                         f"{self.shutdown_timeout:g} s get SIGKILL")
+                self.say(
+                    f"received {signal_name(sig)}; forwarded it to the ranks; ranks still running in "
+                    f"{self.shutdown_timeout:g} s get SIGKILL"
+                )
         else:
             self.send(sig)  # e.g. Slurm's SIGUSR1 warning: the script decides what it means
 
@@ -141,7 +152,7 @@ class RunControl:
         self._term_at = math.inf
         self._kill_at = min(self._kill_at, now + min(self.failure_grace, 5.0))
 
-    def tick(self, now: float, running: Dict[int, str]) -> Tuple[List[int], str]:
+    def tick(self, now: float, running: dict[int, str]) -> tuple[list[int], str]:
         """Send what is due; returns the ranks to stop waiting for, and why."""
         if self._term_at is not None and now >= self._term_at:
             self._term_at = math.inf
@@ -149,11 +160,17 @@ class RunControl:
             self._kill_at = min(self._kill_at, now + self.failure_grace)
         if now >= self._kill_at:
             self._kill(now, list(running), f"no exit reported {_UNREPORTED_WAIT:g} s after SIGKILL")
-        if (self._first_exit is not None and not self.stragglers and running
-                and now >= self._first_exit[1] + self.straggler_grace):
+        if (
+            self._first_exit is not None
+            and not self.stragglers
+            and running
+            and now >= self._first_exit[1] + self.straggler_grace
+        ):
             self.stragglers = sorted(running)
-            self.say(f"{ranks_by_host(running)} still running {self.straggler_grace:g} s after "
-                     f"rank {self._first_exit[0]} exited")
+            self.say(
+                f"{ranks_by_host(running)} still running {self.straggler_grace:g} s after "
+                f"rank {self._first_exit[0]} exited"
+            )
         if now >= self._give_up_at and running:
             self.gave_up = sorted(running)
             return sorted(running), self._give_up_why
@@ -167,7 +184,7 @@ class RunControl:
             self._give_up_at, self._give_up_why = now + _UNREPORTED_WAIT, why
 
     # ----------------------------------------------------------------- outcome
-    def exit_code(self, first_failure_status: Optional[int]) -> int:
+    def exit_code(self, first_failure_status: int | None) -> int:
         """``monarch stop``: 254; a death signal N: 128+N (as a shell reports it); else the first failure's."""
         if self.stopped_by:
             return EXIT_STOPPED
@@ -209,13 +226,13 @@ class SignalRelay:
     """
 
     def __init__(self, signals: Sequence[int]) -> None:
-        self._pending: List[int] = []
-        self._old: Dict[int, Any] = {}
+        self._pending: list[int] = []
+        self._old: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in dict.fromkeys(signals):
                 self._old[sig] = signal.signal(sig, lambda s, _f: self._pending.append(s))
 
-    def take(self) -> List[int]:
+    def take(self) -> list[int]:
         taken = []
         while self._pending:  # pop, not copy-and-clear: a signal may land in between
             taken.append(self._pending.pop(0))

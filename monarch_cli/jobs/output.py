@@ -26,7 +26,7 @@ import shutil
 import sys
 import threading
 from pathlib import Path
-from typing import BinaryIO, Deque, Dict, List, Optional, Set, Tuple
+from typing import BinaryIO
 
 from .errors import JobError
 
@@ -49,14 +49,14 @@ class OutputSink:
     def __init__(
         self,
         log_dir: Path,
-        labels: Dict[int, str],
+        labels: dict[int, str],
         *,
-        console: Optional[Set[int]] = None,
-        hidden_streams: Optional[Dict[int, Set[int]]] = None,
-        color: Optional[bool] = None,
-        stdout: Optional[BinaryIO] = None,
-        stderr: Optional[BinaryIO] = None,
-        extra_logs: Optional[Dict[Tuple[int, int], Path]] = None,
+        console: set[int] | None = None,
+        hidden_streams: dict[int, set[int]] | None = None,
+        color: bool | None = None,
+        stdout: BinaryIO | None = None,
+        stderr: BinaryIO | None = None,
+        extra_logs: dict[tuple[int, int], Path] | None = None,
     ) -> None:
         """``console``: ranks shown (None = all); ``hidden_streams``: rank -> streams (1, 2) kept off the console."""
         self.log_dir = log_dir
@@ -68,18 +68,18 @@ class OutputSink:
         self.err = stderr or sys.stderr.buffer
         use_color = color if color is not None else (self.out.isatty() and not os.environ.get("NO_COLOR"))
         width = max((len(label) for label in labels.values()), default=0)
-        self.prefix: Dict[int, bytes] = {}
+        self.prefix: dict[int, bytes] = {}
         for rank, label in labels.items():
             text = f"[{label}]".ljust(width + 2) + " "
             if use_color:
                 text = f"\x1b[{_COLORS[rank % len(_COLORS)]}m{text}\x1b[0m"
             self.prefix[rank] = text.encode()
-        self.partial: Dict[Tuple[int, int], bytearray] = {}
+        self.partial: dict[tuple[int, int], bytearray] = {}
         #: Streams whose current line was already written out in part (it was too long to hold).
-        self.continued: Set[Tuple[int, int]] = set()
-        self.tails: Dict[int, Deque[str]] = {r: collections.deque(maxlen=_TAIL_LINES) for r in labels}
-        self.logs: Dict[int, BinaryIO] = {r: _open_private(log_dir / f"rank{r}.log") for r in labels}
-        self.extra: Dict[Tuple[int, int], BinaryIO] = {}
+        self.continued: set[tuple[int, int]] = set()
+        self.tails: dict[int, collections.deque[str]] = {r: collections.deque(maxlen=_TAIL_LINES) for r in labels}
+        self.logs: dict[int, BinaryIO] = {r: _open_private(log_dir / f"rank{r}.log") for r in labels}
+        self.extra: dict[tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
             path.parent.mkdir(parents=True, exist_ok=True)
             self.extra[key] = _open_private(path)
@@ -133,7 +133,7 @@ class OutputSink:
             if rank in self.logs:
                 self.logs[rank].flush()
 
-    def tail(self, rank: int) -> List[str]:
+    def tail(self, rank: int) -> list[str]:
         """The rank's last few non-blank lines, each at most :data:`TAIL_WIDTH` characters."""
         return list(self.tails.get(rank, ()))
 
@@ -191,16 +191,16 @@ class OutputSink:
 def _first_segment_end(block: bytes) -> int:
     ends = [i for i in (block.find(b"\n"), block.find(b"\r")) if i >= 0]
     i = min(ends)
-    if block[i:i + 2] == b"\r\n":
+    if block[i : i + 2] == b"\r\n":
         i += 1
     return i + 1
 
 
-def _last_lines(block: bytes, start: int) -> List[Tuple[bytes, bool]]:
+def _last_lines(block: bytes, start: int) -> list[tuple[bytes, bool]]:
     """Up to the last few non-blank segments of ``block[start:]``, oldest first, each cut
     to a displayable length (with whether it was cut). Work is bounded by the segments
     looked at, not by the block: each search resumes where the last one stopped."""
-    found: List[Tuple[bytes, bool]] = []
+    found: list[tuple[bytes, bool]] = []
     end = len(block)
     last_lf = last_cr = len(block)  # positions known to be the last of each at or after the stop
     has_cr = b"\r" in block
@@ -216,7 +216,7 @@ def _last_lines(block: bytes, start: int) -> List[Tuple[bytes, bool]]:
             last_cr = block.rfind(b"\r", start, stop)
         begin = max(last_lf, last_cr if has_cr else -1) + 1
         begin = max(begin, start)
-        line = block[begin:min(stop, begin + _TAIL_BYTES)]
+        line = block[begin : min(stop, begin + _TAIL_BYTES)]
         if line.strip():
             found.append((line, stop - begin > _TAIL_BYTES))
         end = begin
@@ -260,7 +260,7 @@ def keep_runs() -> int:
     return value
 
 
-def new_run_dir(logs_root: Path, run_id: str, keep: Optional[int] = None) -> Path:
+def new_run_dir(logs_root: Path, run_id: str, keep: int | None = None) -> Path:
     """Create ``logs_root/run_id`` (private), removing the oldest runs beyond ``keep`` (counting this one)."""
     keep = keep_runs() if keep is None else keep
     _private_dir(logs_root)
@@ -286,7 +286,7 @@ def _open_private(path: Path) -> BinaryIO:
     return open(fd, "ab", buffering=0)  # noqa: SIM115
 
 
-def list_runs(logs_root: Path) -> List[Path]:
+def list_runs(logs_root: Path) -> list[Path]:
     """Runs under ``logs_root``, oldest first."""
     if not logs_root.is_dir():
         return []

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional, Set
-
 from .errors import JobError
 
 SYNTAX = "numbers, ranges and slices such as 0,3 or 2-5 or 0:8:2"
 
 
-def parse_rank_list(text: str, size: Optional[int], what: str = "ranks") -> Set[int]:
+def parse_rank_list(text: str, size: int | None, what: str = "ranks") -> set[int]:
     """``0,3``, ``2-5`` (inclusive), ``0:8:2`` (a Python slice); ``size`` bounds open slices.
 
     Without a ``size`` (the ranks are not known yet), a slice needs its end.
     """
-    out: Set[int] = set()
+    out: set[int] = set()
     try:
         for part in text.split(","):
             part = part.strip()

@@ -17,11 +17,19 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
-from ..schedulers.slurm.commands import (SlurmError, allocation_id, job_info, job_workdir, parse_job_id, submit,
-                                         submit_and_wait)
+from ..schedulers.slurm.commands import (
+    SlurmError,
+    allocation_id,
+    job_info,
+    job_workdir,
+    parse_job_id,
+    submit,
+    submit_and_wait,
+)
 from ..schedulers.slurm.scheduler import load_template, sbatch_lines
 from ..sysutil import atomic_write
 from .errors import JobError
@@ -42,21 +50,22 @@ _COMMAND_LINE_ONLY = frozenset({"-W", "--wait", "--parsable", "--test-only"})
 
 
 # ------------------------------------------------------------------- submitting
-def split_sbatch_options(args: Sequence[str], own_flags: Sequence[str] = (), own_values: Sequence[str] = ()
-                         ) -> Tuple[Dict[str, Any], List[str], List[str]]:
+def split_sbatch_options(
+    args: Sequence[str], own_flags: Sequence[str] = (), own_values: Sequence[str] = ()
+) -> tuple[dict[str, Any], list[str], list[str]]:
     """Split ``[OPTIONS] [--] CMD...`` into (our own options, sbatch options as whole words, command).
 
     ``own_flags``/``own_values`` are monarch's options (``--dry-run``, ``--state PATH``);
     everything else before the command is sbatch's. An sbatch option takes the next word
     unless it is written ``--opt=value``/``-Nvalue`` or is one of sbatch's flags.
     """
-    own: Dict[str, Any] = {}
-    options: List[str] = []
+    own: dict[str, Any] = {}
+    options: list[str] = []
     i = 0
     while i < len(args):
         word = args[i]
         if word == "--":
-            return own, options, list(args[i + 1:])
+            return own, options, list(args[i + 1 :])
         if not word.startswith("-") or word == "-":
             return own, options, list(args[i:])
         name, eq, value = word.partition("=")
@@ -85,8 +94,10 @@ def render_batch_script(command: Sequence[str], options: Sequence[str], state_ro
         if "\n" in opt:
             raise JobError(f"sbatch option {opt!r} holds a newline")
     if any(c.isspace() for c in str(state_root)):
-        raise JobError(f"the state directory {state_root} contains whitespace, which sbatch scripts cannot carry; "
-                       "use --state with a path without spaces")
+        raise JobError(
+            f"the state directory {state_root} contains whitespace, which sbatch scripts cannot carry; "
+            "use --state with a path without spaces"
+        )
     names = {o.split("=")[0].split(" ")[0] for o in options}
     lines = [o for o in options if o.split("=")[0] not in _COMMAND_LINE_ONLY]
     if not names & {"-J", "--job-name"}:
@@ -102,10 +113,12 @@ def render_batch_script(command: Sequence[str], options: Sequence[str], state_ro
     )
 
 
-def batch_script(command: Sequence[str], options: Sequence[str], state: Optional[Path] = None) -> str:
+def batch_script(command: Sequence[str], options: Sequence[str], state: Path | None = None) -> str:
     """The ``monarch sbatch`` script, after every check a submit makes (``--dry-run`` prints this)."""
     if not command:
-        raise JobError("give the command to run after `--`, e.g. monarch sbatch -N 2 -- torchrun --nproc-per-node=2 train.py")
+        raise JobError(
+            "give the command to run after `--`, e.g. monarch sbatch -N 2 -- torchrun --nproc-per-node=2 train.py"
+        )
     parse_command(list(command))  # a bad command is an error now, not in the allocation
     cli_only = [o for o in options if o.split("=")[0] in _COMMAND_LINE_ONLY]
     if cli_only:
@@ -113,7 +126,7 @@ def batch_script(command: Sequence[str], options: Sequence[str], state: Optional
     return render_batch_script(command, options, state_path(state).parent.resolve(), sys.executable)
 
 
-def write_batch_script(command: Sequence[str], options: Sequence[str], state: Optional[Path] = None) -> Path:
+def write_batch_script(command: Sequence[str], options: Sequence[str], state: Path | None = None) -> Path:
     """Render the ``monarch sbatch`` script into the state directory and return its path."""
     script = batch_script(command, options, state)
     scripts = state_path(state).parent.resolve() / "slurm" / "scripts"
@@ -123,8 +136,14 @@ def write_batch_script(command: Sequence[str], options: Sequence[str], state: Op
     return path
 
 
-def submit_batch(command: Sequence[str], options: Sequence[str], state: Optional[Path] = None, *,
-                 wait: bool = False, on_submitted: Optional[Callable[[str], None]] = None) -> Tuple[str, Optional[int]]:
+def submit_batch(
+    command: Sequence[str],
+    options: Sequence[str],
+    state: Path | None = None,
+    *,
+    wait: bool = False,
+    on_submitted: Callable[[str], None] | None = None,
+) -> tuple[str, int | None]:
     """Submit a ``monarch sbatch`` job: (job id, its exit code when ``wait``, else None)."""
     path = write_batch_script(command, options, state)
     if not wait:
@@ -135,7 +154,7 @@ def submit_batch(command: Sequence[str], options: Sequence[str], state: Optional
     return submit_and_wait(path, on_submitted or (lambda _id: None))
 
 
-def batch_dir(job_id: str, state: Optional[Path] = None) -> Path:
+def batch_dir(job_id: str, state: Path | None = None) -> Path:
     """Where a batch job keeps its state, result and logs (by the submitting directory's state path)."""
     if not job_id.isdigit():
         raise JobError(f"--job takes a Slurm job id (a number), not {job_id!r}")
@@ -150,16 +169,18 @@ def batch_dir(job_id: str, state: Optional[Path] = None) -> Path:
             return candidate
     if info:
         return local  # known to Slurm, not started yet: this is where it will be
-    raise JobError(f"no monarch batch job {job_id}: nothing at {local}, and Slurm does not know the job "
-                   "(run this where you ran `monarch sbatch`, or pass the same --state)")
+    raise JobError(
+        f"no monarch batch job {job_id}: nothing at {local}, and Slurm does not know the job "
+        "(run this where you ran `monarch sbatch`, or pass the same --state)"
+    )
 
 
-def batch_status(job_id: str, state: Optional[Path] = None) -> Dict[str, Any]:
+def batch_status(job_id: str, state: Path | None = None) -> dict[str, Any]:
     """A batch job seen from outside: Slurm's view, its record, and its reservation while it runs."""
     directory = batch_dir(job_id, state)
     info = job_info(job_id)
     record = _read_json(directory / "batch.json") or {}
-    status: Dict[str, Any] = {"job_id": job_id, "dir": str(directory), "slurm": info or None, **record}
+    status: dict[str, Any] = {"job_id": job_id, "dir": str(directory), "slurm": info or None, **record}
     state_file = directory / "job_state.pkl"
     if state_file.exists() and record.get("phase") == "running":
         from .job import job_load
@@ -176,19 +197,19 @@ def batch_status(job_id: str, state: Optional[Path] = None) -> Dict[str, Any]:
     return status
 
 
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def _write_json(path: Path, data: Dict[str, Any]) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write(path, json.dumps(data, indent=1), 0o644)
 
 
 # ------------------------------------------------------------------- in the allocation
-def run_main(state_dir: Path, command: List[str]) -> int:
+def run_main(state_dir: Path, command: list[str]) -> int:
     """Serve this allocation, run ``command`` once, stop, and return the run's exit status."""
     from .job import serve
 
@@ -197,7 +218,7 @@ def run_main(state_dir: Path, command: List[str]) -> int:
         print("monarch batch: not inside a Slurm allocation ($SLURM_JOB_ID is not set)", file=sys.stderr)
         return 2
     state_dir.mkdir(parents=True, exist_ok=True)
-    record: Dict[str, Any] = {"job_id": job_id, "phase": "starting", "command": command, "started_at": time.time()}
+    record: dict[str, Any] = {"job_id": job_id, "phase": "starting", "command": command, "started_at": time.time()}
     _write_json(state_dir / "batch.json", record)
     say = lambda msg: print(f"monarch: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
@@ -208,8 +229,10 @@ def run_main(state_dir: Path, command: List[str]) -> int:
         _write_json(state_dir / "batch.json", {**record, "phase": "finished", "exit_code": 1, "error": str(e)})
         return 1
     _write_json(state_dir / "batch.json", {**record, "phase": "running"})
-    say(f"{len(job.state.hosts)} node(s) up ({', '.join(h.name for h in job.state.hosts)}); running "
-        f"{shlex.join(command)}")
+    say(
+        f"{len(job.state.hosts)} node(s) up ({', '.join(h.name for h in job.state.hosts)}); running "
+        f"{shlex.join(command)}"
+    )
     code, result = 1, None
     try:
         result = job.run_spmd(forward_signals=FORWARDED, on_event=say)
@@ -220,15 +243,19 @@ def run_main(state_dir: Path, command: List[str]) -> int:
         job.stop()
     done = {**record, "phase": "finished", "exit_code": code, "finished_at": time.time()}
     if result is not None:
-        done.update(run_id=result.run_id, log_dir=str(result.log_dir), duration=round(result.duration, 3),
-                    first_failure=result.first_failure.rank if result.first_failure else None)
+        done.update(
+            run_id=result.run_id,
+            log_dir=str(result.log_dir),
+            duration=round(result.duration, 3),
+            first_failure=result.first_failure.rank if result.first_failure else None,
+        )
         how = "ok" if code == 0 else f"rank {result.first_failure.rank if result.first_failure else '?'} failed"
         say(f"run {result.run_id}: {how}, exit status {code}; per-rank logs in {result.log_dir}")
     _write_json(state_dir / "batch.json", done)
     return code
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m monarch_cli.jobs.slurm_batch", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     run = sub.add_parser("run", help="serve this allocation, run the command once, exit with its status")
@@ -245,5 +272,15 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["FORWARDED", "split_sbatch_options", "render_batch_script", "batch_script", "write_batch_script", "submit_batch",
-           "batch_dir", "batch_status", "SlurmError", "parse_job_id"]
+__all__ = [
+    "FORWARDED",
+    "split_sbatch_options",
+    "render_batch_script",
+    "batch_script",
+    "write_batch_script",
+    "submit_batch",
+    "batch_dir",
+    "batch_status",
+    "SlurmError",
+    "parse_job_id",
+]

@@ -15,8 +15,9 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..config import settings
@@ -27,8 +28,15 @@ from ..runtime.future import Future, gather
 from ..runtime.keys import Keys
 from ..runtime.mailbox import Mailbox
 from .errors import JobError
-from .lifecycle import (DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGLER_GRACE, EXIT_LOST, EXIT_STOPPED,
-                        RunControl, SignalRelay)
+from .lifecycle import (
+    DEATH_SIGNALS,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_STRAGGLER_GRACE,
+    EXIT_LOST,
+    EXIT_STOPPED,
+    RunControl,
+    SignalRelay,
+)
 from .output import OutputSink
 from .state import HostRecord
 from .telemetry import enabled as telemetry_enabled
@@ -57,11 +65,11 @@ class RankExit:
     rank: int
     label: str
     host: str
-    exitcode: Optional[int]
-    signal: Optional[int]
+    exitcode: int | None
+    signal: int | None
     duration: float
-    pid: Optional[int] = None
-    tail: List[str] = dataclasses.field(default_factory=list)
+    pid: int | None = None
+    tail: list[str] = dataclasses.field(default_factory=list)
     lost: str = ""  # set when the rank's host went away instead of reporting
     cause: str = ""  # what ended it from outside, as its agent saw it (e.g. its warm process died)
     stopped: str = ""  # set when the reservation was released (monarch stop) while the rank ran
@@ -88,20 +96,20 @@ class RankExit:
 class RunResult:
     run_id: str
     exit_code: int
-    ranks: List[RankExit]
+    ranks: list[RankExit]
     duration: float
     log_dir: Path
-    first_failure: Optional[RankExit] = None
+    first_failure: RankExit | None = None
     restarts: int = 0
     interrupted: bool = False
     #: How the run was ended from outside ("received SIGTERM; forwarded to ranks; ..."), or "".
     ending: str = ""
-    received_signal: Optional[int] = None  # SIGTERM/SIGHUP/SIGQUIT sent to the caller
-    stopped_by: Optional[str] = None  # who released the reservation during the run
-    stragglers: List[int] = dataclasses.field(default_factory=list)  # named as still running after the grace
+    received_signal: int | None = None  # SIGTERM/SIGHUP/SIGQUIT sent to the caller
+    stopped_by: str | None = None  # who released the reservation during the run
+    stragglers: list[int] = dataclasses.field(default_factory=list)  # named as still running after the grace
     console_closed: bool = False  # its output's reader went away (`| head`): the run was ended
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
             "exit_code": self.exit_code,
@@ -147,26 +155,44 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"{int(now * 1000) % 1000:03d}-" + uuid.uuid4().hex[:4]
 
 
-def user_environment() -> Dict[str, str]:
+def user_environment() -> dict[str, str]:
     """The caller's environment as ranks should see it (host-specific entries left out)."""
     return {k: v for k, v in os.environ.items() if k not in _HOST_SPECIFIC and not k.startswith("SLURM_")}
 
 
 #: What reaches ranks on a host that does not share this machine's filesystem (a synced host)
 #: without ``-e``: the client's PATH, HOME, PYTHONPATH or VIRTUAL_ENV would be wrong there.
-FORWARDED_PREFIXES = ("TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "HF_", "WANDB_",
-                      "TOKENIZERS_", "LOGLEVEL")
-FORWARDED_NAMES = ("PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "CUBLAS_WORKSPACE_CONFIG", "LANG", "LC_ALL")
+FORWARDED_PREFIXES = (
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "PYTORCH_",
+    "NCCL_",
+    "GLOO_",
+    "OMP_",
+    "MKL_",
+    "HF_",
+    "WANDB_",
+    "TOKENIZERS_",
+    "LOGLEVEL",
+)
+FORWARDED_NAMES = (
+    "PYTHONUNBUFFERED",
+    "PYTHONHASHSEED",
+    "PYTHONFAULTHANDLER",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "LANG",
+    "LC_ALL",
+)
 
 
-def remote_environment() -> Dict[str, str]:
+def remote_environment() -> dict[str, str]:
     """The caller's variables that ranks on a synced host get by default (see docs/sync.md)."""
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
 
 
-def parse_env_flags(items: Sequence[str]) -> Dict[str, str]:
+def parse_env_flags(items: Sequence[str]) -> dict[str, str]:
     """``-e NAME=VALUE`` sets, ``-e NAME`` forwards this shell's value; an unset NAME is an error."""
-    out: Dict[str, str] = {}
+    out: dict[str, str] = {}
     for item in items:
         name, eq, value = item.partition("=")
         if not name or not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c == "_" for c in name):
@@ -182,15 +208,24 @@ def parse_env_flags(items: Sequence[str]) -> Dict[str, str]:
 class HostSet:
     """The reservation's agents as this controller talks to them."""
 
-    def __init__(self, hosts: List[HostRecord], keys: Keys, timeout: float = 5.0, *, require_all: bool = True,
-                 known_dead: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        hosts: list[HostRecord],
+        keys: Keys,
+        timeout: float = 5.0,
+        *,
+        require_all: bool = True,
+        known_dead: Sequence[str] = (),
+    ) -> None:
         self.hosts = hosts
         self.mb = Mailbox.for_keys(keys)
         for h in hosts:  # one connection per host: everything comes back on it
             self.mb.link(h.agent)
-        pings = [None if h.name in known_dead else self.mb.request(h.agent, lambda cid: protocol.Ping(cid, self.mb.address))
-                 for h in hosts]
-        self.infos: List[Dict[str, Any]] = []
+        pings = [
+            None if h.name in known_dead else self.mb.request(h.agent, lambda cid: protocol.Ping(cid, self.mb.address))
+            for h in hosts
+        ]
+        self.infos: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
         for host, fut in zip(hosts, pings):
             try:
@@ -209,14 +244,16 @@ class HostSet:
             self.infos.append(info)
 
 
-def _check_version(host: HostRecord, info: Dict[str, Any]) -> None:
+def _check_version(host: HostRecord, info: dict[str, Any]) -> None:
     """Client and agents must run the same monarch-cli: their messages and pickles are not
     versioned. Checked on every connection, whatever started the agent (an image, a remote
     install, a SkyPilot setup); an agent too old to say its version is not refused."""
     theirs = info.get("version")
     if theirs is not None and theirs != __version__:
-        raise VersionMismatch(f"host {host.name} runs monarch-cli {theirs}, this client {__version__}: "
-                       f"install monarch-cli=={__version__} there (or this client's version here), then serve again")
+        raise VersionMismatch(
+            f"host {host.name} runs monarch-cli {theirs}, this client {__version__}: "
+            f"install monarch-cli=={__version__} there (or this client's version here), then serve again"
+        )
 
 
 class SpmdRunner:
@@ -228,10 +265,16 @@ class SpmdRunner:
     running are named (once) through ``say``.
     """
 
-    def __init__(self, hostset: HostSet, log_dir: Path, *, grace: float = 3.0,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-                 straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
-                 say: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(
+        self,
+        hostset: HostSet,
+        log_dir: Path,
+        *,
+        grace: float = 3.0,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
         self.hs = hostset
         self.mb = hostset.mb
         self.log_dir = log_dir
@@ -239,7 +282,7 @@ class SpmdRunner:
         self.shutdown_timeout = shutdown_timeout
         self.straggler_grace = straggler_grace
         self.say = say or (lambda _msg: None)
-        self.control: Optional[RunControl] = None  # the last run's
+        self.control: RunControl | None = None  # the last run's
         self._console_closed = threading.Event()
 
     def console_closed(self) -> None:
@@ -248,36 +291,41 @@ class SpmdRunner:
 
     def run(
         self,
-        launches: List[Launch],
+        launches: list[Launch],
         run_id: str,
         sink: OutputSink,
         *,
-        master_node_port: Optional[int] = None,
-        on_interrupt: Optional[Callable[[int], None]] = None,
-        on_pause: Optional[Callable[[int, str, Dict[str, Any]], None]] = None,
-        on_notice: Optional[Callable[[str], None]] = None,
+        master_node_port: int | None = None,
+        on_interrupt: Callable[[int], None] | None = None,
+        on_pause: Callable[[int, str, dict[str, Any]], None] | None = None,
+        on_notice: Callable[[str], None] | None = None,
         forward_signals: Sequence[int] = (),
-        telemetry: Optional["RunTelemetry"] = None,
+        telemetry: RunTelemetry | None = None,
         attempt: int = 0,
-    ) -> List[RankExit]:
+    ) -> list[RankExit]:
         mb = self.mb
         by_rank = {l.rank: l for l in launches}
-        exits: Dict[int, RankExit] = {}
+        exits: dict[int, RankExit] = {}
         done: Future[None] = Future()  # resolved by agent events, on the mailbox's I/O thread
-        first_failure: List[int] = []
+        first_failure: list[int] = []
         started = time.monotonic()
         lock = threading.Lock()
         nodes = sorted({l.node for l in launches})
-        owed: Dict[int, int] = {n: 0 for n in nodes}  # node -> output bytes printed, not yet credited
+        owed: dict[int, int] = {n: 0 for n in nodes}  # node -> output bytes printed, not yet credited
         host_of = {l.rank: self.hs.hosts[l.node].name for l in launches}
         control = self.control = RunControl(
-            host_of, lambda sig: self._signal(nodes, run_id, sig), self.say, failure_grace=self.grace,
-            shutdown_timeout=self.shutdown_timeout, straggler_grace=self.straggler_grace)
+            host_of,
+            lambda sig: self._signal(nodes, run_id, sig),
+            self.say,
+            failure_grace=self.grace,
+            shutdown_timeout=self.shutdown_timeout,
+            straggler_grace=self.straggler_grace,
+        )
 
-        def running() -> Dict[int, str]:
+        def running() -> dict[int, str]:
             return {r: h for r, h in host_of.items() if r not in exits}
 
-        def on_output(event: protocol.Output, body: List[Any]) -> None:
+        def on_output(event: protocol.Output, body: list[Any]) -> None:
             rank = event.rank
             if rank in by_rank:
                 data = bytes(body[0])
@@ -309,37 +357,71 @@ class SpmdRunner:
                 if len(exits) == len(launches) and not done.done():
                     done.set_result(None)
 
-        def on_exit(event: protocol.RankExited, body: List[Any]) -> None:
+        def on_exit(event: protocol.RankExited, body: list[Any]) -> None:
             rank = event.rank
             if rank not in by_rank:
                 return
             launch = by_rank[rank]
             # Never started: no status of its own.
             lost = event.cause if event.exitcode is None and event.signal is None else ""
-            finish(rank, RankExit(rank, launch.label, self.hs.hosts[launch.node].name, event.exitcode, event.signal,
-                                  event.duration, event.pid, lost=lost, cause=event.cause))
+            finish(
+                rank,
+                RankExit(
+                    rank,
+                    launch.label,
+                    self.hs.hosts[launch.node].name,
+                    event.exitcode,
+                    event.signal,
+                    event.duration,
+                    event.pid,
+                    lost=lost,
+                    cause=event.cause,
+                ),
+            )
 
         def on_lost(agent: str, silence: float) -> None:
             for l in launches:
                 if self.hs.hosts[l.node].agent == agent:
                     why = f"lost: host {self.hs.hosts[l.node].name} stopped answering ({silence:.1f} s)"
-                    finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
-                                            time.monotonic() - started, lost=why))
+                    finish(
+                        l.rank,
+                        RankExit(
+                            l.rank,
+                            l.label,
+                            self.hs.hosts[l.node].name,
+                            None,
+                            None,
+                            time.monotonic() - started,
+                            lost=why,
+                        ),
+                    )
 
-        def on_stopped(event: protocol.ReservationStopped, body: List[Any]) -> None:
+        def on_stopped(event: protocol.ReservationStopped, body: list[Any]) -> None:
             with lock:
                 control.stopped(event.who)
             here = [l for l in launches if self.hs.hosts[l.node].agent == event.agent]
             for l in here or launches:  # an agent known by another address: the whole reservation goes
-                finish(l.rank, RankExit(l.rank, l.label, self.hs.hosts[l.node].name, None, None,
-                                        time.monotonic() - started, stopped="reservation stopped"))
+                finish(
+                    l.rank,
+                    RankExit(
+                        l.rank,
+                        l.label,
+                        self.hs.hosts[l.node].name,
+                        None,
+                        None,
+                        time.monotonic() - started,
+                        stopped="reservation stopped",
+                    ),
+                )
 
-        def on_paused(event: protocol.RankPaused, body: List[Any]) -> None:
+        def on_paused(event: protocol.RankPaused, body: list[Any]) -> None:
             if on_pause is not None:
                 on_pause(event.rank, event.host, event.where)
 
-        handlers: Dict[type, Callable[[Any, List[Any]], None]] = {
-            protocol.Output: on_output, protocol.RankExited: on_exit, protocol.RankPaused: on_paused,
+        handlers: dict[type, Callable[[Any, list[Any]], None]] = {
+            protocol.Output: on_output,
+            protocol.RankExited: on_exit,
+            protocol.RankPaused: on_paused,
             protocol.ReservationStopped: on_stopped,
         }
         if telemetry is not None:
@@ -396,8 +478,12 @@ class SpmdRunner:
                     abandon, why = control.tick(time.monotonic(), running())
                 for rank in abandon:  # Ctrl-C always ends the wait, even for ranks whose exits never come
                     l = by_rank[rank]
-                    finish(rank, RankExit(rank, l.label, host_of[rank], None, None, time.monotonic() - started,
-                                          lost=f"lost: {why}"))
+                    finish(
+                        rank,
+                        RankExit(
+                            rank, l.label, host_of[rank], None, None, time.monotonic() - started, lost=f"lost: {why}"
+                        ),
+                    )
         finally:
             relay.restore()
             for n in nodes:
@@ -415,22 +501,28 @@ class SpmdRunner:
         c = self.control
         return c is not None and bool(c.interrupts or c.received is not None or c.stopped_by or c.console_gone)
 
-    def _signal(self, nodes: List[int], run_id: str, sig: int) -> None:
+    def _signal(self, nodes: list[int], run_id: str, sig: int) -> None:
         for n in nodes:
             self.mb.send(self.hs.hosts[n].agent, protocol.SignalRanks(0, self.mb.address, run_id, int(sig)))
 
     def reserve_port(self, node: int, run_id: str) -> int:
-        return self.mb.request(self.hs.hosts[node].agent, lambda cid: protocol.ReservePort(cid, self.mb.address, run_id)).get(timeout=10)
+        return self.mb.request(
+            self.hs.hosts[node].agent, lambda cid: protocol.ReservePort(cid, self.mb.address, run_id)
+        ).get(timeout=10)
 
     def release_port(self, node: int, run_id: str) -> None:
         """Give back a port reserved for a run that will not start."""
-        self.mb.request(self.hs.hosts[node].agent, lambda cid: protocol.ReleasePort(cid, self.mb.address, run_id)).get(timeout=10)
+        self.mb.request(self.hs.hosts[node].agent, lambda cid: protocol.ReleasePort(cid, self.mb.address, run_id)).get(
+            timeout=10
+        )
 
 
-def _cold_notice(host: str, names: List[str]) -> str:
-    return (f"ranks on {host} start cold (about 1 s each): {', '.join(names)} differ from when `monarch serve` "
-            "started its agents, and a warm rank keeps the interpreter's start-up settings; serve again "
-            "(--replace) with them set to start warm")
+def _cold_notice(host: str, names: list[str]) -> str:
+    return (
+        f"ranks on {host} start cold (about 1 s each): {', '.join(names)} differ from when `monarch serve` "
+        "started its agents, and a warm rank keeps the interpreter's start-up settings; serve again "
+        "(--replace) with them set to start warm"
+    )
 
 
 def warm_capable(spec: SpmdSpec) -> bool:
@@ -438,9 +530,13 @@ def warm_capable(spec: SpmdSpec) -> bool:
     return spec.mode != "no_python" and all(a == "-u" for a in spec.python_args)
 
 
-def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, str]] = None,
-              node_cwd: Optional[Dict[int, str]] = None,
-              node_environ: Optional[Dict[int, Dict[str, str]]] = None) -> List[Launch]:
+def plan_exec(
+    command: list[str],
+    hostset: HostSet,
+    environ: dict[str, str] | None = None,
+    node_cwd: dict[int, str] | None = None,
+    node_environ: dict[int, dict[str, str]] | None = None,
+) -> list[Launch]:
     """One shell per host for ``monarch exec``; GROUP_RANK/NODE_RANK tell the hosts apart."""
     env = dict(environ if environ is not None else user_environment())
     shell = command if len(command) > 1 else ["/bin/sh", "-c", command[0]]
@@ -449,9 +545,16 @@ def plan_exec(command: List[str], hostset: HostSet, environ: Optional[Dict[str, 
             node,
             host.name,
             node,
-            {"rank": node, "env": {**(node_environ or {}).get(node, env), "GROUP_RANK": str(node), "NODE_RANK": str(node)},
-             "cwd": (node_cwd or {}).get(node, os.getcwd()), "mode": "no_python", "program": shell,
-             "python_args": [], "warm": False, "host_store": False},
+            {
+                "rank": node,
+                "env": {**(node_environ or {}).get(node, env), "GROUP_RANK": str(node), "NODE_RANK": str(node)},
+                "cwd": (node_cwd or {}).get(node, os.getcwd()),
+                "mode": "no_python",
+                "program": shell,
+                "python_args": [],
+                "warm": False,
+                "host_store": False,
+            },
         )
         for node, host in enumerate(hostset.hosts)
     ]
@@ -463,14 +566,14 @@ def plan_spmd(
     run_id: str,
     *,
     cold: bool,
-    master_port: Optional[int],
+    master_port: int | None,
     restart_count: int = 0,
-    environ: Optional[Dict[str, str]] = None,
+    environ: dict[str, str] | None = None,
     post_mortem: bool = False,
-    cwd: Optional[str] = None,
-    node_cwd: Optional[Dict[int, str]] = None,
-    node_environ: Optional[Dict[int, Dict[str, str]]] = None,
-) -> List[Launch]:
+    cwd: str | None = None,
+    node_cwd: dict[int, str] | None = None,
+    node_environ: dict[int, dict[str, str]] | None = None,
+) -> list[Launch]:
     """Place ranks on hosts and build each one's environment and program (run in ``cwd``, default here).
 
     ``node_cwd``/``node_environ`` override both for some hosts (those that run in a synced mirror).
@@ -480,10 +583,14 @@ def plan_spmd(
     if nnodes > len(hosts):
         raise JobError(f"--nnodes {nnodes} asks for more hosts than the {len(hosts)} reserved; serve more hosts first")
     if spec.nnodes_min is not None and spec.nnodes_min > len(hosts):
-        raise JobError(f"--nnodes {spec.nnodes_min}:{spec.nnodes} needs at least {spec.nnodes_min} hosts; {len(hosts)} are reserved")
+        raise JobError(
+            f"--nnodes {spec.nnodes_min}:{spec.nnodes} needs at least {spec.nnodes_min} hosts; {len(hosts)} are reserved"
+        )
     per_node = [resolve_nproc(spec.nproc_per_node, i["gpus"], i["cpus"]) for i in hostset.infos[:nnodes]]
     if len(set(per_node)) != 1:
-        raise JobError(f"--nproc-per-node={spec.nproc_per_node} gives different counts per host ({per_node}); give a number")
+        raise JobError(
+            f"--nproc-per-node={spec.nproc_per_node} gives different counts per host ({per_node}); give a number"
+        )
     nproc = per_node[0]
     base = dict(environ if environ is not None else user_environment())
     base.setdefault("PYTHONUNBUFFERED", "1")  # live output, as a user watching ranks expects
@@ -528,7 +635,10 @@ def plan_spmd(
                 "post_mortem": post_mortem,
             }
             if telemetry_enabled():  # lets the rank's agent trace it, dump its stack, time its steps
-                launch_spec["telemetry"] = {"run_id": run_id, "agent_pid": hostset.infos[node].get("pid"),
-                                            "dir": hostset.infos[node].get("telemetry_dir")}
+                launch_spec["telemetry"] = {
+                    "run_id": run_id,
+                    "agent_pid": hostset.infos[node].get("pid"),
+                    "dir": hostset.infos[node].get("telemetry_dir"),
+                }
             launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
     return launches

@@ -222,17 +222,11 @@ def _read(target: Path) -> bytes:
         with open(target, "rb") as handle:
             data = handle.read(_MAX_BYTES + 1)
     except FileNotFoundError:
-        raise NoReservation(
-            f"no reservation at {target}; start one with `monarch serve`"
-        ) from None
+        raise NoReservation(f"no reservation at {target}; start one with `monarch serve`") from None
     except IsADirectoryError:
-        raise StateError(
-            f"job state path {target} is a directory; point $MONARCH_STATE at a file"
-        ) from None
+        raise StateError(f"job state path {target} is a directory; point $MONARCH_STATE at a file") from None
     except OSError as err:
-        raise StateError(
-            f"cannot read job state file {target}: {err.strerror or err}; check its permissions"
-        ) from err
+        raise StateError(f"cannot read job state file {target}: {err.strerror or err}; check its permissions") from err
     if len(data) > _MAX_BYTES:
         raise _corrupt(target, f"larger than {_MAX_BYTES} bytes")
     return data
@@ -252,12 +246,10 @@ def load_state(path: Path | None = None) -> JobState:
             f"{target} is not a monarch job state file (it holds Python objects, not plain "
             f"data: {err}); pass the right path or delete it"
         ) from None
-    except Exception as err:  # any decoding failure at all means the bytes are damaged
+    except Exception as err:  # noqa: BLE001 - any decoding failure at all means the bytes are damaged
         raise _corrupt(target, f"{type(err).__name__}: {err}") from None
     if not isinstance(payload, dict) or payload.get("magic") != _MAGIC:
-        raise StateError(
-            f"{target} is not a monarch job state file; pass the right path or delete it"
-        )
+        raise StateError(f"{target} is not a monarch job state file; pass the right path or delete it")
     version = payload.get("schema_version")
     if type(version) is not int or version < 1:
         raise _corrupt(target, f"bad schema_version {version!r}")

@@ -14,8 +14,9 @@ import dataclasses
 import os
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 from ..runtime import protocol, wire
 from ..runtime.future import gather
@@ -42,8 +43,8 @@ class SyncReport:
     shared_hosts: int = 0
     total_files: int = 0
     seconds: float = 0.0
-    directories: Dict[int, str] = dataclasses.field(default_factory=dict)
-    outside_links: List[str] = dataclasses.field(default_factory=list)
+    directories: dict[int, str] = dataclasses.field(default_factory=dict)
+    outside_links: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -69,7 +70,7 @@ class SyncReport:
                 text += f" and {len(self.outside_links) - 3} more"
         return text
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "seconds": round(self.seconds, 4), "message": str(self)}
 
 
@@ -90,7 +91,7 @@ def sync_workspace(
     workspace: str,
     cache_dir: Path,
     *,
-    max_bytes: Optional[int] = None,
+    max_bytes: int | None = None,
     timeout: float = 60.0,
 ) -> SyncReport:
     """Bring every host that does not share ``workspace`` up to date with it."""
@@ -104,8 +105,9 @@ def sync_workspace(
     except OSError as e:
         raise JobError(f"cannot read workspace {workspace}: {e.strerror}") from None
     probe = wire.dumps_data(SyncCheck(reservation, name, "", workspace, "", (st.st_ino, st.st_size, st.st_mtime_ns)))
-    statuses: List[SyncStatus] = _gather(
-        [mb.request(h.agent, lambda cid: protocol.SyncManifest(cid, mb.address), probe) for h in hosts], hosts, timeout)
+    statuses: list[SyncStatus] = _gather(
+        [mb.request(h.agent, lambda cid: protocol.SyncManifest(cid, mb.address), probe) for h in hosts], hosts, timeout
+    )
     report = SyncReport(workspace)
     far = [i for i, s in enumerate(statuses) if not s.shared]
     report.shared_hosts = len(hosts) - len(far)
@@ -131,15 +133,18 @@ def sync_workspace(
     unknown = [i for i in stale if statuses[i].digest not in known]
     if unknown:  # hosts in a state this client did not leave them in: fetch their manifests
         ask = wire.dumps(SyncCheck(reservation, name, client_digest, workspace, "", (0, 0, 0)))
-        got = _gather([mb.request(hosts[i].agent, lambda cid: protocol.SyncManifest(cid, mb.address), ask) for i in unknown],
-                      [hosts[i] for i in unknown], timeout)
+        got = _gather(
+            [mb.request(hosts[i].agent, lambda cid: protocol.SyncManifest(cid, mb.address), ask) for i in unknown],
+            [hosts[i] for i in unknown],
+            timeout,
+        )
         for i, status in zip(unknown, got):
             statuses[i] = status
     for i in stale:
         if statuses[i].files is None and statuses[i].digest in known:
             statuses[i].files = known[statuses[i].digest]
-    pending: List[Tuple[int, Any]] = []  # (host index, future)
-    plans: Dict[str, Tuple[List[List[FileUpdate]], List[str], int, int]] = {}
+    pending: list[tuple[int, Any]] = []  # (host index, future)
+    plans: dict[str, tuple[list[list[FileUpdate]], list[str], int, int]] = {}
     for i in stale:
         st = statuses[i]
         if st.digest == client_digest or st.files is None:
@@ -151,8 +156,12 @@ def sync_workspace(
         report.files, report.deleted = max(report.files, nfiles), max(report.deleted, len(deleted))
         report.nbytes = max(report.nbytes, nbytes)
         for j, batch in enumerate(batches):
-            body = wire.dumps(SyncApply(reservation, name, batch, deleted if j == 0 else [], st.digest if j == 0 else ""))
-            pending.append((i, mb.request(hosts[i].agent, lambda cid: protocol.SyncApplyRequest(cid, mb.address), body)))
+            body = wire.dumps(
+                SyncApply(reservation, name, batch, deleted if j == 0 else [], st.digest if j == 0 else "")
+            )
+            pending.append(
+                (i, mb.request(hosts[i].agent, lambda cid: protocol.SyncApplyRequest(cid, mb.address), body))
+            )
     if pending:
         applied = _gather([f for _, f in pending], [hosts[i] for i, _ in pending], timeout)
         final = {i: a.digest for (i, _), a in zip(pending, applied)}  # each host's last batch
@@ -168,11 +177,13 @@ def sync_workspace(
     return report
 
 
-def _plan(scanner: Any, manifest: Dict[str, Any], host_files: Dict[str, Any]) -> Tuple[List[List[FileUpdate]], List[str], int, int]:
-    from ..runtime.workspace import FileUpdate, WorkspaceError, diff
+def _plan(
+    scanner: Any, manifest: dict[str, Any], host_files: dict[str, Any]
+) -> tuple[list[list[FileUpdate]], list[str], int, int]:
+    from ..runtime.workspace import WorkspaceError, diff
 
     changes = diff(manifest, host_files)
-    batches: List[List[FileUpdate]] = [[]]
+    batches: list[list[FileUpdate]] = [[]]
     size = nbytes = 0
     for path, entry, host_entry, host_sha in changes.changed:
         try:
@@ -191,7 +202,7 @@ def _plan(scanner: Any, manifest: Dict[str, Any], host_files: Dict[str, Any]) ->
     return batches, changes.deleted, len(changes.changed), nbytes
 
 
-def _gather(futures: List[Any], hosts: Sequence[HostRecord], timeout: float) -> List[Any]:
+def _gather(futures: list[Any], hosts: Sequence[HostRecord], timeout: float) -> list[Any]:
     try:
         return gather(futures).get(timeout=timeout)
     except Exception as e:  # noqa: BLE001 - name the host that failed, in one line
@@ -201,4 +212,6 @@ def _gather(futures: List[Any], hosts: Sequence[HostRecord], timeout: float) -> 
                     f.get(timeout=0)
                 except Exception as one:  # noqa: BLE001
                     raise JobError(f"workspace sync to {h.name} failed: {str(one).splitlines()[0]}") from None
-        raise JobError(f"workspace sync did not finish within {timeout:.0f} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise JobError(
+            f"workspace sync did not finish within {timeout:.0f} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None

@@ -13,8 +13,9 @@ import os
 import shlex
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any
 
 from ..runtime import protocol
 from ..runtime.future import gather
@@ -26,9 +27,26 @@ if TYPE_CHECKING:
     from .spmd import HostSet, Launch, RankExit, RunResult
 
 #: Stack frames that mean "waiting for the other ranks".
-_COLLECTIVES = {"barrier", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "broadcast",
-                "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "wait",
-                "monitored_barrier", "_wait_for_workers", "get", "synchronize"}
+_COLLECTIVES = {
+    "barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "wait",
+    "monitored_barrier",
+    "_wait_for_workers",
+    "get",
+    "synchronize",
+}
 _LAUNCHER = os.path.join("monarch_cli", "runtime", "")
 _LIBRARY_PARTS = ("site-packages", "dist-packages", f"{os.sep}lib{os.sep}python", "<frozen", "monarch_cli")
 
@@ -49,32 +67,71 @@ class RunTelemetry:
     def __init__(self, state_dir: Path, run_id: str, command: Sequence[str], log_dir: Path) -> None:
         self.run_id = run_id
         self.writer = TelemetryWriter(db_path(state_dir), run_id, start=False)  # started once the ranks are launched
-        self.writer.sql("INSERT OR REPLACE INTO runs (run_id, command, started_at, log_dir, restarts, interrupted) "
-                        "VALUES (?, ?, ?, ?, 0, 0)", (run_id, shlex.join(command), time.time(), str(log_dir)))
+        self.writer.sql(
+            "INSERT OR REPLACE INTO runs (run_id, command, started_at, log_dir, restarts, interrupted) "
+            "VALUES (?, ?, ?, ?, 0, 0)",
+            (run_id, shlex.join(command), time.time(), str(log_dir)),
+        )
         self.writer.event("run_start", None, shlex.join(command))
 
-    def started(self, launches: List["Launch"], hostset: "HostSet", attempt: int) -> None:
+    def started(self, launches: list[Launch], hostset: HostSet, attempt: int) -> None:
         now = time.time()
         nodes = sorted({l.node for l in launches})
         w = self.writer
         w.sql("UPDATE runs SET world_size = ?, hosts = ? WHERE run_id = ?", (len(launches), len(nodes), self.run_id))
         if attempt == 0:
-            w.rows("hosts", [(self.run_id, n, hostset.hosts[n].name, hostset.hosts[n].agent, hostset.infos[n].get("pid"),
-                              hostset.infos[n].get("cpus"), hostset.infos[n].get("gpus")) for n in nodes])
+            w.rows(
+                "hosts",
+                [
+                    (
+                        self.run_id,
+                        n,
+                        hostset.hosts[n].name,
+                        hostset.hosts[n].agent,
+                        hostset.infos[n].get("pid"),
+                        hostset.infos[n].get("cpus"),
+                        hostset.infos[n].get("gpus"),
+                    )
+                    for n in nodes
+                ],
+            )
         else:
             w.sql("DELETE FROM ranks WHERE run_id = ?", (self.run_id,))
             w.event("restart", None, f"attempt {attempt}")
-        w.rows("ranks", [(self.run_id, l.rank, int(l.spec["env"].get("LOCAL_RANK", 0)), l.node, hostset.hosts[l.node].name,
-                          None, None, None, None, None, now, None, None, 0) for l in launches])
+        w.rows(
+            "ranks",
+            [
+                (
+                    self.run_id,
+                    l.rank,
+                    int(l.spec["env"].get("LOCAL_RANK", 0)),
+                    l.node,
+                    hostset.hosts[l.node].name,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    now,
+                    None,
+                    None,
+                    0,
+                )
+                for l in launches
+            ],
+        )
 
     def output(self, rank: int, stream: int, data: bytes) -> None:
         self.writer.output(rank, stream, data)
 
-    def rank_exit(self, e: "RankExit") -> None:
+    def rank_exit(self, e: RankExit) -> None:
         w = self.writer
         w.end_of_rank(e.rank)
-        w.sql("UPDATE ranks SET pid = ?, exit_code = ?, signal = ?, status = ?, how = ?, ended_at = ? "
-              "WHERE run_id = ? AND rank = ?", (e.pid, e.exitcode, e.signal, e.status, e.how, time.time(), self.run_id, e.rank))
+        w.sql(
+            "UPDATE ranks SET pid = ?, exit_code = ?, signal = ?, status = ?, how = ?, ended_at = ? "
+            "WHERE run_id = ? AND rank = ?",
+            (e.pid, e.exitcode, e.signal, e.status, e.how, time.time(), self.run_id, e.rank),
+        )
         if not e.ok:
             w.event("rank_lost" if e.lost else "rank_failed", e.rank, e.how)
 
@@ -84,10 +141,12 @@ class RunTelemetry:
             self.writer.rows("samples", event.samples)
             self.writer.rows("steps", event.steps)
 
-    def finish(self, result: Optional["RunResult"]) -> None:
+    def finish(self, result: RunResult | None) -> None:
         if result is not None:
-            self.writer.sql("UPDATE runs SET ended_at = ?, exit_code = ?, restarts = ?, interrupted = ? WHERE run_id = ?",
-                            (time.time(), result.exit_code, result.restarts, int(result.interrupted), self.run_id))
+            self.writer.sql(
+                "UPDATE runs SET ended_at = ?, exit_code = ?, restarts = ?, interrupted = ? WHERE run_id = ?",
+                (time.time(), result.exit_code, result.restarts, int(result.interrupted), self.run_id),
+            )
             if result.interrupted:
                 self.writer.event("interrupt", None, "")
             self.writer.event("run_end", None, f"exit {result.exit_code}")
@@ -102,30 +161,33 @@ class RankStack:
     host: str
     pid: int
     method: str
-    threads: List[Dict[str, Any]]
-    error: Optional[str] = None
-    fallback: Optional[str] = None  # why py-spy was not used, when the interpreter's own dump was
+    threads: list[dict[str, Any]]
+    error: str | None = None
+    fallback: str | None = None  # why py-spy was not used, when the interpreter's own dump was
 
     @property
-    def main(self) -> List[Dict[str, Any]]:
+    def main(self) -> list[dict[str, Any]]:
         """The main thread's frames, innermost first (the first thread if none is marked main),
         without monarch's own launcher frames below the user's program."""
-        frames = next((t["frames"] for t in self.threads if t.get("main")), self.threads[0]["frames"] if self.threads else [])
+        frames = next(
+            (t["frames"] for t in self.threads if t.get("main")), self.threads[0]["frames"] if self.threads else []
+        )
         for i, f in enumerate(frames):
             if i and _LAUNCHER in (f.get("file") or ""):
                 return frames[:i]
         return frames
 
     def in_collective(self) -> bool:
-        return any(f["function"] in _COLLECTIVES and "torch" in (f["file"] or "") for f in self.main) or \
-            any(f"torch{os.sep}distributed" in (f["file"] or "") for f in self.main[:3])
+        return any(f["function"] in _COLLECTIVES and "torch" in (f["file"] or "") for f in self.main) or any(
+            f"torch{os.sep}distributed" in (f["file"] or "") for f in self.main[:3]
+        )
 
 
 @dataclasses.dataclass
 class StackGroup:
-    ranks: List[int]
+    ranks: list[int]
     summary: str
-    frames: List[Dict[str, Any]]
+    frames: list[dict[str, Any]]
 
     def describe(self) -> str:
         n = len(self.ranks)
@@ -134,15 +196,17 @@ class StackGroup:
 
 @dataclasses.dataclass
 class StackReport:
-    run_id: Optional[str]
+    run_id: str | None
     capture_id: str
-    stacks: List[RankStack]
-    groups: List[StackGroup]
+    stacks: list[RankStack]
+    groups: list[StackGroup]
     elapsed: float
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "capture_id": self.capture_id, "seconds": round(self.elapsed, 3),
+            "run_id": self.run_id,
+            "capture_id": self.capture_id,
+            "seconds": round(self.elapsed, 3),
             "groups": [{"ranks": g.ranks, "summary": g.summary, "frames": g.frames} for g in self.groups],
             "ranks": [dataclasses.asdict(s) for s in self.stacks],
         }
@@ -150,7 +214,7 @@ class StackReport:
 
 def compress(ranks: Sequence[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
-    out: List[str] = []
+    out: list[str] = []
     ordered = sorted(set(ranks))
     i = 0
     while i < len(ordered):
@@ -162,16 +226,16 @@ def compress(ranks: Sequence[int]) -> str:
     return ",".join(out)
 
 
-def _is_user(frame: Dict[str, Any]) -> bool:
+def _is_user(frame: dict[str, Any]) -> bool:
     path = frame.get("file") or ""
     return not any(part in path for part in _LIBRARY_PARTS)
 
 
-def _where(frame: Dict[str, Any]) -> str:
+def _where(frame: dict[str, Any]) -> str:
     return f"{os.path.basename(frame.get('file') or '?')}:{frame.get('line')}"
 
 
-def summarize(frames: List[Dict[str, Any]]) -> str:
+def summarize(frames: list[dict[str, Any]]) -> str:
     """``barrier ← train.py:20``: the innermost function, then where in user code it is (up to 3 frames)."""
     if not frames:
         return "(no Python frames)"
@@ -181,9 +245,9 @@ def summarize(frames: List[Dict[str, Any]]) -> str:
     return f"{frames[0]['function']} ← " + " ← ".join(_where(f) for f in user)
 
 
-def group_stacks(stacks: List[RankStack]) -> List[StackGroup]:
+def group_stacks(stacks: list[RankStack]) -> list[StackGroup]:
     """Ranks with identical main-thread stacks together, the largest group first."""
-    groups: Dict[Any, StackGroup] = {}
+    groups: dict[Any, StackGroup] = {}
     for s in stacks:
         if s.error or not s.threads:
             key: Any = ("error", s.error)
@@ -202,22 +266,28 @@ def group_stacks(stacks: List[RankStack]) -> List[StackGroup]:
 @dataclasses.dataclass
 class Suspect:
     rank: int
-    host: Optional[str]
-    reasons: List[str]
+    host: str | None
+    reasons: list[str]
 
 
 @dataclasses.dataclass
 class Diagnosis:
     verdict: str  # healthy | suspect | unknown
     exit_code: int  # 0 | 1 | 2
-    run_id: Optional[str]
+    run_id: str | None
     summary: str
-    suspects: List[Suspect] = dataclasses.field(default_factory=list)
-    evidence: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    suspects: list[Suspect] = dataclasses.field(default_factory=list)
+    evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"verdict": self.verdict, "exit_code": self.exit_code, "run_id": self.run_id, "summary": self.summary,
-                "suspects": [dataclasses.asdict(s) for s in self.suspects], "evidence": self.evidence}
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "exit_code": self.exit_code,
+            "run_id": self.run_id,
+            "summary": self.summary,
+            "suspects": [dataclasses.asdict(s) for s in self.suspects],
+            "evidence": self.evidence,
+        }
 
 
 @dataclasses.dataclass
@@ -225,15 +295,15 @@ class RankRow:
     """One line of ``monarch top``."""
 
     rank: int
-    host: Optional[str] = None
+    host: str | None = None
     state: str = "?"
-    cpu_percent: Optional[float] = None
-    rss_mb: Optional[float] = None
-    gpu_util: Optional[float] = None
-    gpu_mem_mb: Optional[float] = None
-    step: Optional[int] = None
-    step_ms: Optional[float] = None
-    output_age: Optional[float] = None
+    cpu_percent: float | None = None
+    rss_mb: float | None = None
+    gpu_util: float | None = None
+    gpu_mem_mb: float | None = None
+    step: int | None = None
+    step_ms: float | None = None
+    output_age: float | None = None
     last_line: str = ""
     suspect: str = ""
 
@@ -241,42 +311,54 @@ class RankRow:
 class Inspector:
     """``monarch stack / diagnose / top`` for one reservation."""
 
-    def __init__(self, job: "Job") -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
         self.db = db_path(job.path.parent)
 
     # ------------------------------------------------------------------- store
-    def sql(self, statement: str, params: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+    def sql(self, statement: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         try:
             cols, rows = query(self.db, statement, params)
         except StoreError as e:
             raise TelemetryError(str(e)) from None
         return [dict(zip(cols, r)) for r in rows]
 
-    def latest_run(self) -> Optional[Dict[str, Any]]:
+    def latest_run(self) -> dict[str, Any] | None:
         if not self.db.exists():
             return None
         rows = self.sql("SELECT * FROM runs ORDER BY run_id DESC LIMIT 1")
         return rows[0] if rows else None
 
     # ------------------------------------------------------------------- agents
-    def _ask(self, make: Any, timeout: float) -> List[Any]:
+    def _ask(self, make: Any, timeout: float) -> list[Any]:
         hs = self.job._hostset()
         futs = [hs.mb.request(h.agent, make(hs.mb)) for h in hs.hosts]
         return gather(futs).get(timeout=timeout)
 
-    def stacks(self, ranks: Optional[Set[int]] = None, native: bool = False, run_id: Optional[str] = None) -> StackReport:
+    def stacks(self, ranks: set[int] | None = None, native: bool = False, run_id: str | None = None) -> StackReport:
         """Every live rank's stack, captured by the agents in parallel, grouped, and stored."""
         started = time.monotonic()
         wanted = sorted(ranks) if ranks is not None else None
-        answers = self._ask(lambda mb: lambda cid: protocol.TelemetryStacks(cid, mb.address, run_id, wanted, native), 30.0)
-        stacks = [RankStack(**{k: e.get(k) for k in ("run_id", "rank", "host", "pid", "method", "threads", "error", "fallback")})
-                  for per_host in answers for e in per_host]
+        answers = self._ask(
+            lambda mb: lambda cid: protocol.TelemetryStacks(cid, mb.address, run_id, wanted, native), 30.0
+        )
+        stacks = [
+            RankStack(
+                **{k: e.get(k) for k in ("run_id", "rank", "host", "pid", "method", "threads", "error", "fallback")}
+            )
+            for per_host in answers
+            for e in per_host
+        ]
         if stacks:
             newest = max(s.run_id for s in stacks)
             stacks = sorted((s for s in stacks if s.run_id == newest), key=lambda s: s.rank)
-        report = StackReport(stacks[0].run_id if stacks else None, uuid.uuid4().hex[:12], stacks, group_stacks(stacks),
-                             time.monotonic() - started)
+        report = StackReport(
+            stacks[0].run_id if stacks else None,
+            uuid.uuid4().hex[:12],
+            stacks,
+            group_stacks(stacks),
+            time.monotonic() - started,
+        )
         self._store(report)
         return report
 
@@ -285,11 +367,26 @@ class Inspector:
         now = time.time()
         for s in report.stacks:
             if not s.threads:
-                rows.append((report.capture_id, s.run_id, s.rank, s.host, s.pid, now, s.method, None, None, None, s.error))
+                rows.append(
+                    (report.capture_id, s.run_id, s.rank, s.host, s.pid, now, s.method, None, None, None, s.error)
+                )
             for t in s.threads:
                 text = "\n".join(f"{f['function']} ({f['file']}:{f['line']})" for f in t["frames"])
-                rows.append((report.capture_id, s.run_id, s.rank, s.host, s.pid, now, s.method, t["name"],
-                             int(bool(t.get("main"))), text, s.error))
+                rows.append(
+                    (
+                        report.capture_id,
+                        s.run_id,
+                        s.rank,
+                        s.host,
+                        s.pid,
+                        now,
+                        s.method,
+                        t["name"],
+                        int(bool(t.get("main"))),
+                        text,
+                        s.error,
+                    )
+                )
         if not rows:
             return
         try:
@@ -301,7 +398,7 @@ class Inspector:
         except Exception:  # noqa: BLE001 - sqlite3.Error, OSError
             pass  # the answer still goes to the user; only its record is lost
 
-    def live(self, run_id: Optional[str] = None) -> Tuple[List[Tuple[Any, ...]], Dict[int, Tuple[Any, ...]]]:
+    def live(self, run_id: str | None = None) -> tuple[list[tuple[Any, ...]], dict[int, tuple[Any, ...]]]:
         """(sample rows, rank -> last step row) of the live ranks, straight from the agents."""
         answers = self._ask(lambda mb: lambda cid: protocol.TelemetrySample(cid, mb.address, run_id), 10.0)
         samples = [s for a in answers for s in a["samples"]]
@@ -309,33 +406,47 @@ class Inspector:
         return samples, steps
 
     # -------------------------------------------------------------------- views
-    def top(self, with_stacks: bool = False) -> Tuple[Optional[str], List[RankRow]]:
+    def top(self, with_stacks: bool = False) -> tuple[str | None, list[RankRow]]:
         """One row per rank of the newest run, most suspicious first."""
         run = self.latest_run()
         if run is None:
             return None, []
         run_id = run["run_id"]
-        rows = {r["rank"]: RankRow(r["rank"], r["host"], r["how"] or "running")
-                for r in self.sql("SELECT rank, host, how FROM ranks WHERE run_id = ?", (run_id,))}
+        rows = {
+            r["rank"]: RankRow(r["rank"], r["host"], r["how"] or "running")
+            for r in self.sql("SELECT rank, host, how FROM ranks WHERE run_id = ?", (run_id,))
+        }
         now = time.time()
         for r in self.sql("SELECT rank, max(ts) AS ts FROM logs WHERE run_id = ? GROUP BY rank", (run_id,)):
             if r["rank"] in rows:
                 rows[r["rank"]].output_age = now - r["ts"]
-        for r in self.sql("SELECT l.rank, l.line FROM logs l JOIN (SELECT rank, max(rowid) AS id FROM logs "
-                          "WHERE run_id = ? AND line != '' GROUP BY rank) m ON l.rowid = m.id", (run_id,)):
+        for r in self.sql(
+            "SELECT l.rank, l.line FROM logs l JOIN (SELECT rank, max(rowid) AS id FROM logs "
+            "WHERE run_id = ? AND line != '' GROUP BY rank) m ON l.rowid = m.id",
+            (run_id,),
+        ):
             if r["rank"] in rows:
                 rows[r["rank"]].last_line = r["line"]
-        for r in self.sql("SELECT rank, max(step) AS step, (SELECT dt_ms FROM steps s2 WHERE s2.run_id = s.run_id AND "
-                          "s2.rank = s.rank ORDER BY step DESC LIMIT 1) AS dt FROM steps s WHERE run_id = ? GROUP BY rank",
-                          (run_id,)):
+        for r in self.sql(
+            "SELECT rank, max(step) AS step, (SELECT dt_ms FROM steps s2 WHERE s2.run_id = s.run_id AND "
+            "s2.rank = s.rank ORDER BY step DESC LIMIT 1) AS dt FROM steps s WHERE run_id = ? GROUP BY rank",
+            (run_id,),
+        ):
             if r["rank"] in rows:
                 rows[r["rank"]].step, rows[r["rank"]].step_ms = r["step"], r["dt"]
-        for r in self.sql("SELECT s.rank, s.cpu_percent, s.rss_mb, s.gpu_util, s.gpu_mem_mb FROM samples s JOIN "
-                          "(SELECT max(rowid) AS id FROM samples WHERE run_id = ? GROUP BY rank) m ON s.rowid = m.id",
-                          (run_id,)):  # the last sample recorded: all a finished run has
+        for r in self.sql(
+            "SELECT s.rank, s.cpu_percent, s.rss_mb, s.gpu_util, s.gpu_mem_mb FROM samples s JOIN "
+            "(SELECT max(rowid) AS id FROM samples WHERE run_id = ? GROUP BY rank) m ON s.rowid = m.id",
+            (run_id,),
+        ):  # the last sample recorded: all a finished run has
             if r["rank"] in rows:
                 row = rows[r["rank"]]
-                row.cpu_percent, row.rss_mb, row.gpu_util, row.gpu_mem_mb = r["cpu_percent"], r["rss_mb"], r["gpu_util"], r["gpu_mem_mb"]
+                row.cpu_percent, row.rss_mb, row.gpu_util, row.gpu_mem_mb = (
+                    r["cpu_percent"],
+                    r["rss_mb"],
+                    r["gpu_util"],
+                    r["gpu_mem_mb"],
+                )
         if run["ended_at"] is None:
             try:
                 samples, steps = self.live(run_id)
@@ -369,11 +480,17 @@ class Inspector:
             report = self.stacks(run_id=run_id)
             _, rows = self.top()
         except Exception as e:  # noqa: BLE001
-            return Diagnosis("unknown", 2, run_id, f"run {run_id} has no recorded end, and its hosts do not answer: {e}")
+            return Diagnosis(
+                "unknown", 2, run_id, f"run {run_id} has no recorded end, and its hosts do not answer: {e}"
+            )
         if not report.stacks:
-            return Diagnosis("unknown", 2, run_id, f"run {run_id} has no recorded end but no rank of it is alive "
-                                                   "(was its client killed?)")
-        reasons: Dict[int, List[str]] = {}
+            return Diagnosis(
+                "unknown",
+                2,
+                run_id,
+                f"run {run_id} has no recorded end but no rank of it is alive (was its client killed?)",
+            )
+        reasons: dict[int, list[str]] = {}
         by_rank = {s.rank: s for s in report.stacks}
         captured = [s for s in report.stacks if s.threads]
         groups = report.groups
@@ -385,43 +502,70 @@ class Inspector:
                     if not s.in_collective():
                         reasons.setdefault(s.rank, []).append(
                             f"not in a collective ({summarize(s.main)}) while rank(s) {compress([w.rank for w in waiting])} "
-                            f"wait in {where}")
+                            f"wait in {where}"
+                        )
             elif len(groups[0].ranks) > len(groups[1].ranks):
                 for g in groups[1:]:
                     for r in g.ranks:
-                        reasons.setdefault(r, []).append(f"different stack ({g.summary}) from rank(s) "
-                                                         f"{compress(groups[0].ranks)} ({groups[0].summary})")
+                        reasons.setdefault(r, []).append(
+                            f"different stack ({g.summary}) from rank(s) "
+                            f"{compress(groups[0].ranks)} ({groups[0].summary})"
+                        )
         for rank, why in _suspicions(rows, silence).items():
             reasons.setdefault(rank, []).extend(why)
-        evidence = {"stack_groups": [{"ranks": g.ranks, "summary": g.summary} for g in groups],
-                    "ranks": [dataclasses.asdict(r) for r in rows]}
+        evidence = {
+            "stack_groups": [{"ranks": g.ranks, "summary": g.summary} for g in groups],
+            "ranks": [dataclasses.asdict(r) for r in rows],
+        }
         if reasons:
-            suspects = [Suspect(r, by_rank[r].host if r in by_rank else None, why) for r, why in sorted(reasons.items())]
+            suspects = [
+                Suspect(r, by_rank[r].host if r in by_rank else None, why) for r, why in sorted(reasons.items())
+            ]
             head = "; ".join(f"rank {s.rank}: {s.reasons[0]}" for s in suspects[:3])
             return Diagnosis("suspect", 1, run_id, head, suspects, evidence)
         if not captured:
-            return Diagnosis("unknown", 2, run_id, "no stack could be captured: "
-                             + "; ".join(sorted({s.error or '?' for s in report.stacks})), evidence=evidence)
+            return Diagnosis(
+                "unknown",
+                2,
+                run_id,
+                "no stack could be captured: " + "; ".join(sorted({s.error or "?" for s in report.stacks})),
+                evidence=evidence,
+            )
         if len(groups) > 1:
             return Diagnosis("unknown", 2, run_id, f"{len(groups)} different stacks and no majority", evidence=evidence)
-        return Diagnosis("healthy", 0, run_id, f"{len(captured)} rank(s) alive, all at {groups[0].summary}",
-                         evidence=evidence)
+        return Diagnosis(
+            "healthy", 0, run_id, f"{len(captured)} rank(s) alive, all at {groups[0].summary}", evidence=evidence
+        )
 
-    def _diagnose_ended(self, run: Dict[str, Any]) -> Diagnosis:
+    def _diagnose_ended(self, run: dict[str, Any]) -> Diagnosis:
         run_id = run["run_id"]
-        ranks = self.sql("SELECT rank, host, how, status, ended_at FROM ranks WHERE run_id = ? ORDER BY ended_at, rank", (run_id,))
+        ranks = self.sql(
+            "SELECT rank, host, how, status, ended_at FROM ranks WHERE run_id = ? ORDER BY ended_at, rank", (run_id,)
+        )
         evidence = {"ranks": ranks}
         if run["interrupted"]:
-            return Diagnosis("unknown", 2, run_id, f"nothing running; the last run ({run_id}) was interrupted "
-                             f"(exit {run['exit_code']}); its stacks, if captured, are in the stacks table", evidence=evidence)
+            return Diagnosis(
+                "unknown",
+                2,
+                run_id,
+                f"nothing running; the last run ({run_id}) was interrupted "
+                f"(exit {run['exit_code']}); its stacks, if captured, are in the stacks table",
+                evidence=evidence,
+            )
         if not run["exit_code"]:
-            return Diagnosis("healthy", 0, run_id, f"nothing running; the last run ({run_id}) finished ok", evidence=evidence)
+            return Diagnosis(
+                "healthy", 0, run_id, f"nothing running; the last run ({run_id}) finished ok", evidence=evidence
+            )
         failed = [r for r in ranks if r["status"]]
         if not failed:
-            return Diagnosis("unknown", 2, run_id, f"run {run_id} ended with exit {run['exit_code']}", evidence=evidence)
+            return Diagnosis(
+                "unknown", 2, run_id, f"run {run_id} ended with exit {run['exit_code']}", evidence=evidence
+            )
         first = failed[0]
-        tail = self.sql("SELECT stream, line FROM logs WHERE run_id = ? AND rank = ? AND line != '' "
-                        "ORDER BY rowid DESC LIMIT 10", (run_id, first["rank"]))[::-1]
+        tail = self.sql(
+            "SELECT stream, line FROM logs WHERE run_id = ? AND rank = ? AND line != '' ORDER BY rowid DESC LIMIT 10",
+            (run_id, first["rank"]),
+        )[::-1]
         lines = [r["line"] for r in tail]
         # stdout and stderr come through separate pipes, so their order is not certain: an
         # error message is on stderr, so its last line is the one to quote
@@ -429,15 +573,21 @@ class Inspector:
         last = errors[-1] if errors else lines[-1] if lines else None
         why = f"failed first ({first['how']})" + (f"; last line: {last}" if last else "")
         evidence["last_lines"] = lines
-        return Diagnosis("suspect", 1, run_id, f"run {run_id} ended with exit {run['exit_code']}: rank {first['rank']} {why}",
-                         [Suspect(first["rank"], first["host"], [why])], evidence)
+        return Diagnosis(
+            "suspect",
+            1,
+            run_id,
+            f"run {run_id} ended with exit {run['exit_code']}: rank {first['rank']} {why}",
+            [Suspect(first["rank"], first["host"], [why])],
+            evidence,
+        )
 
 
-def _suspicions(rows: List[RankRow], silence: float = 60.0) -> Dict[int, List[str]]:
+def _suspicions(rows: list[RankRow], silence: float = 60.0) -> dict[int, list[str]]:
     """Ranks that differ from the rest in output age, step count or GPU use."""
     import statistics  # (not on a run's path)
 
-    out: Dict[int, List[str]] = {}
+    out: dict[int, list[str]] = {}
     if len(rows) < 2:
         return out
     ages = [r.output_age for r in rows if r.output_age is not None]
@@ -448,14 +598,16 @@ def _suspicions(rows: List[RankRow], silence: float = 60.0) -> Dict[int, List[st
         if r.output_age is not None and r.output_age > silence and len(ages) == len(rows):
             recent = [o.output_age for o in others if o.output_age is not None and o.output_age < silence / 2]
             if len(recent) > len(others) / 2:
-                out.setdefault(r.rank, []).append(f"no output for {r.output_age:.0f} s while the others printed "
-                                                  f"within {max(recent):.0f} s")
+                out.setdefault(r.rank, []).append(
+                    f"no output for {r.output_age:.0f} s while the others printed within {max(recent):.0f} s"
+                )
         top = max(steps)
         if top >= 2 and top - (r.step or 0) >= 2 and statistics.median(o.step or 0 for o in others) >= top - 1:
             out.setdefault(r.rank, []).append(f"at step {r.step or 0} while the others reached {top}")
         if r.gpu_util is not None and r.gpu_util < 10 and len(gpus) >= 2:
             busy = [o.gpu_util for o in others if o.gpu_util is not None]
             if busy and statistics.median(busy) > 50:
-                out.setdefault(r.rank, []).append(f"GPU idle ({r.gpu_util:.0f} %) while the others are busy "
-                                                  f"(median {statistics.median(busy):.0f} %)")
+                out.setdefault(r.rank, []).append(
+                    f"GPU idle ({r.gpu_util:.0f} %) while the others are busy (median {statistics.median(busy):.0f} %)"
+                )
     return out

@@ -64,8 +64,12 @@ class SpmdSpec:
 
 
 # Accepted so that multi-node torchrun commands (torchx's dist.ddp among them) run as they are.
-_MOOT = (("--rdzv-backend", "rdzv_backend"), ("--rdzv-endpoint", "rdzv_endpoint"),
-         ("--rdzv-conf", "rdzv_conf"), ("--node-rank", "node_rank"))
+_MOOT = (
+    ("--rdzv-backend", "rdzv_backend"),
+    ("--rdzv-endpoint", "rdzv_endpoint"),
+    ("--rdzv-conf", "rdzv_conf"),
+    ("--node-rank", "node_rank"),
+)
 
 
 def _int(value: str, flag: str, minimum: int = 0) -> int:
@@ -114,10 +118,7 @@ def _ranks_filter(value: str, flag: str) -> set[int] | None:
 
 def _std(value: str, flag: str) -> str:
     if not _STD_RE.match(value):
-        raise JobError(
-            f"{flag}={value!r} is not valid; pass 0-3 (none/out/err/both) "
-            "or a per-rank map like 0:1,1:2"
-        )
+        raise JobError(f"{flag}={value!r} is not valid; pass 0-3 (none/out/err/both) or a per-rank map like 0:1,1:2")
     return value
 
 
@@ -205,10 +206,7 @@ def _unknown_flag(written: str) -> JobError:
 
     guess = prefixed or difflib.get_close_matches(probe, _KNOWN, n=1)
     hint = f"did you mean {guess[0]}?" if guess else "see `torchrun --help` for the flags it takes"
-    return JobError(
-        f"unknown torchrun flag {written}; {hint} "
-        "(flags meant for your program go after the script)"
-    )
+    return JobError(f"unknown torchrun flag {written}; {hint} (flags meant for your program go after the script)")
 
 
 def _parse_torchrun(args: list[str]) -> SpmdSpec:
@@ -225,10 +223,7 @@ def _parse_torchrun(args: list[str]) -> SpmdSpec:
             break
         written, canonical, attached = _split_flag(token)
         if canonical in _UNSUPPORTED:
-            raise JobError(
-                f"torchrun flag {written} is not supported by {_TOOL}: "
-                f"{_UNSUPPORTED[canonical]}; remove it"
-            )
+            raise JobError(f"torchrun flag {written} is not supported by {_TOOL}: {_UNSUPPORTED[canonical]}; remove it")
         if canonical in _BOOL_FLAGS:
             if attached is not None:
                 raise JobError(f"torchrun flag {written} takes no value; remove '{attached}'")
@@ -251,17 +246,14 @@ def _parse_torchrun(args: list[str]) -> SpmdSpec:
     return _build_torchrun_spec(values, flags, args[i], args[i + 1 :])
 
 
-def _build_torchrun_spec(
-    values: dict[str, Any], flags: dict[str, bool], target: str, rest: list[str]
-) -> SpmdSpec:
+def _build_torchrun_spec(values: dict[str, Any], flags: dict[str, bool], target: str, rest: list[str]) -> SpmdSpec:
     """Apply torchrun's cross-flag rules once every flag has been read."""
     nnodes, nnodes_min = values.pop("nnodes", (None, None))
     standalone = flags.get("standalone", False)
     if standalone:
         if nnodes is not None and nnodes > 1:
             raise JobError(
-                f"--standalone runs a single node but --nnodes asks for up to {nnodes}; "
-                "drop --standalone or --nnodes"
+                f"--standalone runs a single node but --nnodes asks for up to {nnodes}; drop --standalone or --nnodes"
             )
         nnodes = 1
     if flags.get("no_python") and flags.get("module") and not flags.get("run_path"):
@@ -346,9 +338,7 @@ def parse_command(argv: list[str]) -> SpmdSpec:
     head = os.path.basename(args[0])
     first_word = os.path.basename(args[0].split()[0]) if args[0].strip() else ""
     if " " in args[0] and (first_word == "torchrun" or _PYTHON_RE.match(first_word)):
-        raise JobError(
-            f"{args[0]!r} looks like a whole command in one argument; split it into words"
-        )
+        raise JobError(f"{args[0]!r} looks like a whole command in one argument; split it into words")
     if head == "torchrun":
         return _parse_torchrun(args[1:])
     if _PYTHON_RE.match(head):
@@ -357,8 +347,7 @@ def parse_command(argv: list[str]) -> SpmdSpec:
         return SpmdSpec(program=args, mode="script")
     if "=" in head and head.split("=", 1)[0].isidentifier():
         raise JobError(
-            f"environment assignment {head!r} before the command is not supported; "
-            "export the variable instead"
+            f"environment assignment {head!r} before the command is not supported; export the variable instead"
         )
     raise JobError(
         f"cannot tell how to run {args[0]!r}; start the command with torchrun, python "
@@ -406,8 +395,7 @@ def rank_environment(
     """
     if not (0 <= node_rank < nnodes) or not (0 <= local_rank < nproc_per_node):
         raise ValueError(
-            f"rank out of range: node_rank={node_rank} of {nnodes}, "
-            f"local_rank={local_rank} of {nproc_per_node}"
+            f"rank out of range: node_rank={node_rank} of {nnodes}, local_rank={local_rank} of {nproc_per_node}"
         )
     env = os.environ if environ is None else environ
     rank = node_rank * nproc_per_node + local_rank

@@ -4,13 +4,27 @@ import importlib
 from typing import Any
 
 _HOME = {
-    "Actor": "actor", "Context": "actor", "context": "actor", "current_rank": "actor",
-    "current_size": "actor", "endpoint": "actor",
-    "ActorError": "errors", "CallTimeout": "errors", "Failure": "errors", "MonarchError": "errors",
+    "Actor": "actor",
+    "Context": "actor",
+    "context": "actor",
+    "current_rank": "actor",
+    "current_size": "actor",
+    "endpoint": "actor",
+    "ActorError": "errors",
+    "CallTimeout": "errors",
+    "Failure": "errors",
+    "MonarchError": "errors",
     "SupervisionError": "errors",
-    "Future": "future", "Keys": "keys",
-    "ActorMesh": "mesh", "HostMesh": "mesh", "ProcMesh": "mesh", "this_host": "mesh", "this_proc": "mesh",
-    "Point": "shape", "Shape": "shape", "ValueMesh": "shape",
+    "Future": "future",
+    "Keys": "keys",
+    "ActorMesh": "mesh",
+    "HostMesh": "mesh",
+    "ProcMesh": "mesh",
+    "this_host": "mesh",
+    "this_proc": "mesh",
+    "Point": "shape",
+    "Shape": "shape",
+    "ValueMesh": "shape",
 }
 
 

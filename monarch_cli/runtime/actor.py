@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Optional, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .shape import Point
 
@@ -31,24 +32,22 @@ def endpoint(fn: F) -> F:
     return fn
 
 
-def endpoints_of(cls: type) -> FrozenSet[str]:
-    return frozenset(
-        name for name, value in inspect.getmembers(cls) if getattr(value, "_monarch_endpoint", False)
-    )
+def endpoints_of(cls: type) -> frozenset[str]:
+    return frozenset(name for name, value in inspect.getmembers(cls) if getattr(value, "_monarch_endpoint", False))
 
 
 @dataclasses.dataclass
 class Context:
     """Where the current code runs: its actor, its point in the actor mesh, its proc."""
 
-    actor: Optional[Actor]
-    actor_name: Optional[str]
+    actor: Actor | None
+    actor_name: str | None
     point: Point
-    proc_id: Optional[str]
-    _key: Optional[str] = None
+    proc_id: str | None
+    _key: str | None = None
 
     @property
-    def proc(self) -> "ProcMesh":
+    def proc(self) -> ProcMesh:
         from .mesh import this_proc
 
         return this_proc()
@@ -67,7 +66,7 @@ def current_rank() -> Point:
     return _current.get().point
 
 
-def current_size() -> Dict[str, int]:
+def current_size() -> dict[str, int]:
     """The extent of this actor's mesh, e.g. ``{"hosts": 2, "gpus": 4}``."""
     return dict(_current.get().point.extent)
 

@@ -33,22 +33,23 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any
 
 import zmq
 
 from .. import __version__
 from ..config import configure
 from ..sysutil import atomic_write
-from . import agent_command, agent_registry, agent_lineage, agent_sync, protocol, wire
-from .keys import Keys, keys_from_environment
+from . import agent_command, agent_lineage, agent_registry, agent_sync, protocol, wire
 from .agent_debug import DebugHost
-from .preload import LEARNED_ENV, READY_ENV
-from .agent_warm import WarmRanks
 from .agent_procs import ProcHost
 from .agent_ranks import RankHost
 from .agent_telemetry import TelemetryHost
+from .agent_warm import WarmRanks
+from .keys import Keys, keys_from_environment
+from .preload import LEARNED_ENV, READY_ENV
 from .title import set_title
 from .transport import Transport
 
@@ -66,8 +67,13 @@ class _Zygote:
     """The agent's handle on a fork server (``preload``: modules it imports up front; ``learned``
     and ``ready``: a warm-rank zygote's learned modules and report file, see :mod:`.preload`)."""
 
-    def __init__(self, preload: str = "", title: str = "monarch fork-server", learned: Optional[str] = None,
-                 ready: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        preload: str = "",
+        title: str = "monarch fork-server",
+        learned: str | None = None,
+        ready: str | None = None,
+    ) -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, "MONARCH_PRELOAD": preload}
         env.update({k: v for k, v in ((READY_ENV, ready), (LEARNED_ENV, learned)) if v})
@@ -80,10 +86,10 @@ class _Zygote:
         child.close()
         self.started = time.monotonic()
 
-    def fork(self, req_id: int, boot: Dict[str, Any], fds: List[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
+    def fork(self, req_id: int, boot: dict[str, Any], fds: list[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
         socket.send_fds(self.sock, [pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot)))], list(fds))
 
-    def receive(self) -> Optional[Any]:
+    def receive(self) -> Any | None:
         """The zygote's next message (:class:`~.protocol.Forked`, ``ChildExited``, ``WarmReady``);
         None once it is gone."""
         try:
@@ -114,8 +120,14 @@ class _Zygote:
 
 
 class HostAgent:
-    def __init__(self, keys: Keys, name: Optional[str] = None, preload: Optional[str] = None,
-                 reservation: str = "", port: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        keys: Keys,
+        name: str | None = None,
+        preload: str | None = None,
+        reservation: str = "",
+        port: int | None = None,
+    ) -> None:
         self.keys = keys
         self.transport = Transport(keys)
         self.inbox, self.address = self.transport.bind_router(port)
@@ -130,36 +142,42 @@ class HostAgent:
         self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
-        self._zygotes: Dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
+        self._zygotes: dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
         self.warm = WarmRanks(self.host, self.preload, self._start_warm, self._watch_zygote, self._unwatch_zygote)
         self.procs = ProcHost(self)
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
         self.telemetry = TelemetryHost(self)
         #: What this agent answers, by message kind: the core's own, then each part's.
-        self.handlers: Dict[str, Callable[[Any, List[Any]], None]] = {}
-        for part in (self._handlers(), self.procs.handlers(), self.ranks.handlers(), self.debug.handlers(), self.telemetry.handlers(),
-                     agent_sync.handlers(self)):
+        self.handlers: dict[str, Callable[[Any, list[Any]], None]] = {}
+        for part in (
+            self._handlers(),
+            self.procs.handlers(),
+            self.ranks.handlers(),
+            self.debug.handlers(),
+            self.telemetry.handlers(),
+            agent_sync.handlers(self),
+        ):
             for cls, handler in part.items():
                 if cls.KIND in self.handlers:
                     raise RuntimeError(f"two agent handlers for {cls.KIND!r}")
                 self.handlers[cls.KIND] = handler
-        self.clients: Dict[str, _Client] = {}
-        self._socks: Dict[str, zmq.Socket] = {}
+        self.clients: dict[str, _Client] = {}
+        self._socks: dict[str, zmq.Socket] = {}
         self._next_req = 0
         self.running = True
         self.reservation = reservation
-        self.state_file: Optional[str] = None
+        self.state_file: str | None = None
         self._state_check = (0.0, 0.0, 0)  # (interval, next check, misses in a row)
-        self._state_seen_by: Optional[float] = None  # until the file first records us: when to give up
+        self._state_seen_by: float | None = None  # until the file first records us: when to give up
 
     # ------------------------------------------------------------------ sending
-    def send(self, address: str, msg: Any, body: List[Any] = ()) -> None:  # type: ignore[assignment]
+    def send(self, address: str, msg: Any, body: list[Any] = ()) -> None:  # type: ignore[assignment]
         """A :mod:`.protocol` message to ``address``, through the connection it opened to us,
         else by connecting to it."""
         self.send_frames(address, wire.frames((msg.KIND, *msg), body))
 
-    def send_frames(self, address: str, frames: List[Any]) -> None:
+    def send_frames(self, address: str, frames: list[Any]) -> None:
         """A message's frames, as they are, to ``address`` (as :meth:`send`): the relay's path."""
         try:
             self.inbox.send_multipart([address.encode(), *frames], copy=False)
@@ -184,7 +202,7 @@ class HostAgent:
         """Start the fork server for warm ranks now rather than at the first run."""
         self.warm.warm_up()
 
-    def _start_warm(self, preload: str, learned: Optional[str], ready: str) -> _Zygote:
+    def _start_warm(self, preload: str, learned: str | None, ready: str) -> _Zygote:
         # Every warm process, the first and each re-warmed one, carries the same title.
         return _Zygote(preload, title=f"monarch warm {self.label}", learned=learned, ready=ready)
 
@@ -197,10 +215,10 @@ class HostAgent:
             self.poller.unregister(zygote.sock.fileno())
             zygote.sock.close()
 
-    def _own_zygotes(self) -> List[_Zygote]:
+    def _own_zygotes(self) -> list[_Zygote]:
         return [self.zygote, *self.warm.zygotes()]
 
-    def zygote_pids(self) -> Set[int]:
+    def zygote_pids(self) -> set[int]:
         return {z.process.pid for z in self._own_zygotes()}
 
     def watch_state_file(self, state_file: str, interval: float) -> None:
@@ -257,7 +275,7 @@ class HostAgent:
         self.zygote.kill()
         self.warm.close()
 
-    def _handle(self, frames: List[zmq.Frame]) -> None:
+    def _handle(self, frames: list[zmq.Frame]) -> None:
         head, body = wire.parse(frames[1:])
         try:
             msg = protocol.decode(head)
@@ -270,7 +288,7 @@ class HostAgent:
         else:
             handler(msg, body)
 
-    def _refuse(self, head: Tuple[Any, ...]) -> None:
+    def _refuse(self, head: tuple[Any, ...]) -> None:
         why = protocol.not_understood(head, f"the host agent on {self.host}")
         answer = protocol.answer_to(head)
         if answer is None:
@@ -279,7 +297,7 @@ class HostAgent:
             self.reply(answer[1], answer[0], False, why)
 
     # -------------------------------------------------------- the core's requests
-    def _handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+    def _handlers(self) -> dict[type, Callable[[Any, list[Any]], None]]:
         return {
             protocol.Ping: lambda m, _: self.reply(m.reply_to, m.cid, True, self.info()),
             protocol.ForgetPreload: lambda m, _: self.reply(m.reply_to, m.cid, True, self.warm.forget()),
@@ -287,7 +305,7 @@ class HostAgent:
             protocol.Shutdown: self._on_shutdown,
         }
 
-    def _on_shutdown(self, msg: protocol.Shutdown, _body: List[Any]) -> None:
+    def _on_shutdown(self, msg: protocol.Shutdown, _body: list[Any]) -> None:
         self.reply(msg.reply_to, msg.cid, True, None)
         self.running = False
 
@@ -297,7 +315,7 @@ class HostAgent:
         if renew or addr not in self.clients:
             self.clients[addr] = _Client(time.monotonic(), heartbeat_timeout)
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         from ..config import advertised_host
 
         return {
@@ -375,8 +393,11 @@ class HostAgent:
         misses = misses + 1 if present is False and not waiting else 0
         self._state_check = (interval, time.monotonic() + interval, misses)
         if misses >= 2:  # twice in a row: not a state file being rewritten
-            print(f"monarch agent: {self.state_file} no longer records reservation {self.reservation}; exiting",
-                  file=sys.stderr, flush=True)
+            print(
+                f"monarch agent: {self.state_file} no longer records reservation {self.reservation}; exiting",
+                file=sys.stderr,
+                flush=True,
+            )
             self.running = False
 
     def _check_clients(self) -> None:
@@ -393,7 +414,6 @@ class HostAgent:
         sock = self._socks.pop(addr, None)
         if sock is not None:
             sock.close(linger=0)
-
 
 
 def _default_preload() -> str:
@@ -421,7 +441,7 @@ def _watch_stdin(agent: HostAgent) -> None:
     os._exit(0)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = agent_command.parser()
     parser.add_argument("--state-check-interval", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -431,7 +451,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         configure(host=args.host)
     try:
         if args.keys_stdin:
-            keys: Optional[Keys] = Keys.decode(sys.stdin.readline())
+            keys: Keys | None = Keys.decode(sys.stdin.readline())
         else:
             keys = keys_from_environment()
     except (ValueError, OSError) as e:
@@ -449,7 +469,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # The title below replaces the command line in ps; the log keeps what was started.
     print(f"monarch agent: started as: {shlex.join(sys.orig_argv)}", file=sys.stderr, flush=True)
     set_title(f"monarch agent {agent.label}")
-    registered: Optional[Path] = None
+    registered: Path | None = None
     if args.state_file and args.reservation:
         registered = agent_registry.register(args.state_file, args.reservation, agent.host)
         agent.watch_state_file(args.state_file, args.state_check_interval)

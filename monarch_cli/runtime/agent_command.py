@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import argparse
@@ -26,15 +26,15 @@ class AgentCommand:
 
     python: str = dataclasses.field(default_factory=lambda: sys.executable)
     #: Host name to report (default: the hostname); several agents on one machine act as separate hosts.
-    name: Optional[str] = None
+    name: str | None = None
     #: Address to advertise to peers (default: ``$MONARCH_HOST`` or this host's IP).
-    host: Optional[str] = None
+    host: str | None = None
     #: Listen on this port (default: any free one); Kubernetes and clouds need a known port.
-    port: Optional[int] = None
+    port: int | None = None
     #: Keep every port the agent, its procs and its ranks open within [lo, hi].
-    port_range: Optional[Tuple[int, int]] = None
+    port_range: tuple[int, int] | None = None
     #: Comma-separated modules warm ranks import up front (None: torch if installed).
-    preload: Optional[str] = None
+    preload: str | None = None
     #: Start the warm-rank zygote now, not at the first run.
     warm_up: bool = False
     #: Read the reservation keys from stdin's first line.
@@ -42,16 +42,16 @@ class AgentCommand:
     #: Exit (killing all procs) when stdin closes: the agent lives as long as its starter.
     exit_with_stdin: bool = False
     #: Write the ready line here once listening (atomically; discovery through a shared directory).
-    address_file: Optional[str] = None
+    address_file: str | None = None
     #: Write the ready line to this inherited fd.
-    ready_fd: Optional[int] = None
+    ready_fd: int | None = None
     #: The reservation's name, shown in ``ps`` (``monarch agent <reservation> host <name>``).
     reservation: str = ""
     #: The client's state file (local agents): the agent registers itself under it and exits
     #: once that file no longer records ``reservation``.
-    state_file: Optional[str] = None
+    state_file: str | None = None
 
-    def argv(self) -> List[str]:
+    def argv(self) -> list[str]:
         cmd = [self.python, "-m", AGENT_MODULE]
         if self.address_file is not None:
             cmd += ["--address-file", str(self.address_file)]
@@ -79,20 +79,20 @@ class AgentCommand:
             cmd += ["--state-file", self.state_file]
         return cmd
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["port_range"] = list(self.port_range) if self.port_range else None
         return data
 
     @classmethod
-    def from_json(cls, data: Dict[str, Any]) -> "AgentCommand":
+    def from_json(cls, data: dict[str, Any]) -> AgentCommand:
         data = dict(data)
         if data.get("port_range") is not None:
             data["port_range"] = tuple(data["port_range"])
         return cls(**data)
 
 
-def parse_port_range(text: str) -> Tuple[int, int]:
+def parse_port_range(text: str) -> tuple[int, int]:
     """``LO-HI`` (inclusive) as a pair; ValueError with a readable message otherwise."""
     lo, sep, hi = text.partition("-")
     try:
@@ -104,7 +104,7 @@ def parse_port_range(text: str) -> Tuple[int, int]:
     return pair
 
 
-def format_port_range(pair: Tuple[int, int]) -> str:
+def format_port_range(pair: tuple[int, int]) -> str:
     return f"{pair[0]}-{pair[1]}"
 
 
@@ -112,23 +112,32 @@ def parser() -> argparse.ArgumentParser:
     """The agent's argument parser (``python -m monarch_cli.runtime.agent``)."""
     import argparse  # (the agent's, not every client's: `run-spmd` imports this module)
 
-    p = argparse.ArgumentParser(prog=f"python -m {AGENT_MODULE}",
-                                description="The host agent: one long-lived process per host.")
+    p = argparse.ArgumentParser(
+        prog=f"python -m {AGENT_MODULE}", description="The host agent: one long-lived process per host."
+    )
     p.add_argument("--address-file", type=Path, help="write the agent's address here once it listens")
     p.add_argument("--ready-fd", type=int, help="write the address to this inherited fd")
     p.add_argument("--keys-stdin", action="store_true", help="read the reservation keys from stdin's first line")
     p.add_argument("--exit-with-stdin", action="store_true", help="exit (killing all procs) when stdin closes")
     p.add_argument("--host", help="address to advertise to peers (default: $MONARCH_HOST or this host's IP)")
     p.add_argument("--port", type=int, help="listen on this port (default: any free port)")
-    p.add_argument("--port-range", type=parse_port_range, metavar="LO-HI",
-                   help="keep every port the agent, its procs and ranks open within LO-HI")
+    p.add_argument(
+        "--port-range",
+        type=parse_port_range,
+        metavar="LO-HI",
+        help="keep every port the agent, its procs and ranks open within LO-HI",
+    )
     p.add_argument("--preload", help="comma-separated modules warm ranks import up front (default: torch if installed)")
     p.add_argument("--warm-up", action="store_true", help="start the warm-rank zygote now, not at the first run")
-    p.add_argument("--name", help="host name to report (default: the hostname); lets several agents on one machine "
-                                  "act as separate hosts")
+    p.add_argument(
+        "--name",
+        help="host name to report (default: the hostname); lets several agents on one machine act as separate hosts",
+    )
     p.add_argument("--reservation", default="", help="the reservation's name, shown in ps")
-    p.add_argument("--state-file", help="register under this client state file and exit once it no longer names "
-                                        "--reservation (local agents)")
+    p.add_argument(
+        "--state-file",
+        help="register under this client state file and exit once it no longer names --reservation (local agents)",
+    )
     return p
 
 

@@ -17,7 +17,8 @@ import json
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import protocol
 from .dap_link import GOODBYE, DapFrames, accept_same_user, listen_loopback
@@ -37,47 +38,55 @@ class _Session:
     run_id: str
     rank: int
     owner: str
-    sock: Optional[socket.socket]
-    coords: Dict[str, int] = dataclasses.field(default_factory=dict)  # hosts (node), gpus (local rank)
+    sock: socket.socket | None
+    coords: dict[str, int] = dataclasses.field(default_factory=dict)  # hosts (node), gpus (local rank)
     started: float = dataclasses.field(default_factory=time.time)  # orders runs (ids can tie in a second)
-    pid: Optional[int] = None
+    pid: int | None = None
     state: str = "running"  # running | paused | exited
-    where: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    where: dict[str, Any] = dataclasses.field(default_factory=dict)
     transcript: str = ""
     seen: int = 0  # transcript offset already sent to a user
     confirmed: int = 0  # offset a user surely saw (typed after it, or detached cleanly)
-    holder: Optional[str] = None
+    holder: str | None = None
     holder_name: str = ""
-    casts: List[Tuple[int, str, int]] = dataclasses.field(default_factory=list)  # (cid, reply_to, offset)
-    dap: List[Tuple[int, str]] = dataclasses.field(default_factory=list)
+    casts: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)  # (cid, reply_to, offset)
+    dap: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     last_input: str = ""
     exit_how: str = ""
-    ended_at: Optional[float] = None
-    dap_listener: Optional[socket.socket] = None  # waiting for the rank's debugpy to connect
-    dap_sock: Optional[socket.socket] = None  # the rank's debugpy
+    ended_at: float | None = None
+    dap_listener: socket.socket | None = None  # waiting for the rank's debugpy to connect
+    dap_sock: socket.socket | None = None  # the rank's debugpy
     dap_frames: DapFrames = dataclasses.field(default_factory=DapFrames)
-    dap_pending: List[bytes] = dataclasses.field(default_factory=list)  # from the IDE, before the rank connected
-    dap_client: Optional[str] = None  # the `monarch debug --dap` relay bound to this rank
+    dap_pending: list[bytes] = dataclasses.field(default_factory=list)  # from the IDE, before the rank connected
+    dap_client: str | None = None  # the `monarch debug --dap` relay bound to this rank
     dap_lost: str = ""
 
-    def describe(self, host: str) -> Dict[str, Any]:
+    def describe(self, host: str) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "rank": self.rank, "host": host, "pid": self.pid, "state": self.state,
-            "file": self.where.get("file"), "line": self.where.get("line"),
-            "function": self.where.get("function"), "reason": self.where.get("reason"),
-            "holder": self.holder_name or None, "exit": self.exit_how or None, "coords": dict(self.coords),
+            "run_id": self.run_id,
+            "rank": self.rank,
+            "host": host,
+            "pid": self.pid,
+            "state": self.state,
+            "file": self.where.get("file"),
+            "line": self.where.get("line"),
+            "function": self.where.get("function"),
+            "reason": self.where.get("reason"),
+            "holder": self.holder_name or None,
+            "exit": self.exit_how or None,
+            "coords": dict(self.coords),
             "started": self.started,
         }
 
 
 class DebugHost:
-    def __init__(self, agent: "HostAgent") -> None:
+    def __init__(self, agent: HostAgent) -> None:
         self.agent = agent
-        self.sessions: Dict[Tuple[str, int], _Session] = {}
-        self.by_fd: Dict[int, _Session] = {}
+        self.sessions: dict[tuple[str, int], _Session] = {}
+        self.by_fd: dict[int, _Session] = {}
 
     # ------------------------------------------------------------ rank side
-    def add(self, run_id: str, rank: int, owner: str, sock: socket.socket, coords: Dict[str, int]) -> None:
+    def add(self, run_id: str, rank: int, owner: str, sock: socket.socket, coords: dict[str, int]) -> None:
         sock.setblocking(False)
         session = _Session(run_id, rank, owner, sock, coords)
         self.sessions[(run_id, rank)] = session
@@ -202,19 +211,32 @@ class DebugHost:
                 del self.sessions[key]
 
     # ----------------------------------------------------------- client side
-    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+    def handlers(self) -> dict[type, Callable[[Any, list[Any]], None]]:
         """The messages this part of the agent answers (``monarch debug``'s requests)."""
         on_rank = lambda m, _: self._on_rank_request(m)  # noqa: E731
         return {
             protocol.DebugList: lambda m, _: self._list(m),
-            **{cls: on_rank for cls in (protocol.DebugAttach, protocol.DebugDetach, protocol.DebugInput,
-                                        protocol.DebugCast, protocol.DebugContinue, protocol.DebugDap,
-                                        protocol.DebugDapData, protocol.DebugDapEnd)},
+            **{
+                cls: on_rank
+                for cls in (
+                    protocol.DebugAttach,
+                    protocol.DebugDetach,
+                    protocol.DebugInput,
+                    protocol.DebugCast,
+                    protocol.DebugContinue,
+                    protocol.DebugDap,
+                    protocol.DebugDapData,
+                    protocol.DebugDapEnd,
+                )
+            },
         }
 
     def _list(self, msg: protocol.DebugList) -> None:
-        rows = [s.describe(self.agent.host) for s in self.sessions.values()
-                if msg.everything or s.state != "running" or s.holder]
+        rows = [
+            s.describe(self.agent.host)
+            for s in self.sessions.values()
+            if msg.everything or s.state != "running" or s.holder
+        ]
         self.agent.reply(msg.reply_to, msg.cid, True, rows)
 
     def _on_rank_request(self, msg: Any) -> None:
@@ -235,7 +257,7 @@ class DebugHost:
         if kind == "debug_attach":
             s.holder, s.holder_name = reply_to, msg.holder_name
             self.agent.register_client(reply_to, msg.heartbeat_timeout)
-            unseen = s.transcript[s.seen:] or (s.transcript.rsplit("\n", 1)[-1] if s.state == "paused" else "")
+            unseen = s.transcript[s.seen :] or (s.transcript.rsplit("\n", 1)[-1] if s.state == "paused" else "")
             s.seen = s.confirmed = len(s.transcript)
             self.agent.reply(reply_to, cid, True, {"unseen": unseen, "state": s.state, "where": dict(s.where)})
         elif kind == "debug_detach":
@@ -269,8 +291,12 @@ class DebugHost:
     def _dap_bind(self, s: _Session, cid: int, client: str, heartbeat_timeout: float) -> None:
         """Route the rank's debugpy to ``client`` (connecting it first if this is the first IDE)."""
         if s.dap_client is not None and s.dap_client != client:
-            self.agent.reply(client, cid, False, f"rank {s.rank} is already relayed to an IDE by another "
-                                                 "`monarch debug --dap`; stop that one first")
+            self.agent.reply(
+                client,
+                cid,
+                False,
+                f"rank {s.rank} is already relayed to an IDE by another `monarch debug --dap`; stop that one first",
+            )
             return
         if s.dap_lost:
             self.agent.reply(client, cid, False, f"rank {s.rank}'s debugger link is gone ({s.dap_lost})")
@@ -344,11 +370,15 @@ class DebugHost:
         self.by_fd.pop(sock.fileno(), None)
         self.agent.unwatch_fd(sock.fileno())
 
-    def _refuse(self, kind: str, s: _Session, client: str) -> Optional[str]:
+    def _refuse(self, kind: str, s: _Session, client: str) -> str | None:
         """Why ``client`` may not do ``kind`` on this rank now, or None."""
         if s.state == "exited" and kind != "debug_detach":
             return f"rank {s.rank} has finished ({s.exit_how})"
-        if s.holder and s.holder != client and kind not in ("debug_detach", "debug_dap", "debug_dap_data", "debug_dap_end"):
+        if (
+            s.holder
+            and s.holder != client
+            and kind not in ("debug_detach", "debug_dap", "debug_dap_data", "debug_dap_end")
+        ):
             return f"rank {s.rank} is attached by {s.holder_name}; detach there first"
         if kind in ("debug_cast", "debug_input") and s.state != "paused":
             return f"rank {s.rank} is not paused (it is {s.state})"

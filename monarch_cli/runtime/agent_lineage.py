@@ -13,14 +13,14 @@ import os
 import signal
 import subprocess
 import time
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from collections.abc import Iterable
 
 import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
 RUN_ENV = "MONARCH_RUN_ID"  #: set in every rank's environment; its descendants inherit it
 
-Pid = Tuple[int, float]  # (pid, start time): never confused with a later process given the pid
+Pid = tuple[int, float]  # (pid, start time): never confused with a later process given the pid
 
 
 def become_subreaper() -> bool:
@@ -32,11 +32,11 @@ def become_subreaper() -> bool:
         return False
 
 
-def reap_adopted(own: Dict[int, "subprocess.Popen[bytes]"]) -> List[Tuple[int, int]]:
+def reap_adopted(own: dict[int, subprocess.Popen[bytes]]) -> list[tuple[int, int]]:
     """Collect the exit of every dead child: ``own`` (Popen) children collect their own
     status; adopted orphans are reaped here and returned as (pid, wait status)."""
-    found: List[Tuple[int, int]] = []
-    seen: Set[int] = set()
+    found: list[tuple[int, int]] = []
+    seen: set[int] = set()
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -57,25 +57,25 @@ def reap_adopted(own: Dict[int, "subprocess.Popen[bytes]"]) -> List[Tuple[int, i
     return found
 
 
-def _start_time(pid: int) -> Optional[float]:
+def _start_time(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()
     except psutil.Error:
         return None
 
 
-def children_map() -> Dict[int, List[int]]:
+def children_map() -> dict[int, list[int]]:
     """Every process's children, from one pass over the process table."""
-    table: Dict[int, List[int]] = {}
+    table: dict[int, list[int]] = {}
     for p in psutil.process_iter(["ppid"]):
         table.setdefault(p.info["ppid"] or 0, []).append(p.pid)
     return table
 
 
-def descendants(roots: Iterable[int], table: Optional[Dict[int, List[int]]] = None) -> Set[Pid]:
+def descendants(roots: Iterable[int], table: dict[int, list[int]] | None = None) -> set[Pid]:
     """Every living process below ``roots`` (whatever session or group they moved to)."""
     table = children_map() if table is None else table
-    found: Set[Pid] = set()
+    found: set[Pid] = set()
     stack = [c for r in roots for c in table.get(r, ())]
     while stack:
         pid = stack.pop()
@@ -86,7 +86,7 @@ def descendants(roots: Iterable[int], table: Optional[Dict[int, List[int]]] = No
     return found
 
 
-def carrying(run_id: str, among: Iterable[Pid]) -> Set[Pid]:
+def carrying(run_id: str, among: Iterable[Pid]) -> set[Pid]:
     """The processes among ``among`` whose environment says they belong to ``run_id``."""
     found = set()
     for pid, start in among:
@@ -126,7 +126,7 @@ def kill_tree(root: int = 0, passes: int = 20) -> None:
         time.sleep(0.02)
 
 
-def _status(pid: int) -> Optional[str]:
+def _status(pid: int) -> str | None:
     try:
         return psutil.Process(pid).status()
     except psutil.Error:

@@ -9,7 +9,8 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -27,19 +28,19 @@ class _Proc:
     owner: str
     pid: int
     stopping: bool = False
-    kill_at: Optional[float] = None
+    kill_at: float | None = None
     cause: str = ""
 
 
 class ProcHost:
-    def __init__(self, agent: "HostAgent") -> None:
+    def __init__(self, agent: HostAgent) -> None:
         self.agent = agent
-        self.by_pid: Dict[int, _Proc] = {}
-        self.forking: Dict[int, Tuple[str, str]] = {}  # fork request -> (proc_id, owner)
-        self.stops: List[Tuple[int, str, Set[str]]] = []  # (call id, reply to, proc ids left)
-        self.relayed: Dict[str, Optional[zmq.Socket]] = {}  # relayed proc -> our connection to its inbox
+        self.by_pid: dict[int, _Proc] = {}
+        self.forking: dict[int, tuple[str, str]] = {}  # fork request -> (proc_id, owner)
+        self.stops: list[tuple[int, str, set[str]]] = []  # (call id, reply to, proc ids left)
+        self.relayed: dict[str, zmq.Socket | None] = {}  # relayed proc -> our connection to its inbox
 
-    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+    def handlers(self) -> dict[type, Callable[[Any, list[Any]], None]]:
         """The messages this part of the agent answers."""
         return {
             protocol.SpawnProcs: self._on_spawn,
@@ -48,13 +49,19 @@ class ProcHost:
             protocol.RelayToClient: lambda m, body: self.agent.send_frames(m.client, body),
         }
 
-    def _on_spawn(self, msg: protocol.SpawnProcs, body: List[Any]) -> None:
+    def _on_spawn(self, msg: protocol.SpawnProcs, body: list[Any]) -> None:
         specs, client_settings, import_context = wire.loads(body)
         self._spawn(msg.reply_to, specs, client_settings, import_context, msg.relay)
         self.agent.reply(msg.reply_to, msg.cid, True, None)
 
-    def _spawn(self, owner: str, specs: List[Tuple[str, int]], client_settings: Dict[str, Any],
-               import_context: Dict[str, Any], relay: bool) -> None:
+    def _spawn(
+        self,
+        owner: str,
+        specs: list[tuple[str, int]],
+        client_settings: dict[str, Any],
+        import_context: dict[str, Any],
+        relay: bool,
+    ) -> None:
         agent = self.agent
         agent.register_client(owner, float(client_settings.get("heartbeat_timeout", 5.0)), renew=True)
         for proc_id, ready_cid in specs:
@@ -113,7 +120,7 @@ class ProcHost:
         self.forking.clear()
 
     # ------------------------------------------------------------------ relaying
-    def _relay_to_proc(self, msg: protocol.RelayToProc, body: List[Any]) -> None:
+    def _relay_to_proc(self, msg: protocol.RelayToProc, body: list[Any]) -> None:
         """Pass a client's message, frames as they are, to a proc of ours it cannot reach."""
         if msg.proc_id not in self.relayed:
             return  # not ours, or it has exited: its owner was told with a proc_exit
@@ -128,7 +135,7 @@ class ProcHost:
             sock.close(linger=0)
 
     # ---------------------------------------------------------------- stopping
-    def _stop(self, cid: int, reply_to: str, proc_ids: Set[str], grace: float) -> None:
+    def _stop(self, cid: int, reply_to: str, proc_ids: set[str], grace: float) -> None:
         deadline = time.monotonic() + grace
         for p in self.by_pid.values():
             if p.proc_id in proc_ids and not p.stopping:

@@ -24,7 +24,8 @@ import os
 import signal
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import agent_lineage, protocol, wire
 from .exit_status import describe_status, from_wait_status
@@ -42,11 +43,29 @@ _PORT_HOLD = 300.0  # a reserved port no run claims is closed after this long
 #: rank's environment asks for others it must start cold to get them (e.g. a PYTHONPATH or
 #: PYTHONHASHSEED exported after `monarch serve`).
 _START_UP_ENV = (
-    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONDEBUG", "PYTHONVERBOSE",
-    "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONSAFEPATH", "PYTHONWARNINGS",
-    "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONCOERCECLOCALE", "PYTHONMALLOC", "PYTHONTRACEMALLOC",
-    "PYTHONFAULTHANDLER", "PYTHONINTMAXSTRDIGITS", "PYTHONPLATLIBDIR", "PYTHONPYCACHEPREFIX",
-    "PYTHONWARNDEFAULTENCODING", "PYTHONNODEBUGRANGES", "PYTHONPROFILEIMPORTTIME",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONHASHSEED",
+    "PYTHONOPTIMIZE",
+    "PYTHONDEBUG",
+    "PYTHONVERBOSE",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONNOUSERSITE",
+    "PYTHONUSERBASE",
+    "PYTHONSAFEPATH",
+    "PYTHONWARNINGS",
+    "PYTHONDEVMODE",
+    "PYTHONUTF8",
+    "PYTHONCOERCECLOCALE",
+    "PYTHONMALLOC",
+    "PYTHONTRACEMALLOC",
+    "PYTHONFAULTHANDLER",
+    "PYTHONINTMAXSTRDIGITS",
+    "PYTHONPLATLIBDIR",
+    "PYTHONPYCACHEPREFIX",
+    "PYTHONWARNDEFAULTENCODING",
+    "PYTHONNODEBUGRANGES",
+    "PYTHONPROFILEIMPORTTIME",
 )
 
 
@@ -56,37 +75,37 @@ class _Rank:
     rank: int
     owner: str
     started: float
-    fds: Dict[int, int]  # read fd -> stream (1 stdout, 2 stderr)
-    pid: Optional[int] = None
-    status: Optional[int] = None
-    exited_at: Optional[float] = None
+    fds: dict[int, int]  # read fd -> stream (1 stdout, 2 stderr)
+    pid: int | None = None
+    status: int | None = None
+    exited_at: float | None = None
     zygote_pid: int = 0  # the fork server it came from
     cause: str = ""  # why it ended, when not by itself (its warm process died)
     sampled: bool = False  # its client records telemetry: the agent samples it each second
     #: Signals sent to the run before this rank's fork completed: delivered once it has a pid,
     #: so a run stopped early never waits for a rank nobody signalled.
-    signals: List[int] = dataclasses.field(default_factory=list)
+    signals: list[int] = dataclasses.field(default_factory=list)
 
 
 class RankHost:
-    def __init__(self, agent: "HostAgent") -> None:
+    def __init__(self, agent: HostAgent) -> None:
         self.agent = agent
-        self.pending: Dict[int, _Rank] = {}  # fork request -> rank
-        self.by_pid: Dict[int, _Rank] = {}
-        self.by_fd: Dict[int, _Rank] = {}
-        self.ports: Dict[str, socket.socket] = {}  # run id -> held listening socket
-        self.groups: Dict[str, List[int]] = {}  # run id -> its ranks' process groups here (pgid == pid)
-        self.reaping: Dict[int, float] = {}  # process group left behind by a run -> when to SIGKILL it
-        self.in_flight: Dict[str, int] = {}  # run id -> output bytes sent and not yet credited
-        self.held: Dict[str, Set[int]] = {}  # run id -> pipes not read until credit comes back
-        self.unthrottled: Set[str] = set()  # runs whose client is gone: nobody will credit them
-        self.port_held_at: Dict[str, float] = {}
-        self.tracked: Dict[str, Set[agent_lineage.Pid]] = {}  # run id -> descendants seen under its ranks
-        self.leftovers: Dict[agent_lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
+        self.pending: dict[int, _Rank] = {}  # fork request -> rank
+        self.by_pid: dict[int, _Rank] = {}
+        self.by_fd: dict[int, _Rank] = {}
+        self.ports: dict[str, socket.socket] = {}  # run id -> held listening socket
+        self.groups: dict[str, list[int]] = {}  # run id -> its ranks' process groups here (pgid == pid)
+        self.reaping: dict[int, float] = {}  # process group left behind by a run -> when to SIGKILL it
+        self.in_flight: dict[str, int] = {}  # run id -> output bytes sent and not yet credited
+        self.held: dict[str, set[int]] = {}  # run id -> pipes not read until credit comes back
+        self.unthrottled: set[str] = set()  # runs whose client is gone: nobody will credit them
+        self.port_held_at: dict[str, float] = {}
+        self.tracked: dict[str, set[agent_lineage.Pid]] = {}  # run id -> descendants seen under its ranks
+        self.leftovers: dict[agent_lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
         self._next_scan = 0.0
 
     # ---------------------------------------------------------------- requests
-    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+    def handlers(self) -> dict[type, Callable[[Any, list[Any]], None]]:
         """The messages this part of the agent answers."""
         agent = self.agent
         return {
@@ -94,12 +113,14 @@ class RankHost:
             protocol.ReleasePort: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.release_port(m.run_id)),
             protocol.RunRanks: self._on_run_ranks,
             protocol.OutputCredit: lambda m, _: self.credit(m.run_id, int(m.nbytes)),
-            protocol.SignalRanks: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.signal_run(m.run_id, m.signal)),
+            protocol.SignalRanks: lambda m, _: agent.reply(
+                m.reply_to, m.cid, True, self.signal_run(m.run_id, m.signal)
+            ),
             # The reservation is being released: tell running runs who did it.
             protocol.Stopping: lambda m, _: agent.reply(m.reply_to, m.cid, True, self.announce_stop(m.who)),
         }
 
-    def _on_run_ranks(self, msg: protocol.RunRanks, body: List[Any]) -> None:
+    def _on_run_ranks(self, msg: protocol.RunRanks, body: list[Any]) -> None:
         self.agent.register_client(msg.reply_to, msg.heartbeat_timeout)
         self.agent.reply(msg.reply_to, msg.cid, True, self.start(msg.reply_to, msg.run_id, wire.loads(body)))
 
@@ -131,7 +152,7 @@ class RankHost:
             sock.close()
         return sock is not None
 
-    def start(self, owner: str, run_id: str, specs: List[protocol.RankSpec]) -> Dict[str, List[str]]:
+    def start(self, owner: str, run_id: str, specs: list[protocol.RankSpec]) -> dict[str, list[str]]:
         """Start the ranks; returns ``made_cold``, the start-up variables that made warm ranks
         start cold, and ``notices`` for the user (e.g. a fresh warm process, and why)."""
         from . import preload  # (the agent's side; controllers import this module too)
@@ -139,8 +160,8 @@ class RankHost:
         held = self.ports.pop(run_id, None)
         self.port_held_at.pop(run_id, None)
         base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
-        made_cold: Set[str] = set()
-        notices: List[str] = []
+        made_cold: set[str] = set()
+        notices: list[str] = []
         warm_zygote: Any = None
         for spec in specs:
             spec["env"] = {**base, **spec["env"], agent_lineage.RUN_ENV: run_id}  # the controller's view wins
@@ -154,11 +175,11 @@ class RankHost:
             err_r, err_w = os.pipe()
             devnull = os.open(os.devnull, os.O_RDONLY)
             fds = [devnull, out_w, err_w]
-            roles: Dict[str, int] = {}
+            roles: dict[str, int] = {}
             if held is not None and spec.get("host_store"):
                 roles["listen"] = len(fds)
                 fds.append(held.fileno())
-            debug_ours: Optional[socket.socket] = None
+            debug_ours: socket.socket | None = None
             if spec["mode"] != "no_python":
                 debug_ours, debug_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 roles["debug"] = len(fds)
@@ -170,8 +191,15 @@ class RankHost:
                 if self.agent.warm.learning:
                     spec[preload.REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
             zygote = warm_zygote if spec["warm"] else self.agent.zygote
-            rank = _Rank(run_id, spec["rank"], owner, time.monotonic(), {out_r: 1, err_r: 2},
-                         zygote_pid=zygote.process.pid, sampled=bool(spec.get("telemetry")))
+            rank = _Rank(
+                run_id,
+                spec["rank"],
+                owner,
+                time.monotonic(),
+                {out_r: 1, err_r: 2},
+                zygote_pid=zygote.process.pid,
+                sampled=bool(spec.get("telemetry")),
+            )
             req = self.agent.next_request()
             self.pending[req] = rank
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
@@ -201,13 +229,13 @@ class RankHost:
                 hit += 1
         return hit
 
-    def announce_stop(self, who: str) -> List[str]:
+    def announce_stop(self, who: str) -> list[str]:
         """Tell each run with ranks here that ``who`` is releasing the reservation; returns those runs.
 
         Sent as :class:`~.protocol.ReservationStopped` before the agent is stopped, so the run
         ends saying why instead of as a lost host.
         """
-        runs: Dict[Tuple[str, str], None] = {}
+        runs: dict[tuple[str, str], None] = {}
         for rank in (*self.by_pid.values(), *self.pending.values()):
             if rank.status is None:
                 runs[(rank.owner, rank.run_id)] = None
@@ -324,8 +352,9 @@ class RankHost:
                 if pgid not in self.by_pid:  # never a new rank that got the same pid
                     _signal_group(pgid, signal.SIGKILL)
         for rank in list(self.by_pid.values()):
-            if self.held.get(rank.run_id) or (self.in_flight.get(rank.run_id, 0) >= OUTPUT_WINDOW
-                                              and rank.run_id not in self.unthrottled):
+            if self.held.get(rank.run_id) or (
+                self.in_flight.get(rank.run_id, 0) >= OUTPUT_WINDOW and rank.run_id not in self.unthrottled
+            ):
                 continue  # the client is behind: what is in the pipes waits for it, not the grace
             if rank.exited_at is not None and rank.fds and now - rank.exited_at > _EOF_GRACE:
                 for fd in list(rank.fds):
@@ -360,10 +389,11 @@ class RankHost:
         self._send_exit(rank, exitcode, sig)
         self._end_run(rank.run_id)
 
-    def _send_exit(self, rank: _Rank, exitcode: Optional[int], sig: Optional[int]) -> None:
+    def _send_exit(self, rank: _Rank, exitcode: int | None, sig: int | None) -> None:
         duration = (rank.exited_at or time.monotonic()) - rank.started
-        self.agent.send(rank.owner, protocol.RankExited(rank.run_id, rank.rank, exitcode, sig, duration, rank.pid,
-                                                        rank.cause))
+        self.agent.send(
+            rank.owner, protocol.RankExited(rank.run_id, rank.rank, exitcode, sig, duration, rank.pid, rank.cause)
+        )
 
     def _track_descendants(self) -> None:
         live = [r for r in self.by_pid.values() if r.status is None and r.pid is not None]
@@ -394,11 +424,11 @@ class RankHost:
             if agent_lineage.signal_exact(proc, signal.SIGTERM):
                 self.leftovers[proc] = kill_at
 
-    def live_fds(self) -> Set[int]:
+    def live_fds(self) -> set[int]:
         return set(self.by_fd)
 
 
-def _killpg(pid: Optional[int], sig: int) -> None:
+def _killpg(pid: int | None, sig: int) -> None:
     if pid is None:
         return
     try:
@@ -417,5 +447,3 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-

@@ -15,7 +15,6 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
 
 import psutil
 
@@ -39,7 +38,7 @@ class AgentEntry:
             return False
 
 
-def registry_dir() -> Optional[Path]:
+def registry_dir() -> Path | None:
     """``agents/`` in the per-user runtime directory the transport's sockets use
     (``$XDG_RUNTIME_DIR/monarch-<uid>``, else ``/tmp/monarch-<uid>``), 0700 and ours; None if
     that directory is someone else's or readable by others."""
@@ -59,14 +58,19 @@ def registry_dir() -> Optional[Path]:
     return agents
 
 
-def register(state_file: str, reservation: str, name: str) -> Optional[Path]:
+def register(state_file: str, reservation: str, name: str) -> Path | None:
     """Record this process as an agent of ``state_file``; returns the entry's path."""
     directory = registry_dir()
     if directory is None:
         return None
     pid = os.getpid()
-    entry = {"pid": pid, "start_time": psutil.Process(pid).create_time(), "state_file": state_file,
-             "reservation": reservation, "name": name}
+    entry = {
+        "pid": pid,
+        "start_time": psutil.Process(pid).create_time(),
+        "state_file": state_file,
+        "reservation": reservation,
+        "name": name,
+    }
     path = directory / f"agent-{pid}.json"
     tmp = directory / f".agent-{pid}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -76,7 +80,7 @@ def register(state_file: str, reservation: str, name: str) -> Optional[Path]:
     return path
 
 
-def agents_of(state_file: Optional[str] = None, reservation: Optional[str] = None) -> List[AgentEntry]:
+def agents_of(state_file: str | None = None, reservation: str | None = None) -> list[AgentEntry]:
     """The living agents registered for ``state_file`` (absolute) or ``reservation``; stale
     entries are removed on the way."""
     directory = registry_dir()
@@ -86,20 +90,27 @@ def agents_of(state_file: Optional[str] = None, reservation: Optional[str] = Non
     for path in directory.glob("agent-*.json"):
         try:
             raw = json.loads(path.read_text())
-            entry = AgentEntry(int(raw["pid"]), float(raw["start_time"]), str(raw["state_file"]),
-                               str(raw["reservation"]), str(raw["name"]), path)
+            entry = AgentEntry(
+                int(raw["pid"]),
+                float(raw["start_time"]),
+                str(raw["state_file"]),
+                str(raw["reservation"]),
+                str(raw["name"]),
+                path,
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if not entry.alive():
             path.unlink(missing_ok=True)
             continue
         if (state_file is not None and entry.state_file == state_file) or (
-                reservation is not None and entry.reservation == reservation):
+            reservation is not None and entry.reservation == reservation
+        ):
             found.append(entry)
     return found
 
 
-def stop_agents(entries: List[AgentEntry], grace: float = 5.0) -> None:
+def stop_agents(entries: list[AgentEntry], grace: float = 5.0) -> None:
     """SIGTERM each agent (it ends its ranks and warm processes), then SIGKILL what is left:
     the agent and every process under it."""
     for e in entries:
@@ -115,7 +126,7 @@ def stop_agents(entries: List[AgentEntry], grace: float = 5.0) -> None:
         e.path.unlink(missing_ok=True)
 
 
-def reservation_present(state_file: str, reservation: str) -> Optional[bool]:
+def reservation_present(state_file: str, reservation: str) -> bool | None:
     """Whether ``state_file`` still records ``reservation``: False when it is gone or names
     another one; None when it cannot be told (unreadable). The reservation id appears
     verbatim in the state pickle, so no parsing (and no import of the jobs layer) is needed."""

@@ -11,29 +11,29 @@ import os
 import select
 import subprocess
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from .agent_command import READY_PREFIX, AgentCommand
 from .keys import Keys
 
-_private: List[subprocess.Popen] = []
+_private: list[subprocess.Popen] = []
 
 
 def launch_agent(
     keys: Keys,
     *,
-    name: Optional[str] = None,
-    preload: Optional[str] = None,
+    name: str | None = None,
+    preload: str | None = None,
     warm_up: bool = False,
     reservation: str = "",
-    state_file: Optional[str] = None,
-    command: Optional[AgentCommand] = None,
+    state_file: str | None = None,
+    command: AgentCommand | None = None,
     exit_with_parent: bool = True,
     detach: bool = False,
-    env: Optional[Dict[str, str]] = None,
+    env: dict[str, str] | None = None,
     stdout: Any = None,
     timeout: float = 30.0,
-) -> Tuple[subprocess.Popen, str]:
+) -> tuple[subprocess.Popen, str]:
     """Start a host agent on this machine and return it with its address once it listens.
 
     The keys go through the agent's stdin, never its command line. With
@@ -44,8 +44,9 @@ def launch_agent(
     replaces ``name``/``preload``/``warm_up``/``reservation``/``state_file``.
     """
     r, w = os.pipe()
-    base = command or AgentCommand(name=name, preload=preload, warm_up=warm_up, reservation=reservation,
-                                   state_file=state_file)
+    base = command or AgentCommand(
+        name=name, preload=preload, warm_up=warm_up, reservation=reservation, state_file=state_file
+    )
     cmd = dataclasses.replace(base, ready_fd=w, keys_stdin=True, exit_with_stdin=exit_with_parent).argv()
     proc = subprocess.Popen(
         cmd,

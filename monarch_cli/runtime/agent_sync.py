@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any, Callable, Dict, List
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import protocol, wire
 from .protocol.sync import SyncApplied, SyncApply, SyncCheck, SyncStatus  # noqa: F401 - the bodies this module answers
@@ -27,7 +28,7 @@ from .workspace import Mirror
 if TYPE_CHECKING:
     from .agent import HostAgent
 
-_mirrors: Dict[str, Mirror] = {}
+_mirrors: dict[str, Mirror] = {}
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -79,7 +80,7 @@ def apply(req: SyncApply) -> SyncApplied:
     return SyncApplied(written, nbytes, mirror.digest)
 
 
-def handlers(agent: "HostAgent") -> Dict[type, Callable[[Any, List[Any]], None]]:
+def handlers(agent: HostAgent) -> dict[type, Callable[[Any, list[Any]], None]]:
     """The messages this part of the agent answers."""
     return {
         protocol.SyncManifest: lambda msg, body: _answer(agent, msg, body, check),
@@ -87,7 +88,7 @@ def handlers(agent: "HostAgent") -> Dict[type, Callable[[Any, List[Any]], None]]
     }
 
 
-def _answer(agent: "HostAgent", msg: Any, body: List[Any], serve: Callable[[Any], Any]) -> None:
+def _answer(agent: HostAgent, msg: Any, body: list[Any], serve: Callable[[Any], Any]) -> None:
     """Answer one sync request; a failure is the caller's error naming this host."""
     try:
         value = serve(wire.loads(body))

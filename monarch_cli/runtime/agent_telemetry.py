@@ -24,7 +24,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..sysutil import private_tmpdir
 from . import protocol
@@ -40,51 +41,57 @@ _DUMP_WAIT = 3.0  # an upper bound: dumps that finish sooner end the wait (a loa
 _FH_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _FH_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
-Sample = Tuple[Any, ...]  # a row of the samples table
-Step = Tuple[Any, ...]  # a row of the steps table
+Sample = tuple[Any, ...]  # a row of the samples table
+Step = tuple[Any, ...]  # a row of the steps table
 
 
 class TelemetryHost:
-    def __init__(self, agent: "HostAgent") -> None:
+    def __init__(self, agent: HostAgent) -> None:
         self.agent = agent
         self.dir = private_tmpdir("telemetry")  # 0700: step and stack files of our ranks
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         agent.watch_fd(self._wake_r)
-        self._done: "queue.Queue[Tuple[str, int, bool, Any]]" = queue.Queue()
-        self._procs: Dict[int, Any] = {}  # pid -> psutil.Process (cpu_percent needs the previous call)
-        self._offsets: Dict[str, int] = {}  # step file -> steps read
-        self._pending: Dict[Tuple[str, int], List[Step]] = {}  # step rows not yet sent to the owner
-        self._last_step: Dict[Tuple[str, int], Step] = {}
+        self._done: queue.Queue[tuple[str, int, bool, Any]] = queue.Queue()
+        self._procs: dict[int, Any] = {}  # pid -> psutil.Process (cpu_percent needs the previous call)
+        self._offsets: dict[str, int] = {}  # step file -> steps read
+        self._pending: dict[tuple[str, int], list[Step]] = {}  # step rows not yet sent to the owner
+        self._last_step: dict[tuple[str, int], Step] = {}
         self._next_push = 0.0
-        self._gpu: Optional[_Gpu] = None
+        self._gpu: _Gpu | None = None
         self._gpu_tried = False
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         return {"telemetry_dir": self.dir}
 
     # ------------------------------------------------------------ requests
-    def handlers(self) -> Dict[type, Callable[[Any, List[Any]], None]]:
+    def handlers(self) -> dict[type, Callable[[Any, list[Any]], None]]:
         """The messages this part of the agent answers."""
         return {protocol.TelemetrySample: self._on_sample, protocol.TelemetryStacks: self._on_stacks}
 
-    def _on_sample(self, msg: protocol.TelemetrySample, _body: List[Any]) -> None:
+    def _on_sample(self, msg: protocol.TelemetrySample, _body: list[Any]) -> None:
         ranks = self._live(msg.run_id)
         self._read_steps(ranks)
-        self.agent.reply(msg.reply_to, msg.cid, True, {
-            "host": self.agent.host,
-            "samples": self._sample(ranks),
-            "steps": {r.rank: self._last_step.get((r.run_id, r.rank)) for r in ranks},
-        })
+        self.agent.reply(
+            msg.reply_to,
+            msg.cid,
+            True,
+            {
+                "host": self.agent.host,
+                "samples": self._sample(ranks),
+                "steps": {r.rank: self._last_step.get((r.run_id, r.rank)) for r in ranks},
+            },
+        )
 
-    def _on_stacks(self, msg: protocol.TelemetryStacks, _body: List[Any]) -> None:
+    def _on_stacks(self, msg: protocol.TelemetryStacks, _body: list[Any]) -> None:
         ranks = [r for r in self._live(msg.run_id) if msg.ranks is None or r.rank in msg.ranks]
         targets = [(r.run_id, r.rank, r.pid) for r in ranks]
-        threading.Thread(target=self._capture, args=(msg.reply_to, msg.cid, targets, bool(msg.native)),
-                         daemon=True).start()
+        threading.Thread(
+            target=self._capture, args=(msg.reply_to, msg.cid, targets, bool(msg.native)), daemon=True
+        ).start()
 
-    def tick(self, events: Dict[Any, int]) -> None:
+    def tick(self, events: dict[Any, int]) -> None:
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):
@@ -106,7 +113,7 @@ class TelemetryHost:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # ------------------------------------------------------------- samples
-    def _live(self, run_id: Optional[str]) -> List["_Rank"]:
+    def _live(self, run_id: str | None) -> list[_Rank]:
         live = [r for r in self.agent.ranks.by_pid.values() if r.status is None and r.pid is not None]
         if run_id is None and live:
             run_id = max(r.run_id for r in live)
@@ -119,16 +126,16 @@ class TelemetryHost:
         if not live:
             return
         self._read_steps(live)
-        groups: Dict[Tuple[str, str], List["_Rank"]] = {}
+        groups: dict[tuple[str, str], list[_Rank]] = {}
         for r in live:
             groups.setdefault((r.owner, r.run_id), []).append(r)
         for (owner, run_id), ranks in groups.items():
-            steps: List[Step] = []
+            steps: list[Step] = []
             for r in ranks:
                 steps += self._pending.pop((run_id, r.rank), [])
             self.agent.send(owner, protocol.Telemetry(run_id, self.agent.host, self._sample(ranks), steps))
 
-    def _sample(self, ranks: List["_Rank"]) -> List[Sample]:
+    def _sample(self, ranks: list[_Rank]) -> list[Sample]:
         import psutil
 
         gpu = self._gpu_sample()
@@ -150,7 +157,7 @@ class TelemetryHost:
             rows.append((r.run_id, r.rank, self.agent.host, now, r.pid, state, cpu, round(rss, 1), threads, *g))
         return rows
 
-    def _gpu_sample(self) -> Dict[int, Tuple[Any, ...]]:
+    def _gpu_sample(self) -> dict[int, tuple[Any, ...]]:
         if not self._gpu_tried:
             self._gpu_tried = True
             self._gpu = _Gpu.open()
@@ -162,7 +169,7 @@ class TelemetryHost:
             return {}
 
     # --------------------------------------------------------------- steps
-    def _read_steps(self, ranks: List["_Rank"]) -> None:
+    def _read_steps(self, ranks: list[_Rank]) -> None:
         for r in ranks:
             self._read_file(r.run_id, r.rank, paths(self.dir, r.run_id, r.rank)["steps"])
 
@@ -197,7 +204,7 @@ class TelemetryHost:
         self._pending.setdefault((run_id, rank), []).extend(rows)
         self._last_step[(run_id, rank)] = rows[-1]
 
-    def rank_ended(self, rank: "_Rank") -> None:
+    def rank_ended(self, rank: _Rank) -> None:
         """The rank is gone (called just before its exit is reported): send its last step records, drop its files."""
         key = (rank.run_id, rank.rank)
         files = paths(self.dir, rank.run_id, rank.rank)
@@ -214,7 +221,7 @@ class TelemetryHost:
                 pass
 
     # -------------------------------------------------------------- stacks
-    def _capture(self, reply_to: str, cid: int, targets: List[Tuple[str, int, int]], native: bool) -> None:
+    def _capture(self, reply_to: str, cid: int, targets: list[tuple[str, int, int]], native: bool) -> None:
         try:
             result = capture_stacks(self.dir, self.agent.host, targets, native)
             self._done.put((reply_to, cid, True, result))
@@ -226,7 +233,7 @@ class TelemetryHost:
             pass
 
 
-def py_spy_path() -> Optional[str]:
+def py_spy_path() -> str | None:
     """``$MONARCH_PY_SPY`` if set (empty: do not use py-spy), else py-spy next to this Python or on PATH."""
     forced = os.environ.get("MONARCH_PY_SPY")
     if forced is not None:
@@ -235,24 +242,36 @@ def py_spy_path() -> Optional[str]:
     return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
 
 
-def capture_stacks(directory: str, host: str, targets: List[Tuple[str, int, int]], native: bool) -> List[Dict[str, Any]]:
+def capture_stacks(
+    directory: str, host: str, targets: list[tuple[str, int, int]], native: bool
+) -> list[dict[str, Any]]:
     """Each target's stack: py-spy for all at once, the interpreter's own dump for the rest."""
     spy = py_spy_path()
-    started: Dict[int, Any] = {}
-    errors: Dict[int, str] = {}
+    started: dict[int, Any] = {}
+    errors: dict[int, str] = {}
     if spy:
         for _, _, pid in targets:
             cmd = [spy, "dump", "--pid", str(pid), "--json", *(["--native"] if native else [])]
             try:
-                started[pid] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                started[pid] = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+                )
             except OSError as e:
                 errors[pid] = f"py-spy: {e.strerror or e}"
     else:
         errors = {pid: "py-spy not available" for _, _, pid in targets}
-    out: Dict[int, Dict[str, Any]] = {}
+    out: dict[int, dict[str, Any]] = {}
     for run_id, rank, pid in targets:
-        entry = {"run_id": run_id, "rank": rank, "host": host, "pid": pid, "ts": time.time(), "method": "py-spy",
-                 "threads": [], "error": None}
+        entry = {
+            "run_id": run_id,
+            "rank": rank,
+            "host": host,
+            "pid": pid,
+            "ts": time.time(),
+            "method": "py-spy",
+            "threads": [],
+            "error": None,
+        }
         out[pid] = entry
         proc = started.get(pid)
         if proc is None:
@@ -275,7 +294,7 @@ def capture_stacks(directory: str, host: str, targets: List[Tuple[str, int, int]
     fallback = [(run_id, rank, pid) for run_id, rank, pid in targets if pid in errors]
     if fallback:
         dumps = _faulthandler_dumps(directory, fallback)
-        for run_id, rank, pid in fallback:
+        for _run_id, _rank, pid in fallback:
             entry = out[pid]
             threads = dumps.get(pid)
             if threads:
@@ -285,19 +304,25 @@ def capture_stacks(directory: str, host: str, targets: List[Tuple[str, int, int]
     return [out[pid] for _, _, pid in targets]
 
 
-def _from_py_spy(data: List[Dict[str, Any]], pid: int) -> List[Dict[str, Any]]:
+def _from_py_spy(data: list[dict[str, Any]], pid: int) -> list[dict[str, Any]]:
     threads = []
     for t in data:
-        frames = [{"function": f.get("name"), "file": f.get("filename"), "line": f.get("line")} for f in t.get("frames", [])]
-        threads.append({"name": t.get("thread_name") or hex(t.get("thread_id") or 0),
-                        "main": t.get("thread_name") == "MainThread" or t.get("os_thread_id") == pid,
-                        "frames": frames})
+        frames = [
+            {"function": f.get("name"), "file": f.get("filename"), "line": f.get("line")} for f in t.get("frames", [])
+        ]
+        threads.append(
+            {
+                "name": t.get("thread_name") or hex(t.get("thread_id") or 0),
+                "main": t.get("thread_name") == "MainThread" or t.get("os_thread_id") == pid,
+                "frames": frames,
+            }
+        )
     return threads
 
 
-def _faulthandler_dumps(directory: str, targets: List[Tuple[str, int, int]]) -> Dict[int, List[Dict[str, Any]]]:
+def _faulthandler_dumps(directory: str, targets: list[tuple[str, int, int]]) -> dict[int, list[dict[str, Any]]]:
     """Signal each rank to dump its own threads (faulthandler) and read the dumps back."""
-    files: Dict[int, Tuple[str, int]] = {}
+    files: dict[int, tuple[str, int]] = {}
     for run_id, rank, pid in targets:
         path = paths(directory, run_id, rank)["stack"]
         try:
@@ -312,7 +337,7 @@ def _faulthandler_dumps(directory: str, targets: List[Tuple[str, int, int]]) -> 
             continue
         files[pid] = (path, size)
     deadline = time.monotonic() + _DUMP_WAIT
-    sizes: Dict[int, int] = {}
+    sizes: dict[int, int] = {}
     stable = 0
     while files and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -333,8 +358,8 @@ def _faulthandler_dumps(directory: str, targets: List[Tuple[str, int, int]]) -> 
     return out
 
 
-def parse_faulthandler(text: str, main_ident: Optional[str]) -> List[Dict[str, Any]]:
-    threads: List[Dict[str, Any]] = []
+def parse_faulthandler(text: str, main_ident: str | None) -> list[dict[str, Any]]:
+    threads: list[dict[str, Any]] = []
     for line in text.splitlines():
         m = _FH_THREAD.match(line)
         if m:
@@ -356,7 +381,7 @@ class _Gpu:
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
 
     @classmethod
-    def open(cls) -> Optional["_Gpu"]:
+    def open(cls) -> _Gpu | None:
         try:
             if not any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev")):
                 return None
@@ -367,15 +392,15 @@ class _Gpu:
         except Exception:  # noqa: BLE001 - no driver, no library: GPU columns stay empty
             return None
 
-    def by_pid(self) -> Dict[int, Tuple[Any, ...]]:
+    def by_pid(self) -> dict[int, tuple[Any, ...]]:
         """pid -> (gpu index, util %, process memory MiB, power W, temperature C)."""
         nv = self.nvml
-        out: Dict[int, Tuple[Any, ...]] = {}
+        out: dict[int, tuple[Any, ...]] = {}
         for i, h in enumerate(self.handles):
-            util = _try(lambda: float(nv.nvmlDeviceGetUtilizationRates(h).gpu))
-            power = _try(lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)
-            temp = _try(lambda: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))
-            procs = (_try(lambda: nv.nvmlDeviceGetComputeRunningProcesses(h)) or [])
+            util = _try(lambda h=h: float(nv.nvmlDeviceGetUtilizationRates(h).gpu))
+            power = _try(lambda h=h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)
+            temp = _try(lambda h=h: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))
+            procs = _try(lambda h=h: nv.nvmlDeviceGetComputeRunningProcesses(h)) or []
             for p in procs:
                 used = getattr(p, "usedGpuMemory", None)
                 out[p.pid] = (i, util, round(used / 2**20, 1) if used else None, power, temp)

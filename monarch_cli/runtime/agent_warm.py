@@ -15,12 +15,14 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..sysutil import private_tmpdir
 
 CACHE_ENV = "MONARCH_CACHE_DIR"
 _MAX_OFFENDER_RETRIES = 5
+
 
 @dataclasses.dataclass
 class _Warm:
@@ -30,7 +32,7 @@ class _Warm:
     learned: int  # how many learned modules it was asked to import
     started: float
     ready_file: str
-    ready: Optional[Dict[str, Any]] = None
+    ready: dict[str, Any] | None = None
     children: int = 0
     retired: bool = False
 
@@ -45,8 +47,8 @@ class LearnedStore:
     def __init__(self, host: str) -> None:
         key = hashlib.sha256(f"{sys.executable}\0{sys.version}\0{os.environ.get('PYTHONPATH', '')}".encode())
         self.path = os.path.join(cache_dir(), "warm", f"{_safe(host)}-{key.hexdigest()[:12]}.json")
-        self.learned: Dict[str, str] = {}  # name -> file, in import order
-        self.excluded: Dict[str, str] = {}  # name -> why
+        self.learned: dict[str, str] = {}  # name -> file, in import order
+        self.excluded: dict[str, str] = {}  # name -> why
         try:
             with open(self.path) as f:
                 data = json.load(f)
@@ -55,7 +57,7 @@ class LearnedStore:
         except (OSError, ValueError, TypeError, AttributeError):
             pass
 
-    def add(self, found: Iterable[Tuple[str, str]]) -> int:
+    def add(self, found: Iterable[tuple[str, str]]) -> int:
         new = 0
         for name, file in found:
             if name not in self.learned and name not in self.excluded:
@@ -67,7 +69,7 @@ class LearnedStore:
         self.excluded[name] = why
         self.learned.pop(name, None)
 
-    def wanted(self) -> List[Tuple[str, str]]:
+    def wanted(self) -> list[tuple[str, str]]:
         return [(n, p) for n, p in self.learned.items() if n not in self.excluded]
 
     def save(self) -> None:
@@ -121,15 +123,21 @@ class WarmRanks:
     zygote gets no fork request before it says it is ready.
     """
 
-    def __init__(self, host: str, preload: str, start: Callable[[str, Optional[str], str], Any],
-                 watch: Callable[[Any], None], unwatch: Callable[[Any], None]) -> None:
+    def __init__(
+        self,
+        host: str,
+        preload: str,
+        start: Callable[[str, str | None, str], Any],
+        watch: Callable[[Any], None],
+        unwatch: Callable[[Any], None],
+    ) -> None:
         self.preload = preload
         self._start, self._watch, self._unwatch = start, watch, unwatch
         self.store = LearnedStore(host)
-        self.current: Optional[_Warm] = None
-        self.next: Optional[_Warm] = None
-        self.retired: List[_Warm] = []
-        self._dir: Optional[str] = None
+        self.current: _Warm | None = None
+        self.next: _Warm | None = None
+        self.retired: list[_Warm] = []
+        self._dir: str | None = None
         self._serial = 0
         self.learning = learning_enabled()
         # warm the learned set once the first zygote is ready
@@ -152,11 +160,11 @@ class WarmRanks:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _all(self) -> List[_Warm]:
+    def _all(self) -> list[_Warm]:
         return [w for w in (self.current, self.next, *self.retired) if w is not None]
 
     # ------------------------------------------------------------------- zygotes
-    def _spawn(self, learned: List[Tuple[str, str]]) -> _Warm:
+    def _spawn(self, learned: list[tuple[str, str]]) -> _Warm:
         self._serial += 1
         learned_file = None
         if learned:
@@ -168,9 +176,9 @@ class WarmRanks:
         self._watch(zygote)
         return _Warm(zygote, len(learned), time.time(), ready_file)
 
-    def for_run(self) -> Tuple[Any, List[str]]:
+    def for_run(self) -> tuple[Any, list[str]]:
         """The zygote this run's warm ranks fork from, and notices for the user (a changed file)."""
-        notices: List[str] = []
+        notices: list[str] = []
         cur = self.current
         if cur is not None and cur.zygote.process.poll() is not None:
             self._drop(cur)
@@ -193,7 +201,7 @@ class WarmRanks:
             self.current = self._spawn([])
             self._again = bool(self.store.wanted())  # the learned set follows once it is ready
 
-    def zygotes(self) -> List[Any]:
+    def zygotes(self) -> list[Any]:
         """Every warm-rank fork server alive now (the one runs fork from, the next, retired ones)."""
         return [w.zygote for w in self._all()]
 
@@ -202,7 +210,7 @@ class WarmRanks:
         if self._dir is None or not self.learning:
             return
         prefix = f"run-{_safe(run_id)}-"
-        found: List[Tuple[str, str]] = []
+        found: list[tuple[str, str]] = []
         for name in os.listdir(self._dir):
             if name.startswith(prefix) and name.endswith(".json"):
                 path = os.path.join(self._dir, name)
@@ -332,7 +340,7 @@ class WarmRanks:
         self._again = False
         return n
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         """What ``monarch status`` shows of this host's warm process."""
         cur = self.current
         ready = cur.ready if cur is not None else None
@@ -351,7 +359,7 @@ class WarmRanks:
         }
 
 
-def _changed_file(files: Dict[str, Any]) -> Optional[str]:
+def _changed_file(files: dict[str, Any]) -> str | None:
     for path, (mtime, size) in files.items():
         try:
             st = os.stat(path)
@@ -362,7 +370,7 @@ def _changed_file(files: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _rss(pid: int) -> Optional[int]:
+def _rss(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:

@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import sys
-from typing import List, Optional, Tuple
 
 LOOPBACK = "127.0.0.1"
 _MAX_MESSAGE = 64 << 20  # bytes; a DAP message past this is garbage, not a variable's value
@@ -30,7 +29,7 @@ def listen_loopback() -> socket.socket:
     return sock
 
 
-def peer_uid(conn: socket.socket) -> Optional[int]:
+def peer_uid(conn: socket.socket) -> int | None:
     """The uid owning the other end of an accepted loopback connection; None if unknown.
 
     The kernel lists both ends of a loopback connection; the peer's end is the entry whose
@@ -58,7 +57,7 @@ def peer_uid(conn: socket.socket) -> Optional[int]:
     return None
 
 
-def accept_same_user(listener: socket.socket) -> Tuple[Optional[socket.socket], Optional[str]]:
+def accept_same_user(listener: socket.socket) -> tuple[socket.socket | None, str | None]:
     """Accept one connection: (the socket, None) if its peer is this user, else (None, why refused)."""
     conn, _ = listener.accept()
     uid = peer_uid(conn)
@@ -66,17 +65,20 @@ def accept_same_user(listener: socket.socket) -> Tuple[Optional[socket.socket], 
         return conn, None
     conn.close()  # nothing read from it, nothing sent
     who = "an unknown user" if uid is None else f"uid {uid}"
-    return None, f"refused a debugger connection from {who}: only uid {os.getuid()} (this reservation's holder) may connect"
+    return (
+        None,
+        f"refused a debugger connection from {who}: only uid {os.getuid()} (this reservation's holder) may connect",
+    )
 
 
-def _ip(text: str) -> "ipaddress.IPv4Address | ipaddress.IPv6Address":
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     addr = ipaddress.ip_address(text)
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
     return addr
 
 
-def _endpoint(text: str) -> Tuple["ipaddress.IPv4Address | ipaddress.IPv6Address", int]:
+def _endpoint(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
     """``0100007F:1F90`` (IPv4) or 32 hex digits (IPv6): 32-bit words in host byte order."""
     host, _, port = text.partition(":")
     raw = b"".join(int(host[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(host), 8))
@@ -96,10 +98,10 @@ class DapFrames:
     def __init__(self) -> None:
         self._buf = b""
 
-    def feed(self, data: bytes) -> List[bytes]:
+    def feed(self, data: bytes) -> list[bytes]:
         """The messages ``data`` completes; raises ValueError on a stream that is not DAP."""
         self._buf += data
-        out: List[bytes] = []
+        out: list[bytes] = []
         while True:
             head_end = self._buf.find(b"\r\n\r\n")
             if head_end < 0:
@@ -136,4 +138,6 @@ def is_goodbye(message: bytes) -> bool:
         body = json.loads(message.partition(b"\r\n\r\n")[2])
     except ValueError:
         return False
-    return isinstance(body, dict) and body.get("type") == "request" and body.get("command") in ("disconnect", "terminate")
+    return (
+        isinstance(body, dict) and body.get("type") == "request" and body.get("command") in ("disconnect", "terminate")
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from ..errors import MonarchError
 
@@ -11,7 +10,7 @@ from ..errors import MonarchError
 class ActorError(MonarchError):
     """An endpoint raised. ``remote_traceback`` is the traceback in the actor's process."""
 
-    def __init__(self, message: str, remote_traceback: str = "", exception: Optional[BaseException] = None):
+    def __init__(self, message: str, remote_traceback: str = "", exception: BaseException | None = None):
         super().__init__(message)
         self.remote_traceback = remote_traceback
         self.exception = exception
@@ -29,11 +28,11 @@ class Failure:
 
     proc: str
     host: str
-    pid: Optional[int]
-    exitcode: Optional[int] = None
-    signal: Optional[int] = None
+    pid: int | None
+    exitcode: int | None = None
+    signal: int | None = None
     reason: str = ""
-    mesh: Optional[str] = None
+    mesh: str | None = None
 
     def describe(self) -> str:
         if self.signal is not None:
@@ -54,7 +53,7 @@ class Failure:
 class SupervisionError(ActorError):
     """The proc hosting an actor died or became unreachable."""
 
-    def __init__(self, failure: Failure, actor: Optional[str] = None):
+    def __init__(self, failure: Failure, actor: str | None = None):
         self.failure = failure
         self.actor = actor
         who = f"actor {actor!r}: " if actor else ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Optional, Tuple
 
 __all__ = ["describe_status", "from_wait_status", "signal_name"]
 
@@ -22,14 +21,14 @@ def signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def from_wait_status(status: int) -> Tuple[Optional[int], Optional[int]]:
+def from_wait_status(status: int) -> tuple[int | None, int | None]:
     """``(exit code, None)`` or ``(None, signal)`` from an ``os.waitpid`` status."""
     exitcode = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     return exitcode, sig
 
 
-def describe_status(exitcode: Optional[int], sig: Optional[int]) -> Tuple[str, int]:
+def describe_status(exitcode: int | None, sig: int | None) -> tuple[str, int]:
     """A human description and the shell-style status (128+N for a signal)."""
     if sig is not None:
         return f"killed by {signal_name(sig)}", 128 + sig

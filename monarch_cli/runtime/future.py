@@ -5,7 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Any, Callable, Generic, List, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from ..config import settings
 from .errors import CallTimeout, MonarchError
@@ -20,7 +21,7 @@ class Future(concurrent.futures.Future, Generic[T]):
     #: Set when an actor calls an actor of its own proc: blocking on it would deadlock.
     _same_proc: bool = False
 
-    def get(self, timeout: Optional[float] = _DEFAULT) -> T:
+    def get(self, timeout: float | None = _DEFAULT) -> T:
         """Block until resolved; raises the remote failure, or :class:`CallTimeout`."""
         if timeout is _DEFAULT:
             timeout = settings().call_timeout
@@ -29,7 +30,7 @@ class Future(concurrent.futures.Future, Generic[T]):
         except concurrent.futures.TimeoutError:
             raise CallTimeout(f"no result within {timeout} s") from None
 
-    def result(self, timeout: Optional[float] = None) -> T:
+    def result(self, timeout: float | None = None) -> T:
         mb = self._mailbox
         if self._same_proc and not self.done():
             from .proc import on_loop_thread
@@ -60,7 +61,7 @@ class Future(concurrent.futures.Future, Generic[T]):
 
         return asyncio.wrap_future(self).__await__()
 
-    def then(self, fn: Callable[[Any], Any]) -> "Future[Any]":
+    def then(self, fn: Callable[[Any], Any]) -> Future[Any]:
         """A future of ``fn(result)``; failures pass through unchanged."""
         out: Future[Any] = Future()
         out._mailbox = self._mailbox
@@ -79,15 +80,15 @@ class Future(concurrent.futures.Future, Generic[T]):
         return out
 
 
-def gather(futures: List[Future[Any]]) -> Future[List[Any]]:
+def gather(futures: list[Future[Any]]) -> Future[list[Any]]:
     """One future for all of ``futures``: their results in order, or the first failure."""
-    out: Future[List[Any]] = Future()
+    out: Future[list[Any]] = Future()
     n = len(futures)
     out._mailbox = futures[0]._mailbox if futures else None
     if n == 0:
         out.set_result([])
         return out
-    results: List[Any] = [None] * n
+    results: list[Any] = [None] * n
     state = {"left": n, "failed": False}
     lock = threading.Lock()
 

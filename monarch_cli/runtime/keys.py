@@ -23,7 +23,7 @@ class Keys:
     secret: bytes
 
     @classmethod
-    def generate(cls) -> "Keys":
+    def generate(cls) -> Keys:
         public, secret = zmq.curve_keypair()
         return cls(public, secret)
 
@@ -31,14 +31,14 @@ class Keys:
         return f"{self.public.decode()} {self.secret.decode()}"
 
     @classmethod
-    def decode(cls, text: str) -> "Keys":
+    def decode(cls, text: str) -> Keys:
         try:
             public, secret = text.strip().split(" ")  # z85 has no space
             if len(public) != 40 or len(secret) != 40:
                 raise ValueError
             z85.decode(public)
             z85.decode(secret)
-        except Exception:
+        except Exception:  # noqa: BLE001
             raise ValueError("malformed reservation keys") from None
         return cls(public.encode(), secret.encode())
 
@@ -54,14 +54,14 @@ class Keys:
         atomic_write(path, self.encode(), 0o600)
 
     @classmethod
-    def read(cls, path: Path) -> "Keys":
+    def read(cls, path: Path) -> Keys:
         mode = os.stat(path).st_mode
         if mode & 0o077:
             raise PermissionError(f"{path} is readable by others (mode {oct(mode & 0o777)}); expected 0600")
         return cls.decode(Path(path).read_text())
 
 
-def keys_from_environment() -> "Keys | None":
+def keys_from_environment() -> Keys | None:
     """Keys handed down by a parent: ``$MONARCH_KEYS`` (removed once read) or ``$MONARCH_KEY_FILE``."""
     text = os.environ.pop(KEY_ENV, None)
     if text:

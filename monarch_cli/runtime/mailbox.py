@@ -17,7 +17,8 @@ import sys
 import threading
 import traceback
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Type
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import zmq
 
@@ -34,31 +35,31 @@ from .mailbox_io import MailboxIO
 class _OwnedProc:
     agent: str
     host: str
-    mesh: "weakref.ReferenceType[Any] | None"
-    owner_actor: Optional[str]  # actor (in this process) that spawned it, if any
+    mesh: weakref.ReferenceType[Any] | None
+    owner_actor: str | None  # actor (in this process) that spawned it, if any
 
 
 class Mailbox(MailboxIO):
-    _instance: Optional["Mailbox"] = None
+    _instance: Mailbox | None = None
     _instance_lock = threading.Lock()
 
-    def __init__(self, keys: Keys, owner: Optional[str] = None, proc_id: Optional[str] = None) -> None:
+    def __init__(self, keys: Keys, owner: str | None = None, proc_id: str | None = None) -> None:
         self.owner = owner  # reply address of whoever spawned this process
         self.proc_id = proc_id
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._pending: Dict[int, Tuple[Future[Any], Optional[str], Optional[str]]] = {}
-        self._by_proc: Dict[str, Set[int]] = {}
-        self._dead: Dict[str, Failure] = {}
-        self._procs: Dict[str, _OwnedProc] = {}
-        self._stopping: Set[str] = set()
-        self.unhandled: List[Failure] = []
+        self._pending: dict[int, tuple[Future[Any], str | None, str | None]] = {}
+        self._by_proc: dict[str, set[int]] = {}
+        self._dead: dict[str, Failure] = {}
+        self._procs: dict[str, _OwnedProc] = {}
+        self._stopping: set[str] = set()
+        self.unhandled: list[Failure] = []
         self.events = EventRouter()
-        self._watchers: Dict[str, Callable[[str, float], None]] = {}
-        self._relays: Dict[str, Tuple[str, Optional[str]]] = {}  # address -> (agent relaying to it, proc id)
+        self._watchers: dict[str, Callable[[str, float], None]] = {}
+        self._relays: dict[str, tuple[str, str | None]] = {}  # address -> (agent relaying to it, proc id)
         #: Set inside procs: called (from the I/O thread) to run an owner's ``__supervise__``.
-        self.supervisor: Optional[Callable[[Failure, str], None]] = None
-        self._own_events: Dict[str, Callable[[Any], None]] = {
+        self.supervisor: Callable[[Failure, str], None] | None = None
+        self._own_events: dict[str, Callable[[Any], None]] = {
             protocol.ProcExited.KIND: self._on_proc_exit,
             protocol.Unhandled.KIND: self._on_unhandled,
             protocol.EndpointError.KIND: self._on_endpoint_error,
@@ -68,7 +69,7 @@ class Mailbox(MailboxIO):
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
-    def get(cls, keys: Optional[Keys] = None) -> "Mailbox":
+    def get(cls, keys: Keys | None = None) -> Mailbox:
         """This process's mailbox, created on first use (keys from the environment or new)."""
         inst = cls._instance
         if inst is not None:
@@ -84,10 +85,10 @@ class Mailbox(MailboxIO):
                 atexit.register(cls._instance.close)
             return cls._instance
 
-    _by_keys: Dict[Keys, "Mailbox"] = {}
+    _by_keys: dict[Keys, Mailbox] = {}
 
     @classmethod
-    def for_keys(cls, keys: Keys) -> "Mailbox":
+    def for_keys(cls, keys: Keys) -> Mailbox:
         """A mailbox holding ``keys``: the process's own if it matches, else one kept per key pair.
 
         Lets one process talk to several reservations (``monarch serve --replace`` checks
@@ -116,11 +117,11 @@ class Mailbox(MailboxIO):
             box.close(release=True)
 
     @classmethod
-    def install(cls, mailbox: "Mailbox") -> None:
+    def install(cls, mailbox: Mailbox) -> None:
         cls._instance = mailbox
 
     @classmethod
-    def current(cls) -> Optional["Mailbox"]:
+    def current(cls) -> Mailbox | None:
         return cls._instance
 
     def close(self, release: bool = False) -> None:
@@ -163,7 +164,7 @@ class Mailbox(MailboxIO):
             else:
                 self._send_link(address, wire.frames(head, body))
             return
-        socks: Optional[Dict[str, zmq.Socket]] = getattr(self._tls, "socks", None)
+        socks: dict[str, zmq.Socket] | None = getattr(self._tls, "socks", None)
         if socks is None:
             socks = self._tls.socks = {}
         sock = socks.get(address)
@@ -176,8 +177,8 @@ class Mailbox(MailboxIO):
         address: str,
         make: Callable[[int], Any],
         body: Sequence[Any] = (),
-        proc_id: Optional[str] = None,
-        actor: Optional[str] = None,
+        proc_id: str | None = None,
+        actor: str | None = None,
     ) -> Future[Any]:
         """Send the request ``make(cid)`` that expects one ``result``; the future fails if ``proc_id`` dies."""
         """Send a message that expects one ``result``; the future fails if ``proc_id`` dies."""
@@ -200,8 +201,9 @@ class Mailbox(MailboxIO):
         self.send(address, make(cid), body)
         return fut
 
-    def expect(self, proc_id: Optional[str] = None, actor: Optional[str] = None,
-               relayed: bool = False) -> Tuple[int, Future[Any]]:
+    def expect(
+        self, proc_id: str | None = None, actor: str | None = None, relayed: bool = False
+    ) -> tuple[int, Future[Any]]:
         """Reserve a call id whose result someone else (a new proc) will send (``relayed``:
         through its agent, so it arrives on a link, not on this mailbox's own socket)."""
         fut: Future[Any] = Future()
@@ -214,7 +216,7 @@ class Mailbox(MailboxIO):
                 self._by_proc.setdefault(proc_id, set()).add(cid)
         return cid, fut
 
-    def relay_through(self, address: str, agent: str, proc_id: Optional[str] = None) -> None:
+    def relay_through(self, address: str, agent: str, proc_id: str | None = None) -> None:
         """Reach ``address`` (proc ``proc_id``'s inbox; in a proc, its client) through the host
         agent ``agent``: for hosts and clients that cannot connect to each other. Answers to
         what is sent there arrive on the agent's link, read by the I/O thread."""
@@ -227,19 +229,17 @@ class Mailbox(MailboxIO):
             body = wire.dumps(value)
         except Exception as e:  # noqa: BLE001
             ok = False
-            body = wire.dumps(
-                (f"result could not be pickled: {type(e).__name__}: {e}", traceback.format_exc(), None)
-            )
+            body = wire.dumps((f"result could not be pickled: {type(e).__name__}: {e}", traceback.format_exc(), None))
         self.send(address, protocol.Result(call_id, ok), body)
 
     # ------------------------------------------------------------------- events
-    def subscribe(self, run_id: Optional[str], handlers: Mapping[Type[Any], Handler]) -> Subscription:
+    def subscribe(self, run_id: str | None, handlers: Mapping[type[Any], Handler]) -> Subscription:
         """Receive ``run_id``'s events of these :mod:`.protocol` types (every run's, with None)
         until the subscription is closed; use it as a context manager."""
         return self.events.subscribe(run_id, handlers)
 
     # ------------------------------------------------------------- supervision
-    def track_proc(self, proc_id: str, agent: str, host: str, mesh: Any, owner_actor: Optional[str]) -> None:
+    def track_proc(self, proc_id: str, agent: str, host: str, mesh: Any, owner_actor: str | None) -> None:
         """Own ``proc_id``: its exit is supervised here, and its agent is heartbeated."""
         self._procs[proc_id] = _OwnedProc(agent, host, weakref.ref(mesh) if mesh is not None else None, owner_actor)
         self.link(agent)
@@ -254,7 +254,7 @@ class Mailbox(MailboxIO):
     def unwatch_agent(self, agent: str) -> None:
         self._watchers.pop(agent, None)
 
-    def _wanted_agents(self) -> Set[str]:
+    def _wanted_agents(self) -> set[str]:
         return {rec.agent for rec in list(self._procs.values())} | set(self._watchers)
 
     def _agent_lost(self, agent: str, silent_for: float) -> None:
@@ -277,7 +277,7 @@ class Mailbox(MailboxIO):
         """These procs are being stopped on purpose: their exits are not failures."""
         self._stopping.update(proc_ids)
 
-    def failure_of(self, proc_id: str) -> Optional[Failure]:
+    def failure_of(self, proc_id: str) -> Failure | None:
         return self._dead.get(proc_id)
 
     def proc_failed(self, proc_id: str, failure: Failure, expected: bool = False) -> None:
@@ -315,7 +315,7 @@ class Mailbox(MailboxIO):
         print(f"monarch: unhandled failure: {failure.describe()}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ receiving
-    def _handle_message(self, frames: List[zmq.Frame]) -> None:
+    def _handle_message(self, frames: list[zmq.Frame]) -> None:
         head, body = wire.parse(frames)
         try:
             msg = protocol.decode(head)
@@ -334,7 +334,7 @@ class Mailbox(MailboxIO):
         else:
             self.events.deliver(msg, body)
 
-    def _on_result(self, msg: protocol.Result, body: List[Any]) -> None:
+    def _on_result(self, msg: protocol.Result, body: list[Any]) -> None:
         cid = msg.cid
         with self._lock:
             entry = self._pending.pop(cid, None)

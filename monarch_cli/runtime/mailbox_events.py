@@ -15,22 +15,23 @@ at a time: they must be quick and must not wait for another reply.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+from collections.abc import Callable, Mapping
+from typing import Any
 
 #: ``handler(event, body frames)``
-Handler = Callable[[Any, List[Any]], None]
-_Key = Tuple[str, Optional[str]]
+Handler = Callable[[Any, list[Any]], None]
+_Key = tuple[str, str | None]
 
 
 class EventRouter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # Replaced, never changed in place: the reader looks up without the lock.
-        self._routes: Dict[_Key, Tuple[Handler, ...]] = {}
+        self._routes: dict[_Key, tuple[Handler, ...]] = {}
         #: Events that reached no subscription, by kind.
-        self.dropped: Dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
 
-    def subscribe(self, run_id: Optional[str], handlers: Mapping[Type[Any], Handler]) -> "Subscription":
+    def subscribe(self, run_id: str | None, handlers: Mapping[type[Any], Handler]) -> Subscription:
         """Deliver ``run_id``'s events of these types (every run's, with None) until closed."""
         sub = Subscription(self, run_id, {cls.KIND: h for cls, h in handlers.items()})
         with self._lock:
@@ -40,7 +41,7 @@ class EventRouter:
             self._routes = routes
         return sub
 
-    def _unsubscribe(self, sub: "Subscription") -> None:
+    def _unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
             routes = dict(self._routes)
             for kind, handler in sub.handlers.items():
@@ -51,7 +52,7 @@ class EventRouter:
                     routes.pop((kind, sub.run_id), None)
             self._routes = routes
 
-    def deliver(self, event: Any, body: List[Any]) -> None:
+    def deliver(self, event: Any, body: list[Any]) -> None:
         kind = event.KIND
         routes = self._routes
         handlers = routes.get((kind, getattr(event, "run_id", None))) or routes.get((kind, None))
@@ -65,7 +66,7 @@ class EventRouter:
 class Subscription:
     """One run's (or one debugger's) share of a mailbox's events; a context manager."""
 
-    def __init__(self, router: EventRouter, run_id: Optional[str], handlers: Dict[str, Handler]) -> None:
+    def __init__(self, router: EventRouter, run_id: str | None, handlers: dict[str, Handler]) -> None:
         self._router = router
         self.run_id = run_id
         self.handlers = handlers
@@ -76,7 +77,7 @@ class Subscription:
             self._closed = True
             self._router._unsubscribe(self)
 
-    def __enter__(self) -> "Subscription":
+    def __enter__(self) -> Subscription:
         return self
 
     def __exit__(self, *exc: Any) -> None:

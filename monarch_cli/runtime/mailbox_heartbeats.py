@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Set
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -24,8 +25,8 @@ from .keys import Keys
 @dataclasses.dataclass
 class _AgentWatch:
     last_ack: float
-    sock: Optional[zmq.Socket] = None
-    unanswered_since: Optional[float] = None  # when the oldest heartbeat not yet answered was sent
+    sock: zmq.Socket | None = None
+    unanswered_since: float | None = None  # when the oldest heartbeat not yet answered was sent
 
 
 class AgentHeartbeats:
@@ -34,21 +35,22 @@ class AgentHeartbeats:
     ``lost`` runs on the heartbeat thread; an agent no longer wanted is simply dropped.
     """
 
-    def __init__(self, keys: Keys, address: str, wanted: Callable[[], Set[str]],
-                 lost: Callable[[str, float], None]) -> None:
+    def __init__(
+        self, keys: Keys, address: str, wanted: Callable[[], set[str]], lost: Callable[[str, float], None]
+    ) -> None:
         self._keys = keys
         self._address = address
         self._wanted = wanted
         self._lost = lost
-        self._agents: Dict[str, _AgentWatch] = {}
-        self._transport: Optional[Any] = None  # own context: big transfers cannot delay heartbeats
-        self._thread: Optional[threading.Thread] = None
+        self._agents: dict[str, _AgentWatch] = {}
+        self._transport: Any | None = None  # own context: big transfers cannot delay heartbeats
+        self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._closing = False
 
     @property
-    def agents(self) -> Set[str]:
+    def agents(self) -> set[str]:
         return set(self._agents)
 
     def watch(self, agent: str) -> None:

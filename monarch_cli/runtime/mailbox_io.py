@@ -24,7 +24,8 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Set
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -57,8 +58,8 @@ class MailboxIO:
         self._wake_rx = self.transport.ctx.socket(zmq.PULL)
         self._wake_rx.bind(self._wake_addr)
         #: Agent addresses reached through a link; the links themselves belong to the I/O thread.
-        self._linked: Set[str] = set()
-        self._links: Dict[str, zmq.Socket] = {}
+        self._linked: set[str] = set()
+        self._links: dict[str, zmq.Socket] = {}
         self._out_addr = f"inproc://mailbox-out-{id(self)}"
         self._out_rx = self.transport.ctx.socket(zmq.PULL)
         self._out_rx.rcvhwm = 0
@@ -68,7 +69,7 @@ class MailboxIO:
         self._thread = threading.Thread(target=self._io_loop, name="monarch-mailbox", daemon=True)
         self._thread.start()
 
-    def _handle_message(self, frames: List[zmq.Frame]) -> None:
+    def _handle_message(self, frames: list[zmq.Frame]) -> None:
         raise NotImplementedError
 
     def link(self, address: str) -> None:
@@ -83,7 +84,7 @@ class MailboxIO:
             sock.connect(self._wake_addr)
         sock.send(b"")
 
-    def _send_link(self, address: str, frames: List[Any]) -> None:
+    def _send_link(self, address: str, frames: list[Any]) -> None:
         if threading.current_thread() is self._thread:
             self._link_socket(address).send_multipart(frames, copy=False)
             return
@@ -105,7 +106,7 @@ class MailboxIO:
             self._backing_off.register(sock, zmq.POLLIN)
         return sock
 
-    def pump(self, fut: Future[Any], timeout: Optional[float]) -> bool:
+    def pump(self, fut: Future[Any], timeout: float | None) -> bool:
         """Read replies in the calling thread until ``fut`` is done or ``timeout`` passes.
 
         Returns False at once if another thread is reading; the caller then waits on the
@@ -200,11 +201,11 @@ class MailboxIO:
             more = _drain(sock, self._handle_message) or more
         return more
 
-    def _handle(self, frames: List[zmq.Frame]) -> None:
+    def _handle(self, frames: list[zmq.Frame]) -> None:
         self._handle_message(frames[1:])
 
 
-def _drain(sock: zmq.Socket, handle: Callable[[List[zmq.Frame]], None], one: bool = False) -> bool:
+def _drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], one: bool = False) -> bool:
     """Handle what is queued on ``sock``, at most a batch (``one``: read at least one, even if
     the socket does not say so yet); True when more may be queued."""
     handled = 0
@@ -219,4 +220,3 @@ def _drain(sock: zmq.Socket, handle: Callable[[List[zmq.Frame]], None], one: boo
         except Exception:  # noqa: BLE001 - one bad message must not stop the reader
             traceback.print_exc()
     return False
-

@@ -10,10 +10,11 @@ import dataclasses
 import itertools
 import os
 import queue
-import threading
 import sys
+import threading
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from ..config import settings
 from . import protocol, wire
@@ -60,7 +61,7 @@ class _Mesh:
         return self._shape
 
     @property
-    def extent(self) -> Dict[str, int]:
+    def extent(self) -> dict[str, int]:
         return self._shape.extent
 
     def __len__(self) -> int:
@@ -87,7 +88,7 @@ class HostMesh(_Mesh):
     """Host agents, one per host, that spawn and supervise procs."""
 
     @classmethod
-    def connect(cls, agents: Sequence[str], dim: str = "hosts", relay: Optional[Sequence[bool]] = None) -> "HostMesh":
+    def connect(cls, agents: Sequence[str], dim: str = "hosts", relay: Sequence[bool] | None = None) -> HostMesh:
         """A mesh over running agents (addresses as they print them, or forwards to them),
         checked with a ping. ``relay`` (per agent): this process and that host's procs cannot
         connect to each other, so messages between them pass through its agent."""
@@ -107,7 +108,7 @@ class HostMesh(_Mesh):
             refs.append(HostRef(agent, info["host"], bool(through)))
         return cls(Shape({dim: len(refs)}), refs)
 
-    def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, name: str = "procs") -> "ProcMesh":
+    def spawn_procs(self, per_host: dict[str, int] | None = None, name: str = "procs") -> ProcMesh:
         """Start ``per_host`` procs on every host; returns once every proc is ready."""
         per_host = dict(per_host or {})
         proc_shape = Shape({**self.extent, **per_host})
@@ -120,7 +121,7 @@ class HostMesh(_Mesh):
         mesh = ProcMesh.__new__(ProcMesh)
         mesh._name = uid
         mesh._failures = []
-        ready: List[Future[Any]] = []
+        ready: list[Future[Any]] = []
         acks = []
         for h, host in enumerate(self._members):
             specs = []
@@ -150,7 +151,7 @@ class HostMesh(_Mesh):
         return f"HostMesh({self.extent}, hosts={[h.host for h in self._members]})"
 
 
-def _import_context() -> Dict[str, Any]:
+def _import_context() -> dict[str, Any]:
     """What a proc needs to import what the spawner can: its ``sys.path`` and cwd."""
     return {"sys_path": [os.path.abspath(p or ".") for p in sys.path], "cwd": os.getcwd()}
 
@@ -159,9 +160,9 @@ class ProcMesh(_Mesh):
     """Processes that host actors; one actor of each spawned mesh per proc."""
 
     _name: str
-    _failures: List[Failure]
+    _failures: list[Failure]
 
-    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> "ActorMesh":
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """One ``actor_class(*args, **kwargs)`` per proc; raises :class:`ActorError` if any constructor fails."""
         if not isinstance(actor_class, type):
             raise TypeError(f"spawn needs an Actor class, not {actor_class!r}")
@@ -191,7 +192,7 @@ class ProcMesh(_Mesh):
         members = [ActorRef(p, key) for p in self._members]
         return ActorMesh(self._shape, members, name, endpoints_of(actor_class), actor_class.__name__)
 
-    def stop(self) -> "Future[None]":
+    def stop(self) -> Future[None]:
         """Stop every proc once it has handled what was already sent to it; a future of when they are gone.
 
         As in Monarch: ``procs.stop().get()`` from threads, ``await procs.stop()`` from
@@ -208,14 +209,14 @@ class ProcMesh(_Mesh):
         ]
         return _in_background(lambda: self._stop(drained), f"stop {self._name}")
 
-    def _stop(self, drained: "List[Future[Any]]") -> None:
+    def _stop(self, drained: list[Future[Any]]) -> None:
         mb = Mailbox.get()
         for fut in drained:
             try:
                 fut.get(timeout=settings().stop_grace)
             except MonarchError:
                 pass  # it died or hung: the agent below deals with it
-        by_agent: Dict[str, List[str]] = {}
+        by_agent: dict[str, list[str]] = {}
         for p in self._members:
             by_agent.setdefault(p.agent, []).append(p.proc_id)
         futs = [
@@ -228,11 +229,11 @@ class ProcMesh(_Mesh):
         self._failures.append(failure)
 
     @property
-    def failures(self) -> List[Failure]:
+    def failures(self) -> list[Failure]:
         """Failures supervision has seen for procs of this mesh."""
         return list(self._failures)
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_failures"] = []
         return state
@@ -251,7 +252,7 @@ class ActorMesh(_Mesh):
         self._cls_name = cls_name
         self._rr = itertools.count()
 
-    def __getattr__(self, attr: str) -> "EndpointRef":
+    def __getattr__(self, attr: str) -> EndpointRef:
         if attr.startswith("_"):
             raise AttributeError(attr)
         if attr not in self._endpoints:
@@ -260,21 +261,23 @@ class ActorMesh(_Mesh):
             )
         return EndpointRef(self, attr)
 
-    def stop(self) -> "Future[None]":
+    def stop(self) -> Future[None]:
         """Remove the actors once the messages already sent to them are handled; a future of when that is done."""
         mb = Mailbox.get()
         futs = [
-            mb.request(a.proc.inbox, lambda cid, a=a: protocol.StopActor(cid, mb.address, a.key), proc_id=a.proc.proc_id)
+            mb.request(
+                a.proc.inbox, lambda cid, a=a: protocol.StopActor(cid, mb.address, a.key), proc_id=a.proc.proc_id
+            )
             for a in self._members
         ]
         return gather(futs).then(lambda _results: None)
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_rr"]
         return state
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._rr = itertools.count()
 
@@ -291,7 +294,7 @@ class EndpointRef:
         self._mesh = mesh
         self._method = method
 
-    def _send(self, ref: ActorRef, body: List[Any], mb: Mailbox) -> Future[Any]:
+    def _send(self, ref: ActorRef, body: list[Any], mb: Mailbox) -> Future[Any]:
         method = self._method
         fut = mb.request(
             ref.proc.inbox,
@@ -346,7 +349,7 @@ class EndpointRef:
         mb = Mailbox.get()
         body = wire.dumps((args, kwargs))
         futs = [self._send(ref, body, mb) for ref in self._mesh._members]
-        done: "queue.SimpleQueue[Future[Any]]" = queue.SimpleQueue()
+        done: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
         for f in futs:
             f.add_done_callback(done.put)
 
@@ -358,7 +361,7 @@ class EndpointRef:
 
 
 # ----------------------------------------------------------------- entry points
-_local_host: Optional[HostMesh] = None
+_local_host: HostMesh | None = None
 
 
 def this_host() -> HostMesh:
@@ -391,8 +394,7 @@ def this_proc() -> ProcMesh:
     boot = _proc.current_bootstrap()
     if boot is None:
         raise MonarchError(
-            "this_proc() is only available inside an actor; the controller spawns procs with "
-            "this_host().spawn_procs()"
+            "this_proc() is only available inside an actor; the controller spawns procs with this_host().spawn_procs()"
         )
     mesh = ProcMesh.__new__(ProcMesh)
     mesh._name = boot["proc_id"]
@@ -413,7 +415,7 @@ __all__ = [
 ]
 
 
-def _in_background(work: Callable[[], None], name: str) -> "Future[None]":
+def _in_background(work: Callable[[], None], name: str) -> Future[None]:
     """Run ``work`` on a thread now; its outcome resolves the returned future."""
     out: Future[None] = Future()
 

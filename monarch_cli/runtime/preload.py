@@ -25,7 +25,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 REPORT_KEY = "module_report"  # a rank spec's entry: the file it writes its imports to
 LEARNED_ENV = "MONARCH_LEARNED_PRELOAD"  # a zygote's: the JSON list of modules to import
@@ -34,7 +35,7 @@ _NEVER = {"__main__", "__mp_main__", "this", "antigravity"}  # antigravity opens
 _OWN = "monarch_cli"  # the zygote holds what it needs of monarch_cli itself
 
 # ------------------------------------------------------------------------ rank side
-_at_start: FrozenSet[str] = frozenset()
+_at_start: frozenset[str] = frozenset()
 
 
 def mark_start() -> None:
@@ -51,7 +52,7 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def workspace_roots(spec: Dict[str, Any]) -> List[str]:
+def workspace_roots(spec: dict[str, Any]) -> list[str]:
     """The user's own code: the run's cwd, the script's directory, PYTHONPATH entries inside them."""
     cwd = _norm(spec["cwd"])
     roots = [cwd]
@@ -63,7 +64,7 @@ def workspace_roots(spec: Dict[str, Any]) -> List[str]:
     return roots
 
 
-def installed_roots(env: Dict[str, str], cwd: str) -> List[str]:
+def installed_roots(env: dict[str, str], cwd: str) -> list[str]:
     """Where installed code lives: the standard library, site-packages, PYTHONPATH entries."""
     import site
     import sysconfig
@@ -86,7 +87,7 @@ def is_installed(path: str, installed: Iterable[str], workspace: Iterable[str]) 
     return best_workspace < 0 or best_installed > best_workspace
 
 
-def module_file(module: Any) -> Optional[str]:
+def module_file(module: Any) -> str | None:
     """The file a module was loaded from, if it is a plain file and the module is what it says."""
     spec = getattr(module, "__spec__", None)
     file = getattr(module, "__file__", None)
@@ -95,7 +96,7 @@ def module_file(module: Any) -> Optional[str]:
     return file if os.path.isfile(file) else None
 
 
-def candidates(modules: Dict[str, Any], spec: Dict[str, Any], skip: Iterable[str] = ()) -> List[Tuple[str, str]]:
+def candidates(modules: dict[str, Any], spec: dict[str, Any], skip: Iterable[str] = ()) -> list[tuple[str, str]]:
     """The (name, file) pairs among ``modules`` that a warm process may import for this run."""
     skip = set(skip)
     workspace = workspace_roots(spec)
@@ -110,7 +111,7 @@ def candidates(modules: Dict[str, Any], spec: Dict[str, Any], skip: Iterable[str
     return found
 
 
-def report_imports(spec: Dict[str, Any]) -> None:
+def report_imports(spec: dict[str, Any]) -> None:
     """At a rank's exit: write the installed modules it imported for its agent to learn."""
     path = spec.get(REPORT_KEY)
     if not path:
@@ -126,11 +127,11 @@ def report_imports(spec: Dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- zygote side
-_env_at_start: Dict[str, str] = {}
+_env_at_start: dict[str, str] = {}
 #: Variables that preloaded modules added to the environment as they were imported (e.g.
 #: torch._dynamo's TORCHINDUCTOR_CACHE_DIR): a warm rank gets them as defaults, as a fresh
 #: interpreter importing those modules would.
-env_added: Dict[str, str] = {}
+env_added: dict[str, str] = {}
 
 
 def note_environment() -> None:
@@ -158,7 +159,7 @@ def _thread_count() -> int:
         return threading.active_count()
 
 
-def _signal_handlers() -> Dict[int, Any]:
+def _signal_handlers() -> dict[int, Any]:
     found = {}
     for sig in signal.valid_signals():
         try:
@@ -176,7 +177,7 @@ def _cuda_initialized() -> bool:
         return False
 
 
-def _what_changed(threads: int, handlers: Dict[int, Any], env: Dict[str, str]) -> Optional[str]:
+def _what_changed(threads: int, handlers: dict[int, Any], env: dict[str, str]) -> str | None:
     """Why this process can no longer be forked as a fresh interpreter, if it cannot."""
     if _cuda_initialized():
         return "it initialises CUDA"
@@ -191,15 +192,15 @@ def _what_changed(threads: int, handlers: Dict[int, Any], env: Dict[str, str]) -
     return None
 
 
-def import_learned(path: str) -> Tuple[List[str], Dict[str, str], Optional[Tuple[str, str]]]:
+def import_learned(path: str) -> tuple[list[str], dict[str, str], tuple[str, str] | None]:
     """Import the modules listed in ``path``; returns (held, left out, offender): the listed
     modules now loaded, those left out and why, and the module that tainted this process.
 
     On an offender (name, why) the caller must not fork: the process is no longer clean.
     """
     with open(path) as f:
-        wanted: List[Tuple[str, str]] = [tuple(x) for x in json.load(f)]  # type: ignore[misc]
-    left_out: Dict[str, str] = {}
+        wanted: list[tuple[str, str]] = [tuple(x) for x in json.load(f)]  # type: ignore[misc]
+    left_out: dict[str, str] = {}
     threads, handlers, env = _thread_count(), _signal_handlers(), dict(os.environ)
     # ``python -m`` put the agent's cwd first on sys.path: a workspace module there must not
     # shadow an installed one while we import (ranks replace sys.path[0] anyway).
@@ -232,9 +233,9 @@ def import_learned(path: str) -> Tuple[List[str], Dict[str, str], Optional[Tuple
     return [n for n, _ in wanted if n in sys.modules and n not in left_out], left_out, None
 
 
-def loaded_files() -> Dict[str, Tuple[int, int]]:
+def loaded_files() -> dict[str, tuple[int, int]]:
     """Every loaded module file with its (mtime_ns, size), to tell later whether it changed."""
-    files: Dict[str, Tuple[int, int]] = {}
+    files: dict[str, tuple[int, int]] = {}
     for module in list(sys.modules.values()):
         file = module_file(module)
         if file is None or file in files:
@@ -247,11 +248,17 @@ def loaded_files() -> Dict[str, Tuple[int, int]]:
     return files
 
 
-def write_ready(path: str, held: List[str], left_out: Dict[str, str],
-                offender: Optional[Tuple[str, str]]) -> None:
+def write_ready(path: str, held: list[str], left_out: dict[str, str], offender: tuple[str, str] | None) -> None:
     """What a zygote tells its agent once it has loaded what it was asked to."""
-    report = {"pid": os.getpid(), "modules": len(sys.modules), "held": held, "left_out": left_out,
-              "offender": offender, "files": loaded_files() if offender is None else {}, "at": time.time()}
+    report = {
+        "pid": os.getpid(),
+        "modules": len(sys.modules),
+        "held": held,
+        "left_out": left_out,
+        "offender": offender,
+        "files": loaded_files() if offender is None else {},
+        "at": time.time(),
+    }
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(report, f)

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import traceback
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any
 
 import cloudpickle
 import zmq
@@ -29,12 +29,12 @@ from .mailbox import Mailbox
 from .mailbox_io import EVENTS, POLLIN
 from .shape import Point
 
-_boot: Optional[Dict[str, Any]] = None
-_server: Optional["ProcServer"] = None
+_boot: dict[str, Any] | None = None
+_server: ProcServer | None = None
 _DRAIN_BATCH = 256
 
 
-def current_bootstrap() -> Optional[Dict[str, Any]]:
+def current_bootstrap() -> dict[str, Any] | None:
     return _boot
 
 
@@ -67,18 +67,18 @@ class _Slot:
         self.instance = instance
         self.ctx = ctx
         self.name = name
-        self.queue: Deque[Tuple[Any, ...]] = collections.deque()
+        self.queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self.busy = False
-        self.methods: Dict[str, Tuple[Any, bool]] = {}
+        self.methods: dict[str, tuple[Any, bool]] = {}
 
 
 class ProcServer:
-    def __init__(self, mailbox: Mailbox, boot: Dict[str, Any]) -> None:
+    def __init__(self, mailbox: Mailbox, boot: dict[str, Any]) -> None:
         self.mb = mailbox
         self.boot = boot
         self.inbox, self.inbox_addr = mailbox.transport.bind_router()
         self.loop = asyncio.new_event_loop()
-        self.slots: Dict[str, _Slot] = {}
+        self.slots: dict[str, _Slot] = {}
         mailbox.supervisor = self._schedule_supervise
 
     def run(self) -> int:
@@ -104,7 +104,7 @@ class ProcServer:
                 traceback.print_exc()
         self.loop.call_soon(self._drain)  # more may be queued; the fd will not fire again
 
-    def _dispatch(self, frames: List[zmq.Frame]) -> None:
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
         head, body = wire.parse(frames[1:])
         try:
             msg = protocol.decode(head)
@@ -142,7 +142,7 @@ class ProcServer:
         else:
             self._refuse(head)
 
-    def _refuse(self, head: Tuple[Any, ...]) -> None:
+    def _refuse(self, head: tuple[Any, ...]) -> None:
         why = protocol.not_understood(head, f"proc {self.boot['proc_id']}")
         answer = protocol.answer_to(head)
         if answer is not None:
@@ -172,7 +172,7 @@ class ProcServer:
         self.slots.pop(msg.key, None)
         self.mb.reply(msg.reply_to, msg.cid, True, None)
 
-    def _method(self, slot: _Slot, name: str) -> Tuple[Any, bool]:
+    def _method(self, slot: _Slot, name: str) -> tuple[Any, bool]:
         entry = slot.methods.get(name)
         if entry is None:
             fn = getattr(slot.instance, name, None)
@@ -181,7 +181,7 @@ class ProcServer:
             entry = slot.methods[name] = (fn, inspect.iscoroutinefunction(fn))
         return entry
 
-    def _run_call(self, slot: _Slot, call: protocol.Call, body: List[Any]) -> None:
+    def _run_call(self, slot: _Slot, call: protocol.Call, body: list[Any]) -> None:
         cid, reply_to, method = call.cid, call.reply_to, call.method
         token = _enter(slot.ctx)
         try:
@@ -201,7 +201,7 @@ class ProcServer:
         finally:
             _leave(token)
 
-    def _async_done(self, slot: _Slot, cid: Optional[int], reply_to: str, method: str, task: "asyncio.Task[Any]") -> None:
+    def _async_done(self, slot: _Slot, cid: int | None, reply_to: str, method: str, task: asyncio.Task[Any]) -> None:
         slot.busy = False
         if task.cancelled():
             self._endpoint_failed(slot, cid, reply_to, method, asyncio.CancelledError())
@@ -216,7 +216,7 @@ class ProcServer:
             else:
                 self._run_call(slot, msg, body)
 
-    def _endpoint_failed(self, slot: _Slot, cid: Optional[int], reply_to: str, method: str, e: BaseException) -> None:
+    def _endpoint_failed(self, slot: _Slot, cid: int | None, reply_to: str, method: str, e: BaseException) -> None:
         where = f"{slot.name}.{method} at {slot.ctx.point} on proc {self.boot['proc_id']} ({self.boot['host']})"
         if cid is None:
             print(f"monarch: broadcast to {where} raised:", file=sys.stderr)
@@ -229,7 +229,7 @@ class ProcServer:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         try:
             cloudpickle.dumps(e)
-            exc: Optional[BaseException] = e
+            exc: BaseException | None = e
         except Exception:  # noqa: BLE001
             exc = None
         self.mb.reply(reply_to, cid, False, (f"{what} {type(e).__name__}: {e}", tb, exc))
@@ -255,13 +255,17 @@ class ProcServer:
         if inspect.isawaitable(handled):
             task = asyncio.ensure_future(handled, loop=self.loop)
             task.add_done_callback(
-                lambda t: None if (not t.cancelled() and not t.exception() and t.result()) else self.mb.unhandled_failure(failure)
+                lambda t: (
+                    None
+                    if (not t.cancelled() and not t.exception() and t.result())
+                    else self.mb.unhandled_failure(failure)
+                )
             )
         elif not handled:
             self.mb.unhandled_failure(failure)
 
 
-def _adopt_import_context(ctx: Dict[str, Any]) -> None:
+def _adopt_import_context(ctx: dict[str, Any]) -> None:
     """Import what the spawner imports: its sys.path entries (those that exist here) and cwd."""
     cwd = ctx.get("cwd")
     if cwd and os.path.isdir(cwd):
@@ -270,7 +274,7 @@ def _adopt_import_context(ctx: Dict[str, Any]) -> None:
     sys.path[:] = [p for p in ctx.get("sys_path", []) if os.path.exists(p)] + ours
 
 
-def main(boot: Dict[str, Any]) -> int:
+def main(boot: dict[str, Any]) -> int:
     """Run a proc until it is told to stop (called in the child forked by the zygote)."""
     global _boot, _server
     boot["pid"] = os.getpid()

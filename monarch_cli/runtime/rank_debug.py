@@ -21,11 +21,11 @@ import socket
 import sys
 import threading
 from types import FrameType, TracebackType
-from typing import Any, Dict, Optional
+from typing import Any
 
-_chan: Optional[socket.socket] = None
+_chan: socket.socket | None = None
 _send_lock = threading.Lock()
-_lines: "queue.Queue[Optional[str]]" = queue.Queue()
+_lines: queue.Queue[str | None] = queue.Queue()
 _DAP_HANDOFF = "\x00monarch-dap\x00"
 _CHUNK = 16000  # characters per output message (JSON-escaped, under the packet limit)
 _dap_connecting = False  # debugpy connects to the agent once; that connection serves every IDE session
@@ -33,7 +33,7 @@ _dap_configured = threading.Event()  # the first IDE has configured debugpy (or 
 _dap_failed = False
 
 
-def _send(msg: Dict[str, Any]) -> None:
+def _send(msg: dict[str, Any]) -> None:
     """One JSON message per packet; long output is split into several output messages."""
     if _chan is None:
         return
@@ -78,7 +78,7 @@ class RemotePdb(pdb.Pdb):
         self._handoff = False
         self._handed_over = False
 
-    def set_trace(self, frame: Optional[FrameType] = None) -> None:
+    def set_trace(self, frame: FrameType | None = None) -> None:
         """bdb's set_trace, but tracing (and the visible stack) stops at the user's outermost frame."""
         if frame is None:
             frame = sys._getframe().f_back
@@ -107,15 +107,17 @@ class RemotePdb(pdb.Pdb):
             return tracer if tracer is not None and tracer != self.trace_dispatch else None
         return result
 
-    def interaction(self, frame: Optional[FrameType], tb: Optional[TracebackType]) -> None:
+    def interaction(self, frame: FrameType | None, tb: TracebackType | None) -> None:
         where = frame if frame is not None else _last_frame(tb)
-        _send({
-            "type": "paused",
-            "file": where.f_code.co_filename if where else "?",
-            "line": where.f_lineno if where else 0,
-            "function": where.f_code.co_name if where else "?",
-            "reason": self.reason,
-        })
+        _send(
+            {
+                "type": "paused",
+                "file": where.f_code.co_filename if where else "?",
+                "line": where.f_lineno if where else 0,
+                "function": where.f_code.co_name if where else "?",
+                "reason": self.reason,
+            }
+        )
         try:
             super().interaction(frame, tb)
         finally:
@@ -154,7 +156,7 @@ class RemotePdb(pdb.Pdb):
         """Wait for the IDE, then let debugpy trace this thread in pdb's place."""
         import debugpy
 
-        frame: Optional[FrameType] = sys._getframe()
+        frame: FrameType | None = sys._getframe()
         while frame is not None:
             frame.f_trace = None
             frame = frame.f_back
@@ -174,7 +176,7 @@ def _is_ours(frame: FrameType) -> bool:
     return name.startswith(_OURS) or name.startswith("<frozen runpy")
 
 
-def _user_bottom(frame: Optional[FrameType]) -> Optional[FrameType]:
+def _user_bottom(frame: FrameType | None) -> FrameType | None:
     """The user's outermost frame: pdb's stack (``w``, ``u``) stops there, as under ``python script.py``."""
     bottom = frame
     while frame is not None and not _is_ours(frame):
@@ -182,13 +184,13 @@ def _user_bottom(frame: Optional[FrameType]) -> Optional[FrameType]:
     return bottom
 
 
-def _user_traceback(tb: Optional[TracebackType]) -> Optional[TracebackType]:
+def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
     while tb is not None and tb.tb_next is not None and _is_ours(tb.tb_frame):
         tb = tb.tb_next
     return tb
 
 
-def _last_frame(tb: Optional[TracebackType]) -> Optional[FrameType]:
+def _last_frame(tb: TracebackType | None) -> FrameType | None:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame if tb is not None else None
@@ -201,21 +203,21 @@ def _breakpointhook(*args: Any, **kwargs: Any) -> None:
     RemotePdb().set_trace(sys._getframe().f_back)
 
 
-def _set_trace(*, header: Optional[str] = None) -> None:
+def _set_trace(*, header: str | None = None) -> None:
     debugger = RemotePdb()
     if header is not None:
         debugger.message(header)
     debugger.set_trace(sys._getframe().f_back)
 
 
-def post_mortem(tb: Optional[TracebackType]) -> None:
+def post_mortem(tb: TracebackType | None) -> None:
     """Keep the rank in pdb at the failing frame until the user lets it go."""
     debugger = RemotePdb(reason="post-mortem")
     debugger.reset()
     debugger.interaction(None, _user_traceback(tb))
 
 
-def _serve_dap(msg: Dict[str, Any]) -> None:
+def _serve_dap(msg: dict[str, Any]) -> None:
     """Connect debugpy out to the agent (never listen: a port here would be open to every local user)."""
     global _dap_connecting
     if not _dap_connecting:

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any
 
 from .title import rank_title, set_title
 
@@ -35,7 +35,7 @@ SPEC_ENV = "MONARCH_RANK_SPEC"
 _store: Any = None  # keeps the rendezvous store alive for the whole run
 
 
-def _stdio_codec(env: Dict[str, str]) -> "tuple[str, str]":
+def _stdio_codec(env: dict[str, str]) -> tuple[str, str]:
     """The encoding and error handler interpreter start-up picks for stdin/stdout (PEP 538/540)."""
     import codecs
     import locale
@@ -55,7 +55,7 @@ def _stdio_codec(env: Dict[str, str]) -> "tuple[str, str]":
     return forced_encoding or encoding, forced_errors or errors
 
 
-def _reset_stdio(unbuffered: bool, env: Dict[str, str]) -> None:
+def _reset_stdio(unbuffered: bool, env: dict[str, str]) -> None:
     """Recreate sys.stdin/out/err on fds 0/1/2 the way interpreter start-up does."""
     encoding, errors = _stdio_codec(env)
 
@@ -65,15 +65,16 @@ def _reset_stdio(unbuffered: bool, env: Dict[str, str]) -> None:
         raw.name = name
         buf: Any = raw if unbuffered and write else io.BufferedWriter(raw) if write else io.BufferedReader(raw)
         line_buffering = not unbuffered and (raw.isatty() or fd == 2)
-        return io.TextIOWrapper(buf, encoding=encoding, errors=errors, newline="\n",
-                                line_buffering=line_buffering, write_through=unbuffered)
+        return io.TextIOWrapper(
+            buf, encoding=encoding, errors=errors, newline="\n", line_buffering=line_buffering, write_through=unbuffered
+        )
 
     sys.stdin = sys.__stdin__ = make(0, "<stdin>", errors)
     sys.stdout = sys.__stdout__ = make(1, "<stdout>", errors)
     sys.stderr = sys.__stderr__ = make(2, "<stderr>", "backslashreplace")
 
 
-def _host_store(listen_fd: int, env: Dict[str, str]) -> None:
+def _host_store(listen_fd: int, env: dict[str, str]) -> None:
     """Serve the rendezvous store on the socket the agent already bound (rank 0 only)."""
     global _store
     try:
@@ -96,7 +97,7 @@ def _host_store(listen_fd: int, env: Dict[str, str]) -> None:
     )
 
 
-def _apply_threads(env: Dict[str, str]) -> None:
+def _apply_threads(env: dict[str, str]) -> None:
     """A warm zygote imported torch before OMP_NUM_THREADS was set; apply it now."""
     torch = sys.modules.get("torch")
     value = env.get("OMP_NUM_THREADS")
@@ -111,7 +112,7 @@ def _reseed() -> None:
         torch.default_generator.seed()
 
 
-def _finish(code: int) -> "int":
+def _finish(code: int) -> int:
     """What interpreter shutdown does: join threads, run atexit, flush."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]
@@ -153,8 +154,9 @@ def _run_script(path: str) -> None:
     with io.open_code(path) as f:
         code = compile(f.read(), path, "exec", dont_inherit=True)
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
-                         __loader__=SourceFileLoader("__main__", path))
+    main.__dict__.update(
+        __file__=path, __cached__=None, __builtins__=builtins, __loader__=SourceFileLoader("__main__", path)
+    )
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
 
@@ -194,8 +196,10 @@ def run_program(spec: RankSpec) -> int:
             sys.argv = program
             sys.path[0] = os.path.dirname(os.path.abspath(path))
             if not os.path.exists(path):
-                print(f"{sys.executable}: can't open file {os.path.abspath(path)!r}: "
-                      f"[Errno 2] No such file or directory", file=sys.stderr)
+                print(
+                    f"{sys.executable}: can't open file {os.path.abspath(path)!r}: [Errno 2] No such file or directory",
+                    file=sys.stderr,
+                )
                 return _finish(2)
             _run_script(path)
         elif mode == "module":
@@ -230,7 +234,7 @@ def _die_of_sigint() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def become_rank(spec: RankSpec, extra: Dict[str, int]) -> int:
+def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
     """Warm path: reset this forked child to a fresh interpreter's state, then run.
 
     ``extra`` holds inherited fds by role: ``listen`` (rank 0's store socket), ``debug``.
@@ -241,7 +245,7 @@ def become_rank(spec: RankSpec, extra: Dict[str, int]) -> int:
     _leave_warm_finalizers()
     listen_fd = extra.get("listen")
     os.setsid()  # own process group: signals reach the rank and its children together
-    env: Dict[str, str] = spec["env"]
+    env: dict[str, str] = spec["env"]
     os.environ.clear()
     os.environ.update(env)
     preload.apply_environment()
@@ -305,21 +309,21 @@ def _settle_gloo_teardown() -> None:
     dist.destroy_process_group = destroy_process_group  # type: ignore[union-attr]
 
 
-def _install_telemetry(spec: Dict[str, Any]) -> None:
+def _install_telemetry(spec: dict[str, Any]) -> None:
     if spec.get("telemetry"):
         from . import rank_telemetry
 
         rank_telemetry.install(spec)
 
 
-def _install_debugger(fd: Optional[int]) -> None:
+def _install_debugger(fd: int | None) -> None:
     if fd is not None:
         from . import rank_debug
 
         rank_debug.install(fd)
 
 
-def cold_command(spec: RankSpec) -> List[str]:
+def cold_command(spec: RankSpec) -> list[str]:
     """The command line of a cold rank (the spec travels in the environment)."""
     if spec["mode"] == "no_python":
         return list(spec["program"])
@@ -333,7 +337,7 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def exec_cold(spec: RankSpec, extra: Dict[str, int]) -> None:
+def exec_cold(spec: RankSpec, extra: dict[str, int]) -> None:
     """Cold path, in a forked child: replace this process with a fresh interpreter."""
     os.setsid()
     _default_signals()
@@ -347,7 +351,7 @@ def exec_cold(spec: RankSpec, extra: Dict[str, int]) -> None:
     os.execve(sys.executable, cold_command(spec), env)
 
 
-def _exec(spec: Dict[str, Any], extra: Dict[str, int]) -> None:
+def _exec(spec: dict[str, Any], extra: dict[str, int]) -> None:
     for fd in extra.values():
         os.close(fd)
     program = spec["program"]

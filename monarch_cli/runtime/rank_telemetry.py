@@ -23,7 +23,8 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 STACK_SIGNAL = signal.SIGRTMIN + 7
 #: The step file, all little-endian 8-byte fields: the number of steps stored (int64); the unix
@@ -37,12 +38,12 @@ _PR_SET_PTRACER = 0x59616D61
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
 
 
-def paths(directory: str, run_id: str, rank: int) -> Dict[str, str]:
+def paths(directory: str, run_id: str, rank: int) -> dict[str, str]:
     base = os.path.join(directory, f"{run_id}.{rank}")
     return {"steps": base + ".steps", "stack": base + ".stack"}
 
 
-def install(spec: Dict[str, Any]) -> None:
+def install(spec: dict[str, Any]) -> None:
     """Called by the launcher in the rank process; never lets a failure reach the user's run."""
     info = spec.get("telemetry")
     if not info:
@@ -58,7 +59,7 @@ def install(spec: Dict[str, Any]) -> None:
         print(f"monarch: telemetry not installed in this rank: {e}", file=sys.stderr)
 
 
-def _allow_tracer(agent_pid: Optional[int]) -> None:
+def _allow_tracer(agent_pid: int | None) -> None:
     if not agent_pid or not os.path.exists("/proc/sys/kernel/yama"):
         return  # without Yama nothing restricts ptrace (PR_SET_PTRACER would be EINVAL): spare the rank the dlopen
     try:
@@ -87,7 +88,7 @@ class _StepTimer:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.map = self._map(_STEP_FILE_START)
-        self.owner: Optional[int] = None
+        self.owner: int | None = None
         self.steps = 0
         self.end = _STEP_FILE_START
         now = time.monotonic()  # durations from the monotonic clock; the wall clock may be stepped

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, Generic, Iterator, List, Mapping, Sequence, Tuple, TypeVar, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
-Index = Union[int, slice]
+Index = int | slice
 
 
 class Shape:
@@ -20,11 +21,11 @@ class Shape:
                 raise ValueError(f"dimension names must be identifiers, not {name!r}")
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"dimension {name!r} must have a positive int size, not {size!r}")
-        self.names: Tuple[str, ...] = tuple(dims)
-        self.sizes: Tuple[int, ...] = tuple(dims.values())
+        self.names: tuple[str, ...] = tuple(dims)
+        self.sizes: tuple[int, ...] = tuple(dims.values())
 
     @property
-    def extent(self) -> Dict[str, int]:
+    def extent(self) -> dict[str, int]:
         return dict(zip(self.names, self.sizes))
 
     def __len__(self) -> int:
@@ -39,7 +40,7 @@ class Shape:
     def __repr__(self) -> str:
         return f"Shape({self.extent})"
 
-    def points(self) -> Iterator["Point"]:
+    def points(self) -> Iterator[Point]:
         for rank, coords in enumerate(itertools.product(*(range(s) for s in self.sizes))):
             yield Point(dict(zip(self.names, coords)), rank, self.extent)
 
@@ -54,7 +55,7 @@ class Shape:
             rank = rank * size + c
         return rank
 
-    def select(self, **dims: Index) -> Tuple["Shape", List[int]]:
+    def select(self, **dims: Index) -> tuple[Shape, list[int]]:
         """The sub-shape picked by ``dims`` and the flat ranks (into this shape) it keeps.
 
         An int drops its dimension; a slice keeps it with the selected extent.
@@ -62,8 +63,8 @@ class Shape:
         unknown = set(dims) - set(self.names)
         if unknown:
             raise KeyError(f"no dimension(s) {sorted(unknown)} in shape {self.extent}")
-        per_dim: List[List[int]] = []
-        new_dims: Dict[str, int] = {}
+        per_dim: list[list[int]] = []
+        new_dims: dict[str, int] = {}
         for name, size in zip(self.names, self.sizes):
             sel = dims.get(name, slice(None))
             if isinstance(sel, slice):
@@ -94,7 +95,7 @@ class Point(Mapping[str, int]):
 
     __slots__ = ("coords", "rank", "extent")
 
-    def __init__(self, coords: Dict[str, int], rank: int, extent: Dict[str, int]) -> None:
+    def __init__(self, coords: dict[str, int], rank: int, extent: dict[str, int]) -> None:
         self.coords = coords
         self.rank = rank
         self.extent = extent
@@ -123,10 +124,10 @@ class ValueMesh(Generic[T]):
         self.shape = shape
         self._values = list(values)
 
-    def items(self) -> Iterator[Tuple[Point, T]]:
+    def items(self) -> Iterator[tuple[Point, T]]:
         return zip(self.shape.points(), self._values)
 
-    def values(self) -> List[T]:
+    def values(self) -> list[T]:
         return list(self._values)
 
     def item(self, **point: int) -> T:
@@ -137,7 +138,7 @@ class ValueMesh(Generic[T]):
     def __len__(self) -> int:
         return len(self._values)
 
-    def __iter__(self) -> Iterator[Tuple[Point, T]]:
+    def __iter__(self) -> Iterator[tuple[Point, T]]:
         return self.items()
 
     def __repr__(self) -> str:

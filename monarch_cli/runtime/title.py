@@ -7,7 +7,6 @@ ctypes ``prctl(PR_SET_NAME)`` alone would only change the 15-character ``comm``.
 from __future__ import annotations
 
 import shlex
-from typing import List
 
 
 def set_title(title: str) -> None:
@@ -29,7 +28,7 @@ def comm_name(title: str) -> str:
     return "-".join(title.replace(":", "").split()[:2])[:15]
 
 
-def rank_title(rank: int, mode: str, program: List[str]) -> str:
+def rank_title(rank: int, mode: str, program: list[str]) -> str:
     """``monarch rank 3: train.py --lr 1`` (``-m pkg.mod`` for a module)."""
     words = list(program)
     if mode == "script" and words:

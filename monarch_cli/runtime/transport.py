@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from typing import Optional, Tuple
 
 import zmq
 from zmq.utils import z85
@@ -33,7 +32,7 @@ class Transport:
         self._client_key = z85.decode(keys.public)
         # The ZAP handler must exist before any server socket binds, or libzmq lets
         # CURVE clients in without asking. A client-only context needs none.
-        self.zap: Optional[zmq.Socket] = None
+        self.zap: zmq.Socket | None = None
         if zap:
             self.zap = self.ctx.socket(zmq.REP)
             self.zap.linger = 0
@@ -51,7 +50,7 @@ class Transport:
         status = (b"200", b"OK") if ok else (b"400", b"unknown key")
         self.zap.send_multipart([version, request_id, *status, b"", b""])
 
-    def bind_router(self, port: Optional[int] = None) -> Tuple[zmq.Socket, str]:
+    def bind_router(self, port: int | None = None) -> tuple[zmq.Socket, str]:
         """A CURVE ROUTER on ``port``, else on a port of ``settings().port_range``, else any free one."""
         if self.zap is None:
             raise RuntimeError("a client-only transport cannot bind a server socket")
@@ -81,7 +80,7 @@ class Transport:
             endpoint = f"tcp://{advertised_host()}:{endpoint.rpartition(':')[2]}"
         return sock, endpoint
 
-    def dealer(self, address: str, identity: Optional[bytes] = None) -> zmq.Socket:
+    def dealer(self, address: str, identity: bytes | None = None) -> zmq.Socket:
         """A CURVE DEALER to ``address``; ``identity`` names it to the server's ROUTER (a link: see mailbox)."""
         sock = self.ctx.socket(zmq.DEALER)
         if identity is not None:

@@ -21,7 +21,8 @@ import io
 import pickle
 import struct
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 # Below this size an out-of-band frame costs more than it saves.
 _OOB_MIN = 4096
@@ -62,7 +63,7 @@ def _rebuild_tensor(array: Any, dtype: str, device: str, requires_grad: bool, is
     if device != "cpu":
         try:
             t = t.to(device)
-        except Exception:  # the receiver has no such device: keep it on the CPU
+        except Exception:  # noqa: BLE001 - the receiver has no such device: keep it on the CPU
             pass
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
@@ -71,10 +72,10 @@ def _rebuild_tensor(array: Any, dtype: str, device: str, requires_grad: bool, is
     return t
 
 
-_picklers: Optional[Tuple[type, type]] = None
+_picklers: tuple[type, type] | None = None
 
 
-def _pickler_classes() -> Tuple[type, type]:
+def _pickler_classes() -> tuple[type, type]:
     """cloudpickle's pickler and the bytes-lifting one, made at first use: a process that only
     sends plain data (:func:`dumps_data`, a run's client) never imports cloudpickle (~3 ms)."""
     global _picklers
@@ -114,19 +115,19 @@ class _Unpickler(pickle.Unpickler):
         return bytearray(buf) if is_bytearray else bytes(buf)
 
 
-def _dump(pickler: type, obj: Any) -> Tuple[List[Any], Any]:
-    buffers: List[pickle.PickleBuffer] = []
+def _dump(pickler: type, obj: Any) -> tuple[list[Any], Any]:
+    buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     p = pickler(f, protocol=5, buffer_callback=buffers.append)
     p.dump(obj)
-    frames: List[Any] = [f.getvalue()]
+    frames: list[Any] = [f.getvalue()]
     for b in buffers:
         raw = b.raw()
         frames.append(raw if raw.nbytes >= _OOB_MIN else bytearray(raw))  # bytearray: stays writable
     return frames, p
 
 
-def dumps(obj: Any) -> List[Any]:
+def dumps(obj: Any) -> list[Any]:
     """Encode ``obj`` into frames: ``[pickle, *buffers]``."""
     pickler, lifter_class = _pickler_classes()
     frames, _ = _dump(pickler, obj)
@@ -138,7 +139,7 @@ def dumps(obj: Any) -> List[Any]:
     return frames
 
 
-def dumps_data(obj: Any) -> List[Any]:
+def dumps_data(obj: Any) -> list[Any]:
     """Encode plain data (builtins; classes importable by name on both sides: the protocol's
     records, dataclasses of this package) as :func:`dumps` would, with the standard pickler:
     no functions or classes by value, no out-of-band buffers. For the small control bodies on
@@ -153,7 +154,7 @@ def loads(frames: Sequence[Any]) -> Any:
     return pickle.loads(frames[0], buffers=frames[1:])
 
 
-def send_message(sock: Any, header: Tuple[Any, ...], body: Sequence[Any] = ()) -> None:
+def send_message(sock: Any, header: tuple[Any, ...], body: Sequence[Any] = ()) -> None:
     """Send ``header`` and ``body`` (frames from :func:`dumps`) as one message on a ZeroMQ socket."""
     h = pickle.dumps(header, 5)
     if not body or (len(body) == 1 and len(body[0]) <= _PACK_MAX):
@@ -162,7 +163,7 @@ def send_message(sock: Any, header: Tuple[Any, ...], body: Sequence[Any] = ()) -
         sock.send_multipart([h, *body], copy=False)
 
 
-def frames(header: Tuple[Any, ...], body: Sequence[Any] = ()) -> List[Any]:
+def frames(header: tuple[Any, ...], body: Sequence[Any] = ()) -> list[Any]:
     """The frames :func:`send_message` would send, for a caller that adds its own (a route, a queue tag)."""
     h = pickle.dumps(header, 5)
     if not body or (len(body) == 1 and len(body[0]) <= _PACK_MAX):
@@ -170,7 +171,7 @@ def frames(header: Tuple[Any, ...], body: Sequence[Any] = ()) -> List[Any]:
     return [h, *body]
 
 
-def recv_frames(sock: Any, flags: int = 0) -> List[Any]:
+def recv_frames(sock: Any, flags: int = 0) -> list[Any]:
     """One message's frames, zero-copy: ``recv_multipart(copy=False)`` minus ~1.3 µs of overhead."""
     frames = [sock.recv(flags, copy=False)]
     while frames[-1].more:
@@ -178,7 +179,7 @@ def recv_frames(sock: Any, flags: int = 0) -> List[Any]:
     return frames
 
 
-def parse(frames: Sequence[Any]) -> Tuple[Tuple[Any, ...], List[Any]]:
+def parse(frames: Sequence[Any]) -> tuple[tuple[Any, ...], list[Any]]:
     """``(header, body frames)`` of a message sent by :func:`send_message` (its frames, no identity)."""
     if len(frames) == 1:
         buf = frames[0].buffer

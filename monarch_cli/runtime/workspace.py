@@ -29,8 +29,9 @@ import pickle
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple
 
 from .errors import MonarchError
 
@@ -46,10 +47,10 @@ class WorkspaceError(MonarchError):
 #: One mirrored path: (size, mtime_ns, mode bits, symlink target or ""). A plain tuple, not a
 #: NamedTuple: manifests of thousands of entries are pickled on every sync, and a NamedTuple
 #: costs a Python call per entry to pickle.
-Entry = Tuple[int, int, int, str]
+Entry = tuple[int, int, int, str]
 
 
-Manifest = Dict[str, Entry]
+Manifest = dict[str, Entry]
 
 
 class FileUpdate(NamedTuple):
@@ -58,7 +59,7 @@ class FileUpdate(NamedTuple):
     path: str
     entry: Entry
     sha256: str
-    data: Optional[bytes]
+    data: bytes | None
 
 
 def digest(manifest: Manifest) -> str:
@@ -74,19 +75,19 @@ def digest(manifest: Manifest) -> str:
 class _Rules:
     """The ignore files in effect for one directory: (base, spec) pairs, outermost first."""
 
-    def __init__(self, chain: Tuple[Tuple[str, object], ...]) -> None:
+    def __init__(self, chain: tuple[tuple[str, object], ...]) -> None:
         self.chain = chain
 
     def ignored(self, rel: str, is_dir: bool) -> bool:
         for base, spec in reversed(self.chain):  # the deepest file that has an opinion decides
-            sub = rel[len(base) + 1:] if base else rel
+            sub = rel[len(base) + 1 :] if base else rel
             result = spec.check_file(sub + "/" if is_dir else sub)  # type: ignore[attr-defined]
             if result.include is not None:
                 return bool(result.include)
         return False
 
 
-def _load_spec(path: str) -> Optional[object]:
+def _load_spec(path: str) -> object | None:
     import pathspec  # gitignore semantics (negation, anchoring, **) done right
 
     try:
@@ -98,15 +99,15 @@ def _load_spec(path: str) -> Optional[object]:
 
 class _DirListing(NamedTuple):
     mtime_ns: int
-    rules_key: Tuple[Tuple[str, int, int], ...]  # (ignore file, size, mtime) in effect
-    files: Tuple[str, ...]  # regular files and symlinks kept, by name
-    paths: Tuple[str, ...]  # the same, relative to the workspace (built once, not per scan)
-    dirs: Tuple[str, ...]  # subdirectories descended into, by name
+    rules_key: tuple[tuple[str, int, int], ...]  # (ignore file, size, mtime) in effect
+    files: tuple[str, ...]  # regular files and symlinks kept, by name
+    paths: tuple[str, ...]  # the same, relative to the workspace (built once, not per scan)
+    dirs: tuple[str, ...]  # subdirectories descended into, by name
 
 
 class ScanResult(NamedTuple):
     manifest: Manifest
-    outside_links: List[str]  # symlinks not mirrored because they leave the workspace
+    outside_links: list[str]  # symlinks not mirrored because they leave the workspace
 
 
 class Scanner:
@@ -121,22 +122,22 @@ class Scanner:
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
-        self.dirs: Dict[str, _DirListing] = {}
-        self.entries: Dict[str, Tuple[int, int, int, int, Entry]] = {}  # rel -> (ino, mtime, size, st_mode, entry)
+        self.dirs: dict[str, _DirListing] = {}
+        self.entries: dict[str, tuple[int, int, int, int, Entry]] = {}  # rel -> (ino, mtime, size, st_mode, entry)
         self._unchanged = False  # the last scan found exactly the manifest before it
-        self.hashes: Dict[str, Tuple[Entry, str]] = {}  # rel -> (entry it was hashed at, sha256)
-        self.last_digest: Optional[str] = None  # the digest of the last scan's manifest
+        self.hashes: dict[str, tuple[Entry, str]] = {}  # rel -> (entry it was hashed at, sha256)
+        self.last_digest: str | None = None  # the digest of the last scan's manifest
         self.dirty = True  # something worth saving changed since the last save
-        self.synced: Optional[Tuple[str, Manifest]] = None  # the digest and manifest last pushed to hosts
+        self.synced: tuple[str, Manifest] | None = None  # the digest and manifest last pushed to hosts
 
     def scan(self) -> ScanResult:
         manifest: Manifest = {}
-        outside: List[str] = []
-        seen_dirs: Dict[str, _DirListing] = {}
-        entries: Dict[str, Tuple[int, int, int, int, Entry]] = {}
+        outside: list[str] = []
+        seen_dirs: dict[str, _DirListing] = {}
+        entries: dict[str, tuple[int, int, int, int, Entry]] = {}
         old = self.entries
-        specs: Dict[str, object] = {}
-        stack: List[Tuple[str, Tuple[Tuple[str, str, int, int], ...]]] = [("", ())]
+        specs: dict[str, object] = {}
+        stack: list[tuple[str, tuple[tuple[str, str, int, int], ...]]] = [("", ())]
         root = self.root
         changed = False
         lstat, S_ISREG, S_ISLNK, S_IMODE = os.lstat, stat.S_ISREG, stat.S_ISLNK, stat.S_IMODE
@@ -160,7 +161,9 @@ class Scanner:
                 key = tuple((p, sz, m) for _, p, sz, m in chain)
                 listing = self.dirs.get(rel)
                 if listing is None or listing.mtime_ns != dir_mtime or listing.rules_key != key:
-                    rules = _Rules(tuple((b, sp) for b, p, _, _ in chain if (sp := specs.get(p) or _cache_spec(specs, p))))
+                    rules = _Rules(
+                        tuple((b, sp) for b, p, _, _ in chain if (sp := specs.get(p) or _cache_spec(specs, p)))
+                    )
                     listing = self._list(rel, absdir, dir_mtime, key, rules)
                     self.dirty = changed = True
                 seen_dirs[rel] = listing
@@ -172,8 +175,13 @@ class Scanner:
                         changed = True
                         continue
                     known = old.get(r)
-                    if (known is not None and known[1] == st.st_mtime_ns and known[0] == st.st_ino
-                            and known[2] == st.st_size and known[3] == st.st_mode):
+                    if (
+                        known is not None
+                        and known[1] == st.st_mtime_ns
+                        and known[0] == st.st_ino
+                        and known[2] == st.st_size
+                        and known[3] == st.st_mode
+                    ):
                         entries[r] = known  # the common case: nothing new to build
                         manifest[r] = known[4]
                         continue
@@ -202,10 +210,11 @@ class Scanner:
         self._unchanged = not changed
         return ScanResult(manifest, outside)
 
-    def _list(self, rel: str, absdir: str, mtime_ns: int, key: Tuple[Tuple[str, int, int], ...],
-              rules: _Rules) -> _DirListing:
-        files: List[str] = []
-        dirs: List[str] = []
+    def _list(
+        self, rel: str, absdir: str, mtime_ns: int, key: tuple[tuple[str, int, int], ...], rules: _Rules
+    ) -> _DirListing:
+        files: list[str] = []
+        dirs: list[str] = []
         prefix = rel + "/" if rel else ""
         try:
             it = list(os.scandir(absdir))
@@ -228,7 +237,7 @@ class Scanner:
                 files.append(name)
         return _DirListing(mtime_ns, key, tuple(files), tuple(prefix + f for f in files), tuple(dirs))
 
-    def manifest_and_digest(self) -> Tuple[ScanResult, str]:
+    def manifest_and_digest(self) -> tuple[ScanResult, str]:
         """Scan, and digest the manifest (the digest is reused when the manifest did not change)."""
         result = self.scan()
         if self.last_digest is not None and self._unchanged:
@@ -262,7 +271,7 @@ class Scanner:
             entry = (st.st_size, st.st_mtime_ns, entry[2], "")
         raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
 
-    def update_for(self, rel: str, entry: Entry, host_sha: Optional[str], host_entry: Optional[Entry]) -> FileUpdate:
+    def update_for(self, rel: str, entry: Entry, host_sha: str | None, host_entry: Entry | None) -> FileUpdate:
         """What to send for one changed path: metadata only when the host has the same content."""
         if entry[3]:
             return FileUpdate(rel, entry, self.sha256(rel, entry), None)
@@ -281,7 +290,7 @@ class Scanner:
         raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
 
 
-def _cache_spec(specs: Dict[str, object], path: str) -> Optional[object]:
+def _cache_spec(specs: dict[str, object], path: str) -> object | None:
     spec = _load_spec(path)
     if spec is not None:
         specs[path] = spec
@@ -317,11 +326,11 @@ def human_bytes(n: float) -> str:
 class Changes(NamedTuple):
     """What a host lacks: paths to send (with the host's entry and hash, if it has one) and to delete."""
 
-    changed: List[Tuple[str, Entry, Optional[Entry], Optional[str]]]
-    deleted: List[str]
+    changed: list[tuple[str, Entry, Entry | None, str | None]]
+    deleted: list[str]
 
 
-def diff(client: Manifest, host: Dict[str, Tuple[Entry, str]]) -> Changes:
+def diff(client: Manifest, host: dict[str, tuple[Entry, str]]) -> Changes:
     changed = []
     for path, entry in client.items():
         had = host.get(path)
@@ -342,7 +351,7 @@ class Mirror:
     def __init__(self, directory: str) -> None:
         self.dir = os.path.abspath(directory)
         self._state_file = self.dir.rstrip("/") + ".manifest"
-        self.files: Dict[str, Tuple[Entry, str]] = {}
+        self.files: dict[str, tuple[Entry, str]] = {}
         self.digest = digest({})
         try:
             with open(self._state_file, "rb") as f:
@@ -350,7 +359,7 @@ class Mirror:
         except (OSError, EOFError, pickle.UnpicklingError, ValueError):
             pass
 
-    def apply(self, updates: Sequence[FileUpdate], deleted: Iterable[str]) -> Tuple[int, int]:
+    def apply(self, updates: Sequence[FileUpdate], deleted: Iterable[str]) -> tuple[int, int]:
         """Delete, then write each update atomically; returns (files written, bytes written)."""
         os.makedirs(self.dir, exist_ok=True)
         dirs_touched = set()
@@ -450,7 +459,11 @@ def load_scanner(cache_file: Path, root: str) -> Scanner:
     try:
         with open(cache_file, "rb") as f:
             scanner = pickle.load(f)
-        if isinstance(scanner, Scanner) and scanner.root == os.path.abspath(root) and scanner.version == Scanner.version:
+        if (
+            isinstance(scanner, Scanner)
+            and scanner.root == os.path.abspath(root)
+            and scanner.version == Scanner.version
+        ):
             return scanner
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError):
         pass

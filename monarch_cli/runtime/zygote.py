@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any, Dict, List
+from typing import Any
 
 from ..sysutil import signal_if_alive
 from . import preload, protocol
@@ -37,7 +37,7 @@ def die_with_parent() -> None:
         pass
 
 
-def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[str, Any], fds: List[int]) -> None:
+def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: dict[str, Any], fds: list[int]) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -77,7 +77,7 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: Dict[
             os._exit(code)
 
 
-def _exit_if_orphaned(parent: int, done: "threading.Event") -> None:
+def _exit_if_orphaned(parent: int, done: threading.Event) -> None:
     while not done.wait(0.2):
         if os.getppid() != parent:
             os._exit(0)
@@ -96,8 +96,10 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     importing = threading.Event()
     watchdog = threading.Thread(target=_exit_if_orphaned, args=(os.getppid(), importing), daemon=True)
     watchdog.start()
-    from . import proc  # noqa: F401 - the point of the zygote: import once, fork many
-    from . import rank_telemetry  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
+    from . import (
+        proc,  # noqa: F401 - the point of the zygote: import once, fork many
+        rank_telemetry,  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
+    )
 
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
         try:

@@ -11,14 +11,23 @@ its own through the ``monarch_cli.schedulers`` entry-point group::
 from __future__ import annotations
 
 import importlib
-from typing import Dict, List, Type
 
 from ..errors import JobError
-from .base import (HostRecord, Liveness, Option, Plan, Probe, Reservation, ReservationRecord, ReserveRequest, Scheduler,
-                   parse_option_pairs)
+from .base import (
+    HostRecord,
+    Liveness,
+    Option,
+    Plan,
+    Probe,
+    Reservation,
+    ReservationRecord,
+    ReserveRequest,
+    Scheduler,
+    parse_option_pairs,
+)
 
 #: name -> "module:Class", imported on first use.
-_BUILTIN: Dict[str, str] = {
+_BUILTIN: dict[str, str] = {
     "kubernetes": "monarch_cli.schedulers.kubernetes:KubernetesScheduler",
     "local": "monarch_cli.schedulers.local:LocalScheduler",
     "slurm": "monarch_cli.schedulers.slurm:SlurmScheduler",
@@ -30,18 +39,18 @@ ALIASES = {"local_cwd": "local"}
 ENTRY_POINT_GROUP = "monarch_cli.schedulers"
 
 
-def _entry_points() -> Dict[str, str]:
+def _entry_points() -> dict[str, str]:
     from importlib.metadata import entry_points
 
     return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def available() -> List[str]:
+def available() -> list[str]:
     """Every backend name (built-in, third-party and aliases), sorted."""
     return sorted({*_BUILTIN, *_entry_points(), *ALIASES})
 
 
-def scheduler_class(name: str) -> Type[Scheduler]:
+def scheduler_class(name: str) -> type[Scheduler]:
     key = ALIASES.get(name, name)
     target = _BUILTIN.get(key) or _entry_points().get(key)
     if target is None:
@@ -57,6 +66,20 @@ def get_scheduler(name: str) -> Scheduler:
     return scheduler_class(name)()
 
 
-__all__ = ["HostRecord", "Liveness", "Option", "Plan", "Probe", "Reservation", "ReservationRecord", "ReserveRequest",
-           "Scheduler", "get_scheduler", "scheduler_class", "available", "parse_option_pairs", "ALIASES",
-           "ENTRY_POINT_GROUP"]
+__all__ = [
+    "HostRecord",
+    "Liveness",
+    "Option",
+    "Plan",
+    "Probe",
+    "Reservation",
+    "ReservationRecord",
+    "ReserveRequest",
+    "Scheduler",
+    "get_scheduler",
+    "scheduler_class",
+    "available",
+    "parse_option_pairs",
+    "ALIASES",
+    "ENTRY_POINT_GROUP",
+]

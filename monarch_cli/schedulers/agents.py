@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional
 
 from ..errors import SchedulerError
 from ..runtime.agent_command import READY_PREFIX
 from ..sysutil import source_address_towards
 from .base import HostRecord, Progress
 
-Discover = Callable[[], Dict[str, str]]
+Discover = Callable[[], dict[str, str]]
 
 
-def read_address_files(directory: Path, names: Iterable[str]) -> Dict[str, str]:
+def read_address_files(directory: Path, names: Iterable[str]) -> dict[str, str]:
     """``{name: address}`` for each agent that has written ``directory/<name>.addr`` completely."""
     found = {}
     for name in names:
@@ -29,13 +29,20 @@ def read_address_files(directory: Path, names: Iterable[str]) -> Dict[str, str]:
         except OSError:
             continue
         if text.startswith(READY_PREFIX) and text.endswith("\n"):
-            found[name] = text[len(READY_PREFIX):].strip()
+            found[name] = text[len(READY_PREFIX) :].strip()
     return found
 
 
-def wait_for_agents(discover: Discover, names: List[str], progress: Progress, *, timeout: float,
-                    check: Callable[[], None] = lambda: None, label: str = "agents up",
-                    interval: float = 0.1) -> List[HostRecord]:
+def wait_for_agents(
+    discover: Discover,
+    names: list[str],
+    progress: Progress,
+    *,
+    timeout: float,
+    check: Callable[[], None] = lambda: None,
+    label: str = "agents up",
+    interval: float = 0.1,
+) -> list[HostRecord]:
     """Wait until every agent of ``names`` is discovered; their records in ``names`` order.
 
     ``check`` raises when waiting is pointless (a process or job ended); after ``timeout``
@@ -58,7 +65,7 @@ def wait_for_agents(discover: Discover, names: List[str], progress: Progress, *,
         time.sleep(interval)
 
 
-def controller_host(agents: List[str]) -> Optional[str]:
+def controller_host(agents: list[str]) -> str | None:
     """An address of this machine that remote agents can reach, when the default would not do.
 
     The controller's mailbox advertises ``$MONARCH_HOST`` or what this host's name resolves

@@ -15,8 +15,9 @@ import dataclasses
 import enum
 import json
 import shlex
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..errors import OptionError, PlanError
 
@@ -33,7 +34,7 @@ class HostRecord:
 
     name: str
     agent: str
-    pid: Optional[int]
+    pid: int | None
     node_rank: int
 
 
@@ -46,8 +47,8 @@ class Option:
     default: Any = None
     help: str = ""
     #: The long flag (default ``--name-with-dashes``) and an optional short one (``-p``).
-    flag: Optional[str] = None
-    short: Optional[str] = None
+    flag: str | None = None
+    short: str | None = None
 
     @property
     def cli_flag(self) -> str:
@@ -72,10 +73,10 @@ class Option:
         return text
 
 
-def parse_option_pairs(pairs: Sequence[str], options: Sequence[Option], scheduler: str) -> Dict[str, Any]:
+def parse_option_pairs(pairs: Sequence[str], options: Sequence[Option], scheduler: str) -> dict[str, Any]:
     """``-o key=value`` words (repeatable; a list option collects every value) as a dict."""
     known = {o.name: o for o in options}
-    values: Dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for pair in pairs:
         key, eq, text = pair.partition("=")
         key = key.strip().replace("-", "_")
@@ -92,20 +93,20 @@ def parse_option_pairs(pairs: Sequence[str], options: Sequence[Option], schedule
 @dataclasses.dataclass
 class ReserveRequest:
     hosts: int = 1
-    command: List[str] = dataclasses.field(default_factory=list)
+    command: list[str] = dataclasses.field(default_factory=list)
     #: Backend options (:attr:`Scheduler.options`), validated by :meth:`Scheduler.plan`.
-    options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Modules warm ranks import up front; None lets the agent decide (torch if installed).
-    preload: Optional[str] = None
+    preload: str | None = None
     #: The state file that will record the reservation (absolute), for agents on this machine.
-    state_file: Optional[str] = None
+    state_file: str | None = None
     #: A fixed port for every agent to listen on (None: any free port).
-    agent_port: Optional[int] = None
+    agent_port: int | None = None
     #: Keep every port the agents (and their procs and ranks) open within this range.
-    port_range: Optional[Tuple[int, int]] = None
+    port_range: tuple[int, int] | None = None
     #: The hosts by name (``--hosts h1,h2``), for a backend that reaches hosts by name
     #: (:attr:`Scheduler.takes_host_names`); then ``hosts`` is their number.
-    host_names: List[str] = dataclasses.field(default_factory=list)
+    host_names: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -120,20 +121,20 @@ class Plan:
     scheduler: str
     reservation_id: str
     hosts: int
-    command: List[str]
+    command: list[str]
     workdir: str
     summary: str
-    steps: List[str] = dataclasses.field(default_factory=list)
-    artifacts: Dict[str, str] = dataclasses.field(default_factory=dict)
-    options: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    data: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    steps: list[str] = dataclasses.field(default_factory=list)
+    artifacts: dict[str, str] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = PLAN_VERSION
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any) -> "Plan":
+    def from_json(cls, data: Any) -> Plan:
         if isinstance(data, (str, bytes)):
             try:
                 data = json.loads(data)
@@ -142,19 +143,24 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError("not a plan: expected a JSON object as `monarch serve --dry-run --json` prints")
         if data.get("version") != PLAN_VERSION:
-            raise PlanError(f"plan version {data.get('version')!r} is not {PLAN_VERSION}; make a new one with --dry-run")
+            raise PlanError(
+                f"plan version {data.get('version')!r} is not {PLAN_VERSION}; make a new one with --dry-run"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(n for n in ("scheduler", "reservation_id", "hosts", "command", "workdir", "summary")
-                         if n not in data)
+        missing = sorted(
+            n for n in ("scheduler", "reservation_id", "hosts", "command", "workdir", "summary") if n not in data
+        )
         if missing or set(data) - names:
             raise PlanError(f"malformed plan (missing {missing or '-'}, unknown {sorted(set(data) - names) or '-'})")
         return cls(**data)
 
     def render(self) -> str:
         """The plan for people: the same layout for every backend."""
-        lines = [f"{self.scheduler}: {self.summary}",
-                 f"reservation: {self.reservation_id}, {self.hosts} host(s), state under {self.workdir}",
-                 f"default command: {shlex.join(self.command) if self.command else '(none)'}"]
+        lines = [
+            f"{self.scheduler}: {self.summary}",
+            f"reservation: {self.reservation_id}, {self.hosts} host(s), state under {self.workdir}",
+            f"default command: {shlex.join(self.command) if self.command else '(none)'}",
+        ]
         if self.options:
             lines.append("options: " + ", ".join(f"{k}={v}" for k, v in sorted(self.options.items())))
         if self.steps:
@@ -169,15 +175,15 @@ class ReservationRecord(Protocol):
     """What a backend needs to find its reservation again (a :class:`Reservation` or a job state)."""
 
     reservation_id: str
-    hosts: List[HostRecord]
-    scheduler_data: Dict[str, Any]
+    hosts: list[HostRecord]
+    scheduler_data: dict[str, Any]
 
 
 @dataclasses.dataclass
 class Reservation:
     reservation_id: str
-    hosts: List[HostRecord]
-    scheduler_data: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    hosts: list[HostRecord]
+    scheduler_data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Liveness(enum.Enum):
@@ -216,7 +222,7 @@ class Scheduler(abc.ABC):
         """Decide everything :meth:`reserve` will do; start nothing, write nothing."""
 
     @abc.abstractmethod
-    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+    def reserve(self, plan: Plan, keys: Keys, progress: Progress) -> Reservation:
         """Carry out exactly ``plan``: one host agent per host; return once every agent answers."""
 
     @abc.abstractmethod
@@ -227,15 +233,15 @@ class Scheduler(abc.ABC):
     def probe(self, reservation: ReservationRecord) -> Probe:
         """Is the reservation alive? Cheap (no agent round trip) and honest: UNKNOWN when unsure."""
 
-    def check_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
+    def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Options without Nones, each known; backends add their own checks."""
         return _checked(options, self.options, f"the {self.name} scheduler", self.name)
 
-    def check_stop_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
+    def check_stop_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Stop options without Nones, each one of :attr:`stop_options`."""
         return _checked(options, self.stop_options, f"monarch stop of a {self.name} reservation", f"{self.name} stop")
 
-    def release_with(self, reservation: ReservationRecord, options: Dict[str, Any]) -> None:
+    def release_with(self, reservation: ReservationRecord, options: dict[str, Any]) -> None:
         """End the reservation as ``monarch stop`` with :attr:`stop_options` (checked values) asks.
         Backends without stop options need not override it: it is :meth:`release`."""
         self.release(reservation)
@@ -245,41 +251,41 @@ class Scheduler(abc.ABC):
         if plan.scheduler != self.name:
             raise PlanError(f"this plan is for the {plan.scheduler} scheduler, not {self.name}")
 
-    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> str | None:
         """None if ``reservation`` can serve ``request``; otherwise why not, in a few words."""
         if len(reservation.hosts) != request.hosts:
             return f"it has {len(reservation.hosts)} host(s), not {request.hosts}"
         return None
 
-    def agent_addresses(self, reservation: ReservationRecord) -> List[str]:
+    def agent_addresses(self, reservation: ReservationRecord) -> list[str]:
         """Where this process reaches each host's agent: the address it listens on, or a forward the
         backend opens here (ssh ``--tunnel``). An agent answers on the connection made to it, so its
         one port, reached either way, is all a client needs."""
         return [h.agent for h in reservation.hosts]
 
-    def dead_hosts(self, reservation: ReservationRecord) -> List[str]:
+    def dead_hosts(self, reservation: ReservationRecord) -> list[str]:
         """Hosts known dead without asking them (no network round trip); may miss some."""
         return []
 
-    def release_unreadable(self, state_file: Path) -> List[int]:
+    def release_unreadable(self, state_file: Path) -> list[int]:
         """Stop what a reservation whose state file cannot be read left on this machine
         (found without the file); the pids stopped. Most backends cannot find any."""
         return []
 
-    def default_hosts(self) -> Optional[int]:
+    def default_hosts(self) -> int | None:
         """How many hosts to reserve when the caller does not say (None: the usual 1)."""
         return None
 
-    def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
+    def describe(self, reservation: ReservationRecord) -> dict[str, Any]:
         """Backend facts for ``monarch status --json`` (under the backend's name)."""
         return {}
 
-    def status_lines(self, reservation: ReservationRecord) -> List[str]:
+    def status_lines(self, reservation: ReservationRecord) -> list[str]:
         """Backend facts for ``monarch status``, a few plain lines."""
         return []
 
 
-def _checked(options: Dict[str, Any], declared: Sequence[Option], what: str, label: str) -> Dict[str, Any]:
+def _checked(options: dict[str, Any], declared: Sequence[Option], what: str, label: str) -> dict[str, Any]:
     known = {o.name: o for o in declared}
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -290,5 +296,16 @@ def _checked(options: Dict[str, Any], declared: Sequence[Option], what: str, lab
     return {k: v for k, v in options.items() if v is not None and v is not False and v != []}
 
 
-__all__ = ["HostRecord", "Option", "ReserveRequest", "Plan", "Reservation", "ReservationRecord", "Liveness", "Probe",
-           "Scheduler", "Progress", "parse_option_pairs"]
+__all__ = [
+    "HostRecord",
+    "Option",
+    "ReserveRequest",
+    "Plan",
+    "Reservation",
+    "ReservationRecord",
+    "Liveness",
+    "Probe",
+    "Scheduler",
+    "Progress",
+    "parse_option_pairs",
+]

@@ -7,12 +7,13 @@ from __future__ import annotations
 import select
 import socket
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 CHUNK = 1 << 16
 
 
-def pipe(conn: socket.socket, other: Any, end_other: Optional[Callable[[Any], None]] = None) -> None:
+def pipe(conn: socket.socket, other: Any, end_other: Callable[[Any], None] | None = None) -> None:
     """Copy bytes both ways between ``conn`` and ``other`` (a paramiko channel, a port-forward
     stream: anything with ``recv``/``sendall``/``fileno``) until either side ends, then close
     both; ``end_other`` ends ``other`` its own way (default: ``close()``)."""

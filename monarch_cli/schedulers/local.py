@@ -18,8 +18,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, List
-
+from typing import TYPE_CHECKING
 
 from ..errors import SchedulerError
 from ..runtime.agent_command import AGENT_MODULE, AgentCommand
@@ -42,21 +41,42 @@ class LocalScheduler(Scheduler):
         self.check_options(request.options)
         rid = f"local-{uuid.uuid4().hex[:8]}"
         root = workdir.resolve() / "agents"
-        agents = [AgentCommand(name=f"local{i}", warm_up=True, keys_stdin=True, preload=request.preload,
-                               port=None if request.agent_port is None else request.agent_port + i,
-                               port_range=request.port_range, address_file=str(root / rid / f"local{i}.addr"),
-                               reservation=rid, state_file=request.state_file)
-                  for i in range(request.hosts)]
+        agents = [
+            AgentCommand(
+                name=f"local{i}",
+                warm_up=True,
+                keys_stdin=True,
+                preload=request.preload,
+                port=None if request.agent_port is None else request.agent_port + i,
+                port_range=request.port_range,
+                address_file=str(root / rid / f"local{i}.addr"),
+                reservation=rid,
+                state_file=request.state_file,
+            )
+            for i in range(request.hosts)
+        ]
         logs = [str(root / f"local{i}.log") for i in range(request.hosts)]
-        steps = [f"MONARCH_HOST=127.0.0.1 {shlex.join(a.argv())}  # keys on stdin; log: {log}"
-                 for a, log in zip(agents, logs)]
+        steps = [
+            f"MONARCH_HOST=127.0.0.1 {shlex.join(a.argv())}  # keys on stdin; log: {log}"
+            for a, log in zip(agents, logs)
+        ]
         steps.append(f"wait until {request.hosts} agent(s) have written their address files")
-        summary = (f"start {request.hosts} host agent(s) on this machine, each in its own session, with a fresh key "
-                   "pair written 0600 to the job state")
-        return Plan(self.name, rid, request.hosts, list(request.command), str(workdir.resolve()), summary, steps,
-                    data={"agents": [a.to_json() for a in agents], "logs": logs})
+        summary = (
+            f"start {request.hosts} host agent(s) on this machine, each in its own session, with a fresh key "
+            "pair written 0600 to the job state"
+        )
+        return Plan(
+            self.name,
+            rid,
+            request.hosts,
+            list(request.command),
+            str(workdir.resolve()),
+            summary,
+            steps,
+            data={"agents": [a.to_json() for a in agents], "logs": logs},
+        )
 
-    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+    def reserve(self, plan: Plan, keys: Keys, progress: Progress) -> Reservation:
         self.check_plan(plan)
         agents = [AgentCommand.from_json(a) for a in plan.data["agents"]]
         logs = [Path(p) for p in plan.data["logs"]]
@@ -66,13 +86,14 @@ class LocalScheduler(Scheduler):
         env.pop("MONARCH_KEYS", None)
         import subprocess  # (to reserve, not to run: `run-spmd` loads this backend too)
 
-        procs: List[subprocess.Popen] = []
+        procs: list[subprocess.Popen] = []
         try:
             for agent, log_path in zip(agents, logs):
                 progress(f"starting agent {agent.name}")
                 with open(log_path, "ab") as log:
-                    proc = subprocess.Popen(agent.argv(), stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
-                                            start_new_session=True)
+                    proc = subprocess.Popen(
+                        agent.argv(), stdin=subprocess.PIPE, stdout=log, stderr=log, env=env, start_new_session=True
+                    )
                 procs.append(proc)
                 assert proc.stdin is not None
                 proc.stdin.write(keys.encode().encode() + b"\n")
@@ -82,18 +103,22 @@ class LocalScheduler(Scheduler):
             def check() -> None:
                 for agent, proc, log_path in zip(agents, procs, logs):
                     if proc.poll() is not None:
-                        raise SchedulerError(f"agent {agent.name} exited with status {proc.returncode} during start-up: "
-                                             f"{_tail(log_path)}")
+                        raise SchedulerError(
+                            f"agent {agent.name} exited with status {proc.returncode} during start-up: "
+                            f"{_tail(log_path)}"
+                        )
 
-            hosts = wait_for_agents(lambda: read_address_files(addr_dir, names), names, progress,
-                                    timeout=AGENT_START_TIMEOUT, check=check)
+            hosts = wait_for_agents(
+                lambda: read_address_files(addr_dir, names), names, progress, timeout=AGENT_START_TIMEOUT, check=check
+            )
         except BaseException:
             _kill_agents([p.pid for p in procs])
             shutil.rmtree(addr_dir, ignore_errors=True)
             raise
         hosts = [HostRecord(h.name, h.agent, p.pid, h.node_rank) for h, p in zip(hosts, procs)]
-        return Reservation(plan.reservation_id, hosts, {"logs": str(logs[0].parent) if logs else "",
-                                                         "addresses": str(addr_dir)})
+        return Reservation(
+            plan.reservation_id, hosts, {"logs": str(logs[0].parent) if logs else "", "addresses": str(addr_dir)}
+        )
 
     def release(self, reservation: ReservationRecord) -> None:
         _kill_agents([h.pid for h in reservation.hosts if h.pid])
@@ -103,7 +128,7 @@ class LocalScheduler(Scheduler):
         if reservation.scheduler_data.get("addresses"):
             shutil.rmtree(reservation.scheduler_data["addresses"], ignore_errors=True)
 
-    def release_unreadable(self, state_file: Path) -> List[int]:
+    def release_unreadable(self, state_file: Path) -> list[int]:
         """Stop the agents registered for a state file that cannot be read; their pids."""
         from ..runtime import agent_registry
 
@@ -111,7 +136,7 @@ class LocalScheduler(Scheduler):
         agent_registry.stop_agents(found)
         return [e.pid for e in found]
 
-    def dead_hosts(self, reservation: ReservationRecord) -> List[str]:
+    def dead_hosts(self, reservation: ReservationRecord) -> list[str]:
         return [h.name for h in reservation.hosts if not (h.pid and _is_agent(h.pid))]
 
     def probe(self, reservation: ReservationRecord) -> Probe:
@@ -139,7 +164,7 @@ def _is_agent(pid: int) -> bool:
     return AGENT_MODULE in cmd or cmd.startswith("monarch agent ")
 
 
-def _kill_agents(pids: List[int]) -> None:
+def _kill_agents(pids: list[int]) -> None:
     """SIGTERM each agent (it kills its procs and ranks), then SIGKILL what is left."""
     pids = [p for p in pids if _is_agent(p)]
     for pid in pids:

@@ -31,14 +31,13 @@ import shlex
 import socket
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import __version__
 from ..errors import OptionError, PlanError, SchedulerError
 from ..runtime.agent_command import AgentCommand, format_port_range
 from .agents import wait_for_agents
-from .base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, \
-    Scheduler
+from .base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
 from .skypilot_ssh import SshAccess
 
 if TYPE_CHECKING:
@@ -65,11 +64,11 @@ class Cluster:
     """What a launch tells the client about the nodes (from SkyPilot's cluster handle)."""
 
     #: The addresses the client uses, node rank order (the handle's external IPs).
-    ips: List[str]
+    ips: list[str]
     #: The addresses the nodes have among themselves (``SKYPILOT_NODE_IPS``; the agents listen there).
-    internal_ips: List[str] = dataclasses.field(default_factory=list)
+    internal_ips: list[str] = dataclasses.field(default_factory=list)
     #: SSH access to the head, when SkyPilot gives it (None: the agents can be reached only directly).
-    ssh: Optional[SshAccess] = None
+    ssh: SshAccess | None = None
 
 
 @dataclasses.dataclass
@@ -78,20 +77,20 @@ class Shape:
 
     state: str
     nodes: int
-    accelerators: Optional[str] = None  # "A100:8"
-    cloud: Optional[str] = None  # "aws"
+    accelerators: str | None = None  # "A100:8"
+    cloud: str | None = None  # "aws"
 
 
 class Provisioner(Protocol):
     """What the backend needs from SkyPilot; tests replace it through :data:`PROVISIONER_ENV`."""
 
-    def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str], progress: Progress) -> Cluster:
+    def launch(self, cluster: str, task: dict[str, Any], secrets: dict[str, str], progress: Progress) -> Cluster:
         """Launch ``cluster`` with ``task`` (on an existing cluster: run it there); where its nodes are."""
 
-    def existing(self, cluster: str) -> Optional[Shape]:
+    def existing(self, cluster: str) -> Shape | None:
         """``cluster`` as it is now, or None when there is none; changes nothing."""
 
-    def state(self, cluster: str) -> Tuple[str, str]:
+    def state(self, cluster: str) -> tuple[str, str]:
         """``("UP" | "INIT" | "STOPPED" | "GONE", reason)`` without changing anything."""
 
     def down(self, cluster: str) -> None:
@@ -137,15 +136,17 @@ def parse_minutes(text: str) -> int:
 def setup_script(python: str) -> str:
     """Install exactly this monarch-cli unless the node already has it (a reused cluster, a prepared image)."""
     have = f"{python} -c 'import monarch_cli; print(monarch_cli.__version__)' 2>/dev/null || true"
-    return (f"set -e\n"
-            f'if [ "$({have})" = {shlex.quote(__version__)} ]; then\n'
-            f"  echo 'monarch-cli {__version__} is already installed'\n"
-            f"else\n"
-            f"  {python} -m pip install --quiet {shlex.quote('monarch-cli==' + __version__)}\n"
-            f"fi\n")
+    return (
+        f"set -e\n"
+        f'if [ "$({have})" = {shlex.quote(__version__)} ]; then\n'
+        f"  echo 'monarch-cli {__version__} is already installed'\n"
+        f"else\n"
+        f"  {python} -m pip install --quiet {shlex.quote('monarch-cli==' + __version__)}\n"
+        f"fi\n"
+    )
 
 
-def run_script(agent: AgentCommand, python: str, time_minutes: Optional[int]) -> str:
+def run_script(agent: AgentCommand, python: str, time_minutes: int | None) -> str:
     """Start the agent in the foreground (the SkyPilot job lives as long as it), keys on stdin.
 
     ``exec 3<<<`` copies the secret into a pipe (bash >= 5.1; a 0600 temporary file before),
@@ -153,19 +154,21 @@ def run_script(agent: AgentCommand, python: str, time_minutes: Optional[int]) ->
     ranks', never hold the keys.
     """
     argv = [*shlex.split(python), *agent.argv()[1:]]
-    limit = (f"timeout --signal=TERM --kill-after=30s {time_minutes * 60}s " if time_minutes else "")
-    return ("set -e\n"
-            'MONARCH_HOST="$(printf \'%s\\n\' "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\n'
-            'export MONARCH_HOST MONARCH_REMOTE_DIR="$HOME/.monarch-cli"\n'
-            f'exec 3<<<"${KEYS_SECRET}"\n'
-            f"unset {KEYS_SECRET}\n"
-            f'exec {limit}{shlex.join(argv)} --name "node$SKYPILOT_NODE_RANK" <&3 3<&-\n')
+    limit = f"timeout --signal=TERM --kill-after=30s {time_minutes * 60}s " if time_minutes else ""
+    return (
+        "set -e\n"
+        'MONARCH_HOST="$(printf \'%s\\n\' "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\n'
+        'export MONARCH_HOST MONARCH_REMOTE_DIR="$HOME/.monarch-cli"\n'
+        f'exec 3<<<"${KEYS_SECRET}"\n'
+        f"unset {KEYS_SECRET}\n"
+        f'exec {limit}{shlex.join(argv)} --name "node$SKYPILOT_NODE_RANK" <&3 3<&-\n'
+    )
 
 
 def to_yaml(data: Any, indent: int = 0) -> str:
     """A small, deterministic YAML writer for the task (block literals for scripts); no PyYAML needed."""
     pad = " " * indent
-    lines: List[str] = []
+    lines: list[str] = []
     for key, value in data.items():
         if isinstance(value, dict):
             lines.append(f"{pad}{key}:")
@@ -185,28 +188,48 @@ def launch_line(cluster: str) -> str:
 class SkyPilotScheduler(Scheduler):
     name = "skypilot"
     options = (
-        Option("cluster", str, help="The SkyPilot cluster's name (default monarch-<reservation>); "
-                                    "an UP cluster of that name is reused."),
+        Option(
+            "cluster",
+            str,
+            help="The SkyPilot cluster's name (default monarch-<reservation>); an UP cluster of that name is reused.",
+        ),
         Option("gpus", str, help="Accelerators per node, as SkyPilot names them (A100:8, H100:8, L4)."),
         Option("cloud", str, help="The cloud or infra (aws, gcp, azure, kubernetes, ...; default: SkyPilot picks)."),
         Option("region", str, help="The region (needs --cloud)."),
         Option("image", str, help="The node image (SkyPilot's image_id, e.g. docker:pytorch/pytorch:latest)."),
         Option("disk_size", int, help="Disk per node, in GB."),
-        Option("use_spot", bool, default=False, help="Use spot instances (may be preempted: then the "
-                                                     "reservation is reported gone)."),
+        Option(
+            "use_spot",
+            bool,
+            default=False,
+            help="Use spot instances (may be preempted: then the reservation is reported gone).",
+        ),
         Option("autostop", int, help="Stop the cluster after this many idle minutes once the agents have ended."),
         Option("down", bool, default=False, help="Tear the cluster down (not just stop it) when autostop fires."),
-        Option("time", str, help="End the agents after this long (45m, 2h, H:MM:SS) and tear the cluster down "
-                                 "a minute later (autodown)."),
+        Option(
+            "time",
+            str,
+            help="End the agents after this long (45m, 2h, H:MM:SS) and tear the cluster down "
+            "a minute later (autodown).",
+        ),
         Option("python", str, default=DEFAULT_PYTHON, help=f"The nodes' interpreter (default {DEFAULT_PYTHON})."),
-        Option("reach", str, default="auto", help="How the client reaches the agents: direct (their port must be "
-                                                  "open), tunnel (SSH tunnels over the cluster's SSH access), or auto "
-                                                  "(direct if every agent answers there at once, else tunnel)."),
+        Option(
+            "reach",
+            str,
+            default="auto",
+            help="How the client reaches the agents: direct (their port must be "
+            "open), tunnel (SSH tunnels over the cluster's SSH access), or auto "
+            "(direct if every agent answers there at once, else tunnel).",
+        ),
     )
     stop_options = (
-        Option("keep_cluster", bool, default=False,
-               help="End the agents but leave the cluster up; it stops itself after --autostop idle minutes "
-                    f"(default: serve's --autostop, else {DEFAULT_KEEP_MINUTES}), and is reused by serve --cluster."),
+        Option(
+            "keep_cluster",
+            bool,
+            default=False,
+            help="End the agents but leave the cluster up; it stops itself after --autostop idle minutes "
+            f"(default: serve's --autostop, else {DEFAULT_KEEP_MINUTES}), and is reused by serve --cluster.",
+        ),
         Option("autostop", int, help="With --keep-cluster: idle minutes before the cluster stops."),
     )
 
@@ -224,43 +247,72 @@ class SkyPilotScheduler(Scheduler):
                 raise OptionError(f"--{name.replace('_', '-')} must be more than zero, not {opts[name]}")
         cluster = opts.get("cluster") or ""
         if cluster and not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", cluster):
-            raise OptionError(f"--cluster {cluster!r}: SkyPilot cluster names are lowercase letters, digits and "
-                              "dashes, starting with a letter")
+            raise OptionError(
+                f"--cluster {cluster!r}: SkyPilot cluster names are lowercase letters, digits and "
+                "dashes, starting with a letter"
+            )
         time_minutes = parse_minutes(opts["time"]) if opts.get("time") else None
         python = opts.get("python") or DEFAULT_PYTHON
         rid = f"sky-{uuid.uuid4().hex[:8]}"
         cluster = cluster or f"monarch-{rid[4:]}"
         port = request.agent_port or DEFAULT_AGENT_PORT
-        agent = AgentCommand(python=python, port=port, port_range=request.port_range, preload=request.preload,
-                             warm_up=True, keys_stdin=True, reservation=rid)
+        agent = AgentCommand(
+            python=python,
+            port=port,
+            port_range=request.port_range,
+            preload=request.preload,
+            warm_up=True,
+            keys_stdin=True,
+            reservation=rid,
+        )
         task = self.task_config(request.hosts, opts, agent, python, time_minutes, cluster)
         shown = {**task, "secrets": {KEYS_SECRET: REDACTED}}
         yaml_text = to_yaml(shown)
-        steps = [f"sky launch -c {cluster}: {request.hosts} node(s), {self._shape(opts)}; the reservation's keys "
-                 f"as the SkyPilot secret {KEYS_SECRET} (<redacted>)",
-                 f"setup on every node: install monarch-cli=={__version__} unless it is there",
-                 f"run on every node: the host agent on port {port}, keys handed over on stdin"
-                 + (f", ended after {time_minutes} min" if time_minutes else ""),
-                 f"find the agents on port {port} of the nodes' addresses from the cluster handle"
-                 + {"auto": "; reach them directly if they answer there, else through SSH tunnels to the head",
-                    "direct": "; reach them directly",
-                    "tunnel": "; reach them through SSH tunnels to the cluster's head"}[opts.get("reach", "auto")]]
+        steps = [
+            f"sky launch -c {cluster}: {request.hosts} node(s), {self._shape(opts)}; the reservation's keys "
+            f"as the SkyPilot secret {KEYS_SECRET} (<redacted>)",
+            f"setup on every node: install monarch-cli=={__version__} unless it is there",
+            f"run on every node: the host agent on port {port}, keys handed over on stdin"
+            + (f", ended after {time_minutes} min" if time_minutes else ""),
+            f"find the agents on port {port} of the nodes' addresses from the cluster handle"
+            + {
+                "auto": "; reach them directly if they answer there, else through SSH tunnels to the head",
+                "direct": "; reach them directly",
+                "tunnel": "; reach them through SSH tunnels to the cluster's head",
+            }[opts.get("reach", "auto")],
+        ]
         if "autostop" in task["resources"]:
             stop = task["resources"]["autostop"]
-            steps.append(f"once the agents end, {'tear down' if stop['down'] else 'stop'} the cluster after "
-                         f"{stop['idle_minutes']} idle minute(s)")
+            steps.append(
+                f"once the agents end, {'tear down' if stop['down'] else 'stop'} the cluster after "
+                f"{stop['idle_minutes']} idle minute(s)"
+            )
         summary = f"a SkyPilot cluster {cluster} of {request.hosts} node(s), one host agent per node"
-        return Plan(self.name, rid, request.hosts, list(request.command), str(workdir.resolve()), summary, steps,
-                    artifacts={"task.yaml (secrets redacted)": yaml_text, "equivalent command": launch_line(cluster)},
-                    options=opts, data={"cluster": cluster, "task": task, "port": port, "version": __version__,
-                                        "reach": opts.get("reach", "auto"),
-                                        "keep": {"idle_minutes": opts.get("autostop") or DEFAULT_KEEP_MINUTES,
-                                                 "down": bool(opts.get("down"))}})
+        return Plan(
+            self.name,
+            rid,
+            request.hosts,
+            list(request.command),
+            str(workdir.resolve()),
+            summary,
+            steps,
+            artifacts={"task.yaml (secrets redacted)": yaml_text, "equivalent command": launch_line(cluster)},
+            options=opts,
+            data={
+                "cluster": cluster,
+                "task": task,
+                "port": port,
+                "version": __version__,
+                "reach": opts.get("reach", "auto"),
+                "keep": {"idle_minutes": opts.get("autostop") or DEFAULT_KEEP_MINUTES, "down": bool(opts.get("down"))},
+            },
+        )
 
-    def task_config(self, hosts: int, opts: Dict[str, Any], agent: AgentCommand, python: str,
-                    time_minutes: Optional[int], cluster: str) -> Dict[str, Any]:
+    def task_config(
+        self, hosts: int, opts: dict[str, Any], agent: AgentCommand, python: str, time_minutes: int | None, cluster: str
+    ) -> dict[str, Any]:
         """The SkyPilot task as ``Task.from_yaml_config`` takes it, without the secret's value."""
-        resources: Dict[str, Any] = {}
+        resources: dict[str, Any] = {}
         if opts.get("cloud"):
             resources["infra"] = opts["cloud"] + (f"/{opts['region']}" if opts.get("region") else "")
         if opts.get("gpus"):
@@ -274,26 +326,35 @@ class SkyPilotScheduler(Scheduler):
         ports = [agent.port] + ([format_port_range(agent.port_range)] if agent.port_range else [])
         resources["ports"] = ports
         if opts.get("autostop") or time_minutes or opts.get("down"):
-            resources["autostop"] = {"idle_minutes": opts.get("autostop") or 1,
-                                     "down": bool(opts.get("down") or time_minutes)}
-        return {"name": cluster, "num_nodes": hosts, "resources": resources, "secrets": {KEYS_SECRET: None},
-                "setup": setup_script(python), "run": run_script(agent, python, time_minutes)}
+            resources["autostop"] = {
+                "idle_minutes": opts.get("autostop") or 1,
+                "down": bool(opts.get("down") or time_minutes),
+            }
+        return {
+            "name": cluster,
+            "num_nodes": hosts,
+            "resources": resources,
+            "secrets": {KEYS_SECRET: None},
+            "setup": setup_script(python),
+            "run": run_script(agent, python, time_minutes),
+        }
 
     @staticmethod
-    def _shape(opts: Dict[str, Any]) -> str:
+    def _shape(opts: dict[str, Any]) -> str:
         parts = [opts.get("gpus") or "no GPUs", opts.get("cloud") or "any cloud"]
         if opts.get("use_spot"):
             parts.append("spot")
         return ", ".join(parts)
 
     # ---------------------------------------------------------------- reserving
-    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+    def reserve(self, plan: Plan, keys: Keys, progress: Progress) -> Reservation:
         self.check_plan(plan)
         try:
             cluster, task, port = plan.data["cluster"], dict(plan.data["task"]), int(plan.data["port"])
         except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(f"malformed skypilot plan ({type(e).__name__}: {e}); make a new one with --dry-run") \
-                from None
+            raise PlanError(
+                f"malformed skypilot plan ({type(e).__name__}: {e}); make a new one with --dry-run"
+            ) from None
         if plan.data.get("version") != __version__:
             raise PlanError(f"this plan was made by monarch-cli {plan.data.get('version')}, not {__version__}")
         reach = plan.data.get("reach", "auto")
@@ -305,8 +366,10 @@ class SkyPilotScheduler(Scheduler):
             if len(ips) != plan.hosts or len(internal) != plan.hosts:
                 raise SchedulerError(f"cluster {cluster} has {len(ips)} node(s), not {plan.hosts}")
             if reach == "tunnel" and nodes.ssh is None:
-                raise SchedulerError(f"--reach tunnel: SkyPilot gives no SSH access to cluster {cluster} that "
-                                     "monarch can use (see docs/skypilot.md)")
+                raise SchedulerError(
+                    f"--reach tunnel: SkyPilot gives no SSH access to cluster {cluster} that "
+                    "monarch can use (see docs/skypilot.md)"
+                )
             names = [f"node{i}" for i in range(len(ips))]
             check = lambda: _check_up(prov, cluster)  # noqa: E731
             head = None
@@ -321,8 +384,14 @@ class SkyPilotScheduler(Scheduler):
                     progress(f"{e}; reaching the agents directly")
             if head is not None:
                 try:
-                    found = wait_for_agents(lambda: listening(head, names, internal, port), names, progress,
-                                            timeout=AGENT_START_TIMEOUT, check=check, interval=0.2)
+                    found = wait_for_agents(
+                        lambda: listening(head, names, internal, port),
+                        names,
+                        progress,
+                        timeout=AGENT_START_TIMEOUT,
+                        check=check,
+                        interval=0.2,
+                    )
                 finally:
                     head.close()
                 direct = {} if reach == "tunnel" else _listening(names, ips, port, timeout=1.0)
@@ -334,20 +403,36 @@ class SkyPilotScheduler(Scheduler):
                         progress("the agents' port is closed to this machine: reaching them through SSH tunnels")
                     reach = "tunnel"
             else:
-                found = wait_for_agents(lambda: _listening(names, ips, port), names, progress,
-                                        timeout=AGENT_START_TIMEOUT, check=check, interval=0.2)
+                found = wait_for_agents(
+                    lambda: _listening(names, ips, port),
+                    names,
+                    progress,
+                    timeout=AGENT_START_TIMEOUT,
+                    check=check,
+                    interval=0.2,
+                )
                 reach = "direct"
         except BaseException:  # a failed launch or Ctrl-C: no cluster we made is left costing money
             self._undo(prov, cluster, reused, plan.data.get("keep") or {}, progress)
             raise
-        return Reservation(plan.reservation_id, found,
-                           {"cluster": cluster, "node_ips": ips, "internal_ips": internal, "port": port,
-                            "autostop": task["resources"].get("autostop"), "reach": reach,
-                            "ssh": nodes.ssh.to_json() if nodes.ssh is not None else None,
-                            "keep": plan.data.get("keep"), "reused": reused})
+        return Reservation(
+            plan.reservation_id,
+            found,
+            {
+                "cluster": cluster,
+                "node_ips": ips,
+                "internal_ips": internal,
+                "port": port,
+                "autostop": task["resources"].get("autostop"),
+                "reach": reach,
+                "ssh": nodes.ssh.to_json() if nodes.ssh is not None else None,
+                "keep": plan.data.get("keep"),
+                "reused": reused,
+            },
+        )
 
     @staticmethod
-    def _reusable(prov: Provisioner, cluster: str, task: Dict[str, Any], progress: Progress) -> bool:
+    def _reusable(prov: Provisioner, cluster: str, task: dict[str, Any], progress: Progress) -> bool:
         """Whether ``cluster`` exists and can run ``task`` (then it is reused); refuse one of another shape."""
         shape = prov.existing(cluster)
         if shape is None:
@@ -362,13 +447,15 @@ class SkyPilotScheduler(Scheduler):
         if cloud and shape.cloud and shape.cloud != cloud:
             mismatch.append(f"on {shape.cloud}, not {cloud}")
         if mismatch:
-            raise SchedulerError(f"cluster {cluster} exists ({shape.state}) with {'; '.join(mismatch)}: name another "
-                                 f"--cluster, or take it down with `sky down {cluster}`")
+            raise SchedulerError(
+                f"cluster {cluster} exists ({shape.state}) with {'; '.join(mismatch)}: name another "
+                f"--cluster, or take it down with `sky down {cluster}`"
+            )
         progress(f"reusing cluster {cluster} ({shape.state}, {shape.nodes} node(s))")
         return True
 
     @staticmethod
-    def _undo(prov: Provisioner, cluster: str, reused: bool, keep: Dict[str, Any], progress: Progress) -> None:
+    def _undo(prov: Provisioner, cluster: str, reused: bool, keep: dict[str, Any], progress: Progress) -> None:
         """After a failed serve: tear down a cluster we made; one we reused is left as it was kept."""
         try:
             if reused:
@@ -386,7 +473,7 @@ class SkyPilotScheduler(Scheduler):
         if cluster:
             provisioner().down(cluster)
 
-    def check_stop_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
+    def check_stop_options(self, options: dict[str, Any]) -> dict[str, Any]:
         opts = super().check_stop_options(options)
         if "autostop" in opts and not opts.get("keep_cluster"):
             raise OptionError("--autostop (of stop) needs --keep-cluster")
@@ -394,7 +481,7 @@ class SkyPilotScheduler(Scheduler):
             raise OptionError(f"--autostop must be more than zero, not {opts['autostop']}")
         return opts
 
-    def release_with(self, reservation: ReservationRecord, options: Dict[str, Any]) -> None:
+    def release_with(self, reservation: ReservationRecord, options: dict[str, Any]) -> None:
         """``--keep-cluster``: the agents end (SkyPilot cancels their job), the cluster stays up with autostop."""
         data = reservation.scheduler_data
         if not options.get("keep_cluster"):
@@ -411,7 +498,7 @@ class SkyPilotScheduler(Scheduler):
         data = reservation.scheduler_data
         ips, port, cluster = data.get("node_ips", []), data.get("port"), data.get("cluster", "")
         names = [f"node{i}" for i in range(len(ips))]
-        answering: Dict[str, str] = {}
+        answering: dict[str, str] = {}
         if ips and port and data.get("reach") == "tunnel":
             from .skypilot_ssh import listening, shared_client
 
@@ -430,7 +517,7 @@ class SkyPilotScheduler(Scheduler):
         silent = ", ".join(n for n in names if n not in answering)
         return Probe(Liveness.UNKNOWN, f"{reason}; no agent answers on {silent}" if state == "UP" else reason)
 
-    def agent_addresses(self, reservation: ReservationRecord) -> List[str]:
+    def agent_addresses(self, reservation: ReservationRecord) -> list[str]:
         """Tunnelled: a loopback port of this process per node, forwarded over the head's SSH connection."""
         data = reservation.scheduler_data
         if data.get("reach") != "tunnel":
@@ -443,34 +530,42 @@ class SkyPilotScheduler(Scheduler):
         except SchedulerError:  # the head is unreachable: the agents will not answer, and say so by name
             return super().agent_addresses(reservation)
 
-    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> str | None:
         wanted = request.options.get("cluster")
         had = reservation.scheduler_data.get("cluster")
         if wanted and wanted != had:
             return f"it is cluster {had}, not {wanted}"
         return super().can_serve(reservation, request)
 
-    def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
+    def describe(self, reservation: ReservationRecord) -> dict[str, Any]:
         data = reservation.scheduler_data
-        return {"skypilot": {"cluster": data.get("cluster"), "nodes": data.get("node_ips", []),
-                             "port": data.get("port"), "autostop": data.get("autostop"),
-                             "reach": data.get("reach", "direct"), "reused": bool(data.get("reused"))}}
+        return {
+            "skypilot": {
+                "cluster": data.get("cluster"),
+                "nodes": data.get("node_ips", []),
+                "port": data.get("port"),
+                "autostop": data.get("autostop"),
+                "reach": data.get("reach", "direct"),
+                "reused": bool(data.get("reused")),
+            }
+        }
 
-    def status_lines(self, reservation: ReservationRecord) -> List[str]:
+    def status_lines(self, reservation: ReservationRecord) -> list[str]:
         data = reservation.scheduler_data
         state, reason = provisioner().state(data.get("cluster", ""))
         lines = [f"cluster {data.get('cluster')}: {state}" + (f" ({reason})" if state in ("GONE", "UNKNOWN") else "")]
         if data.get("reach") == "tunnel":
             ssh = data.get("ssh") or {}
             lines.append(f"agents reached through SSH tunnels to {ssh.get('user')}@{ssh.get('host')}:{ssh.get('port')}")
-            lines += [f"node{i}: {ip}:{data.get('port')} (internal)"
-                      for i, ip in enumerate(data.get("internal_ips") or [])]
+            lines += [
+                f"node{i}: {ip}:{data.get('port')} (internal)" for i, ip in enumerate(data.get("internal_ips") or [])
+            ]
         else:
             lines += [f"node{i}: {ip}:{data.get('port')}" for i, ip in enumerate(data.get("node_ips", []))]
         return lines
 
 
-def _listening(names: List[str], ips: List[str], port: int, timeout: float = 0.5) -> Dict[str, str]:
+def _listening(names: list[str], ips: list[str], port: int, timeout: float = 0.5) -> dict[str, str]:
     """The agents whose fixed port accepts a connection (CURVE then proves they are ours)."""
     found = {}
     for name, ip in zip(names, ips):
@@ -488,5 +583,15 @@ def _check_up(prov: Provisioner, cluster: str) -> None:
         raise SchedulerError(f"the agents did not come up: {reason}")
 
 
-__all__ = ["SkyPilotScheduler", "Provisioner", "Cluster", "Shape", "provisioner", "parse_minutes", "to_yaml",
-           "KEYS_SECRET", "PROVISIONER_ENV", "DEFAULT_AGENT_PORT"]
+__all__ = [
+    "SkyPilotScheduler",
+    "Provisioner",
+    "Cluster",
+    "Shape",
+    "provisioner",
+    "parse_minutes",
+    "to_yaml",
+    "KEYS_SECRET",
+    "PROVISIONER_ENV",
+    "DEFAULT_AGENT_PORT",
+]

@@ -10,7 +10,7 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from ..errors import SchedulerError
 from .base import Progress
@@ -34,18 +34,19 @@ def _sky() -> Any:
 class SkyProvisioner:
     """SkyPilot's Python SDK (>= 0.10: calls return request ids, resolved with ``sky.get``)."""
 
-    def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str], progress: Progress) -> Cluster:
+    def launch(self, cluster: str, task: dict[str, Any], secrets: dict[str, str], progress: Progress) -> Cluster:
         sky = _sky()
         # The secret's value goes in here, in memory: a null value would mean a managed secret to SkyPilot.
         sky_task = sky.Task.from_yaml_config({**task, "secrets": dict(secrets)})
         progress(f"sky launch -c {cluster} ({task['num_nodes']} node(s))")
         try:
             # With _include_credentials (as `sky launch` asks), a new API server adds the SSH credentials.
-            result = sky.stream_and_get(sky.launch(sky_task, cluster_name=cluster, _include_credentials=True),
-                                        output_stream=_ProgressStream(progress))
+            result = sky.stream_and_get(
+                sky.launch(sky_task, cluster_name=cluster, _include_credentials=True),
+                output_stream=_ProgressStream(progress),
+            )
         except Exception as e:  # noqa: BLE001 - SkyPilot raises many kinds; the message is what users need
-            raise SchedulerError(f"sky launch -c {cluster} failed: {_first_line(e)}") \
-                from None
+            raise SchedulerError(f"sky launch -c {cluster} failed: {_first_line(e)}") from None
         handle, credentials = result[1], (result[2] if len(result) > 2 else None)
         ips = (handle.cached_external_ips or handle.external_ips()) if handle is not None else None
         if not ips:
@@ -56,7 +57,7 @@ class SkyProvisioner:
         return Cluster(list(ips), internal, _ssh_access(cluster, handle, credentials, progress))
 
     @staticmethod
-    def _credentials(cluster: str) -> Optional[Dict[str, Any]]:
+    def _credentials(cluster: str) -> dict[str, Any] | None:
         sky = _sky()
         try:
             records = sky.get(sky.status([cluster], _include_credentials=True))
@@ -65,11 +66,11 @@ class SkyProvisioner:
         record = records[0] if records else None
         return _field(record, "credentials") if record is not None else None
 
-    def _records(self, cluster: str) -> List[Any]:
+    def _records(self, cluster: str) -> list[Any]:
         sky = _sky()
         return list(sky.get(sky.status([cluster], refresh=sky.StatusRefreshMode.AUTO)) or [])
 
-    def existing(self, cluster: str) -> Optional[Shape]:
+    def existing(self, cluster: str) -> Shape | None:
         try:
             records = self._records(cluster)
         except SchedulerError:
@@ -82,11 +83,14 @@ class SkyProvisioner:
         resources = getattr(handle, "launched_resources", None)
         accelerators = getattr(resources, "accelerators", None) or {}
         cloud = getattr(resources, "cloud", None)
-        return Shape(_status_name(records[0]), int(getattr(handle, "launched_nodes", 0) or 0),
-                     ",".join(f"{k}:{v}" for k, v in accelerators.items()) or None,
-                     str(cloud).lower() if cloud is not None else None)
+        return Shape(
+            _status_name(records[0]),
+            int(getattr(handle, "launched_nodes", 0) or 0),
+            ",".join(f"{k}:{v}" for k, v in accelerators.items()) or None,
+            str(cloud).lower() if cloud is not None else None,
+        )
 
-    def state(self, cluster: str) -> Tuple[str, str]:
+    def state(self, cluster: str) -> tuple[str, str]:
         try:
             records = self._records(cluster)
         except SchedulerError:
@@ -112,8 +116,7 @@ class SkyProvisioner:
             sky.get(sky.down(cluster))
         except Exception as e:  # noqa: BLE001
             if "does not exist" not in str(e):
-                raise SchedulerError(f"sky down {cluster} failed: {_first_line(e)}") \
-                    from None
+                raise SchedulerError(f"sky down {cluster} failed: {_first_line(e)}") from None
         _key_file(cluster).unlink(missing_ok=True)  # the SSH key a remote API server sent for it
 
 
@@ -130,8 +133,7 @@ def _key_file(cluster: str) -> Path:
     return Path.home() / ".monarch-cli" / "skypilot" / f"{cluster}.key"
 
 
-def _ssh_access(cluster: str, handle: Any, credentials: Optional[Dict[str, Any]],
-                progress: Progress) -> Optional[SshAccess]:
+def _ssh_access(cluster: str, handle: Any, credentials: dict[str, Any] | None, progress: Progress) -> SshAccess | None:
     """The head's SSH access from the handle and SkyPilot's credentials; None where we cannot use it."""
     if not credentials or not credentials.get("ssh_user"):
         return None
@@ -147,8 +149,9 @@ def _ssh_access(cluster: str, handle: Any, credentials: Optional[Dict[str, Any]]
             f.write(credentials["ssh_private_key_content"])
         key_file = str(path)
     ports = getattr(handle, "cached_external_ssh_ports", None) or [22]
-    return SshAccess(handle.cached_external_ips[0], int(ports[0]), str(credentials["ssh_user"]),
-                     os.path.expanduser(key_file))
+    return SshAccess(
+        handle.cached_external_ips[0], int(ports[0]), str(credentials["ssh_user"]), os.path.expanduser(key_file)
+    )
 
 
 class _ProgressStream(io.TextIOBase):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from ..errors import SchedulerError
 
@@ -28,11 +28,11 @@ class SshAccess:
     key_file: str
     host_key: str = ""  # "ssh-ed25519 AAAA..."
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: Dict[str, Any]) -> "SshAccess":
+    def from_json(cls, data: dict[str, Any]) -> SshAccess:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
@@ -50,15 +50,24 @@ def connect(access: SshAccess, timeout: float = 10.0) -> Any:
         client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
     where = f"the cluster's head {access.user}@{access.host}:{access.port}"
     try:
-        client.connect(access.host, port=access.port, username=access.user, key_filename=access.key_file or None,
-                       allow_agent=False, look_for_keys=False, timeout=timeout, banner_timeout=timeout,
-                       auth_timeout=timeout)
+        client.connect(
+            access.host,
+            port=access.port,
+            username=access.user,
+            key_filename=access.key_file or None,
+            allow_agent=False,
+            look_for_keys=False,
+            timeout=timeout,
+            banner_timeout=timeout,
+            auth_timeout=timeout,
+        )
     except paramiko.BadHostKeyException:
         raise SchedulerError(f"{where}: its host key has CHANGED since the reservation was made; refusing") from None
     except paramiko.SSHException as e:
         if "not found in known_hosts" in str(e):
-            raise SchedulerError(f"{where}: its host key has CHANGED since the reservation was made; refusing") \
-                from None
+            raise SchedulerError(
+                f"{where}: its host key has CHANGED since the reservation was made; refusing"
+            ) from None
         raise SchedulerError(f"{where}: {e or type(e).__name__}") from None
     except (OSError, EOFError) as e:
         raise SchedulerError(f"{where} is unreachable: {e or type(e).__name__}") from None
@@ -68,7 +77,7 @@ def connect(access: SshAccess, timeout: float = 10.0) -> Any:
     return client
 
 
-def listening(client: Any, names: List[str], ips: List[str], port: int) -> Dict[str, str]:
+def listening(client: Any, names: list[str], ips: list[str], port: int) -> dict[str, str]:
     """The agents whose port accepts a connection from the head (a ``direct-tcpip`` channel opens)."""
     found = {}
     for name, ip in zip(names, ips):
@@ -80,7 +89,7 @@ def listening(client: Any, names: List[str], ips: List[str], port: int) -> Dict[
     return found
 
 
-_CLIENTS: Dict[str, Any] = {}
+_CLIENTS: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
@@ -94,7 +103,7 @@ def shared_client(key: str, access: SshAccess) -> Any:
         return client
 
 
-def forwards(key: str, access: SshAccess, targets: List[Tuple[str, int]]) -> List[str]:
+def forwards(key: str, access: SshAccess, targets: list[tuple[str, int]]) -> list[str]:
     """A loopback address per target, forwarded over the head's connection."""
     from .ssh_forward import forward
 

@@ -20,15 +20,26 @@ import getpass
 import os
 import shlex
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import OptionError, PlanError, SchedulerError
 from ..runtime.agent_command import READY_PREFIX, AgentCommand
 from .agents import wait_for_agents
-from .base import (HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest,
-                   Scheduler)
+from .base import (
+    HostRecord,
+    Liveness,
+    Option,
+    Plan,
+    Probe,
+    Progress,
+    Reservation,
+    ReservationRecord,
+    ReserveRequest,
+    Scheduler,
+)
 
 if TYPE_CHECKING:
     from ..runtime.keys import Keys
@@ -49,10 +60,10 @@ class SshTarget:
     hostname: str
     port: int
     user: str
-    identities: List[str]
+    identities: list[str]
     known_hosts: str
     strict: str  # StrictHostKeyChecking: yes / accept-new / no
-    proxy_jump: Optional[str]
+    proxy_jump: str | None
     config_path: str = ""  # the SSH config it came from (its jump host resolves there too)
 
     def describe(self) -> str:
@@ -60,11 +71,11 @@ class SshTarget:
         return f"{self.user}@{self.hostname}:{self.port}{via}"
 
     @classmethod
-    def from_json(cls, data: Dict[str, Any]) -> "SshTarget":
+    def from_json(cls, data: dict[str, Any]) -> SshTarget:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
-def host_names(request: ReserveRequest) -> List[str]:
+def host_names(request: ReserveRequest) -> list[str]:
     """The hosts named by ``--hosts h1,h2``, ``--host`` (repeatable) and ``--hostfile``, in that order."""
     opts = request.options
     names = list(request.host_names)
@@ -83,7 +94,7 @@ def host_names(request: ReserveRequest) -> List[str]:
     return names
 
 
-def resolve(alias: str, opts: Dict[str, Any]) -> SshTarget:
+def resolve(alias: str, opts: dict[str, Any]) -> SshTarget:
     """``alias`` through the SSH config (``~/.ssh/config`` or ``ssh_config``); flags win over it."""
     import paramiko
 
@@ -97,13 +108,23 @@ def resolve(alias: str, opts: Dict[str, Any]) -> SshTarget:
     elif opts.get("ssh_config"):
         raise OptionError(f"--ssh-config {path} does not exist")
     c = config.lookup(alias)
-    identities = [str(Path(opts["identity"]).expanduser())] if opts.get("identity") else [
-        os.path.expanduser(p) for p in c.get("identityfile", [])]
+    identities = (
+        [str(Path(opts["identity"]).expanduser())]
+        if opts.get("identity")
+        else [os.path.expanduser(p) for p in c.get("identityfile", [])]
+    )
     known = os.path.expanduser(str(c.get("userknownhostsfile", "~/.ssh/known_hosts")).split()[0])
-    return SshTarget(alias, c.get("hostname", alias), int(c.get("port", 22)),
-                     opts.get("user") or c.get("user") or getpass.getuser(), identities, known,
-                     str(c.get("stricthostkeychecking", "yes")).lower(), c.get("proxyjump"),
-                     str(path) if path.exists() else "")
+    return SshTarget(
+        alias,
+        c.get("hostname", alias),
+        int(c.get("port", 22)),
+        opts.get("user") or c.get("user") or getpass.getuser(),
+        identities,
+        known,
+        str(c.get("stricthostkeychecking", "yes")).lower(),
+        c.get("proxyjump"),
+        str(path) if path.exists() else "",
+    )
 
 
 def _host_error(target: SshTarget, what: str) -> SchedulerError:
@@ -118,8 +139,11 @@ class _KeyPolicy:
 
     def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
         if not self.accept_new:
-            raise _host_error(self.target, f"unknown host key ({key.get_name()} {key.get_fingerprint().hex()}); "
-                              "check it and pass --accept-new-host-keys to record it")
+            raise _host_error(
+                self.target,
+                f"unknown host key ({key.get_name()} {key.get_fingerprint().hex()}); "
+                "check it and pass --accept-new-host-keys to record it",
+            )
         client.get_host_keys().add(hostname, key.get_name(), key)
         known = Path(self.target.known_hosts)
         known.parent.mkdir(parents=True, exist_ok=True)
@@ -139,33 +163,47 @@ def connect(target: SshTarget, accept_new: bool, timeout: float = 15.0) -> Any:
             sock = jump.get_transport().open_channel("direct-tcpip", (target.hostname, target.port), ("", 0))
         except Exception as e:  # noqa: BLE001 - paramiko's ChannelException and friends
             jump.close()
-            raise SchedulerError(f"host {target.alias}: jump host {jump_alias} cannot reach "
-                                 f"{target.hostname}:{target.port}: {e}") from None
+            raise SchedulerError(
+                f"host {target.alias}: jump host {jump_alias} cannot reach {target.hostname}:{target.port}: {e}"
+            ) from None
     client = paramiko.SSHClient()
     if os.path.exists(target.known_hosts):
         client.load_host_keys(target.known_hosts)
     client.set_missing_host_key_policy(_KeyPolicy(target, accept_new or target.strict in ("accept-new", "no")))
     known_name = target.hostname if target.port == 22 else f"[{target.hostname}]:{target.port}"
     try:
-        client.connect(target.hostname, port=target.port, username=target.user, key_filename=target.identities or None,
-                       allow_agent=True, look_for_keys=not target.identities, timeout=timeout, banner_timeout=timeout,
-                       auth_timeout=timeout, sock=sock)
+        client.connect(
+            target.hostname,
+            port=target.port,
+            username=target.user,
+            key_filename=target.identities or None,
+            allow_agent=True,
+            look_for_keys=not target.identities,
+            timeout=timeout,
+            banner_timeout=timeout,
+            auth_timeout=timeout,
+            sock=sock,
+        )
     except SchedulerError:
         raise
     except paramiko.BadHostKeyException:
-        raise _host_error(target, f"the host key has CHANGED since it was recorded in {target.known_hosts} "
-                          f"(entry {known_name}); refusing to connect") from None
+        raise _host_error(
+            target,
+            f"the host key has CHANGED since it was recorded in {target.known_hosts} "
+            f"(entry {known_name}); refusing to connect",
+        ) from None
     except paramiko.AuthenticationException as e:
         raise SchedulerError(f"host {target.alias}: authentication as {target.user} failed ({e})") from None
     except (OSError, EOFError, paramiko.SSHException) as e:
-        raise SchedulerError(f"host {target.alias} ({target.hostname}:{target.port}) is unreachable: "
-                             f"{e or type(e).__name__}") from None
+        raise SchedulerError(
+            f"host {target.alias} ({target.hostname}:{target.port}) is unreachable: {e or type(e).__name__}"
+        ) from None
     if sock is not None:
         client._monarch_jump = jump  # type: ignore[attr-defined]  # lives as long as the connection through it
     return client
 
 
-def _run(client: Any, command: str, timeout: float = 60.0) -> Tuple[int, str]:
+def _run(client: Any, command: str, timeout: float = 60.0) -> tuple[int, str]:
     _, out, err = client.exec_command(command, timeout=timeout)
     text = out.read().decode(errors="replace") + err.read().decode(errors="replace")
     return out.channel.recv_exit_status(), text
@@ -186,12 +224,16 @@ def _version_check(python: str) -> str:
 def _start_command(python: str, directory: str, root: str, target: SshTarget, agent: AgentCommand) -> str:
     """The one shell line that starts ``agent`` detached in ``directory`` (which holds its keys)."""
     argv = [*shlex.split(python), *agent.argv()[1:]]
-    env = (f'MONARCH_KEY_FILE="$PWD/keys" MONARCH_HOST={shlex.quote(target.hostname)} '
-           f"MONARCH_REMOTE_DIR={_shell_path(root)}")
+    env = (
+        f'MONARCH_KEY_FILE="$PWD/keys" MONARCH_HOST={shlex.quote(target.hostname)} '
+        f"MONARCH_REMOTE_DIR={_shell_path(root)}"
+    )
     # Not `cd && agent &`: that backgrounds a subshell, whose pid $! would be, and which keeps
     # the SSH channel open. setsid does not fork here (a background job is no group leader).
-    return (f"cd {_shell_path(directory)} || exit 1; {env} nohup setsid {shlex.join(argv)} > agent.log 2>&1 "
-            "< /dev/null & echo $! > agent.pid")
+    return (
+        f"cd {_shell_path(directory)} || exit 1; {env} nohup setsid {shlex.join(argv)} > agent.log 2>&1 "
+        "< /dev/null & echo $! > agent.pid"
+    )
 
 
 class SshScheduler(Scheduler):
@@ -203,15 +245,31 @@ class SshScheduler(Scheduler):
         Option("ssh_config", str, help="The SSH config that resolves host names (default ~/.ssh/config)."),
         Option("identity", str, help="The private key file (default: the SSH config's, ssh-agent, ~/.ssh/id_*)."),
         Option("user", str, help="The remote user (default: the SSH config's, else yours)."),
-        Option("python", str, default=DEFAULT_PYTHON,
-               help=f"The remote interpreter command; it must have this monarch-cli (default {DEFAULT_PYTHON})."),
-        Option("remote_dir", str, default=DEFAULT_REMOTE_DIR,
-               help=f"Where serve puts its files on each host (default {DEFAULT_REMOTE_DIR})."),
-        Option("accept_new_host_keys", bool, default=False,
-               help="Record unknown host keys in known_hosts (a changed key is always refused)."),
-        Option("tunnel", bool, default=False,
-               help="Reach each agent's one port through a forward over SSH (ssh -L), for a client that cannot "
-                    "reach the hosts' ports or that they cannot reach."),
+        Option(
+            "python",
+            str,
+            default=DEFAULT_PYTHON,
+            help=f"The remote interpreter command; it must have this monarch-cli (default {DEFAULT_PYTHON}).",
+        ),
+        Option(
+            "remote_dir",
+            str,
+            default=DEFAULT_REMOTE_DIR,
+            help=f"Where serve puts its files on each host (default {DEFAULT_REMOTE_DIR}).",
+        ),
+        Option(
+            "accept_new_host_keys",
+            bool,
+            default=False,
+            help="Record unknown host keys in known_hosts (a changed key is always refused).",
+        ),
+        Option(
+            "tunnel",
+            bool,
+            default=False,
+            help="Reach each agent's one port through a forward over SSH (ssh -L), for a client that cannot "
+            "reach the hosts' ports or that they cannot reach.",
+        ),
     )
 
     # ---------------------------------------------------------------- planning
@@ -227,32 +285,67 @@ class SshScheduler(Scheduler):
         hosts, steps = [], []
         for alias in names:
             target = resolve(alias, opts)
-            agent = AgentCommand(python=python, name=alias, host=target.hostname, port=request.agent_port,
-                                 port_range=request.port_range, preload=request.preload, warm_up=True,
-                                 address_file="agent.addr", reservation=rid)
+            agent = AgentCommand(
+                python=python,
+                name=alias,
+                host=target.hostname,
+                port=request.agent_port,
+                port_range=request.port_range,
+                preload=request.preload,
+                warm_up=True,
+                address_file="agent.addr",
+                reservation=rid,
+            )
             command = _start_command(python, directory, root, target, agent)
-            hosts.append({"target": dataclasses.asdict(target), "directory": directory, "agent": agent.to_json(),
-                          "command": command})
+            hosts.append(
+                {
+                    "target": dataclasses.asdict(target),
+                    "directory": directory,
+                    "agent": agent.to_json(),
+                    "command": command,
+                }
+            )
             keys = ", ".join(target.identities) or "ssh-agent / default keys"
-            steps += [f"{alias}: connect to {target.describe()} (keys: {keys}; known hosts: {target.known_hosts}, "
-                      f"{'record unknown keys' if opts.get('accept_new_host_keys') else 'unknown keys refused'})",
-                      f"{alias}: check: {_version_check(python)}  (must print {__version__})",
-                      f"{alias}: upload over SFTP: {directory}/keys  (0600 in a 0700 directory; the reservation's "
-                      "keys: <redacted>)",
-                      f"{alias}: run: {command}"]
-        steps.append(f"wait until {len(names)} agent(s) have written agent.addr; a host that fails is reported by "
-                     "name and the others are cleaned up")
+            steps += [
+                f"{alias}: connect to {target.describe()} (keys: {keys}; known hosts: {target.known_hosts}, "
+                f"{'record unknown keys' if opts.get('accept_new_host_keys') else 'unknown keys refused'})",
+                f"{alias}: check: {_version_check(python)}  (must print {__version__})",
+                f"{alias}: upload over SFTP: {directory}/keys  (0600 in a 0700 directory; the reservation's "
+                "keys: <redacted>)",
+                f"{alias}: run: {command}",
+            ]
+        steps.append(
+            f"wait until {len(names)} agent(s) have written agent.addr; a host that fails is reported by "
+            "name and the others are cleaned up"
+        )
         if opts.get("tunnel"):
             steps.append("every client process reaches each agent's port through a forward over its SSH connection")
-        summary = (f"start a detached host agent on {len(names)} SSH host(s) ({', '.join(names)}), set up in "
-                   "parallel, with a fresh key pair (0600 in the job state here, uploaded over SFTP there)")
-        data = {"hosts": hosts, "python": python, "remote_dir": root, "version": __version__,
-                "accept_new_host_keys": bool(opts.get("accept_new_host_keys")), "tunnel": bool(opts.get("tunnel"))}
-        return Plan(self.name, rid, len(names), list(request.command), str(workdir.resolve()), summary, steps,
-                    options=opts, data=data)
+        summary = (
+            f"start a detached host agent on {len(names)} SSH host(s) ({', '.join(names)}), set up in "
+            "parallel, with a fresh key pair (0600 in the job state here, uploaded over SFTP there)"
+        )
+        data = {
+            "hosts": hosts,
+            "python": python,
+            "remote_dir": root,
+            "version": __version__,
+            "accept_new_host_keys": bool(opts.get("accept_new_host_keys")),
+            "tunnel": bool(opts.get("tunnel")),
+        }
+        return Plan(
+            self.name,
+            rid,
+            len(names),
+            list(request.command),
+            str(workdir.resolve()),
+            summary,
+            steps,
+            options=opts,
+            data=data,
+        )
 
     # ---------------------------------------------------------------- reserving
-    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+    def reserve(self, plan: Plan, keys: Keys, progress: Progress) -> Reservation:
         self.check_plan(plan)
         try:
             hosts = plan.data["hosts"]
@@ -263,32 +356,51 @@ class SshScheduler(Scheduler):
             raise PlanError(f"malformed ssh plan ({type(e).__name__}: {e}); make a new one with --dry-run") from None
         if plan.data.get("version") != __version__:
             raise PlanError(f"this plan was made by monarch-cli {plan.data.get('version')}, not {__version__}")
-        started: Dict[int, Dict[str, Any]] = {}
-        errors: List[str] = []
+        started: dict[int, dict[str, Any]] = {}
+        errors: list[str] = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(hosts)))) as pool:
-            futures = {pool.submit(self._start_host, targets[i], h["directory"], h["command"], python, keys,
-                                   accept_new, progress, started, i): i
-                       for i, h in enumerate(hosts)}
+            futures = {
+                pool.submit(
+                    self._start_host,
+                    targets[i],
+                    h["directory"],
+                    h["command"],
+                    python,
+                    keys,
+                    accept_new,
+                    progress,
+                    started,
+                    i,
+                ): i
+                for i, h in enumerate(hosts)
+            }
             for fut in concurrent.futures.as_completed(futures):
                 i = futures[fut]
                 try:
                     fut.result()
                 except Exception as e:  # noqa: BLE001 - every host's failure is reported, then all are undone
-                    errors.append(str(e) if isinstance(e, SchedulerError)
-                                  else f"host {targets[i].alias}: {type(e).__name__}: {e}")
-        found: List[HostRecord] = []
+                    errors.append(
+                        str(e) if isinstance(e, SchedulerError) else f"host {targets[i].alias}: {type(e).__name__}: {e}"
+                    )
+        found: list[HostRecord] = []
         try:
             if not errors:
                 names = [str(a.name) for a in agents]
                 try:
-                    found = wait_for_agents(lambda: self._discover(started, names), names, progress,
-                                            timeout=AGENT_START_TIMEOUT, check=lambda: self._check(started, names),
-                                            interval=0.2)
+                    found = wait_for_agents(
+                        lambda: self._discover(started, names),
+                        names,
+                        progress,
+                        timeout=AGENT_START_TIMEOUT,
+                        check=lambda: self._check(started, names),
+                        interval=0.2,
+                    )
                 except SchedulerError as e:
                     errors.append(str(e))
             if errors:
-                raise SchedulerError(errors[0] + (f" (and {len(errors) - 1} more host(s) failed)"
-                                                  if len(errors) > 1 else ""))
+                raise SchedulerError(
+                    errors[0] + (f" (and {len(errors) - 1} more host(s) failed)" if len(errors) > 1 else "")
+                )
         except BaseException:  # a failed host or Ctrl-C: no half reservation is left behind
             self._release_hosts([started[i]["record"] for i in sorted(started)], accept_new)
             raise
@@ -298,26 +410,44 @@ class SshScheduler(Scheduler):
         records = [started[i]["record"] for i in range(len(hosts))]
         for rec, host in zip(records, found):
             rec["address"] = host.agent
-        return Reservation(plan.reservation_id,
-                           [HostRecord(h.name, h.agent, rec["pid"], h.node_rank) for h, rec in zip(found, records)],
-                           {"ssh_hosts": records, "accept_new_host_keys": accept_new, "remote_dir": root,
-                            "tunnel": bool(plan.data.get("tunnel"))})
+        return Reservation(
+            plan.reservation_id,
+            [HostRecord(h.name, h.agent, rec["pid"], h.node_rank) for h, rec in zip(found, records)],
+            {
+                "ssh_hosts": records,
+                "accept_new_host_keys": accept_new,
+                "remote_dir": root,
+                "tunnel": bool(plan.data.get("tunnel")),
+            },
+        )
 
-    def _start_host(self, target: SshTarget, directory: str, command: str, python: str, keys: "Keys",
-                    accept_new: bool, progress: Progress, started: Dict[int, Dict[str, Any]], index: int) -> None:
+    def _start_host(
+        self,
+        target: SshTarget,
+        directory: str,
+        command: str,
+        python: str,
+        keys: Keys,
+        accept_new: bool,
+        progress: Progress,
+        started: dict[int, dict[str, Any]],
+        index: int,
+    ) -> None:
         """Connect, check the version, upload the keys, start the agent; leaves the connection in ``started``."""
         progress(f"{target.alias}: connecting to {target.describe()}")
         client = connect(target, accept_new)
-        record: Dict[str, Any] = {**dataclasses.asdict(target), "directory": directory, "pid": None, "address": ""}
+        record: dict[str, Any] = {**dataclasses.asdict(target), "directory": directory, "pid": None, "address": ""}
         made = False
         try:
             code, text = _run(client, _version_check(python))
             version = text.strip().splitlines()[-1] if code == 0 and text.strip() else None
             if version != __version__:
                 found = f"has monarch-cli {version}" if version else "has no monarch-cli (or no such interpreter)"
-                raise SchedulerError(f"host {target.alias}: {python} {found}, this client is {__version__}; install "
-                                     f"it there with: {python} -m pip install 'monarch-cli=={__version__}' "
-                                     "(or pass --python)")
+                raise SchedulerError(
+                    f"host {target.alias}: {python} {found}, this client is {__version__}; install "
+                    f"it there with: {python} -m pip install 'monarch-cli=={__version__}' "
+                    "(or pass --python)"
+                )
             sftp = client.open_sftp()
             try:
                 path = _remote_path(sftp, directory)
@@ -343,7 +473,7 @@ class SshScheduler(Scheduler):
             raise
         started[index] = {"client": client, "record": record, "target": target}
 
-    def _discover(self, started: Dict[int, Dict[str, Any]], names: List[str]) -> Dict[str, str]:
+    def _discover(self, started: dict[int, dict[str, Any]], names: list[str]) -> dict[str, str]:
         found = {}
         for i, entry in started.items():
             try:
@@ -353,26 +483,26 @@ class SshScheduler(Scheduler):
             except (OSError, EOFError):
                 continue
             if text.startswith(READY_PREFIX) and text.endswith("\n"):
-                found[names[i]] = text[len(READY_PREFIX):].strip()
+                found[names[i]] = text[len(READY_PREFIX) :].strip()
         return found
 
-    def _check(self, started: Dict[int, Dict[str, Any]], names: List[str]) -> None:
+    def _check(self, started: dict[int, dict[str, Any]], names: list[str]) -> None:
         """Raise, naming the host, when an agent exited at start-up."""
-        for i, entry in started.items():
+        for _i, entry in started.items():
             rec, target = entry["record"], entry["target"]
             if _run(entry["client"], f"kill -0 {int(rec['pid'])}", timeout=15)[0] != 0:
                 code, log = _run(entry["client"], f"tail -n 3 {shlex.quote(rec['directory'] + '/agent.log')}", 15)
                 raise _host_error(target, f"the agent exited at start-up: {log.strip() or 'no log'}")
 
     # ---------------------------------------------------------------- the reservation
-    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> str | None:
         names = host_names(request)
         had = [r["alias"] for r in reservation.scheduler_data.get("ssh_hosts", [])]
         if names != had:
             return f"it has hosts {','.join(had)}, not {','.join(names)}"
         return None
 
-    def agent_addresses(self, reservation: ReservationRecord) -> List[str]:
+    def agent_addresses(self, reservation: ReservationRecord) -> list[str]:
         """With ``tunnel``: a loopback port of this process per host, forwarded over SSH to its agent."""
         if not reservation.scheduler_data.get("tunnel"):
             return super().agent_addresses(reservation)
@@ -380,13 +510,15 @@ class SshScheduler(Scheduler):
 
         accept_new = bool(reservation.scheduler_data.get("accept_new_host_keys"))
 
-        def one(pair: Tuple[HostRecord, Dict[str, Any]]) -> str:
+        def one(pair: tuple[HostRecord, dict[str, Any]]) -> str:
             host, rec = pair
             where, _, port = host.agent.rpartition("//")[2].rpartition(":")
             try:
-                return forward((reservation.reservation_id, rec["alias"]),
-                               lambda: connect(SshTarget.from_json(rec), accept_new),
-                               (where, int(port)))
+                return forward(
+                    (reservation.reservation_id, rec["alias"]),
+                    lambda: connect(SshTarget.from_json(rec), accept_new),
+                    (where, int(port)),
+                )
             except SchedulerError:  # unreachable: its agent will not answer, and says so by name
                 return host.agent
 
@@ -395,17 +527,20 @@ class SshScheduler(Scheduler):
             return list(pool.map(one, pairs))
 
     def release(self, reservation: ReservationRecord) -> None:
-        self._release_hosts(reservation.scheduler_data.get("ssh_hosts", []),
-                            bool(reservation.scheduler_data.get("accept_new_host_keys")))
+        self._release_hosts(
+            reservation.scheduler_data.get("ssh_hosts", []),
+            bool(reservation.scheduler_data.get("accept_new_host_keys")),
+        )
 
-    def _release_hosts(self, records: List[Dict[str, Any]], accept_new: bool = False) -> None:
+    def _release_hosts(self, records: list[dict[str, Any]], accept_new: bool = False) -> None:
         _each_host(records, accept_new, _stop_host, timeout=15.0)
 
     def probe(self, reservation: ReservationRecord) -> Probe:
         """Over SSH: GONE when a reachable host has no agent process; UNKNOWN when a host cannot be reached."""
         records = reservation.scheduler_data.get("ssh_hosts", [])
-        answers = _each_host(records, bool(reservation.scheduler_data.get("accept_new_host_keys")), _agent_running,
-                             timeout=PROBE_TIMEOUT)
+        answers = _each_host(
+            records, bool(reservation.scheduler_data.get("accept_new_host_keys")), _agent_running, timeout=PROBE_TIMEOUT
+        )
         gone = [r["alias"] for r, a in zip(records, answers) if a is False]
         if gone:
             return Probe(Liveness.GONE, f"the agent process on {', '.join(gone)} is not running")
@@ -414,20 +549,34 @@ class SshScheduler(Scheduler):
             return Probe(Liveness.UNKNOWN, f"{', '.join(unknown)} cannot be reached over SSH")
         return Probe(Liveness.ALIVE)
 
-    def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
-        return {"ssh": [{"host": r["alias"], "target": f"{r['user']}@{r['hostname']}:{r['port']}", "pid": r["pid"],
-                           "directory": r["directory"]} for r in reservation.scheduler_data.get("ssh_hosts", [])]}
+    def describe(self, reservation: ReservationRecord) -> dict[str, Any]:
+        return {
+            "ssh": [
+                {
+                    "host": r["alias"],
+                    "target": f"{r['user']}@{r['hostname']}:{r['port']}",
+                    "pid": r["pid"],
+                    "directory": r["directory"],
+                }
+                for r in reservation.scheduler_data.get("ssh_hosts", [])
+            ]
+        }
 
-    def status_lines(self, reservation: ReservationRecord) -> List[str]:
-        return [f"{r['alias']}: {r['user']}@{r['hostname']}:{r['port']}"
-                f"{' via ' + r['proxy_jump'] if r.get('proxy_jump') else ''}, agent pid {r['pid']}, files in "
-                f"{r['directory']}" for r in reservation.scheduler_data.get("ssh_hosts", [])]
+    def status_lines(self, reservation: ReservationRecord) -> list[str]:
+        return [
+            f"{r['alias']}: {r['user']}@{r['hostname']}:{r['port']}"
+            f"{' via ' + r['proxy_jump'] if r.get('proxy_jump') else ''}, agent pid {r['pid']}, files in "
+            f"{r['directory']}"
+            for r in reservation.scheduler_data.get("ssh_hosts", [])
+        ]
 
 
-def _each_host(records: List[Dict[str, Any]], accept_new: bool, action: Callable[[Any, Dict[str, Any]], Any],
-               timeout: float) -> List[Any]:
+def _each_host(
+    records: list[dict[str, Any]], accept_new: bool, action: Callable[[Any, dict[str, Any]], Any], timeout: float
+) -> list[Any]:
     """``action(client, record)`` on every host in parallel; None for a host that cannot be reached."""
-    def one(rec: Dict[str, Any]) -> Any:
+
+    def one(rec: dict[str, Any]) -> Any:
         try:
             client = connect(SshTarget.from_json(rec), accept_new, timeout=timeout)
         except SchedulerError:
@@ -445,13 +594,13 @@ def _each_host(records: List[Dict[str, Any]], accept_new: bool, action: Callable
         return list(pool.map(one, records))
 
 
-def _close(entry: Dict[str, Any]) -> None:
+def _close(entry: dict[str, Any]) -> None:
     if "sftp" in entry:
         entry["sftp"].close()
     entry["client"].close()
 
 
-def _agent_running(client: Any, rec: Dict[str, Any]) -> bool:
+def _agent_running(client: Any, rec: dict[str, Any]) -> bool:
     """Is ``rec``'s agent (by pid and command line) still running on the host?"""
     pid = int(rec.get("pid") or 0)
     if not pid:
@@ -460,13 +609,15 @@ def _agent_running(client: Any, rec: Dict[str, Any]) -> bool:
     return code == 0 and ("monarch_cli.runtime.agent" in text or text.startswith("monarch agent "))
 
 
-def _stop_host(client: Any, rec: Dict[str, Any]) -> None:
+def _stop_host(client: Any, rec: dict[str, Any]) -> None:
     """TERM the agent (it ends its ranks and procs), KILL its process group after 5 s, remove its directory."""
     pid = int(rec.get("pid") or 0)
     script = ""
     if pid:
-        script += (f"kill -TERM {pid} 2>/dev/null; for i in $(seq 50); do kill -0 {pid} 2>/dev/null || break; "
-                   f"sleep 0.1; done; kill -KILL -- -{pid} 2>/dev/null; kill -KILL {pid} 2>/dev/null; ")
+        script += (
+            f"kill -TERM {pid} 2>/dev/null; for i in $(seq 50); do kill -0 {pid} 2>/dev/null || break; "
+            f"sleep 0.1; done; kill -KILL -- -{pid} 2>/dev/null; kill -KILL {pid} 2>/dev/null; "
+        )
     if rec.get("directory") and not rec["directory"].startswith("~"):
         script += f"rm -rf {shlex.quote(rec['directory'])}"
     if script:
@@ -489,7 +640,7 @@ def _sftp_makedirs(sftp: Any, path: str) -> None:
             continue
         try:
             sftp.stat(sub)
-        except IOError:
+        except OSError:
             sftp.mkdir(sub, mode=0o700)
 
 

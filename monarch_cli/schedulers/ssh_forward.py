@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import Any, Dict, Tuple
+from typing import Any
 
 from .forwarding import LoopbackListener, pipe
 
@@ -25,7 +25,7 @@ class Forward(LoopbackListener):
     """A loopback port whose each connection becomes a ``direct-tcpip`` channel to ``remote`` as
     the host sees it, over ``client`` (a connected ``paramiko.SSHClient``, kept open)."""
 
-    def __init__(self, client: Any, remote: Tuple[str, int]) -> None:
+    def __init__(self, client: Any, remote: tuple[str, int]) -> None:
         self.client = client
         self.remote = remote
         super().__init__(f"monarch-ssh-forward-{remote[0]}:{remote[1]}")
@@ -43,11 +43,11 @@ class Forward(LoopbackListener):
         self.client.close()
 
 
-_FORWARDS: Dict[Tuple[str, str], Forward] = {}
+_FORWARDS: dict[tuple[str, str], Forward] = {}
 _LOCK = threading.Lock()
 
 
-def forward(key: Tuple[str, str], connect: Any, remote: Tuple[str, int]) -> str:
+def forward(key: tuple[str, str], connect: Any, remote: tuple[str, int]) -> str:
     """The loopback address forwarding to ``remote`` for ``key`` (made once per process, with
     ``connect()`` giving the SSH client); a forward whose SSH connection dropped is made again."""
     with _LOCK:

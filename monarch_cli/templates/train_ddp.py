@@ -40,8 +40,10 @@ def main() -> None:
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
 
-    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).to(device),
-                device_ids=[device.index] if use_cuda else None)
+    model = DDP(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).to(device),
+        device_ids=[device.index] if use_cuda else None,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     loss_fn = nn.MSELoss()
 
@@ -67,7 +69,9 @@ def main() -> None:
     assert torch.allclose(flat, ref), f"rank {rank}: weights diverged"
     if rank == 0:
         backend = dist.get_backend()
-        print(f"trained on {world} ranks ({backend}) in {time.perf_counter() - start:.2f} s; replicas in sync", flush=True)
+        print(
+            f"trained on {world} ranks ({backend}) in {time.perf_counter() - start:.2f} s; replicas in sync", flush=True
+        )
     # Drop DDP (its reducer holds the process group) and let pending work finish before the
     # group goes: otherwise the reducer, freed when main() returns, frees gloo's group last,
     # which can deadlock in torch (pytorch/pytorch#56297). monarch's warm ranks sidestep that

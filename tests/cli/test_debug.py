@@ -13,8 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any
 
 import pexpect
 import pytest
@@ -84,9 +85,15 @@ def reservation(tmp_path_factory) -> Iterator[Path]:
     job.stop()
 
 
-def _env(state: Path, **extra: str) -> Dict[str, str]:
-    return {**os.environ, "MONARCH_STATE": str(state), "MONARCH_DEBUG_HISTORY": str(state.parent / "history"),
-            "TERM": "dumb", "NO_COLOR": "1", **extra}
+def _env(state: Path, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "MONARCH_STATE": str(state),
+        "MONARCH_DEBUG_HISTORY": str(state.parent / "history"),
+        "TERM": "dumb",
+        "NO_COLOR": "1",
+        **extra,
+    }
 
 
 class Run:
@@ -96,7 +103,10 @@ class Run:
         self.out = open(state.parent / f"run-{time.time_ns()}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "monarch_cli", "run-spmd", "--no-color", *args],
-            cwd=state.parent.parent, env=_env(state, **env), stdout=self.out, stderr=subprocess.STDOUT,
+            cwd=state.parent.parent,
+            env=_env(state, **env),
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
 
@@ -112,7 +122,7 @@ class Run:
             self.proc.kill()
             self.proc.wait()
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -121,14 +131,18 @@ class Run:
         self.out.close()
 
 
-def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Optional[str] = None,
-                line: Optional[int] = None) -> List[Any]:
+def wait_paused(
+    state: Path, ranks: int = 4, timeout: float = 60, reason: str | None = None, line: int | None = None
+) -> list[Any]:
     client = DebugClient(job_load(state))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            rows = [r for r in client.list() if r.state == "paused" and (reason is None or r.reason == reason)
-                    and (line is None or r.line == line)]
+            rows = [
+                r
+                for r in client.list()
+                if r.state == "paused" and (reason is None or r.reason == reason) and (line is None or r.line == line)
+            ]
             if len(rows) >= ranks:
                 return rows
             time.sleep(0.2)
@@ -138,22 +152,39 @@ def wait_paused(state: Path, ranks: int = 4, timeout: float = 60, reason: Option
 
 
 def monarch_debug(state: Path, *args: str) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "monarch_cli", "debug", *args], env=_env(state), cwd=str(state.parent.parent),
-                          encoding="utf-8", timeout=30, dimensions=(50, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "monarch_cli", "debug", *args],
+        env=_env(state),
+        cwd=str(state.parent.parent),
+        encoding="utf-8",
+        timeout=30,
+        dimensions=(50, 200),
+    )
     child.logfile_read = open(state.parent / f"pexpect-{time.time_ns()}.log", "w")  # kept for post-mortems of failures
     return child
 
 
 def debug_cmd(state: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "monarch_cli", "debug", *args], env=_env(state), cwd=state.parent.parent,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", "debug", *args],
+        env=_env(state),
+        cwd=state.parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_list_attach_print_step_cast_continue(reservation):
     with Run(reservation) as run:
         paused = wait_paused(reservation)
-        assert [(r.rank, r.host, r.line) for r in paused] == [(0, "local0", 10), (1, "local0", 10), (2, "local1", 10),
-                                                               (3, "local1", 10)]
+        assert [(r.rank, r.host, r.line) for r in paused] == [
+            (0, "local0", 10),
+            (1, "local0", 10),
+            (2, "local1", 10),
+            (3, "local1", 10),
+        ]
         shell = monarch_debug(reservation)
         shell.expect("4 rank\\(s\\) paused")
         shell.expect("monarch_dbg> ")
@@ -310,7 +341,7 @@ class DapClient:
         self.sock = socket.create_connection((host, port), timeout=30)
         self.seq = 0
         self.buf = b""
-        self.seen: List[Dict[str, Any]] = []
+        self.seen: list[dict[str, Any]] = []
 
     def send(self, command: str, **arguments: Any) -> int:
         self.seq += 1
@@ -318,7 +349,7 @@ class DapClient:
         self.sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
         return self.seq
 
-    def _read(self) -> Dict[str, Any]:
+    def _read(self) -> dict[str, Any]:
         while b"\r\n\r\n" not in self.buf:
             self.buf += self.sock.recv(65536)
         head, _, rest = self.buf.partition(b"\r\n\r\n")
@@ -328,7 +359,7 @@ class DapClient:
         self.buf = rest[length:]
         return json.loads(rest[:length])
 
-    def wait(self, predicate, timeout: float = 30) -> Dict[str, Any]:
+    def wait(self, predicate, timeout: float = 30) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         for msg in self.seen:
             if predicate(msg):
@@ -341,7 +372,7 @@ class DapClient:
             self.seen.append(msg)
         raise AssertionError("no such DAP message")
 
-    def request(self, command: str, **arguments: Any) -> Dict[str, Any]:
+    def request(self, command: str, **arguments: Any) -> dict[str, Any]:
         seq = self.send(command, **arguments)
         response = self.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == seq)
         assert response["success"], response
@@ -380,11 +411,11 @@ print(json.dumps(got))
 """
 
 
-def _tcp_listeners(pids: List[int]) -> Dict[int, List[int]]:
+def _tcp_listeners(pids: list[int]) -> dict[int, list[int]]:
     """Listening TCP ports of each pid."""
     import psutil
 
-    ports: Dict[int, List[int]] = {}
+    ports: dict[int, list[int]] = {}
     for pid in pids:
         try:
             conns = psutil.Process(pid).net_connections(kind="tcp")
@@ -394,7 +425,7 @@ def _tcp_listeners(pids: List[int]) -> Dict[int, List[int]]:
     return ports
 
 
-def _run_processes(state: Path, rank_pid: int) -> List[int]:
+def _run_processes(state: Path, rank_pid: int) -> list[int]:
     """The rank, its agent and everything the agent started (zygotes, ranks)."""
     import psutil
 
@@ -412,9 +443,14 @@ def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(
         rank_pid = wait_paused(reservation, ranks=1)[0].pid
         before = _tcp_listeners(_run_processes(reservation, rank_pid))
         relay_err = open(tmp_path / "relay.err", "w+")
-        relay = subprocess.Popen([sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
-                                 env=_env(reservation), cwd=reservation.parent.parent, stdout=subprocess.PIPE,
-                                 stderr=relay_err, text=True)
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
+            env=_env(reservation),
+            cwd=reservation.parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=relay_err,
+            text=True,
+        )
         try:
             info = json.loads(relay.stdout.readline())
             assert info["host"] == "127.0.0.1"
@@ -429,8 +465,23 @@ def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(
             ports |= set(_tcp_listeners([relay.pid])[relay.pid])
             assert info["port"] in ports
             marker = tmp_path / "pwned"
-            attack = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", ATTACK, str(marker),
-                                     *map(str, sorted(ports))], capture_output=True, text=True, timeout=60, cwd="/")
+            attack = subprocess.run(
+                [
+                    "runuser",
+                    "-u",
+                    "nobody",
+                    "--",
+                    "/usr/bin/python3",
+                    "-c",
+                    ATTACK,
+                    str(marker),
+                    *map(str, sorted(ports)),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd="/",
+            )
             assert attack.returncode == 0, attack.stderr
             answers = json.loads(attack.stdout)
             assert answers[str(info["port"])] in ("", "ConnectionResetError"), "the IDE port answered another user"
@@ -442,8 +493,14 @@ def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(
 
             # The holder's IDE still attaches, stops at its breakpoint, reads a variable, continues.
             dap = DapClient(info["host"], info["port"])
-            dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
-                        columnsStartAt1=True, pathFormat="path")
+            dap.request(
+                "initialize",
+                adapterID="debugpy",
+                clientID="monarch-test",
+                linesStartAt1=True,
+                columnsStartAt1=True,
+                pathFormat="path",
+            )
             attach_seq = dap.send("attach", justMyCode=False)
             dap.wait(lambda m: m.get("event") == "initialized")
             path = str(reservation.parent.parent / "dap.py")
@@ -469,14 +526,22 @@ def test_dap_attach_breakpoint_continue_and_variables_and_no_other_user_gets_in(
             relay.wait()
 
 
-def _ide_stops_at(info: Dict[str, Any], path: str, line: int) -> "tuple[DapClient, int, Dict[str, str]]":
+def _ide_stops_at(info: dict[str, Any], path: str, line: int) -> tuple[DapClient, int, dict[str, str]]:
     """An IDE session that sets one breakpoint and waits there: (client, thread id, local variables)."""
     dap = DapClient(info["host"], info["port"])
-    dap.request("initialize", adapterID="debugpy", clientID="monarch-test", linesStartAt1=True,
-                columnsStartAt1=True, pathFormat="path")
+    dap.request(
+        "initialize",
+        adapterID="debugpy",
+        clientID="monarch-test",
+        linesStartAt1=True,
+        columnsStartAt1=True,
+        pathFormat="path",
+    )
     attach_seq = dap.send("attach", justMyCode=False)
     dap.wait(lambda m: m.get("event") == "initialized")
-    assert dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": line}])["breakpoints"][0]["verified"]
+    assert dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": line}])["breakpoints"][0][
+        "verified"
+    ]
     dap.request("configurationDone")
     dap.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == attach_seq)
     thread = dap.wait(lambda m: m.get("event") == "stopped", timeout=60)["body"]["threadId"]
@@ -493,8 +558,13 @@ def test_dap_ide_that_vanishes_lets_the_rank_run_on_and_the_next_ide_attaches(re
     (work / "dap-step").unlink(missing_ok=True)
     with Run(reservation, "--", "torchrun", "--nproc-per-node=1", "--nnodes=1", "dap_again.py") as run:
         wait_paused(reservation, ranks=1)
-        relay = subprocess.Popen([sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
-                                 env=_env(reservation), cwd=work, stdout=subprocess.PIPE, text=True)
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli", "debug", "--dap", "0", "--json"],
+            env=_env(reservation),
+            cwd=work,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             info = json.loads(relay.stdout.readline())
             first, _, seen = _ide_stops_at(info, str(work / "dap_again.py"), 5)
@@ -579,15 +649,34 @@ def test_pdb_relay_takes_nothing_from_another_user(reservation, tmp_path, zmq_fo
         assert agent.startswith("tcp://")
         marker, marker2 = tmp_path / "pwned-rank", tmp_path / "pwned-agent"
         line = f"import os; os.system('touch {marker}')\n"
-        headers = [("debug_input", 1, "tcp://127.0.0.1:1", row.run_id, 0, line),
-                   ("debug_cast", 2, "tcp://127.0.0.1:1", row.run_id, 0, line),
-                   ("debug_continue", 3, "tcp://127.0.0.1:1", row.run_id, 0)]
+        headers = [
+            ("debug_input", 1, "tcp://127.0.0.1:1", row.run_id, 0, line),
+            ("debug_cast", 2, "tcp://127.0.0.1:1", row.run_id, 0, line),
+            ("debug_continue", 3, "tcp://127.0.0.1:1", row.run_id, 0),
+        ]
         frames = [struct.pack("<I", len(h)) + h for h in (pickle.dumps(x, 5) for x in headers)]
         evil = pickle.dumps(_Evil(str(marker2)))
         frames.append(struct.pack("<I", len(evil)) + evil)
-        attack = subprocess.run(["runuser", "-u", "nobody", "--", "env", f"PYTHONPATH={zmq_for_nobody}", "/usr/bin/python3",
-                                 "-c", PDB_ATTACK, agent, job.keys.public.decode(), *(f.hex() for f in frames)],
-                                capture_output=True, text=True, timeout=60, cwd="/")
+        attack = subprocess.run(
+            [
+                "runuser",
+                "-u",
+                "nobody",
+                "--",
+                "env",
+                f"PYTHONPATH={zmq_for_nobody}",
+                "/usr/bin/python3",
+                "-c",
+                PDB_ATTACK,
+                agent,
+                job.keys.public.decode(),
+                *(f.hex() for f in frames),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
         assert attack.returncode == 0 and attack.stdout.strip() == "sent", attack.stderr
         time.sleep(0.5)
         assert not marker.exists() and not marker2.exists(), "another user got code run"

@@ -11,8 +11,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -20,7 +21,7 @@ from typer.testing import CliRunner
 from monarch_cli.cli import _app, fast, runs
 
 #: Command lines the fast route takes; Typer must read each one the same way.
-TAKEN: List[List[str]] = [
+TAKEN: list[list[str]] = [
     ["run-spmd"],
     ["run-spmd", "--json"],
     ["run-spmd", "--cold", "--no-color", "--ranks", "0,1", "--state", "s/job_state.pkl"],
@@ -39,34 +40,63 @@ TAKEN: List[List[str]] = [
 ]
 
 #: Command lines left to Typer: its help, its usage errors, and what the fast route does not judge.
-LEFT: List[List[str]] = [
-    ["run-spmd", "--help"], ["run-spmd", "-h"], ["exec", "--help"], ["run-spmd", "--cold", "-h"],
-    ["run-spmd", "--bogus"], ["run-spmd", "--col"], ["run-spmd", "--ranks"], ["run-spmd", "--cold=yes"],
-    ["run-spmd", "--straggler-grace", "-1"], ["run-spmd", "--straggler-grace", "soon"],
-    ["run-spmd", "--straggler-grace", "1e3"], ["run-spmd", "--state", "a", "--state", "b"],
-    ["run-spmd", "--color", "--no-color"], ["run-spmd", "--state", ""], ["run-spmd", "-"],
-    ["exec", "-e", "A=1", "--", "true"], ["exec", "--cold", "--", "true"], ["run-spmd", "-x"],
+LEFT: list[list[str]] = [
+    ["run-spmd", "--help"],
+    ["run-spmd", "-h"],
+    ["exec", "--help"],
+    ["run-spmd", "--cold", "-h"],
+    ["run-spmd", "--bogus"],
+    ["run-spmd", "--col"],
+    ["run-spmd", "--ranks"],
+    ["run-spmd", "--cold=yes"],
+    ["run-spmd", "--straggler-grace", "-1"],
+    ["run-spmd", "--straggler-grace", "soon"],
+    ["run-spmd", "--straggler-grace", "1e3"],
+    ["run-spmd", "--state", "a", "--state", "b"],
+    ["run-spmd", "--color", "--no-color"],
+    ["run-spmd", "--state", ""],
+    ["run-spmd", "-"],
+    ["exec", "-e", "A=1", "--", "true"],
+    ["exec", "--cold", "--", "true"],
+    ["run-spmd", "-x"],
 ]
 
 
-def _typer_params(argv: List[str], monkeypatch: pytest.MonkeyPatch) -> Tuple[int, Optional[Tuple[str, Dict[str, Any]]]]:
+def _typer_params(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, tuple[str, dict[str, Any]] | None]:
     """Typer's exit status for ``argv`` and, if it got that far, what the command was called with."""
-    seen: List[Tuple[str, Dict[str, Any]]] = []
-    names = {"run_spmd": ["command", "state", "ranks", "cold", "color", "post_mortem", "env", "workspace", "no_sync",
-                          "straggler_grace", "as_json"],
-             "exec_command": ["command", "state", "color", "as_json"]}
+    seen: list[tuple[str, dict[str, Any]]] = []
+    names = {
+        "run_spmd": [
+            "command",
+            "state",
+            "ranks",
+            "cold",
+            "color",
+            "post_mortem",
+            "env",
+            "workspace",
+            "no_sync",
+            "straggler_grace",
+            "as_json",
+        ],
+        "exec_command": ["command", "state", "color", "as_json"],
+    }
     for attr, command in (("run_spmd", "run-spmd"), ("exec_command", "exec")):
         monkeypatch.setattr(runs, attr, lambda *a, _n=names[attr], _c=command: seen.append((_c, dict(zip(_n, a)))) or 0)
     done = CliRunner().invoke(_app(None), argv)
     return done.exit_code, (seen[0] if seen else None)
 
 
-def _plain(params: Dict[str, Any]) -> Dict[str, Any]:
-    return {**params, "command": params["command"] or None, **({"env": params["env"] or None} if "env" in params else {})}
+def _plain(params: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **params,
+        "command": params["command"] or None,
+        **({"env": params["env"] or None} if "env" in params else {}),
+    }
 
 
 @pytest.mark.parametrize("argv", TAKEN, ids=" ".join)
-def test_the_fast_route_reads_a_command_line_as_typer_does(argv: List[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fast_route_reads_a_command_line_as_typer_does(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     parsed = fast.parse(argv)
     assert parsed is not None, "the fast route should take this command line"
     code, called = _typer_params(argv, monkeypatch)
@@ -75,12 +105,14 @@ def test_the_fast_route_reads_a_command_line_as_typer_does(argv: List[str], monk
 
 
 @pytest.mark.parametrize("argv", LEFT, ids=" ".join)
-def test_what_the_fast_route_does_not_judge_is_left_to_typer(argv: List[str]) -> None:
+def test_what_the_fast_route_does_not_judge_is_left_to_typer(argv: list[str]) -> None:
     assert fast.parse(argv) is None
 
 
 # ---------------------------------------------------------------- whole processes, both routes
-TYPER_ROUTE = "import sys; from monarch_cli.cli import _app, _only_module; _app(_only_module(sys.argv[1:]))(prog_name='monarch')"
+TYPER_ROUTE = (
+    "import sys; from monarch_cli.cli import _app, _only_module; _app(_only_module(sys.argv[1:]))(prog_name='monarch')"
+)
 HELLO = "import os\nprint('hello from', os.environ['RANK'])\n"
 FAILS = "import sys\nprint('about to fail')\nsys.exit(3)\n"
 _VARYING = [
@@ -103,14 +135,15 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     job.stop()
 
 
-def _both(work: Path, argv: List[str], **env: str) -> Tuple[Tuple[int, str, str], Tuple[int, str, str]]:
+def _both(work: Path, argv: list[str], **env: str) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
     """(status, stdout, stderr) of the fast route and of the Typer route, the varying parts masked."""
     environ = {**os.environ, "MONARCH_STATE": str(work / ".monarch" / "job_state.pkl"), **env}
     environ.pop("NO_COLOR", None)
 
-    def run(cmd: List[str]) -> Tuple[int, str, str]:
-        done = subprocess.run(cmd, cwd=work, env=environ, capture_output=True, text=True, timeout=120,
-                              stdin=subprocess.DEVNULL)
+    def run(cmd: list[str]) -> tuple[int, str, str]:
+        done = subprocess.run(
+            cmd, cwd=work, env=environ, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        )
         out, err = done.stdout, done.stderr
         for pattern, mask in _VARYING:
             out, err = pattern.sub(mask, out), pattern.sub(mask, err)
@@ -146,14 +179,17 @@ def test_both_routes_print_the_same_and_exit_the_same(work: Path) -> None:
 
 @pytest.mark.slow
 def test_a_piped_run_loads_neither_typer_nor_rich(work: Path) -> None:
-    code = ("import atexit, sys\n"
-            "atexit.register(lambda: print('loaded:', sorted({'typer', 'rich', 'click'} & {m.split('.')[0] for m in sys.modules})))\n"
-            "sys.argv = ['monarch', *sys.argv[1:]]\n"
-            "from monarch_cli.cli import main\n"
-            "main()\n")
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('loaded:', sorted({'typer', 'rich', 'click'} & {m.split('.')[0] for m in sys.modules})))\n"
+        "sys.argv = ['monarch', *sys.argv[1:]]\n"
+        "from monarch_cli.cli import main\n"
+        "main()\n"
+    )
     environ = {**os.environ, "MONARCH_STATE": str(work / ".monarch" / "job_state.pkl")}
     for argv, status in ((["run-spmd"], 0), (["run-spmd", "--ranks", "9"], 2)):
-        done = subprocess.run([sys.executable, "-c", code, *argv], cwd=work, env=environ, capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", code, *argv], cwd=work, env=environ, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == status, done.stderr
         assert "loaded: []" in done.stdout, done.stdout

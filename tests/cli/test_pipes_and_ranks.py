@@ -6,8 +6,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -50,7 +50,7 @@ def _monarch(work: Path, *args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "monarch_cli", *args], cwd=work, env=env, **kwargs)
 
 
-def _piped_to_head(work: Path, *args: str) -> "tuple[int, bytes, bytes]":
+def _piped_to_head(work: Path, *args: str) -> tuple[int, bytes, bytes]:
     """`monarch ARGS | head -1`, wired as the shell wires it; (monarch's status, head's output, monarch's stderr)."""
     monarch = _monarch(work, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     head = subprocess.Popen(["head", "-1"], stdin=monarch.stdout, stdout=subprocess.PIPE)
@@ -80,7 +80,7 @@ def test_head_closing_the_pipe_ends_the_run_quietly_with_logs_kept(work: Path) -
     result = json.loads((run_dir / "result.json").read_text())
     assert result["console_closed"] is True and result["exit_code"] == 141
     assert "reader went away" in result["ending"]
-    shown_rank = int(shown.split(b"]")[0][len(b"[rank"):])
+    shown_rank = int(shown.split(b"]")[0][len(b"[rank") :])
     for rank in range(4):  # every line a rank printed before it was stopped is in its log, in order
         lines = (run_dir / f"rank{rank}.log").read_text().splitlines()
         assert lines == [f"rank {rank} line {i}" for i in range(len(lines))]
@@ -106,15 +106,39 @@ def test_every_command_stops_quietly_when_its_reader_leaves(work: Path, args: li
 def test_unknown_ranks_are_refused_before_anything_starts(work: Path) -> None:
     logs = work / ".monarch" / "logs"
     runs_before = set(logs.iterdir()) if logs.exists() else set()
-    for ranks, message in [("7", "--ranks 7: no such rank; this run has ranks 0-1"),
-                           ("1,5-6", "--ranks 5,6: no such rank; this run has ranks 0-1")]:
-        proc = _monarch(work, "run-spmd", "--ranks", ranks, "--", "torchrun", "--nproc-per-node=1", "hello.py",
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for ranks, message in [
+        ("7", "--ranks 7: no such rank; this run has ranks 0-1"),
+        ("1,5-6", "--ranks 5,6: no such rank; this run has ranks 0-1"),
+    ]:
+        proc = _monarch(
+            work,
+            "run-spmd",
+            "--ranks",
+            ranks,
+            "--",
+            "torchrun",
+            "--nproc-per-node=1",
+            "hello.py",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 2 and out == ""
         assert err.strip() == f"monarch: error: {message}"
     assert (set(logs.iterdir()) if logs.exists() else set()) == runs_before  # no run was started
-    proc = _monarch(work, "run-spmd", "--ranks", "1", "--", "torchrun", "--nproc-per-node=1", "hello.py",
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _monarch(
+        work,
+        "run-spmd",
+        "--ranks",
+        "1",
+        "--",
+        "torchrun",
+        "--nproc-per-node=1",
+        "hello.py",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.strip() == "[rank1] hello from 1", err

@@ -13,8 +13,9 @@ import re
 import subprocess
 import threading
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Dict, Iterable, Iterator, List, Optional, Sequence, Set
+from typing import IO
 
 import psutil
 import pytest
@@ -47,19 +48,19 @@ class Run:
     def log(self, rank: int) -> bytes:
         return (self.result.log_dir / f"rank{rank}.log").read_bytes()
 
-    def lines(self, stream: str = "out") -> List[bytes]:
+    def lines(self, stream: str = "out") -> list[bytes]:
         return (self.out if stream == "out" else self.err).splitlines()
 
     def text(self) -> str:
         return (self.out + self.err).decode("utf-8", "backslashreplace")
 
-    def by_rank(self, stream: str = "out") -> Dict[str, List[bytes]]:
+    def by_rank(self, stream: str = "out") -> dict[str, list[bytes]]:
         """Console lines grouped by their [label] prefix, prefix removed (order kept)."""
-        grouped: Dict[str, List[bytes]] = {}
+        grouped: dict[str, list[bytes]] = {}
         for line in self.lines(stream):
             m = PREFIX.match(line)
             assert m, f"console line without a rank prefix: {line!r}"
-            grouped.setdefault(m.group(1).decode(), []).append(line[m.end():])
+            grouped.setdefault(m.group(1).decode(), []).append(line[m.end() :])
         return grouped
 
 
@@ -70,22 +71,29 @@ def spmd(
     nproc: int = 2,
     flags: Sequence[str] = (),
     cold: bool = False,
-    ranks: Optional[Set[int]] = None,
+    ranks: set[int] | None = None,
     grace: float = 3.0,
-    notices: Optional[List[str]] = None,
+    notices: list[str] | None = None,
 ) -> Run:
     """``torchrun --nproc-per-node=N [flags] script args`` on the reservation, console captured."""
     out, err = io.BytesIO(), io.BytesIO()
     command = ["torchrun", f"--nproc-per-node={nproc}", *flags, str(script), *args]
     started = time.monotonic()
-    result = job.run_spmd(command, cold=cold, ranks=ranks, stdout=out, stderr=err, grace=grace,
-                          on_event=None if notices is None else notices.append)
+    result = job.run_spmd(
+        command,
+        cold=cold,
+        ranks=ranks,
+        stdout=out,
+        stderr=err,
+        grace=grace,
+        on_event=None if notices is None else notices.append,
+    )
     return Run(result, out.getvalue(), err.getvalue(), time.monotonic() - started)
 
 
-def reservation_pids(job: Job) -> Set[int]:
+def reservation_pids(job: Job) -> set[int]:
     """The agents of a reservation and every process under them right now."""
-    pids: Set[int] = set()
+    pids: set[int] = set()
     for host in job.state.hosts:
         try:
             agent = psutil.Process(host.pid)
@@ -96,7 +104,7 @@ def reservation_pids(job: Job) -> Set[int]:
     return pids
 
 
-def living(pids: Iterable[int]) -> List[str]:
+def living(pids: Iterable[int]) -> list[str]:
     """Descriptions of the processes among ``pids`` still alive (zombies count as gone)."""
     left = []
     for pid in pids:
@@ -109,8 +117,9 @@ def living(pids: Iterable[int]) -> List[str]:
     return left
 
 
-def wait_warm(job: Job, timeout: float = 90.0) -> List[Dict]:
+def wait_warm(job: Job, timeout: float = 90.0) -> list[dict]:
     """Wait until every host's warm process holds what its runs taught it; returns their info."""
+
     def settled() -> bool:
         warm = [h["warm"] for h in job.status()["hosts"]]
         return all(w and w["ready"] and not w["warming"] and w["learned_held"] > 0 for w in warm)
@@ -128,13 +137,13 @@ class ConsoleReader:
 
     what = "the process"
 
-    def __init__(self, proc: "subprocess.Popen[bytes]", console: IO[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], console: IO[bytes]) -> None:
         self.proc = proc
-        self.lines: "queue.Queue[str]" = queue.Queue()
-        self.seen: List[str] = []
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
         threading.Thread(target=self._read_lines, args=(console,), daemon=True).start()
 
-    def __enter__(self) -> "ConsoleReader":
+    def __enter__(self) -> ConsoleReader:
         return self
 
     def __exit__(self, *_: object) -> None:

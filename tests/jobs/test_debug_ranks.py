@@ -2,34 +2,48 @@
 
 from __future__ import annotations
 
-from typing import List, Set
-
 import pytest
 
 from monarch_cli.jobs import JobError
 from monarch_cli.jobs.debug import PausedRank, select_ranks
 
-ROWS: List[PausedRank] = [
-    PausedRank("run", r, f"host{r // 4}", "tcp://x", None, "paused", "t.py", 1, "<module>", "breakpoint", None, None,
-               {"hosts": r // 4, "gpus": r % 4})
+ROWS: list[PausedRank] = [
+    PausedRank(
+        "run",
+        r,
+        f"host{r // 4}",
+        "tcp://x",
+        None,
+        "paused",
+        "t.py",
+        1,
+        "<module>",
+        "breakpoint",
+        None,
+        None,
+        {"hosts": r // 4, "gpus": r % 4},
+    )
     for r in range(8)
 ]
 
 
-@pytest.mark.parametrize("expr, ranks", [
-    ("*", set(range(8))),
-    ("all", set(range(8))),
-    ("3", {3}),
-    ("0,3", {0, 3}),
-    ("2-5", {2, 3, 4, 5}),
-    ("0:8:2", {0, 2, 4, 6}),
-    ("6:", {6, 7}),
-    ("0,2-3,7", {0, 2, 3, 7}),
-    ("hosts=1", {4, 5, 6, 7}),
-    ("gpus=0", {0, 4}),
-    ("hosts=1,gpus=0:2", {4, 5}),
-])
-def test_rank_forms(expr: str, ranks: Set[int]) -> None:
+@pytest.mark.parametrize(
+    "expr, ranks",
+    [
+        ("*", set(range(8))),
+        ("all", set(range(8))),
+        ("3", {3}),
+        ("0,3", {0, 3}),
+        ("2-5", {2, 3, 4, 5}),
+        ("0:8:2", {0, 2, 4, 6}),
+        ("6:", {6, 7}),
+        ("0,2-3,7", {0, 2, 3, 7}),
+        ("hosts=1", {4, 5, 6, 7}),
+        ("gpus=0", {0, 4}),
+        ("hosts=1,gpus=0:2", {4, 5}),
+    ],
+)
+def test_rank_forms(expr: str, ranks: set[int]) -> None:
     assert select_ranks(expr, ROWS) == ranks
 
 

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import psutil
 import pytest
@@ -39,7 +38,7 @@ time.sleep(float(sys.argv[2]))
 KINDS = ("session", "orphan", "scrubbed")
 
 
-def marked(marks: Path, kind: str) -> Dict[int, int]:
+def marked(marks: Path, kind: str) -> dict[int, int]:
     """rank -> pid, from the files the ranks (or their descendants) wrote."""
     found = {}
     for f in marks.glob(f"{kind}.*"):
@@ -49,7 +48,7 @@ def marked(marks: Path, kind: str) -> Dict[int, int]:
     return found
 
 
-def escapers(marks: Path, ranks: int) -> List[int]:
+def escapers(marks: Path, ranks: int) -> list[int]:
     assert wait_until(lambda: all(len(marked(marks, k)) == ranks for k in KINDS), 30)
     pids = [pid for k in KINDS for pid in marked(marks, k).values()]
     assert all(alive(p) for p in pids)
@@ -57,7 +56,7 @@ def escapers(marks: Path, ranks: int) -> List[int]:
     return pids
 
 
-def children_titled(pid: int, prefix: str) -> List[psutil.Process]:
+def children_titled(pid: int, prefix: str) -> list[psutil.Process]:
     return [c for c in psutil.Process(pid).children() if " ".join(c.cmdline()).startswith(prefix)]
 
 
@@ -112,8 +111,9 @@ def test_stop_ends_descendants_in_sessions_of_their_own(tmp_path: Path):
 
 def monarch(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], capture_output=True, text=True,
-                          timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args], capture_output=True, text=True, timeout=60, env=env
+    )
 
 
 @pytest.mark.slow
@@ -206,9 +206,12 @@ def test_processes_are_titled_by_what_they_are(job: Job, tmp_path: Path):
     def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
 
-    def ranks() -> List[str]:
-        return sorted(cmdline(p.pid) for p in psutil.Process(agent0).children(recursive=True)
-                      if cmdline(p.pid).startswith("monarch rank"))
+    def ranks() -> list[str]:
+        return sorted(
+            cmdline(p.pid)
+            for p in psutil.Process(agent0).children(recursive=True)
+            if cmdline(p.pid).startswith("monarch rank")
+        )
 
     assert wait_until(lambda: len(ranks()) == 2, 30)
     assert ranks() == ["monarch rank 0: train.py 3 --lr 0.1", "monarch rank 1: train.py 3 --lr 0.1"]

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -31,15 +30,15 @@ from .conftest import PREFIX, spmd
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
 
-def console_segments(console: bytes) -> Dict[str, List[bytes]]:
+def console_segments(console: bytes) -> dict[str, list[bytes]]:
     """Each rank's console segments, prefix removed; every segment must carry its prefix."""
     segments = _SEGMENT.findall(console)
     assert b"".join(segments) == console, "console output does not end with a line end"
-    per_rank: Dict[str, List[bytes]] = {}
+    per_rank: dict[str, list[bytes]] = {}
     for seg in segments:
         m = PREFIX.match(seg)
         assert m, f"segment without a rank prefix: {seg[:80]!r}"
-        per_rank.setdefault(m.group(1).decode(), []).append(seg[m.end():])
+        per_rank.setdefault(m.group(1).decode(), []).append(seg[m.end() :])
     return per_rank
 
 
@@ -64,7 +63,7 @@ def test_sink_cost_is_linear_for_one_long_line_in_many_chunks(tmp_path: Path) ->
     assert (tmp_path / "run" / "rank0.log").read_bytes() == chunk * n + b"end\n"
     pieces = out.getvalue().split(b"\n")[:-1]
     assert all(p.startswith(b"[rank0] ") for p in pieces)
-    assert b"".join(p[len(b"[rank0] "):] for p in pieces) == chunk * n + b"end"
+    assert b"".join(p[len(b"[rank0] ") :] for p in pieces) == chunk * n + b"end"
     assert len(pieces) == -(-total // MAX_HELD_LINE)  # wrapped on the console, about 1 MiB a line
     assert sink.tail(0) == ["z" * TAIL_WIDTH + "…"]  # the line once, cut for display
 
@@ -74,7 +73,7 @@ def test_sink_cost_is_linear_for_many_short_lines_and_tiny_writes(tmp_path: Path
     sink = OutputSink(tmp_path / "run", {0: "rank0"}, stdout=out, stderr=io.BytesIO(), color=False)
     lines = b"".join(b"line %d\n" % i for i in range(100_000))
     for i in range(0, len(lines), 65536):
-        sink.write(0, 1, lines[i:i + 65536])
+        sink.write(0, 1, lines[i : i + 65536])
     for _ in range(3000):
         sink.write(0, 1, b".")
     sink.end_of_rank(0)
@@ -82,19 +81,25 @@ def test_sink_cost_is_linear_for_many_short_lines_and_tiny_writes(tmp_path: Path
     total = len(lines) + 3000
     assert sink.scanned <= 3 * total
     assert (tmp_path / "run" / "rank0.log").read_bytes() == lines + b"." * 3000
-    assert out.getvalue() == b"".join(b"[rank0] line %d\n" % i for i in range(100_000)) + b"[rank0] " + b"." * 3000 + b"\n"
+    assert (
+        out.getvalue() == b"".join(b"[rank0] line %d\n" % i for i in range(100_000)) + b"[rank0] " + b"." * 3000 + b"\n"
+    )
     assert sink.tail(0) == [f"line {i}" for i in range(99_996, 100_000)] + ["." * TAIL_WIDTH + "…"]
 
 
 # --------------------------------------------------------------------- real ranks
 @pytest.mark.slow
 def test_thirty_kilobyte_json_lines(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "json_lines.py", """
+    script = write_script(
+        tmp_path,
+        "json_lines.py",
+        """
         import json, os
         rank = int(os.environ["RANK"])
         for i in range(5):
             print(json.dumps({"rank": rank, "i": i, "data": "x" * 30_000}))
-    """)
+    """,
+    )
     run = spmd(job, script)
     assert_all_ok(run)
     console = console_segments(run.out)
@@ -108,10 +113,14 @@ def test_thirty_kilobyte_json_lines(job: Job, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ten_megabyte_line_without_newline_arrives_whole(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "huge.py", """
+    script = write_script(
+        tmp_path,
+        "huge.py",
+        """
         import os, sys
         sys.stdout.write(os.environ["RANK"] * 10_000_000)
-    """)
+    """,
+    )
     run = spmd(job, script, nproc=1)
     assert_all_ok(run)
     console = console_segments(run.out)
@@ -125,10 +134,14 @@ def test_ten_megabyte_line_without_newline_arrives_whole(job: Job, tmp_path: Pat
 
 @pytest.mark.slow
 def test_three_thousand_flushed_dots(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "dots.py", """
+    script = write_script(
+        tmp_path,
+        "dots.py",
+        """
         for _ in range(3000):
             print(".", end="", flush=True)
-    """)
+    """,
+    )
     run = spmd(job, script)
     assert_all_ok(run)
     console = console_segments(run.out)
@@ -139,7 +152,10 @@ def test_three_thousand_flushed_dots(job: Job, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_carriage_return_storm_and_binary_bytes_survive(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "storm.py", """
+    script = write_script(
+        tmp_path,
+        "storm.py",
+        """
         import sys
         out = sys.stdout.buffer
         for i in range(20_000):
@@ -147,7 +163,8 @@ def test_carriage_return_storm_and_binary_bytes_survive(job: Job, tmp_path: Path
         out.write(bytes(range(256)) * 400)
         out.write(b"\\r\\n" * 1000)
         out.flush()
-    """)
+    """,
+    )
     run = spmd(job, script, nproc=1)
     assert_all_ok(run)
     written = b"".join(b"\r%d%%" % (i % 100) for i in range(20_000)) + bytes(range(256)) * 400 + b"\r\n" * 1000
@@ -159,17 +176,23 @@ def test_carriage_return_storm_and_binary_bytes_survive(job: Job, tmp_path: Path
 
 @pytest.mark.slow
 def test_failure_table_shows_a_bounded_tail(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "big_then_fail.py", """
+    script = write_script(
+        tmp_path,
+        "big_then_fail.py",
+        """
         import os, sys
         if os.environ["RANK"] == "1":
             print("starting")
             print("{" + "y" * 200_000 + "}")
             sys.exit(3)
-    """)
+    """,
+    )
     cli = subprocess.run(
         [sys.executable, "-m", "monarch_cli", "run-spmd", "--", "torchrun", "--nproc-per-node=1", str(script)],
         env={**os.environ, "MONARCH_STATE": str(job.path), "COLUMNS": "120"},
-        capture_output=True, timeout=120, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
     )
     assert cli.returncode == 3, cli.stderr[-3000:]
     table = cli.stderr.decode()
@@ -185,15 +208,19 @@ def test_a_console_that_stops_reading_holds_the_ranks_back(job: Job, tmp_path: P
     """As under torchrun, a rank that writes faster than the console takes blocks in write():
     output does not pile up in memory between them (hosts send only a window ahead)."""
     marker = tmp_path / "finished-writing"
-    script = write_script(tmp_path, "flood.py", f"""
+    script = write_script(
+        tmp_path,
+        "flood.py",
+        f"""
         import sys
         block = b"f" * 65536
         for _ in range(512):  # 32 MiB
             sys.stdout.buffer.write(block)
         sys.stdout.flush()
         open({str(marker)!r}, "w").close()
-    """)
-    seen_during_stall: List[bool] = []
+    """,
+    )
+    seen_during_stall: list[bool] = []
 
     class StalledConsole(io.BytesIO):
         def write(self, data: bytes) -> int:  # type: ignore[override]
@@ -205,8 +232,7 @@ def test_a_console_that_stops_reading_holds_the_ranks_back(job: Job, tmp_path: P
             return super().write(data)
 
     out = StalledConsole()
-    result = job.run_spmd(["torchrun", "--nproc-per-node=1", str(script)], stdout=out, stderr=io.BytesIO(),
-                          ranks={0})
+    result = job.run_spmd(["torchrun", "--nproc-per-node=1", str(script)], stdout=out, stderr=io.BytesIO(), ranks={0})
     assert result.exit_code == 0, [r.how for r in result.ranks]
     assert seen_during_stall == [False]  # the rank could not finish writing while the console stalled
     assert marker.exists()
@@ -224,14 +250,24 @@ def test_a_console_that_fails_does_not_stall_the_ranks(job: Job, tmp_path: Path,
         def write(self, data: bytes) -> int:  # type: ignore[override]
             raise OSError(errno.EIO, "Input/output error")
 
-    script = write_script(tmp_path, "lots.py", """
+    script = write_script(
+        tmp_path,
+        "lots.py",
+        """
         import sys
         for i in range(300_000):
             sys.stdout.write(f"line {i:06d} {'x' * 40}\\n")
-    """)
+    """,
+    )
     results: list = []
-    runner = threading.Thread(target=lambda: results.append(job.run_spmd(
-        ["torchrun", "--nproc-per-node=1", str(script)], stdout=ClosedConsole(), stderr=io.BytesIO(), ranks={0})), daemon=True)
+    runner = threading.Thread(
+        target=lambda: results.append(
+            job.run_spmd(
+                ["torchrun", "--nproc-per-node=1", str(script)], stdout=ClosedConsole(), stderr=io.BytesIO(), ranks={0}
+            )
+        ),
+        daemon=True,
+    )
     runner.start()
     runner.join(120)
     reported = capfd.readouterr().err
@@ -251,7 +287,7 @@ def test_heartbeats_go_on_while_a_handler_holds_the_io_thread(job: Job) -> None:
 
     hs = HostSet(job.state.hosts, job.keys)
     mb, host = hs.mb, job.state.hosts[0]
-    lost: List[float] = []
+    lost: list[float] = []
     handled = threading.Event()
 
     def slow(_header, _body) -> None:

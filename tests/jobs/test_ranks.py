@@ -8,13 +8,16 @@ from monarch_cli.jobs import JobError
 from monarch_cli.jobs.ranks import parse_rank_list
 
 
-@pytest.mark.parametrize("text, size, ranks", [
-    ("0,2-3", None, {0, 2, 3}),
-    ("0:8:2", None, {0, 2, 4, 6}),
-    ("5", None, {5}),
-    ("4:", 8, {4, 5, 6, 7}),
-    ("::3", 8, {0, 3, 6}),
-])
+@pytest.mark.parametrize(
+    "text, size, ranks",
+    [
+        ("0,2-3", None, {0, 2, 3}),
+        ("0:8:2", None, {0, 2, 4, 6}),
+        ("5", None, {5}),
+        ("4:", 8, {4, 5, 6, 7}),
+        ("::3", 8, {0, 3, 6}),
+    ],
+)
 def test_forms(text: str, size: int, ranks: set) -> None:
     assert parse_rank_list(text, size) == ranks
 

@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List
 
 import psutil
 import pytest
@@ -23,7 +23,7 @@ from .conftest import ConsoleReader, living, spmd
 OK = "import os\nprint('ok', os.environ['RANK'])\n"
 
 
-def rank_processes(job: Job) -> List[str]:
+def rank_processes(job: Job) -> list[str]:
     """Processes under the reservation's agents other than their zygotes (i.e. ranks)."""
     found = []
     for host in job.state.hosts:
@@ -50,13 +50,17 @@ def still_serving(job: Job, tmp_path: Path) -> Iterator[None]:
 
 @pytest.mark.slow
 def test_nonzero_exit_sets_the_status_and_stops_the_others_after_the_grace(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "fail.py", """
+    script = write_script(
+        tmp_path,
+        "fail.py",
+        """
         import os, sys, time
         if os.environ["RANK"] == "1":
             print("rank 1 gives up", flush=True)
             sys.exit(3)
         time.sleep(60)
-    """)
+    """,
+    )
     run = spmd(job, script)  # the default grace: 3 s, then SIGTERM
     result = run.result
     assert result.exit_code == 3
@@ -70,13 +74,17 @@ def test_nonzero_exit_sets_the_status_and_stops_the_others_after_the_grace(job: 
 
 
 def test_rank_killed_by_a_signal(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "killed.py", """
+    script = write_script(
+        tmp_path,
+        "killed.py",
+        """
         import os, signal
         if os.environ["RANK"] == "2":
             print("about to die", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         print("fine")
-    """)
+    """,
+    )
     result = spmd(job, script).result
     assert result.exit_code == 137
     failure = result.first_failure
@@ -88,7 +96,10 @@ def test_rank_killed_by_a_signal(job: Job, tmp_path: Path) -> None:
 
 
 def test_uncaught_exception_gives_status_1_and_the_traceback(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "boom.py", """
+    script = write_script(
+        tmp_path,
+        "boom.py",
+        """
         import os
 
         def train():
@@ -96,7 +107,8 @@ def test_uncaught_exception_gives_status_1_and_the_traceback(job: Job, tmp_path:
 
         if os.environ["RANK"] == "3":
             train()
-    """)
+    """,
+    )
     run = spmd(job, script)
     result = run.result
     assert result.exit_code == 1
@@ -117,7 +129,10 @@ def test_uncaught_exception_gives_status_1_and_the_traceback(job: Job, tmp_path:
 @pytest.mark.slow
 def test_rank_ignoring_sigterm_beside_a_failed_one_is_killed(job: Job, tmp_path: Path) -> None:
     ready = tmp_path / "stubborn-ready"
-    script = write_script(tmp_path, "hang.py", f"""
+    script = write_script(
+        tmp_path,
+        "hang.py",
+        f"""
         import os, signal, sys, time
         rank = os.environ["RANK"]
         if rank == "1":
@@ -130,7 +145,8 @@ def test_rank_ignoring_sigterm_beside_a_failed_one_is_killed(job: Job, tmp_path:
                 time.sleep(0.02)
             sys.exit(2)
         time.sleep(60)
-    """)
+    """,
+    )
     run = spmd(job, script, grace=1.0)
     result = run.result
     assert result.exit_code == 2 and result.first_failure.rank == 0
@@ -140,13 +156,17 @@ def test_rank_ignoring_sigterm_beside_a_failed_one_is_killed(job: Job, tmp_path:
 
 
 def test_max_restarts_restarts_the_whole_group(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "flaky.py", """
+    script = write_script(
+        tmp_path,
+        "flaky.py",
+        """
         import os, sys
         attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         print("attempt", attempt, "of", os.environ["TORCHELASTIC_MAX_RESTARTS"], flush=True)
         if attempt == 0 and os.environ["RANK"] == "2":
             sys.exit(4)
-    """)
+    """,
+    )
     run = spmd(job, script, flags=["--max-restarts=2"], grace=0.5)
     assert run.result.exit_code == 0, run.text()
     assert run.result.restarts == 1
@@ -172,8 +192,19 @@ class Driver(ConsoleReader):
 
     def __init__(self, job: Job, script: Path) -> None:
         proc = subprocess.Popen(
-            [sys.executable, "-u", "-c", DRIVER, str(job.path.resolve()), "torchrun", "--nproc-per-node=2", str(script)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+            [
+                sys.executable,
+                "-u",
+                "-c",
+                DRIVER,
+                str(job.path.resolve()),
+                "torchrun",
+                "--nproc-per-node=2",
+                str(script),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
         )
         super().__init__(proc, proc.stdout)
@@ -181,7 +212,10 @@ class Driver(ConsoleReader):
 
 @pytest.mark.slow
 def test_first_ctrl_c_reaches_the_ranks_as_sigint(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "interruptible.py", """
+    script = write_script(
+        tmp_path,
+        "interruptible.py",
+        """
         import sys, time
         try:
             print("ready", flush=True)
@@ -189,26 +223,33 @@ def test_first_ctrl_c_reaches_the_ranks_as_sigint(job: Job, tmp_path: Path) -> N
         except KeyboardInterrupt:
             print("got SIGINT", flush=True)
             sys.exit(5)
-    """)
+    """,
+    )
     with Driver(job, script) as driver:
         driver.wait_for("ready", 4, timeout=30)
         sent = time.monotonic()
         driver.proc.send_signal(signal.SIGINT)
         assert driver.finish(timeout=10) == 5
         assert time.monotonic() - sent < 5
-        assert sorted(line for line in driver.seen if "got SIGINT" in line) == [f"[rank{r}] got SIGINT" for r in range(4)]
+        assert sorted(line for line in driver.seen if "got SIGINT" in line) == [
+            f"[rank{r}] got SIGINT" for r in range(4)
+        ]
         assert "DRIVER exit=5 interrupted=True" in driver.seen
         assert not any("Traceback" in line for line in driver.seen), driver.seen
 
 
 @pytest.mark.slow
 def test_second_ctrl_c_kills_ranks_that_ignore_sigint(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "stubborn.py", """
+    script = write_script(
+        tmp_path,
+        "stubborn.py",
+        """
         import signal, time
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("ready", flush=True)
         time.sleep(60)
-    """)
+    """,
+    )
     with Driver(job, script) as driver:
         driver.wait_for("ready", 4, timeout=30)
         driver.proc.send_signal(signal.SIGINT)
@@ -226,12 +267,16 @@ def test_a_vanished_driver_takes_its_ranks_along(job: Job, tmp_path: Path) -> No
     """kill -9 of the controller: the agents stop hearing from it and kill its ranks."""
     pids = tmp_path / "pids"
     pids.mkdir()
-    script = write_script(tmp_path, "orphan.py", f"""
+    script = write_script(
+        tmp_path,
+        "orphan.py",
+        f"""
         import os, time
         open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
         print("ready", flush=True)
         time.sleep(60)
-    """)
+    """,
+    )
     with Driver(job, script) as driver:
         driver.wait_for("ready", 4, timeout=30)
         ranks = [int(p.name) for p in pids.iterdir()]

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Optional
 
 import psutil
 import pytest
@@ -38,8 +38,11 @@ class Cli(ConsoleReader):
         as_json = "--json" in args
         proc = subprocess.Popen(
             [sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(state), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE if as_json else subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, cwd=cwd, env={**os.environ, "COLUMNS": "200"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if as_json else subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            env={**os.environ, "COLUMNS": "200"},
         )
         super().__init__(proc, proc.stderr if as_json else proc.stdout)
         self.stdout = b""
@@ -59,7 +62,7 @@ class Cli(ConsoleReader):
         return "\n".join(self.seen)
 
 
-def torchrun(script: Path, *flags: str) -> List[str]:
+def torchrun(script: Path, *flags: str) -> list[str]:
     return ["--", "torchrun", "--nproc-per-node=2", *flags, str(script)]
 
 
@@ -77,7 +80,10 @@ def test_sigterm_to_run_spmd_reaches_the_ranks_and_is_summarised(job: Job, tmp_p
     gets SIGKILL after torchrun's --shutdown-timeout, and monarch says what happened, 143."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    script = write_script(tmp_path, "checkpoint.py", f"""
+    script = write_script(
+        tmp_path,
+        "checkpoint.py",
+        f"""
         import os, signal, sys, time
         rank = os.environ["RANK"]
         def on_term(sig, frame):
@@ -89,7 +95,8 @@ def test_sigterm_to_run_spmd_reaches_the_ranks_and_is_summarised(job: Job, tmp_p
         print("ready", flush=True)
         while True:
             time.sleep(0.05)
-    """)
+    """,
+    )
     with Cli(job.path, *torchrun(script, "--shutdown-timeout=2"), cwd=tmp_path) as cli:
         cli.wait_for("ready", 4)
         sent = time.monotonic()
@@ -100,8 +107,10 @@ def test_sigterm_to_run_spmd_reaches_the_ranks_and_is_summarised(job: Job, tmp_p
     assert sorted(p.name for p in marks.iterdir()) == ["0", "1", "2", "3"], "a rank never saw SIGTERM"
     assert {p.read_text() for p in marks.iterdir()} == {"SIGTERM"}
     assert "monarch: received SIGTERM; forwarded it to the ranks; ranks still running in 2 s get SIGKILL" in cli.text()
-    assert "received SIGTERM; forwarded to ranks; rank 1 still running after the 2 s grace got SIGKILL; " \
-           "exit status 143" in cli.text()
+    assert (
+        "received SIGTERM; forwarded to ranks; rank 1 still running after the 2 s grace got SIGKILL; "
+        "exit status 143" in cli.text()
+    )
     assert any("│ 1 " in line and "killed by SIGKILL" in line for line in cli.seen), cli.text()
     assert sum("exit 0" in line and "│" in line for line in cli.seen) == 3, cli.text()
     assert 1.5 < took < 8, f"SIGKILL came {took:.1f} s after SIGTERM; the timeout was 2 s"
@@ -110,13 +119,18 @@ def test_sigterm_to_run_spmd_reaches_the_ranks_and_is_summarised(job: Job, tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_ranks_ended_by_the_forwarded_signal_end_the_run_at_once_with_a_json_summary(
-        job: Job, tmp_path: Path, sig: signal.Signals) -> None:
+    job: Job, tmp_path: Path, sig: signal.Signals
+) -> None:
     """kill, or a closed terminal (SIGHUP): forwarded as torchrun does; status 128+N."""
-    script = write_script(tmp_path, "plain.py", """
+    script = write_script(
+        tmp_path,
+        "plain.py",
+        """
         import time
         print("ready", flush=True)
         time.sleep(60)
-    """)
+    """,
+    )
     with Cli(job.path, "--json", *torchrun(script), cwd=tmp_path) as cli:
         cli.wait_for("ready", 4)
         sent = time.monotonic()
@@ -136,17 +150,26 @@ def test_monarch_stop_during_a_run_ends_it_saying_so(tmp_path: Path) -> None:
     own = serve(None, hosts=2, state=state)  # its own: this test stops it
     pids = tmp_path / "pids"
     pids.mkdir()
-    script = write_script(tmp_path, "long.py", f"""
+    script = write_script(
+        tmp_path,
+        "long.py",
+        f"""
         import os, time
         open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
         print("ready", flush=True)
         time.sleep(60)
-    """)
+    """,
+    )
     try:
         with Cli(state, "--json", *torchrun(script), cwd=tmp_path) as cli:
             cli.wait_for("ready", 4)
-            stop = subprocess.Popen([sys.executable, "-m", "monarch_cli", "stop", "--state", str(state), "--json"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+            stop = subprocess.Popen(
+                [sys.executable, "-m", "monarch_cli", "stop", "--state", str(state), "--json"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=tmp_path,
+            )
             stopped, _ = stop.communicate(timeout=30)
             assert stop.returncode == 0
             code = cli.finish(timeout=10)
@@ -167,18 +190,23 @@ def test_monarch_stop_during_a_run_ends_it_saying_so(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- Ctrl-C
 @pytest.mark.slow
 def test_ctrl_c_twice_says_what_it_does_and_ends_the_run_even_when_a_host_never_reports(
-        job: Job, tmp_path: Path) -> None:
+    job: Job, tmp_path: Path
+) -> None:
     """Ranks ignore SIGINT; host local1's fork server is frozen, so its ranks' exits never come."""
     parents = tmp_path / "parents"
     parents.mkdir()
-    script = write_script(tmp_path, "deaf.py", f"""
+    script = write_script(
+        tmp_path,
+        "deaf.py",
+        f"""
         import os, signal, time
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         open(os.path.join({str(parents)!r}, os.environ["RANK"]), "w").write(str(os.getppid()))
         print("ready", flush=True)
         time.sleep(60)
-    """)
-    frozen: Optional[psutil.Process] = None
+    """,
+    )
+    frozen: psutil.Process | None = None
     try:
         with Cli(job.path, *torchrun(script), cwd=tmp_path) as cli:
             cli.wait_for("ready", 4)
@@ -191,7 +219,9 @@ def test_ctrl_c_twice_says_what_it_does_and_ends_the_run_even_when_a_host_never_
             assert cli.proc.poll() is None, "the ranks ignore SIGINT: one Ctrl-C must not end the run"
             sent = time.monotonic()
             cli.proc.send_signal(signal.SIGINT)
-            cli.wait_for("monarch: killing ranks (SIGKILL sent), press Ctrl-C again to stop waiting for them", timeout=5)
+            cli.wait_for(
+                "monarch: killing ranks (SIGKILL sent), press Ctrl-C again to stop waiting for them", timeout=5
+            )
             code = cli.finish(timeout=15)
             took = time.monotonic() - sent
     finally:
@@ -207,14 +237,23 @@ def test_ctrl_c_twice_says_what_it_does_and_ends_the_run_even_when_a_host_never_
 
 # ----------------------------------------------------------------------- stragglers
 def test_ranks_still_running_after_the_first_exit_are_named_once(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "straggle.py", """
+    script = write_script(
+        tmp_path,
+        "straggle.py",
+        """
         import os, time
         rank = int(os.environ["RANK"])
         time.sleep({0: 0, 1: 0.3, 2: 3, 3: 3}[rank])
-    """)
-    notices: List[str] = []
-    result = job.run_spmd(["torchrun", "--nproc-per-node=2", str(script)], straggler_grace=1.0,
-                          on_event=notices.append, stdout=open(os.devnull, "wb"), stderr=open(os.devnull, "wb"))
+    """,
+    )
+    notices: list[str] = []
+    result = job.run_spmd(
+        ["torchrun", "--nproc-per-node=2", str(script)],
+        straggler_grace=1.0,
+        on_event=notices.append,
+        stdout=open(os.devnull, "wb"),
+        stderr=open(os.devnull, "wb"),
+    )
     assert result.exit_code == 0
     assert notices == ["ranks 2,3 on local1 still running 1 s after rank 0 exited"]
     assert result.stragglers == [2, 3] and result.to_json()["stragglers"] == [2, 3]
@@ -223,11 +262,15 @@ def test_ranks_still_running_after_the_first_exit_are_named_once(job: Job, tmp_p
 # ------------------------------------------------------------------ KeyboardInterrupt
 @pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
 def test_keyboard_interrupt_in_a_rank_is_reported_as_sigint(job: Job, tmp_path: Path, cold: bool) -> None:
-    script = write_script(tmp_path, "kbd.py", """
+    script = write_script(
+        tmp_path,
+        "kbd.py",
+        """
         import os
         if os.environ["RANK"] == "1":
             raise KeyboardInterrupt
-    """)
+    """,
+    )
     run = spmd(job, script, cold=cold)
     failure = run.result.first_failure
     assert failure is not None and failure.rank == 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, List
 
 from monarch_cli.jobs import Job
 
@@ -16,16 +15,16 @@ from .conftest import PREFIX, Run, spmd
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
 
-def console_by_rank(console: bytes) -> Dict[str, bytes]:
+def console_by_rank(console: bytes) -> dict[str, bytes]:
     """Reassemble each rank's bytes from the console: every segment must carry its prefix."""
     segments = _SEGMENT.findall(console)
     assert b"".join(segments) == console, "console output does not end with a line end"
-    per_rank: Dict[str, bytes] = {}
+    per_rank: dict[str, bytes] = {}
     for seg in segments:
         m = PREFIX.match(seg)
         assert m, f"segment without a rank prefix: {seg!r}"
         label = m.group(1).decode()
-        per_rank[label] = per_rank.get(label, b"") + seg[m.end():]
+        per_rank[label] = per_rank.get(label, b"") + seg[m.end() :]
     return per_rank
 
 
@@ -34,13 +33,17 @@ def expected_lines(rank: int) -> bytes:
 
 
 def test_ten_thousand_lines_are_kept_byte_for_byte(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "many.py", """
+    script = write_script(
+        tmp_path,
+        "many.py",
+        """
         import os, sys
         rank = int(os.environ["RANK"])
         for i in range(10_000):
             sys.stdout.write(f"rank {rank} line {i:05d} {'x' * (i % 70)}\\n")
         sys.stdout.write("last words without a newline")
-    """)
+    """,
+    )
     run = spmd(job, script)
     assert run.result.exit_code == 0, run.err
     assert run.err == b""
@@ -56,7 +59,10 @@ def test_ten_thousand_lines_are_kept_byte_for_byte(job: Job, tmp_path: Path) -> 
 
 
 def test_progress_bars_split_characters_and_invalid_utf8(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "bytes.py", """
+    script = write_script(
+        tmp_path,
+        "bytes.py",
+        """
         import sys, time
         out = sys.stdout.buffer
         for pct in (0, 25, 50, 75, 100):
@@ -72,11 +78,14 @@ def test_progress_bars_split_characters_and_invalid_utf8(job: Job, tmp_path: Pat
         out.write(word[2:])
         out.write(b"crlf line\\r\\n")
         out.flush()
-    """)
+    """,
+    )
     run = spmd(job, script)
     assert run.result.exit_code == 0, run.err
-    written = (b"\rprogress 0%\rprogress 25%\rprogress 50%\rprogress 75%\rprogress 100%\n"
-               b"invalid \xff\xfe\x80 utf-8\n" + "h\u00e9llo w\u00f6rld\n".encode() + b"crlf line\r\n")
+    written = (
+        b"\rprogress 0%\rprogress 25%\rprogress 50%\rprogress 75%\rprogress 100%\n"
+        b"invalid \xff\xfe\x80 utf-8\n" + "h\u00e9llo w\u00f6rld\n".encode() + b"crlf line\r\n"
+    )
     console = console_by_rank(run.out)
     for rank in range(4):
         assert run.log(rank) == written
@@ -85,23 +94,33 @@ def test_progress_bars_split_characters_and_invalid_utf8(job: Job, tmp_path: Pat
     # Each redraw of the bar starts with the prefix, so it redraws in place on a terminal;
     # the character split across writes and the invalid bytes arrive whole, in one line.
     assert segments == [
-        b"[rank0] \r", b"[rank0] progress 0%\r", b"[rank0] progress 25%\r", b"[rank0] progress 50%\r",
-        b"[rank0] progress 75%\r", b"[rank0] progress 100%\n", b"[rank0] invalid \xff\xfe\x80 utf-8\n",
-        "[rank0] h\u00e9llo w\u00f6rld\n".encode(), b"[rank0] crlf line\r\n",
+        b"[rank0] \r",
+        b"[rank0] progress 0%\r",
+        b"[rank0] progress 25%\r",
+        b"[rank0] progress 50%\r",
+        b"[rank0] progress 75%\r",
+        b"[rank0] progress 100%\n",
+        b"[rank0] invalid \xff\xfe\x80 utf-8\n",
+        "[rank0] h\u00e9llo w\u00f6rld\n".encode(),
+        b"[rank0] crlf line\r\n",
     ]
     # The tail (shown in failure tables) is text; invalid bytes are escaped, not lost.
     assert run.result.ranks[0].tail[-3:] == ["invalid \\xff\\xfe\\x80 utf-8", "h\u00e9llo w\u00f6rld", "crlf line"]
 
 
 def test_interleaved_stdout_and_stderr(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "both.py", """
+    script = write_script(
+        tmp_path,
+        "both.py",
+        """
         import os, sys
         rank = os.environ["RANK"]
         for i in range(2000):
             stream = sys.stdout if i % 2 == 0 else sys.stderr
             stream.write(f"{'out' if i % 2 == 0 else 'err'} {rank} {i}\\n")
         sys.stderr.write(f"err {rank} unterminated")
-    """)
+    """,
+    )
     run = spmd(job, script)
     assert run.result.exit_code == 0, run.text()
     out, err = console_by_rank(run.out), console_by_rank(run.err)
@@ -111,7 +130,7 @@ def test_interleaved_stdout_and_stderr(job: Job, tmp_path: Path) -> None:
         assert out[f"rank{rank}"].splitlines() == want_out
         assert err[f"rank{rank}"].splitlines() == want_err
         # The log holds both streams, every line whole and once, each stream in its order.
-        logged: List[bytes] = run.log(rank).split(b"\n")
+        logged: list[bytes] = run.log(rank).split(b"\n")
         assert sorted(logged) == sorted(want_out + want_err)
         assert [l for l in logged if l.startswith(b"out")] == want_out
         assert [l for l in logged if l.startswith(b"err")] == want_err
@@ -119,11 +138,15 @@ def test_interleaved_stdout_and_stderr(job: Job, tmp_path: Path) -> None:
 
 
 def test_ranks_filter_shows_rank_0_but_logs_every_rank(job: Job, tmp_path: Path) -> None:
-    script = write_script(tmp_path, "hello.py", """
+    script = write_script(
+        tmp_path,
+        "hello.py",
+        """
         import os, sys
         print("hello from", os.environ["RANK"])
         print("problem on", os.environ["RANK"], file=sys.stderr)
-    """)
+    """,
+    )
     run = spmd(job, script, ranks={0})
     assert run.result.exit_code == 0
     assert run.out == b"[rank0] hello from 0\n"
@@ -149,20 +172,25 @@ def test_exec_runs_a_shell_command_on_every_host(job: Job) -> None:
     from io import BytesIO
 
     out, err = BytesIO(), BytesIO()
-    result = job.exec("echo host $GROUP_RANK of $(hostname); echo oops $GROUP_RANK >&2; exit $((3 + GROUP_RANK))",
-                      stdout=out, stderr=err)
+    result = job.exec(
+        "echo host $GROUP_RANK of $(hostname); echo oops $GROUP_RANK >&2; exit $((3 + GROUP_RANK))",
+        stdout=out,
+        stderr=err,
+    )
     assert [(r.label, r.exitcode) for r in result.ranks] == [("local0", 3), ("local1", 4)]
     assert result.exit_code == 3  # the first failing host's status
     import socket
 
     hostname = socket.gethostname()
     assert sorted(out.getvalue().splitlines()) == [
-        f"[local0] host 0 of {hostname}".encode(), f"[local1] host 1 of {hostname}".encode()
+        f"[local0] host 0 of {hostname}".encode(),
+        f"[local1] host 1 of {hostname}".encode(),
     ]
     assert sorted(err.getvalue().splitlines()) == [b"[local0] oops 0", b"[local1] oops 1"]
     # Both streams go to the log; their order between two pipes is whichever the agent read first.
     assert sorted((result.log_dir / "rank0.log").read_bytes().splitlines()) == sorted(
-        [f"host 0 of {hostname}".encode(), b"oops 0"])
+        [f"host 0 of {hostname}".encode(), b"oops 0"]
+    )
 
 
 def test_exec_argv_and_a_missing_program(job: Job) -> None:
@@ -181,15 +209,19 @@ def test_two_runs_at_once_from_one_process_each_get_only_their_own_ranks(job: Jo
     output and exits reach that run alone (events are routed by run id)."""
     import threading
 
-    script = write_script(tmp_path, "tagged.py", """
+    script = write_script(
+        tmp_path,
+        "tagged.py",
+        """
         import os, sys, time
         tag = sys.argv[1]
         rank = int(os.environ["RANK"])
         for i in range(200):
             print(f"{tag} rank {rank} line {i}", flush=True)
             time.sleep(0.005)  # long enough for the two runs to overlap
-    """)
-    runs: Dict[str, Run] = {}
+    """,
+    )
+    runs: dict[str, Run] = {}
     both_ready = threading.Barrier(2)
 
     def run(tag: str) -> None:

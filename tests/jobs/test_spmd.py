@@ -11,7 +11,7 @@ import pprint
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import psutil
 import pytest
@@ -32,10 +32,24 @@ def job(job_dir: Path):
     yield j
     j.stop()
 
+
 CONTRACT = [
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "OMP_NUM_THREADS",
 ]
 
 DUMP_ENV = """
@@ -61,7 +75,7 @@ dist.destroy_process_group()
 """
 
 
-def read_dumps(directory: Path, pattern: str) -> Dict[int, Dict[str, Any]]:
+def read_dumps(directory: Path, pattern: str) -> dict[int, dict[str, Any]]:
     found = {}
     for path in directory.glob(pattern):
         data = json.loads(path.read_text())
@@ -148,7 +162,7 @@ def test_nnodes_above_the_reservation_is_a_clear_error(job: Job, tmp_path: Path)
 
 
 # ------------------------------------------------------------------- warm vs cold
-PROBE = r'''
+PROBE = r"""
 import os, sys
 PRELOADED = "torch" in sys.modules  # a warm rank's zygote imported torch; a fresh interpreter did not
 LEARNED = "wave" in sys.modules  # ...and, once it learned from earlier runs, wave (imported below)
@@ -236,7 +250,7 @@ with open(out, "w") as f:
     json.dump(info, f, indent=1)
 print("probe done")
 sys.exit(7)
-'''
+"""
 
 # Inherently different between two runs / processes, however they start.
 RUN_SPECIFIC_ENV = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "MONARCH_RUN_ID", "PROBE_OUT"}
@@ -244,8 +258,8 @@ PROCESS_SPECIFIC = {"preloaded", "learned", "torch_seed", "hash"}
 WARM_MODES = ("warm", "warm2", "learned")
 
 
-def load_probes(directory: Path) -> Dict[Any, Dict[str, Any]]:
-    found: Dict[Any, Dict[str, Any]] = {}
+def load_probes(directory: Path) -> dict[Any, dict[str, Any]]:
+    found: dict[Any, dict[str, Any]] = {}
     for path in directory.glob("probe-*.json"):
         key = path.stem.split("-", 1)[1]
         data = json.loads(path.read_text())
@@ -256,18 +270,21 @@ def load_probes(directory: Path) -> Dict[Any, Dict[str, Any]]:
     return found
 
 
-def comparable(probe: Dict[str, Any]) -> Dict[str, Any]:
+def comparable(probe: dict[str, Any]) -> dict[str, Any]:
     data = {k: v for k, v in probe.items() if k not in PROCESS_SPECIFIC}
     data["env"] = {k: v for k, v in probe["env"].items() if k not in RUN_SPECIFIC_ENV}
     return data
 
 
-def differences(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    diff: Dict[str, Any] = {}
+def differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    diff: dict[str, Any] = {}
     for key in sorted(set(a) | set(b)):
         if key == "env":
-            env_diff = {k: (a["env"].get(k), b["env"].get(k)) for k in set(a["env"]) | set(b["env"])
-                        if a["env"].get(k) != b["env"].get(k)}
+            env_diff = {
+                k: (a["env"].get(k), b["env"].get(k))
+                for k in set(a["env"]) | set(b["env"])
+                if a["env"].get(k) != b["env"].get(k)
+            }
             if env_diff:
                 diff["env"] = env_diff
         elif a.get(key) != b.get(key):
@@ -276,7 +293,7 @@ def differences(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The probe run warm (twice), warm again once the warm processes learned its imports
     ("learned"), cold, and by a plain ``python -u`` with rank 1's environment.
 
@@ -285,7 +302,7 @@ def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]
     base = tmp_path_factory.mktemp("probe")
     write_script(base, "probe.py", PROBE)
     write_script(base, "probe_helper.py", "VALUE = 1\n")
-    found: Dict[str, Any] = {}
+    found: dict[str, Any] = {}
     job.forget_preload()  # what the warm processes learn comes from the probe alone
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(base)
@@ -303,8 +320,14 @@ def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]
     env = dict(found["warm"]["ranks"][1]["env"])
     env["PROBE_OUT"] = str(plain_out)
     env.pop("RANK")  # the plain probe names its dump probe-plain.json
-    proc = subprocess.run([sys.executable, "-u", "probe.py", "a b", "--flag"], cwd=base, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-u", "probe.py", "a b", "--flag"],
+        cwd=base,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+    )
     plain = load_probes(plain_out)["plain"]
     plain["env"]["RANK"] = "1"
     found["plain"] = {"returncode": proc.returncode, "probe": plain, "stderr": proc.stderr}
@@ -312,7 +335,7 @@ def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]
     return found
 
 
-def test_probe_ran_warm_and_cold(probes: Dict[str, Any]) -> None:
+def test_probe_ran_warm_and_cold(probes: dict[str, Any]) -> None:
     for mode in (*WARM_MODES, "cold"):
         run: Run = probes[mode]["run"]
         assert run.result.exit_code == 7, run.text()
@@ -329,7 +352,7 @@ def test_probe_ran_warm_and_cold(probes: Dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("mode", ["warm", "learned"])
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
-def test_warm_and_cold_ranks_see_the_same_process(probes: Dict[str, Any], rank: int, mode: str) -> None:
+def test_warm_and_cold_ranks_see_the_same_process(probes: dict[str, Any], rank: int, mode: str) -> None:
     warm = comparable(probes[mode]["ranks"][rank])
     cold = comparable(probes["cold"]["ranks"][rank])
     diff = differences(warm, cold)
@@ -337,7 +360,7 @@ def test_warm_and_cold_ranks_see_the_same_process(probes: Dict[str, Any], rank: 
 
 
 @pytest.mark.parametrize("mode", ["warm", "learned", "cold"])
-def test_ranks_match_a_plain_interpreter(probes: Dict[str, Any], mode: str) -> None:
+def test_ranks_match_a_plain_interpreter(probes: dict[str, Any], mode: str) -> None:
     """Rank 1 against ``python -u probe.py`` started with the same environment and cwd."""
     assert probes["plain"]["returncode"] == 7, probes["plain"]["stderr"]
     rank = comparable(probes[mode]["ranks"][1])
@@ -352,10 +375,12 @@ def test_ranks_match_a_plain_interpreter(probes: Dict[str, Any], mode: str) -> N
 
 
 @pytest.mark.parametrize("mode", ["warm", "learned", "cold"])
-def test_what_the_probe_saw(probes: Dict[str, Any], mode: str) -> None:
+def test_what_the_probe_saw(probes: dict[str, Any], mode: str) -> None:
     base: Path = probes["dir"]
-    for rank, p in probes[mode]["ranks"].items():
-        assert p["own_before"] == [] and p["helper"] == str(base / "probe_helper.py")  # the workspace is never preloaded
+    for _rank, p in probes[mode]["ranks"].items():
+        assert p["own_before"] == [] and p["helper"] == str(
+            base / "probe_helper.py"
+        )  # the workspace is never preloaded
         assert p["argv"] == ["probe.py", "a b", "--flag"]
         assert p["name"] == "__main__" and p["main_is_this_module"]
         assert p["main_file"] == p["file"]
@@ -375,14 +400,14 @@ def test_what_the_probe_saw(probes: Dict[str, Any], mode: str) -> None:
         assert p["finalized"]  # its own weakref.finalize callbacks run at exit (the warm process's do not)
 
 
-def test_main_file_is_absolute_as_in_python(probes: Dict[str, Any]) -> None:
+def test_main_file_is_absolute_as_in_python(probes: dict[str, Any]) -> None:
     plain = probes["plain"]["probe"]
     assert plain["file"] == str(probes["dir"] / "probe.py")
     for mode in ("warm", "learned", "cold"):
         assert probes[mode]["ranks"][1]["file"] == plain["file"]
 
 
-def test_warm_ranks_get_their_own_torch_seed(probes: Dict[str, Any]) -> None:
+def test_warm_ranks_get_their_own_torch_seed(probes: dict[str, Any]) -> None:
     """An unseeded torch draws differently in every process, as with torchrun, not once per zygote."""
     seeds = [p["torch_seed"] for mode in WARM_MODES for p in probes[mode]["ranks"].values()]
     assert len(set(seeds)) == len(seeds) == 12
@@ -392,15 +417,20 @@ def test_interpreter_start_up_variables_are_honoured(job: Job, tmp_path: Path, m
     """PYTHONPATH and PYTHONHASHSEED set after serve act as they do for a fresh interpreter."""
     extra = tmp_path / "extra"
     write_script(extra, "extra_mod.py", "VALUE = 'extra'\n")
-    script = write_script(tmp_path, "startup.py", """
+    script = write_script(
+        tmp_path,
+        "startup.py",
+        """
         import extra_mod
         print(extra_mod.VALUE, hash("monarch"))
-    """)
+    """,
+    )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(extra), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("PYTHONHASHSEED", "123")
-    expected = subprocess.run([sys.executable, "-c", "print(hash('monarch'))"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    notices: List[str] = []
+    expected = subprocess.run(
+        [sys.executable, "-c", "print(hash('monarch'))"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    notices: list[str] = []
     run = spmd(job, script, notices=notices)
     assert run.result.exit_code == 0, run.text()
     assert sorted(run.lines()) == [f"[rank{r}] extra {expected}".encode() for r in range(4)]
@@ -410,7 +440,7 @@ def test_interpreter_start_up_variables_are_honoured(job: Job, tmp_path: Path, m
 
 
 def test_a_plain_warm_run_gives_no_cold_start_notice(job: Job, tmp_path: Path) -> None:
-    notices: List[str] = []
+    notices: list[str] = []
     run = spmd(job, write_script(tmp_path, "plain.py", "print('hi')\n"), notices=notices)
     assert run.result.exit_code == 0, run.text()
     assert not [n for n in notices if "start cold" in n], notices
@@ -418,32 +448,41 @@ def test_a_plain_warm_run_gives_no_cold_start_notice(job: Job, tmp_path: Path) -
 
 
 def test_rendezvous_flags_of_a_multi_node_command_run_and_are_said_to_be_unused(job: Job, tmp_path: Path) -> None:
-    notices: List[str] = []
+    notices: list[str] = []
     flags = ["--rdzv-backend=c10d", "--rdzv-endpoint=elsewhere:29400", "--rdzv-conf=timeout=900", "--node-rank=0"]
     run = spmd(job, write_script(tmp_path, "plain.py", "print('hi')\n"), flags=flags, notices=notices)
     assert run.result.exit_code == 0, run.text()
     assert [n for n in notices if "not used" in n] == [
         "--rdzv-backend, --rdzv-endpoint, --rdzv-conf, --node-rank not used: the reservation's hosts and agents "
-        "do torchrun's rendezvous, on rank 0's host"]
+        "do torchrun's rendezvous, on rank 0's host"
+    ]
 
 
 # ------------------------------------------------------------------ code edits
 def test_edits_are_picked_up_by_every_warm_run(job: Job, tmp_path: Path) -> None:
     write_script(tmp_path, "helper.py", "VALUE = 1\n")
-    script = write_script(tmp_path, "train.py", """
+    script = write_script(
+        tmp_path,
+        "train.py",
+        """
         import helper
         print(f"v1 helper={helper.VALUE}")
-    """)
+    """,
+    )
     first = spmd(job, script)
     assert first.result.exit_code == 0, first.text()
     assert sorted(first.lines()) == [f"[rank{r}] v1 helper=1".encode() for r in range(4)]
 
     write_script(tmp_path, "helper.py", "VALUE = 'two, edited'\n")
     write_script(tmp_path, "newmod.py", "NAME = 'brand new module'\n")
-    write_script(tmp_path, "train.py", """
+    write_script(
+        tmp_path,
+        "train.py",
+        """
         import helper, newmod
         print(f"second version helper={helper.VALUE} new={newmod.NAME}")
-    """)
+    """,
+    )
     second = spmd(job, script)
     assert second.result.exit_code == 0, second.text()
     assert sorted(second.lines()) == [

@@ -276,8 +276,7 @@ def assert_corrupt(target: Path) -> None:
         b"\x80\x04" + b"\x8e" + struct.pack("<Q", 2**40) + b"x.",
         b"\x80\x04" + b"\x95" + struct.pack("<Q", 2**40) + b"N.",
     ],
-    ids=["empty", "text", "truncated-header", "trailing-bytes", "zeros", "memo-bomb",
-         "bytes8-bomb", "frame-bomb"],
+    ids=["empty", "text", "truncated-header", "trailing-bytes", "zeros", "memo-bomb", "bytes8-bomb", "frame-bomb"],
 )
 def test_corrupt_bytes(target: Path, content: bytes) -> None:
     target.parent.mkdir()
@@ -314,9 +313,7 @@ def test_malformed_content_is_corrupt(target: Path, mutate: Any) -> None:
     assert_corrupt(target)
 
 
-@pytest.mark.parametrize(
-    "payload", [{"a": 1}, [1, 2, 3], "monarch-cli-job-state", {"magic": "other", "state": {}}]
-)
+@pytest.mark.parametrize("payload", [{"a": 1}, [1, 2, 3], "monarch-cli-job-state", {"magic": "other", "state": {}}])
 def test_foreign_pickle(target: Path, payload: Any) -> None:
     target.parent.mkdir()
     write_payload(target, payload)

@@ -14,8 +14,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Tuple
 
 import pytest
 
@@ -24,19 +24,33 @@ from monarch_cli.jobs.state import HostRecord, JobState, save_state
 from monarch_cli.runtime.agent import READY_PREFIX
 from monarch_cli.runtime.keys import Keys
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private mount namespace")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private mount namespace"),
+]
 
 
-def _start_agent(keys: Keys, name: str, remote_dir: Path, hide: Path, log: Path) -> Tuple[int, str]:
+def _start_agent(keys: Keys, name: str, remote_dir: Path, hide: Path, log: Path) -> tuple[int, str]:
     addr_file = log.with_suffix(".addr")
-    script = ('mount -t tmpfs tmpfs "$0" && exec "$1" -m monarch_cli.runtime.agent --keys-stdin '
-              '--name "$2" --address-file "$3"') if hide else 'exec "$1" -m monarch_cli.runtime.agent --keys-stdin --name "$2" --address-file "$3"'
+    script = (
+        (
+            'mount -t tmpfs tmpfs "$0" && exec "$1" -m monarch_cli.runtime.agent --keys-stdin '
+            '--name "$2" --address-file "$3"'
+        )
+        if hide
+        else 'exec "$1" -m monarch_cli.runtime.agent --keys-stdin --name "$2" --address-file "$3"'
+    )
     prefix = ["unshare", "--mount", "--propagation", "private"] if hide else []
     env = {**os.environ, "MONARCH_HOST": "127.0.0.1", "MONARCH_REMOTE_DIR": str(remote_dir)}
     with open(log, "ab") as out:
-        proc = subprocess.Popen([*prefix, "sh", "-c", script, str(hide or ""), sys.executable, name, str(addr_file)],
-                                stdin=subprocess.PIPE, stdout=out, stderr=out, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [*prefix, "sh", "-c", script, str(hide or ""), sys.executable, name, str(addr_file)],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+        )
     assert proc.stdin is not None
     proc.stdin.write(keys.encode().encode() + b"\n")
     proc.stdin.close()
@@ -48,7 +62,7 @@ def _start_agent(keys: Keys, name: str, remote_dir: Path, hide: Path, log: Path)
 
 
 @pytest.fixture(scope="module")
-def far_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Job, Path, Path]]:
+def far_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Job, Path, Path]]:
     base = tmp_path_factory.mktemp("sync")
     client = base / "client"  # hidden from `far`
     ws = client / "proj"
@@ -67,8 +81,9 @@ def far_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Job, Pat
     job.stop()
 
 
-def test_sync_mirrors_only_to_the_host_that_cannot_see_the_workspace(far_job: Tuple[Job, Path, Path],
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_mirrors_only_to_the_host_that_cannot_see_the_workspace(
+    far_job: tuple[Job, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     job, ws, mirrors = far_job
     (ws / "train.py").write_text("import os\nprint('cwd', os.getcwd())\nprint(open('data/in.txt').read())\n")
     (ws / "data").mkdir()
@@ -87,15 +102,18 @@ def test_sync_mirrors_only_to_the_host_that_cannot_see_the_workspace(far_job: Tu
     (ws / "data/in.txt").write_text("v2")  # an edit reaches the far host before the run
     notices: list = []
     monkeypatch.chdir(ws)
-    result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=err,
-                          on_event=notices.append)
+    result = job.run_spmd(
+        ["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=err, on_event=notices.append
+    )
     text = out.getvalue().decode()
     assert result.exit_code == 0, text + err.getvalue().decode()
     assert any(n.startswith("synced 1 file") for n in notices), notices
     assert f"[rank1] cwd {mirror}" in text and "[rank1] v2" in text
 
 
-def test_deletions_propagate_and_env_is_forwarded(far_job: Tuple[Job, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deletions_propagate_and_env_is_forwarded(
+    far_job: tuple[Job, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     job, ws, mirrors = far_job
     monkeypatch.chdir(ws)
     (ws / "gone.py").write_text("")
@@ -103,31 +121,37 @@ def test_deletions_propagate_and_env_is_forwarded(far_job: Tuple[Job, Path, Path
     [mirror] = [d for d in mirrors.iterdir() if d.is_dir()]
     assert (mirror / "gone.py").exists()
     (ws / "gone.py").unlink()
-    (ws / "env.py").write_text("import os, sys\nprint(os.environ.get('MY_FLAG'), os.environ.get('HOME_SET_HERE'), "
-                               "os.path.exists('gone.py'))\n")
+    (ws / "env.py").write_text(
+        "import os, sys\nprint(os.environ.get('MY_FLAG'), os.environ.get('HOME_SET_HERE'), os.path.exists('gone.py'))\n"
+    )
     monkeypatch.setenv("HOME_SET_HERE", "client-only")  # not forwarded to a synced host by default
     out = io.BytesIO()
-    result = job.run_spmd(["torchrun", "--nproc-per-node=1", "env.py"], stdout=out, stderr=out,
-                          env={"MY_FLAG": "on"})
+    result = job.run_spmd(["torchrun", "--nproc-per-node=1", "env.py"], stdout=out, stderr=out, env={"MY_FLAG": "on"})
     lines = dict(line.split(b" ", 1) for line in out.getvalue().splitlines())
     assert result.exit_code == 0, out.getvalue()
     assert lines[b"[rank0]"] == b"on client-only False"  # near: the client's own environment
     assert lines[b"[rank1]"] == b"on None False"
 
 
-def test_no_sync_and_cli_json(far_job: Tuple[Job, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_sync_and_cli_json(far_job: tuple[Job, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     job, ws, _ = far_job
     monkeypatch.chdir(ws)
     (ws / "new_only_here.py").write_text("print('hi')\n")
     out = io.BytesIO()
     result = job.run_spmd(["torchrun", "--nproc-per-node=1", "new_only_here.py"], stdout=out, stderr=out, sync=False)
     assert result.exit_code != 0 and result.first_failure is not None and result.first_failure.host == "far"
-    proc = subprocess.run([sys.executable, "-m", "monarch_cli", "sync", "--json"], cwd=ws, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", "sync", "--json"], cwd=ws, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["files"] == 1 and data["synced_hosts"] == 1 and data["message"].startswith("synced 1 file")
     with pytest.raises(JobError, match="outside the workspace"):
         job.run_spmd(["torchrun", "--nproc-per-node=1", "x.py"], workspace=ws / "data")
-    bad = subprocess.run([sys.executable, "-m", "monarch_cli", "run-spmd", "-e", "1BAD", "--", "python", "x.py"],
-                         cwd=ws, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", "run-spmd", "-e", "1BAD", "--", "python", "x.py"],
+        cwd=ws,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode != 0 and "-e takes NAME or NAME=VALUE" in bad.stderr and "Traceback" not in bad.stderr

@@ -14,8 +14,9 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any
 
 import pytest
 
@@ -84,8 +85,9 @@ if rank == 1:
 
 def monarch(job: Job, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "MONARCH_STATE": str(job.path)}
-    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def wait_for(what: Callable[[], Any], timeout: float = 60.0, why: str = "") -> Any:
@@ -98,8 +100,8 @@ def wait_for(what: Callable[[], Any], timeout: float = 60.0, why: str = "") -> A
     raise AssertionError(f"timed out waiting for {why}")
 
 
-def in_background(job: Job, script: Path, *args: str, nproc: int) -> Dict[str, Run]:
-    box: Dict[str, Run] = {}
+def in_background(job: Job, script: Path, *args: str, nproc: int) -> dict[str, Run]:
+    box: dict[str, Run] = {}
     t = threading.Thread(target=lambda: box.setdefault("run", spmd(job, script, *args, nproc=nproc)), daemon=True)
     t.start()
     box["thread"] = t  # type: ignore[assignment]
@@ -108,8 +110,10 @@ def in_background(job: Job, script: Path, *args: str, nproc: int) -> Dict[str, R
 
 def ready_lines(job: Job) -> int:
     try:
-        rows = job.sql("SELECT count(*) AS n FROM logs WHERE run_id = (SELECT max(run_id) FROM runs WHERE ended_at IS NULL) "
-                       "AND line LIKE 'ready %'")  # of the run in progress, not the previous one
+        rows = job.sql(
+            "SELECT count(*) AS n FROM logs WHERE run_id = (SELECT max(run_id) FROM runs WHERE ended_at IS NULL) "
+            "AND line LIKE 'ready %'"
+        )  # of the run in progress, not the previous one
     except Exception:  # noqa: BLE001 - the store may not exist yet
         return 0
     return rows[0]["n"]
@@ -124,7 +128,12 @@ def test_hung_rank_stacks_diagnose_top_and_reading_while_the_run_writes(job: Job
         wait_for(lambda: ready_lines(job) == 4, why="4 ranks to print ready")
         # a second process reads while the run's writer is active: the store is in WAL mode
         assert monarch(job, "sql", "PRAGMA journal_mode").stdout.split()[1] == "wal"
-        done = monarch(job, "sql", "--json", "SELECT rank, line FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY rank")
+        done = monarch(
+            job,
+            "sql",
+            "--json",
+            "SELECT rank, line FROM logs WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY rank",
+        )
         assert done.returncode == 0, done.stderr
         assert [r["line"] for r in json.loads(done.stdout)] == [f"ready {r}" for r in range(4)]
         assert job.sql("SELECT ended_at FROM runs ORDER BY run_id DESC LIMIT 1")[0]["ended_at"] is None
@@ -161,26 +170,46 @@ def test_hung_rank_stacks_diagnose_top_and_reading_while_the_run_writes(job: Job
         assert "stuck_in_data_loader" in d["suspects"][0]["reasons"][0]
 
         # every capture is stored: ours, the CLI's and diagnose's
-        rows = job.sql("SELECT count(DISTINCT capture_id) AS n, count(DISTINCT rank) AS r FROM stacks WHERE is_main = 1 "
-                       "AND run_id = (SELECT max(run_id) FROM runs)")
+        rows = job.sql(
+            "SELECT count(DISTINCT capture_id) AS n, count(DISTINCT rank) AS r FROM stacks WHERE is_main = 1 "
+            "AND run_id = (SELECT max(run_id) FROM runs)"
+        )
         assert rows[0]["n"] >= 3 and rows[0]["r"] == 4
 
-        wait_for(lambda: job.sql("SELECT count(DISTINCT rank) AS n FROM samples WHERE run_id = (SELECT max(run_id) FROM runs)")[0]["n"] == 4,
-                 why="samples of all 4 ranks")
+        wait_for(
+            lambda: (
+                job.sql("SELECT count(DISTINCT rank) AS n FROM samples WHERE run_id = (SELECT max(run_id) FROM runs)")[
+                    0
+                ]["n"]
+                == 4
+            ),
+            why="samples of all 4 ranks",
+        )
         top = monarch(job, "top", "--once", "--json")
         assert top.returncode == 0, top.stderr
         ranks = json.loads(top.stdout)["ranks"]
         assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
         assert all(r["rss_mb"] and r["rss_mb"] > 10 and r["last_line"].startswith("ready") for r in ranks)
         assert all(r["gpu_util"] is None for r in ranks)  # no GPU here
-        gpu = job.sql("SELECT count(*) AS n, count(gpu_index) + count(gpu_util) + count(gpu_mem_mb) + count(gpu_power_w) "
-                      "+ count(gpu_temp_c) AS gpu FROM samples WHERE run_id = (SELECT max(run_id) FROM runs)")[0]
+        gpu = job.sql(
+            "SELECT count(*) AS n, count(gpu_index) + count(gpu_util) + count(gpu_mem_mb) + count(gpu_power_w) "
+            "+ count(gpu_temp_c) AS gpu FROM samples WHERE run_id = (SELECT max(run_id) FROM runs)"
+        )[0]
         assert gpu["n"] >= 4 and gpu["gpu"] == 0, gpu  # GPU columns stay NULL without a GPU
-        sampled = job.sql("SELECT rank, pid, state, threads, rss_mb, cpu_percent FROM samples "
-                          "WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY ts DESC LIMIT 4")
+        sampled = job.sql(
+            "SELECT rank, pid, state, threads, rss_mb, cpu_percent FROM samples "
+            "WHERE run_id = (SELECT max(run_id) FROM runs) ORDER BY ts DESC LIMIT 4"
+        )
         # a live rank's state ("tracing-stop" while a stack capture holds it, "disk-sleep"...), never a dead one
-        assert all(r["pid"] and r["state"] and r["state"] not in ("zombie", "dead") and r["threads"] >= 1 and r["rss_mb"] > 10
-                   and r["cpu_percent"] is not None for r in sampled), sampled
+        assert all(
+            r["pid"]
+            and r["state"]
+            and r["state"] not in ("zombie", "dead")
+            and r["threads"] >= 1
+            and r["rss_mb"] > 10
+            and r["cpu_percent"] is not None
+            for r in sampled
+        ), sampled
     finally:
         flag.write_text("")
         box["thread"].join(120)  # type: ignore[attr-defined]
@@ -199,8 +228,10 @@ def test_a_lagging_silent_rank_comes_first_in_top_and_diagnose_names_it(job: Job
     try:
         wait_for(lambda: ready_lines(job) == 4, why="4 ranks to print ready")
         ready_at = time.monotonic()
-        top = wait_for(lambda: _top_json(job) if all(r["step"] for r in _top_json(job)["ranks"]) else None,
-                       why="every rank's steps")
+        top = wait_for(
+            lambda: _top_json(job) if all(r["step"] for r in _top_json(job)["ranks"]) else None,
+            why="every rank's steps",
+        )
         ranks = top["ranks"]
         assert [r["step"] for r in sorted(ranks, key=lambda r: r["rank"])] == [8, 2, 8, 8], ranks
         assert ranks[0]["rank"] == 1 and "at step 2 while the others reached 8" in ranks[0]["suspect"], ranks
@@ -213,8 +244,9 @@ def test_a_lagging_silent_rank_comes_first_in_top_and_diagnose_names_it(job: Job
         d = json.loads(verdict.stdout)
         assert [s["rank"] for s in d["suspects"]] == [1], d
         reasons = " / ".join(d["suspects"][0]["reasons"])
-        assert "at step 2 while the others reached 8" in reasons and "no output for" in reasons, \
-            [(r["rank"], r["output_age"], r["last_line"]) for r in d["evidence"]["ranks"]]
+        assert "at step 2 while the others reached 8" in reasons and "no output for" in reasons, [
+            (r["rank"], r["output_age"], r["last_line"]) for r in d["evidence"]["ranks"]
+        ]
         assert [g["ranks"] for g in d["evidence"]["stack_groups"]] == [[0, 1, 2, 3]], d["evidence"]
     finally:
         flag.write_text("")
@@ -222,7 +254,7 @@ def test_a_lagging_silent_rank_comes_first_in_top_and_diagnose_names_it(job: Job
     assert box["run"].result.exit_code == 0, box["run"].text()
 
 
-def _top_json(job: Job) -> Dict[str, Any]:
+def _top_json(job: Job) -> dict[str, Any]:
     done = monarch(job, "top", "--once", "--json")
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -232,8 +264,13 @@ def test_top_live_view_refreshes_until_ctrl_c(job: Job, tmp_path: Path) -> None:
     if not db_path(job.path.parent).exists():
         spmd(job, _write(tmp_path, "ok.py", "print('x')"), nproc=1)
     env = {**os.environ, "MONARCH_STATE": str(job.path)}
-    live = subprocess.Popen([sys.executable, "-m", "monarch_cli", "top", "--interval", "0.2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    live = subprocess.Popen(
+        [sys.executable, "-m", "monarch_cli", "top", "--interval", "0.2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(3.0)
     live.send_signal(signal.SIGINT)
     out, err = live.communicate(timeout=30)
@@ -247,7 +284,9 @@ def test_a_failing_rank_exit_codes_and_logs_are_queryable(job: Job, tmp_path: Pa
     run = spmd(job, script, nproc=2)
     assert run.result.exit_code == 3
     rid = run.result.run_id
-    ranks = {r["rank"]: r for r in job.sql("SELECT rank, exit_code, status, how, pid FROM ranks WHERE run_id = ?", (rid,))}
+    ranks = {
+        r["rank"]: r for r in job.sql("SELECT rank, exit_code, status, how, pid FROM ranks WHERE run_id = ?", (rid,))
+    }
     assert ranks[1]["exit_code"] == 3 and ranks[1]["how"] == "exit 3" and ranks[1]["pid"], ranks
     assert ranks[0]["status"] in (0, 143), ranks  # finished, or stopped after rank 1 failed
     lines = job.sql("SELECT rank, stream, line FROM logs WHERE run_id = ? ORDER BY rank, ts", (rid,))
@@ -258,7 +297,9 @@ def test_a_failing_rank_exit_codes_and_logs_are_queryable(job: Job, tmp_path: Pa
     kinds = [e["kind"] for e in job.sql("SELECT kind FROM events WHERE run_id = ? ORDER BY ts", (rid,))]
     assert kinds[0] == "run_start" and kinds[-1] == "run_end", kinds
     hosts = job.sql("SELECT node, host, agent, agent_pid, cpus, gpus FROM hosts WHERE run_id = ? ORDER BY node", (rid,))
-    assert [h["node"] for h in hosts] == [0, 1] and all(h["agent"] and h["agent_pid"] and h["cpus"] for h in hosts), hosts
+    assert [h["node"] for h in hosts] == [0, 1] and all(h["agent"] and h["agent_pid"] and h["cpus"] for h in hosts), (
+        hosts
+    )
     assert all(h["gpus"] in (0, None) for h in hosts), hosts  # no GPU here
     run_row = job.sql("SELECT exit_code, world_size, hosts, command FROM runs WHERE run_id = ?", (rid,))[0]
     assert run_row["exit_code"] == 3 and run_row["world_size"] == 4 and run_row["hosts"] == 2, run_row
@@ -275,19 +316,28 @@ def test_sql_refuses_writes_and_bad_queries_in_one_line(job: Job, tmp_path: Path
     before = job.sql("SELECT count(*) AS n FROM runs")[0]["n"]
     copy = tmp_path / "copy.db"
     refusals = {
-        "DELETE FROM runs": "read-only", "DROP TABLE logs": "read-only", "UPDATE runs SET exit_code = 9": "read-only",
-        "CREATE TABLE x(a)": "read-only", "WITH old AS (SELECT run_id FROM runs) DELETE FROM runs": "read-only",
+        "DELETE FROM runs": "read-only",
+        "DROP TABLE logs": "read-only",
+        "UPDATE runs SET exit_code = 9": "read-only",
+        "CREATE TABLE x(a)": "read-only",
+        "WITH old AS (SELECT run_id FROM runs) DELETE FROM runs": "read-only",
         "INSERT INTO runs (run_id) VALUES ('x') RETURNING run_id": "read-only",
-        f"ATTACH DATABASE '{tmp_path / 'other.db'}' AS o": "ATTACH", f"VACUUM INTO '{copy}'": "VACUUM",
-        "PRAGMA journal_mode=DELETE": "PRAGMA journal_mode", "PRAGMA user_version=9": "PRAGMA user_version",
-        "PRAGMA query_only=0": "PRAGMA query_only", "PRAGMA wal_checkpoint(TRUNCATE)": "PRAGMA wal_checkpoint",
+        f"ATTACH DATABASE '{tmp_path / 'other.db'}' AS o": "ATTACH",
+        f"VACUUM INTO '{copy}'": "VACUUM",
+        "PRAGMA journal_mode=DELETE": "PRAGMA journal_mode",
+        "PRAGMA user_version=9": "PRAGMA user_version",
+        "PRAGMA query_only=0": "PRAGMA query_only",
+        "PRAGMA wal_checkpoint(TRUNCATE)": "PRAGMA wal_checkpoint",
         "SELECT 1; DELETE FROM runs": "one statement at a time",
     }
     for statement, why in refusals.items():
         one_line_error(monarch(job, "sql", statement), "sql:", why)
     assert job.sql("SELECT count(*) AS n FROM runs")[0]["n"] == before
     assert not (tmp_path / "other.db").exists() and not copy.exists()
-    assert job.sql("PRAGMA journal_mode") == [{"journal_mode": "wal"}] and job.sql("PRAGMA user_version")[0]["user_version"] == 1
+    assert (
+        job.sql("PRAGMA journal_mode") == [{"journal_mode": "wal"}]
+        and job.sql("PRAGMA user_version")[0]["user_version"] == 1
+    )
     assert [r["name"] for r in job.sql("PRAGMA table_info(steps)")] == ["run_id", "rank", "step", "ts", "dt_ms"]
     one_line_error(monarch(job, "sql", "SELECT * FROM no_such_table"), "no such table")
     schema = monarch(job, "sql", "--schema")
@@ -305,33 +355,47 @@ def test_step_times_from_a_real_ddp_loop(job: Job, tmp_path: Path, cold: bool) -
     nproc = 1 if cold else 2
     run = spmd(job, _write(tmp_path, "ddp.py", DDP), nproc=nproc, cold=cold)
     assert run.result.exit_code == 0, run.text()
-    rows = job.sql("SELECT rank, count(*) AS n, min(step) AS first, max(step) AS last, min(dt_ms) AS fastest "
-                   "FROM steps WHERE run_id = ? GROUP BY rank ORDER BY rank", (run.result.run_id,))
+    rows = job.sql(
+        "SELECT rank, count(*) AS n, min(step) AS first, max(step) AS last, min(dt_ms) AS fastest "
+        "FROM steps WHERE run_id = ? GROUP BY rank ORDER BY rank",
+        (run.result.run_id,),
+    )
     assert [(r["rank"], r["n"], r["first"], r["last"]) for r in rows] == [(r, 6, 1, 6) for r in range(2 * nproc)]
     assert all(r["fastest"] > 0 for r in rows)
 
 
 def test_every_step_of_a_long_loop_is_recorded(job: Job, tmp_path: Path) -> None:
     """More steps than the step file first holds (4096): it grows, and none is lost or repeated."""
-    script = _write(tmp_path, "many.py", """
+    script = _write(
+        tmp_path,
+        "many.py",
+        """
         import torch
         opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
         for _ in range(10000):
             opt.step()
-    """)
+    """,
+    )
     run = spmd(job, script, nproc=1)
     assert run.result.exit_code == 0, run.text()
-    rows = job.sql("SELECT rank, count(*) AS n, count(DISTINCT step) AS d, min(step) AS lo, max(step) AS hi, "
-                   "min(ts) > 0 AS stamped FROM steps WHERE run_id = ? GROUP BY rank", (run.result.run_id,))
+    rows = job.sql(
+        "SELECT rank, count(*) AS n, count(DISTINCT step) AS d, min(step) AS lo, max(step) AS hi, "
+        "min(ts) > 0 AS stamped FROM steps WHERE run_id = ? GROUP BY rank",
+        (run.result.run_id,),
+    )
     assert rows == [{"rank": r, "n": 10000, "d": 10000, "lo": 1, "hi": 10000, "stamped": 1} for r in (0, 1)], rows
 
 
 def test_telemetry_off_records_nothing(job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``MONARCH_TELEMETRY=0`` (the benchmark's reference): no rows, and no step hook in the ranks."""
-    script = _write(tmp_path, "hooks.py", """
+    script = _write(
+        tmp_path,
+        "hooks.py",
+        """
         import torch.optim.optimizer as optimizer
         print("hooks", len(optimizer._global_optimizer_post_hooks), flush=True)
-    """)
+    """,
+    )
     for setting, hooks, rows in (("0", b"hooks 0", 0), ("1", b"hooks 1", 1)):
         monkeypatch.setenv("MONARCH_TELEMETRY", setting)
         run = spmd(job, script, nproc=1)
@@ -367,7 +431,9 @@ def test_stacks_fall_back_to_the_interpreters_own_dump(tmp_path: Path, monkeypat
             report = j.stacks()
             assert {s.method for s in report.stacks} == {"faulthandler"}, [s.error for s in report.stacks]
             if os.environ["MONARCH_PY_SPY"] != "/bin/false":
-                assert all("Permission Denied" in (s.fallback or "") for s in report.stacks), [s.fallback for s in report.stacks]
+                assert all("Permission Denied" in (s.fallback or "") for s in report.stacks), [
+                    s.fallback for s in report.stacks
+                ]
             assert [g.ranks for g in report.groups] == [[0], [1]] or [g.ranks for g in report.groups] == [[1], [0]]
             summaries = {g.ranks[0]: g.summary for g in report.groups}
             assert summaries[0].startswith("barrier ← hang.py:"), summaries
@@ -410,11 +476,27 @@ def test_retention_keeps_the_newest_runs(tmp_path: Path) -> None:
 def test_every_table_and_column_the_issue_names_exists_and_schema_explains_it(tmp_path: Path) -> None:
     path = tmp_path / "telemetry.db"
     TelemetryWriter(path, "r").close()
-    named = {"runs": ["run_id", "command", "started_at", "ended_at", "exit_code", "world_size"],
-             "ranks": ["run_id", "rank", "local_rank", "host", "pid", "exit_code", "signal", "started_at", "ended_at",
-                       "last_output_at"],
-             "logs": ["run_id", "rank", "ts", "stream", "line"], "hosts": [], "events": [], "samples": [],
-             "steps": ["run_id", "rank", "step", "ts", "dt_ms"], "stacks": []}
+    named = {
+        "runs": ["run_id", "command", "started_at", "ended_at", "exit_code", "world_size"],
+        "ranks": [
+            "run_id",
+            "rank",
+            "local_rank",
+            "host",
+            "pid",
+            "exit_code",
+            "signal",
+            "started_at",
+            "ended_at",
+            "last_output_at",
+        ],
+        "logs": ["run_id", "rank", "ts", "stream", "line"],
+        "hosts": [],
+        "events": [],
+        "samples": [],
+        "steps": ["run_id", "rank", "step", "ts", "dt_ms"],
+        "stacks": [],
+    }
     described = schema_json()["tables"]
     text = schema_text()
     for table, columns in named.items():
@@ -425,7 +507,9 @@ def test_every_table_and_column_the_issue_names_exists_and_schema_explains_it(tm
         assert all(c["meaning"] for c in described[table]["columns"])
         assert all(f"\n  {c:<15} " in text for c in real), table
     samples = [c["name"] for c in described["samples"]["columns"]]
-    assert {"state", "cpu_percent", "rss_mb", "threads", "gpu_util", "gpu_mem_mb", "gpu_power_w", "gpu_temp_c"} <= set(samples)
+    assert {"state", "cpu_percent", "rss_mb", "threads", "gpu_util", "gpu_mem_mb", "gpu_power_w", "gpu_temp_c"} <= set(
+        samples
+    )
 
 
 def test_top_is_a_compact_grid_for_many_ranks() -> None:
@@ -436,8 +520,10 @@ def test_top_is_a_compact_grid_for_many_ranks() -> None:
 
     def shown(n: int) -> str:
         console = Console(record=True, width=160)
-        rows = [RankRow(r, "node-a", "sleeping", 12.0, 300.0, step=40, step_ms=9.5, output_age=1.0,
-                        last_line=f"loss {r}") for r in range(n)]
+        rows = [
+            RankRow(r, "node-a", "sleeping", 12.0, 300.0, step=40, step_ms=9.5, output_age=1.0, last_line=f"loss {r}")
+            for r in range(n)
+        ]
         rows[n - 1].suspect = "at step 31 while the others reached 40"
         rows[n - 1].step = 31
         rows.insert(0, rows.pop())  # suspects first, as top() orders them
@@ -486,5 +572,7 @@ def test_diagnose_rules_for_silence_step_lag_and_idle_gpu() -> None:
 
 def test_sql_without_a_store_is_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "MONARCH_STATE": str(tmp_path / ".monarch" / "job_state.pkl")}
-    done = subprocess.run([sys.executable, "-m", "monarch_cli", "sql", "SELECT 1"], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", "sql", "SELECT 1"], env=env, capture_output=True, text=True
+    )
     one_line_error(done, "no telemetry store")

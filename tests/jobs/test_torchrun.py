@@ -21,8 +21,10 @@ T = "torchrun"
 # (argv, expected SpmdSpec attributes); unlisted attributes must keep their defaults.
 OK_CASES: list[tuple[list[str], dict[str, Any]]] = [
     ([T, "train.py"], {"program": ["train.py"], "python_args": ["-u"]}),
-    (["/usr/bin/torchrun", "--nproc-per-node=4", "train.py", "--lr", "1"],
-     {"nproc_per_node": 4, "program": ["train.py", "--lr", "1"], "python_args": ["-u"]}),
+    (
+        ["/usr/bin/torchrun", "--nproc-per-node=4", "train.py", "--lr", "1"],
+        {"nproc_per_node": 4, "program": ["train.py", "--lr", "1"], "python_args": ["-u"]},
+    ),
     ([T, "--nproc_per_node", "8", "t.py"], {"nproc_per_node": 8, "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--nproc-per-node", "gpu", "t.py"], {"nproc_per_node": "gpu", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--nproc_per_node=cpu", "t.py"], {"nproc_per_node": "cpu", "program": ["t.py"], "python_args": ["-u"]}),
@@ -30,62 +32,103 @@ OK_CASES: list[tuple[list[str], dict[str, Any]]] = [
     ([T, "--nnodes=2", "t.py"], {"nnodes": 2, "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--nnodes", "1:4", "t.py"], {"nnodes": 4, "nnodes_min": 1, "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--nnodes=3:3", "t.py"], {"nnodes": 3, "nnodes_min": 3, "program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "--standalone", "--nproc-per-node=2", "t.py"],
-     {"standalone": True, "nnodes": 1, "nproc_per_node": 2, "program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "--standalone", "--nnodes=1", "t.py"],
-     {"standalone": True, "nnodes": 1, "program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "-m", "pkg.train", "--x", "1"],
-     {"mode": "module", "program": ["pkg.train", "--x", "1"], "python_args": ["-u"]}),
+    (
+        [T, "--standalone", "--nproc-per-node=2", "t.py"],
+        {"standalone": True, "nnodes": 1, "nproc_per_node": 2, "program": ["t.py"], "python_args": ["-u"]},
+    ),
+    (
+        [T, "--standalone", "--nnodes=1", "t.py"],
+        {"standalone": True, "nnodes": 1, "program": ["t.py"], "python_args": ["-u"]},
+    ),
+    (
+        [T, "-m", "pkg.train", "--x", "1"],
+        {"mode": "module", "program": ["pkg.train", "--x", "1"], "python_args": ["-u"]},
+    ),
     ([T, "--module", "pkg.train"], {"mode": "module", "program": ["pkg.train"], "python_args": ["-u"]}),
     # torchrun's -m is a switch; flags may still follow it before the module name.
-    ([T, "-m", "--nproc-per-node", "2", "mod"],
-     {"mode": "module", "nproc_per_node": 2, "program": ["mod"], "python_args": ["-u"]}),
+    (
+        [T, "-m", "--nproc-per-node", "2", "mod"],
+        {"mode": "module", "nproc_per_node": 2, "program": ["mod"], "python_args": ["-u"]},
+    ),
     ([T, "--no-python", "./a.out", "-v"], {"mode": "no_python", "program": ["./a.out", "-v"]}),
     ([T, "--no_python", "/bin/echo", "hi"], {"mode": "no_python", "program": ["/bin/echo", "hi"]}),
     ([T, "--run-path", "/abs/t.py"], {"program": ["/abs/t.py"], "python_args": ["-u"]}),
     ([T, "--run_path", "--no-python", "/abs/t.py"], {"program": ["/abs/t.py"], "python_args": ["-u"]}),
-    ([T, "--rdzv-backend=c10d", "--rdzv_endpoint", "h:29400", "--rdzv-id=abc", "--rdzv_conf", "timeout=9", "t.py"],
-     {"rdzv_backend": "c10d", "rdzv_endpoint": "h:29400", "rdzv_id": "abc", "rdzv_conf": "timeout=9",
-      "program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "--master-addr=h0", "--master_port", "1234", "--node-rank=1", "t.py"],
-     {"master_addr": "h0", "master_port": 1234, "node_rank": 1, "program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "--master_addr", "h0", "--master-port=0", "--node_rank", "0", "t.py"],
-     {"master_addr": "h0", "master_port": 0, "node_rank": 0, "program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "--local-ranks-filter=0,2", "t.py"],
-     {"local_ranks_filter": {0, 2}, "program": ["t.py"], "python_args": ["-u"]}),
+    (
+        [T, "--rdzv-backend=c10d", "--rdzv_endpoint", "h:29400", "--rdzv-id=abc", "--rdzv_conf", "timeout=9", "t.py"],
+        {
+            "rdzv_backend": "c10d",
+            "rdzv_endpoint": "h:29400",
+            "rdzv_id": "abc",
+            "rdzv_conf": "timeout=9",
+            "program": ["t.py"],
+            "python_args": ["-u"],
+        },
+    ),
+    (
+        [T, "--master-addr=h0", "--master_port", "1234", "--node-rank=1", "t.py"],
+        {"master_addr": "h0", "master_port": 1234, "node_rank": 1, "program": ["t.py"], "python_args": ["-u"]},
+    ),
+    (
+        [T, "--master_addr", "h0", "--master-port=0", "--node_rank", "0", "t.py"],
+        {"master_addr": "h0", "master_port": 0, "node_rank": 0, "program": ["t.py"], "python_args": ["-u"]},
+    ),
+    (
+        [T, "--local-ranks-filter=0,2", "t.py"],
+        {"local_ranks_filter": {0, 2}, "program": ["t.py"], "python_args": ["-u"]},
+    ),
     ([T, "--local_ranks_filter", "", "t.py"], {"program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "--tee", "3", "-r", "0:1,1:2", "t.py"],
-     {"tee": "3", "redirects": "0:1,1:2", "program": ["t.py"], "python_args": ["-u"]}),
+    (
+        [T, "--tee", "3", "-r", "0:1,1:2", "t.py"],
+        {"tee": "3", "redirects": "0:1,1:2", "program": ["t.py"], "python_args": ["-u"]},
+    ),
     ([T, "-t1", "--redirects=2", "t.py"], {"tee": "1", "redirects": "2", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "-t=0", "-r3", "t.py"], {"tee": "0", "redirects": "3", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--shutdown_timeout", "5", "t.py"], {"shutdown_timeout": 5, "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--log-dir", "/tmp/logs", "t.py"], {"log_dir": "/tmp/logs", "program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--log_dir=/tmp/l", "t.py"], {"log_dir": "/tmp/l", "program": ["t.py"], "python_args": ["-u"]}),
-    ([T, "--role", "", "t.py"], {"role": "", "program": ["t.py"], "python_args": ["-u"]}),  # torchx's dist.ddp passes --role ''
-    ([T, "--role", "trainer", "--max-restarts", "3", "t.py"],
-     {"role": "trainer", "max_restarts": 3, "program": ["t.py"], "python_args": ["-u"]}),
+    (
+        [T, "--role", "", "t.py"],
+        {"role": "", "program": ["t.py"], "python_args": ["-u"]},
+    ),  # torchx's dist.ddp passes --role ''
+    (
+        [T, "--role", "trainer", "--max-restarts", "3", "t.py"],
+        {"role": "trainer", "max_restarts": 3, "program": ["t.py"], "python_args": ["-u"]},
+    ),
     ([T, "--max_restarts=0", "t.py"], {"program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--monitor-interval", "5", "--monitor_interval=0.5", "t.py"], {"program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--start-method=fork", "--start_method", "spawn", "t.py"], {"program": ["t.py"], "python_args": ["-u"]}),
     ([T, "--start-method", "forkserver", "t.py"], {"program": ["t.py"], "python_args": ["-u"]}),
     # Everything after the script belongs to the user's program, torchrun-looking or not.
-    ([T, "t.py", "--nnodes=3", "--standalone", "-m"],
-     {"program": ["t.py", "--nnodes=3", "--standalone", "-m"], "python_args": ["-u"]}),
-    ([T, "--nproc-per-node=2", "--", "t.py", "-x"],
-     {"nproc_per_node": 2, "program": ["t.py", "-x"], "python_args": ["-u"]}),
+    (
+        [T, "t.py", "--nnodes=3", "--standalone", "-m"],
+        {"program": ["t.py", "--nnodes=3", "--standalone", "-m"], "python_args": ["-u"]},
+    ),
+    (
+        [T, "--nproc-per-node=2", "--", "t.py", "-x"],
+        {"nproc_per_node": 2, "program": ["t.py", "-x"], "python_args": ["-u"]},
+    ),
     ([T, "--nnodes=2", "--nnodes=3", "t.py"], {"nnodes": 3, "program": ["t.py"], "python_args": ["-u"]}),
     # python -m torch.distributed.run / torchrun: same as torchrun; launcher flags do not leak.
-    (["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "t.py"],
-     {"nproc_per_node": 2, "program": ["t.py"], "python_args": ["-u"]}),
-    (["python3.11", "-u", "-m", "torch.distributed.run", "--standalone", "t.py", "a"],
-     {"standalone": True, "nnodes": 1, "program": ["t.py", "a"], "python_args": ["-u"]}),
-    (["/usr/bin/python3", "-m", "torchrun", "--nnodes=2", "-m", "pkg"],
-     {"nnodes": 2, "mode": "module", "program": ["pkg"], "python_args": ["-u"]}),
+    (
+        ["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "t.py"],
+        {"nproc_per_node": 2, "program": ["t.py"], "python_args": ["-u"]},
+    ),
+    (
+        ["python3.11", "-u", "-m", "torch.distributed.run", "--standalone", "t.py", "a"],
+        {"standalone": True, "nnodes": 1, "program": ["t.py", "a"], "python_args": ["-u"]},
+    ),
+    (
+        ["/usr/bin/python3", "-m", "torchrun", "--nnodes=2", "-m", "pkg"],
+        {"nnodes": 2, "mode": "module", "program": ["pkg"], "python_args": ["-u"]},
+    ),
     # Plain python: one process per node.
     (["python", "train.py", "--a"], {"program": ["train.py", "--a"]}),
     (["/usr/bin/python3", "-u", "-O", "train.py"], {"program": ["train.py"], "python_args": ["-u", "-O"]}),
-    (["python", "-W", "ignore", "-Xdev", "-OO", "t.py"],
-     {"program": ["t.py"], "python_args": ["-W", "ignore", "-Xdev", "-OO"]}),
+    (
+        ["python", "-W", "ignore", "-Xdev", "-OO", "t.py"],
+        {"program": ["t.py"], "python_args": ["-W", "ignore", "-Xdev", "-OO"]},
+    ),
     (["python", "-uW", "error", "t.py"], {"program": ["t.py"], "python_args": ["-uW", "error"]}),
     (["python", "-m", "mymodule", "a"], {"mode": "module", "program": ["mymodule", "a"]}),
     (["python", "-u", "-m", "mymodule"], {"mode": "module", "program": ["mymodule"], "python_args": ["-u"]}),
@@ -211,8 +254,14 @@ def test_resolve_nproc(value: int | str, gpus: int, cpus: int, expected: int) ->
 
 @pytest.mark.parametrize(
     "value, fragment",
-    [("gpu", "no GPUs"), (0, "out of range"), (-2, "out of range"), (True, "out of range"),
-     ("many", "is not valid"), ("xpu", "not supported")],
+    [
+        ("gpu", "no GPUs"),
+        (0, "out of range"),
+        (-2, "out of range"),
+        (True, "out of range"),
+        ("many", "is not valid"),
+        ("xpu", "not supported"),
+    ],
 )
 def test_resolve_nproc_rejects(value: int | str, fragment: str) -> None:
     with pytest.raises(JobError, match=fragment):
@@ -220,17 +269,37 @@ def test_resolve_nproc_rejects(value: int | str, fragment: str) -> None:
 
 
 CONTRACT = {
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 }
 
 
 def _env(spec: SpmdSpec, environ: dict[str, str], **overrides: Any) -> dict[str, str]:
     kwargs: dict[str, Any] = dict(
-        node_rank=1, nnodes=2, local_rank=2, nproc_per_node=4, master_addr="h0",
-        master_port=29500, run_id="run-1", cpus_on_host=16, environ=environ,
+        node_rank=1,
+        nnodes=2,
+        local_rank=2,
+        nproc_per_node=4,
+        master_addr="h0",
+        master_port=29500,
+        run_id="run-1",
+        cpus_on_host=16,
+        environ=environ,
     )
     kwargs.update(overrides)
     return rank_environment(spec, **kwargs)
@@ -240,12 +309,24 @@ def test_rank_environment_values() -> None:
     spec = parse_command([T, "--role", "trainer", "--max-restarts=2", "t.py"])
     env = _env(spec, {}, restart_count=1)
     assert env == {
-        "RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
-        "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "6", "ROLE_WORLD_SIZE": "8",
-        "ROLE_NAME": "trainer", "MASTER_ADDR": "h0", "MASTER_PORT": "29500", "NODE_RANK": "1",
-        "TORCHELASTIC_RUN_ID": "run-1", "TORCHELASTIC_RESTART_COUNT": "1",
-        "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1",
+        "RANK": "6",
+        "LOCAL_RANK": "2",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_RANK": "6",
+        "ROLE_WORLD_SIZE": "8",
+        "ROLE_NAME": "trainer",
+        "MASTER_ADDR": "h0",
+        "MASTER_PORT": "29500",
+        "NODE_RANK": "1",
+        "TORCHELASTIC_RUN_ID": "run-1",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_MAX_RESTARTS": "2",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": "1",
     }
     assert all(isinstance(value, str) for value in env.values())
 
@@ -254,7 +335,8 @@ def test_rank_environment_ranks_cover_world() -> None:
     spec = SpmdSpec(program=["t.py"])
     ranks = [
         int(_env(spec, {}, node_rank=n, nnodes=3, local_rank=lr, nproc_per_node=2)["RANK"])
-        for n in range(3) for lr in range(2)
+        for n in range(3)
+        for lr in range(2)
     ]
     assert ranks == list(range(6))
 
@@ -271,12 +353,30 @@ def test_rank_environment_inherited_settings_win() -> None:
 
 def test_rank_environment_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    env = rank_environment(SpmdSpec(), node_rank=0, nnodes=1, local_rank=0, nproc_per_node=2,
-                           master_addr="a", master_port=1, run_id="r", cpus_on_host=4)
+    env = rank_environment(
+        SpmdSpec(),
+        node_rank=0,
+        nnodes=1,
+        local_rank=0,
+        nproc_per_node=2,
+        master_addr="a",
+        master_port=1,
+        run_id="r",
+        cpus_on_host=4,
+    )
     assert "OMP_NUM_THREADS" not in env
     monkeypatch.delenv("OMP_NUM_THREADS")
-    env = rank_environment(SpmdSpec(), node_rank=0, nnodes=1, local_rank=0, nproc_per_node=2,
-                           master_addr="a", master_port=1, run_id="r", cpus_on_host=4)
+    env = rank_environment(
+        SpmdSpec(),
+        node_rank=0,
+        nnodes=1,
+        local_rank=0,
+        nproc_per_node=2,
+        master_addr="a",
+        master_port=1,
+        run_id="r",
+        cpus_on_host=4,
+    )
     assert env["OMP_NUM_THREADS"] == "1"
 
 
@@ -312,17 +412,29 @@ def test_matches_real_torchrun(tmp_path: Path, nproc: int) -> None:
     spec = parse_command(argv)
     assert spec.standalone and spec.nproc_per_node == nproc and spec.program[0] == str(script)
 
-    parent = {k: v for k, v in os.environ.items()
-              if k not in CONTRACT | {"LOCAL_RANK", "OMP_NUM_THREADS"} and not k.startswith(("PET_", "TORCHELASTIC_"))}
+    parent = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in CONTRACT | {"LOCAL_RANK", "OMP_NUM_THREADS"} and not k.startswith(("PET_", "TORCHELASTIC_"))
+    }
     done = subprocess.run(argv, env=parent, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
 
     for local_rank in range(nproc):
         child = json.loads((tmp_path / f"rank{local_rank}.json").read_text())
         added = {k: v for k, v in child.items() if parent.get(k) != v}
-        ours = rank_environment(spec, node_rank=0, nnodes=1, local_rank=local_rank,
-                                nproc_per_node=nproc, master_addr="127.0.0.1", master_port=29500,
-                                run_id="x", cpus_on_host=os.cpu_count() or 1, environ=parent)
+        ours = rank_environment(
+            spec,
+            node_rank=0,
+            nnodes=1,
+            local_rank=local_rank,
+            nproc_per_node=nproc,
+            master_addr="127.0.0.1",
+            master_port=29500,
+            run_id="x",
+            cpus_on_host=os.cpu_count() or 1,
+            environ=parent,
+        )
         assert set(added) - _AGENT_ONLY == set(ours) - {"NODE_RANK"}
         for key in set(ours) - {"NODE_RANK"}:
             if key not in _PRESENCE_ONLY:

@@ -13,8 +13,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Tuple
 
 import psutil
 import pytest
@@ -39,12 +39,16 @@ print("version", warmmark.VERSION, "threads ok", warmthread.STARTED)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Job, Path, Path, Path]]:
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Job, Path, Path, Path]]:
     base = tmp_path_factory.mktemp("warm")
     site, work = base / "site", base / "work"
     write_script(site, "warmmark/__init__.py", MARK + "VERSION = 1\n")
-    write_script(site, "warmthread.py", MARK + "import threading, time\n"
-                 "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\nSTARTED = True\n")
+    write_script(
+        site,
+        "warmthread.py",
+        MARK + "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\nSTARTED = True\n",
+    )
     write_script(site, "warmfail.py", MARK + "if 'RANK' not in os.environ:\n    raise ImportError('only in a rank')\n")
     write_script(work, "wsmod.py", MARK)
     write_script(work, "train.py", SCRIPT)
@@ -63,14 +67,14 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Job, Path,
             job.stop()
 
 
-def take_marks(marks: Path) -> List[str]:
+def take_marks(marks: Path) -> list[str]:
     lines = marks.read_text().splitlines() if marks.exists() else []
     marks.write_text("")
     return lines
 
 
-def run(job: Job, work: Path, cold: bool = False) -> Tuple[str, List[str]]:
-    notices: List[str] = []
+def run(job: Job, work: Path, cold: bool = False) -> tuple[str, list[str]]:
+    notices: list[str] = []
     r = spmd(job, work / "train.py", nproc=2, cold=cold, notices=notices)
     assert r.result.exit_code == 0, r.text()
     return r.text(), notices
@@ -156,8 +160,13 @@ def test_warm_and_status_commands(setup) -> None:
     wait_warm(job)
 
     def monarch(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "monarch_cli", *args, "--state", str(job.path)],
-                              capture_output=True, text=True, timeout=60, cwd=work)
+        return subprocess.run(
+            [sys.executable, "-m", "monarch_cli", *args, "--state", str(job.path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=work,
+        )
 
     status = monarch("status")
     assert status.returncode == 0 and "learned)" in status.stdout and "MiB" in status.stdout, status.stdout
@@ -219,8 +228,9 @@ print("clean exit", flush=True)
 
 
 @pytest.mark.slow
-def test_ddp_scripts_that_destroy_the_group_before_the_model_exit_warm(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ddp_scripts_that_destroy_the_group_before_the_model_exit_warm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The common DDP ending (destroy the group, return, the model goes) hung in gloo's teardown
     in ~1 of 3 runs forked from a learned warm process (a torch race; see runtime/rank_start.py)."""
     monkeypatch.setenv("MONARCH_CACHE_DIR", str(tmp_path / "cache"))
@@ -231,9 +241,24 @@ def test_ddp_scripts_that_destroy_the_group_before_the_model_exit_warm(tmp_path:
         spmd(job, script)  # teaches the warm process DDP's imports
         wait_warm(job)
         for attempt in range(10):
-            done = subprocess.run([sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(job.path), "--",
-                                   "torchrun", "--nproc-per-node=2", str(script)],
-                                  capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "monarch_cli",
+                    "run-spmd",
+                    "--state",
+                    str(job.path),
+                    "--",
+                    "torchrun",
+                    "--nproc-per-node=2",
+                    str(script),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=tmp_path,
+            )
             assert done.returncode == 0 and done.stdout.count("clean exit") == 2, (attempt, done.stdout, done.stderr)
     finally:
         job.stop()

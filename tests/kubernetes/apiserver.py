@@ -34,6 +34,7 @@ Job controller write them through the API.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import datetime
 import json
@@ -44,31 +45,46 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-KINDS = {"pods": ("v1", "Pod"), "secrets": ("v1", "Secret"), "services": ("v1", "Service"), "jobs": ("batch/v1", "Job"),
-         "events": ("v1", "Event")}
-_PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/"
-                   r"(?P<plural>pods|secrets|services|jobs|events)"
-                   r"(?:/(?P<name>[a-z0-9.-]+))?/?$")
+KINDS = {
+    "pods": ("v1", "Pod"),
+    "secrets": ("v1", "Secret"),
+    "services": ("v1", "Service"),
+    "jobs": ("batch/v1", "Job"),
+    "events": ("v1", "Event"),
+}
+_PATH = re.compile(
+    r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/"
+    r"(?P<plural>pods|secrets|services|jobs|events)"
+    r"(?:/(?P<name>[a-z0-9.-]+))?/?$"
+)
 _PORT_FORWARD = re.compile(r"^/api/v1/namespaces/(?P<ns>[a-z0-9-]+)/pods/(?P<name>[a-z0-9.-]+)/portforward$")
 #: The kubelet's port-forward websocket subprotocol (it offers no v5 for port-forward).
 PORT_FORWARD_PROTOCOL = "v4.channel.k8s.io"
 #: (namespace, pod, port) -> a socket connected to that port in the pod (the kubelet's part).
 Dial = Callable[[str, str, int], socket.socket]
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-Key = Tuple[str, str, str]
+Key = tuple[str, str, str]
 
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def status(code: int, reason: str, message: str) -> Dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}
+def status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 class ApiError(Exception):
@@ -77,7 +93,7 @@ class ApiError(Exception):
         self.body = status(code, reason, message)
 
 
-def _fields_match(obj: Dict[str, Any], selector: str) -> bool:
+def _fields_match(obj: dict[str, Any], selector: str) -> bool:
     """A ``fieldSelector`` of ``a.b=value`` terms (what the backend asks of events)."""
     for term in filter(None, selector.split(",")):
         path, _, value = term.partition("=")
@@ -89,7 +105,7 @@ def _fields_match(obj: Dict[str, Any], selector: str) -> bool:
     return True
 
 
-def _matches(obj: Dict[str, Any], selector: str) -> bool:
+def _matches(obj: dict[str, Any], selector: str) -> bool:
     labels = obj["metadata"].get("labels") or {}
     for term in filter(None, selector.split(",")):
         key, _, value = term.partition("=")
@@ -104,28 +120,29 @@ class Store:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.version = 0
-        self.objects: Dict[Key, Dict[str, Any]] = {}
-        self.events: List[Tuple[int, str, str, str, Dict[str, Any]]] = []  # (rv, plural, ns, type, object)
+        self.objects: dict[Key, dict[str, Any]] = {}
+        self.events: list[tuple[int, str, str, str, dict[str, Any]]] = []  # (rv, plural, ns, type, object)
         self.oldest = 0  # events at or below this version are forgotten
         self.namespaces = {"default"}
 
-    def _record(self, plural: str, ns: str, kind: str, obj: Dict[str, Any]) -> Dict[str, Any]:
+    def _record(self, plural: str, ns: str, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
         self.version += 1
         obj["metadata"]["resourceVersion"] = str(self.version)
         self.events.append((self.version, plural, ns, kind, copy.deepcopy(obj)))
         self.cond.notify_all()
         return copy.deepcopy(obj)
 
-    def create(self, plural: str, ns: str, obj: Dict[str, Any], dry_run: bool = False) -> Dict[str, Any]:
+    def create(self, plural: str, ns: str, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         api_version, kind = KINDS[plural]
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
         name = meta.get("name", "")
         if obj.get("kind") != kind or obj.get("apiVersion") != api_version:
-            raise ApiError(400, "BadRequest", f"expected {api_version} {kind}, got {obj.get('apiVersion')} "
-                                              f"{obj.get('kind')}")
+            raise ApiError(
+                400, "BadRequest", f"expected {api_version} {kind}, got {obj.get('apiVersion')} {obj.get('kind')}"
+            )
         if not _NAME.match(name):
-            raise ApiError(422, "Invalid", f"{kind} \"{name}\" is invalid: metadata.name: Invalid value")
+            raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: metadata.name: Invalid value')
         if meta.get("namespace", ns) != ns:
             raise ApiError(400, "BadRequest", "the namespace of the object does not match the namespace of the URL")
         if ns not in self.namespaces:  # the NamespaceLifecycle admission check, dry runs included
@@ -140,21 +157,25 @@ class Store:
             self.objects[(plural, ns, name)] = obj
             return self._record(plural, ns, "ADDED", obj)
 
-    def get(self, plural: str, ns: str, name: str) -> Dict[str, Any]:
+    def get(self, plural: str, ns: str, name: str) -> dict[str, Any]:
         with self.cond:
             obj = self.objects.get((plural, ns, name))
             if obj is None:
                 raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
             return copy.deepcopy(obj)
 
-    def list(self, plural: str, ns: Optional[str], selector: str = "",
-             fields: str = "") -> Tuple[List[Dict[str, Any]], str]:
+    def list(
+        self, plural: str, ns: str | None, selector: str = "", fields: str = ""
+    ) -> tuple[builtins.list[dict[str, Any]], str]:
         with self.cond:
-            items = [copy.deepcopy(o) for (p, n, _), o in sorted(self.objects.items())
-                     if p == plural and (ns is None or n == ns) and _matches(o, selector) and _fields_match(o, fields)]
+            items = [
+                copy.deepcopy(o)
+                for (p, n, _), o in sorted(self.objects.items())
+                if p == plural and (ns is None or n == ns) and _matches(o, selector) and _fields_match(o, fields)
+            ]
             return items, str(self.version)
 
-    def update(self, plural: str, ns: str, name: str, change: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+    def update(self, plural: str, ns: str, name: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         """Apply ``change`` to the stored object (a status write) and tell the watchers."""
         with self.cond:
             obj = self.objects.get((plural, ns, name))
@@ -163,12 +184,12 @@ class Store:
             change(obj)
             return self._record(plural, ns, "MODIFIED", obj)
 
-    def remove(self, plural: str, ns: str, name: str) -> Optional[Dict[str, Any]]:
+    def remove(self, plural: str, ns: str, name: str) -> dict[str, Any] | None:
         with self.cond:
             obj = self.objects.pop((plural, ns, name), None)
             return None if obj is None else self._record(plural, ns, "DELETED", obj)
 
-    def delete(self, plural: str, ns: str, name: str, propagation: str) -> Dict[str, Any]:
+    def delete(self, plural: str, ns: str, name: str, propagation: str) -> dict[str, Any]:
         with self.cond:
             obj = self.objects.get((plural, ns, name))
             if obj is None:
@@ -177,14 +198,20 @@ class Store:
                 if propagation != "Background":  # Orphan, the default: the pods stay, without an owner
                     for (p, n, _), pod in list(self.objects.items()):
                         if p == "pods" and n == ns and (pod["metadata"].get("labels") or {}).get("job-name") == name:
-                            self.update("pods", ns, pod["metadata"]["name"],
-                                        lambda o: o["metadata"].pop("ownerReferences", None))
+                            self.update(
+                                "pods",
+                                ns,
+                                pod["metadata"]["name"],
+                                lambda o: o["metadata"].pop("ownerReferences", None),
+                            )
                 return self.remove(plural, ns, name) or obj
             if plural in ("jobs", "pods"):  # graceful: the kubelet/garbage collector finishes it
-                def mark(o: Dict[str, Any]) -> None:
+
+                def mark(o: dict[str, Any]) -> None:
                     o["metadata"].setdefault("deletionTimestamp", now())
                     if plural == "jobs":
                         o["metadata"]["finalizers"] = ["foregroundDeletion"]
+
                 return self.update(plural, ns, name, mark)
             return self.remove(plural, ns, name) or obj
 
@@ -194,8 +221,7 @@ class Store:
             self.oldest = self.version
             self.events.clear()
 
-    def watch(self, plural: str, ns: str, selector: str, since: Optional[str],
-              timeout: float) -> Iterator[Dict[str, Any]]:
+    def watch(self, plural: str, ns: str, selector: str, since: str | None, timeout: float) -> Iterator[dict[str, Any]]:
         """Events after ``since`` (all current objects as ADDED when None) until ``timeout`` seconds pass."""
         deadline = time.monotonic() + timeout
         with self.cond:
@@ -207,8 +233,12 @@ class Store:
                 after = int(since)
                 initial = []
                 if after < self.oldest:
-                    initial = [{"type": "ERROR", "object": status(410, "Expired", f"too old resource version: "
-                                                                                  f"{after} ({self.oldest})")}]
+                    initial = [
+                        {
+                            "type": "ERROR",
+                            "object": status(410, "Expired", f"too old resource version: {after} ({self.oldest})"),
+                        }
+                    ]
                     after = -1
         yield from initial
         if after < 0:
@@ -231,12 +261,12 @@ class Store:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     store: Store
-    api: "ApiServer"
+    api: ApiServer
 
     def log_message(self, *args: Any) -> None:  # quiet
         pass
 
-    def _send(self, code: int, body: Dict[str, Any]) -> None:
+    def _send(self, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -244,14 +274,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _route(self) -> Tuple[str, str, Optional[str], Dict[str, List[str]]]:
+    def _route(self) -> tuple[str, str, str | None, dict[str, list[str]]]:
         url = urlparse(self.path)
         m = _PATH.match(url.path)
         if not m:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({url.path})")
         return m["plural"], m["ns"], m["name"], parse_qs(url.query)
 
-    def _body(self) -> Dict[str, Any]:
+    def _body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
         return json.loads(self.rfile.read(length) or b"{}") if length else {}
 
@@ -262,13 +292,27 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "GET" and name:
                 return self._send(200, self.store.get(plural, ns, name))
             if method == "GET" and one("watch") in ("1", "true"):
-                return self._stream(self.store.watch(plural, ns, one("labelSelector"), one("resourceVersion") or None,
-                                                     float(one("timeoutSeconds", "300"))))
+                return self._stream(
+                    self.store.watch(
+                        plural,
+                        ns,
+                        one("labelSelector"),
+                        one("resourceVersion") or None,
+                        float(one("timeoutSeconds", "300")),
+                    )
+                )
             if method == "GET":
                 items, version = self.store.list(plural, ns, one("labelSelector"), one("fieldSelector"))
                 api_version, kind = KINDS[plural]
-                return self._send(200, {"kind": f"{kind}List", "apiVersion": api_version,
-                                        "metadata": {"resourceVersion": version}, "items": items})
+                return self._send(
+                    200,
+                    {
+                        "kind": f"{kind}List",
+                        "apiVersion": api_version,
+                        "metadata": {"resourceVersion": version},
+                        "items": items,
+                    },
+                )
             if method == "POST" and not name:
                 return self._send(201, self.store.create(plural, ns, self._body(), dry_run=one("dryRun") == "All"))
             if method == "DELETE" and name:
@@ -280,7 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, KeyError) as e:
             self._send(400, status(400, "BadRequest", f"{type(e).__name__}: {e}"))
 
-    def _stream(self, events: Iterator[Dict[str, Any]]) -> None:
+    def _stream(self, events: Iterator[dict[str, Any]]) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
@@ -304,7 +348,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(e.body["code"], e.body)
         self._handle("GET")
 
-    def _port_forward(self, ns: str, name: str, query: Dict[str, List[str]]) -> None:
+    def _port_forward(self, ns: str, name: str, query: dict[str, list[str]]) -> None:
         """The port-forward websocket: one port, its data channel relayed to the pod's port."""
         from websockets.server import ServerProtocol
 
@@ -316,8 +360,9 @@ class _Handler(BaseHTTPRequestHandler):
         if (pod.get("status") or {}).get("phase") != "Running" or self.api.dial is None:
             raise ApiError(400, "BadRequest", f"pod {name} is not running")
         ws = ServerProtocol(subprotocols=[PORT_FORWARD_PROTOCOL], max_size=None)
-        ws.receive_data(self.raw_requestline + b"".join(f"{k}: {v}\r\n".encode() for k, v in self.headers.items())
-                        + b"\r\n")  # the request this handler parsed, for the protocol's own parser
+        ws.receive_data(
+            self.raw_requestline + b"".join(f"{k}: {v}\r\n".encode() for k, v in self.headers.items()) + b"\r\n"
+        )  # the request this handler parsed, for the protocol's own parser
         (request,) = ws.events_received()
         response = ws.accept(request)
         ws.send_response(response)
@@ -332,8 +377,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             target = self.api.dial(ns, name, port)
         except OSError as e:
-            ws.send_binary(b"\x01" + f"error forwarding port {port} to pod {name}, uid {pod['metadata']['uid']}: "
-                                      f"failed to connect to localhost:{port} inside the pod: {e}".encode())
+            ws.send_binary(
+                b"\x01"
+                + f"error forwarding port {port} to pod {name}, uid {pod['metadata']['uid']}: "
+                f"failed to connect to localhost:{port} inside the pod: {e}".encode()
+            )
             ws.send_close()
             conn.sendall(b"".join(ws.data_to_send()))
             return
@@ -383,7 +431,7 @@ class ApiServer:
     def __init__(self) -> None:
         self.store = Store()
         #: How port-forwards reach a pod's port: set by the kubelet (:meth:`.kubelet.Kubelet.dial`).
-        self.dial: Optional[Dial] = None
+        self.dial: Dial | None = None
         handler = type("Handler", (_Handler,), {"store": self.store, "api": self})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
@@ -393,11 +441,18 @@ class ApiServer:
 
     def kubeconfig(self, path: Any, namespace: str = "default") -> str:
         """A kubeconfig file pointing at this emulator, as a user's would point at a cluster."""
-        text = json.dumps({"apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-                           "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-                           "users": [{"name": "tester", "user": {"token": "not-checked"}}],
-                           "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
-                                                                         "namespace": namespace}}]})
+        text = json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "emulator",
+                "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+                "users": [{"name": "tester", "user": {"token": "not-checked"}}],
+                "contexts": [
+                    {"name": "emulator", "context": {"cluster": "emulator", "user": "tester", "namespace": namespace}}
+                ],
+            }
+        )
         with open(path, "w") as f:
             f.write(text)
         return str(path)

@@ -45,8 +45,9 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from .apiserver import Store, now
 
@@ -62,8 +63,15 @@ class _Container:
 class Kubelet:
     """Runs in a thread beside the emulator; :meth:`close` kills every process it started."""
 
-    def __init__(self, store: Store, images: Dict[str, str], gpus: int = 0, root: Optional[Path] = None,
-                 hide: Sequence[Path] = (), nodes: Sequence[Tuple[str, str]] = ()) -> None:
+    def __init__(
+        self,
+        store: Store,
+        images: dict[str, str],
+        gpus: int = 0,
+        root: Path | None = None,
+        hide: Sequence[Path] = (),
+        nodes: Sequence[tuple[str, str]] = (),
+    ) -> None:
         """``images``: image name -> a directory put first on PYTHONPATH ("" for none): what the image holds.
         ``hide``: directories the pods must not see (an empty tmpfs over each, in a mount namespace of the
         pod's own: needs root), as the client's files are not in a real pod's filesystem.
@@ -71,18 +79,18 @@ class Kubelet:
         self.store, self.images, self.gpus, self.hide = store, dict(images), gpus, [str(h) for h in hide]
         self.root = Path(root or tempfile.mkdtemp(prefix="kubelet-"))
         self.root.mkdir(parents=True, exist_ok=True)
-        self.running: Dict[str, _Container] = {}  # pod key "ns/name" -> process
-        self.ips: Dict[str, str] = {}
+        self.running: dict[str, _Container] = {}  # pod key "ns/name" -> process
+        self.ips: dict[str, str] = {}
         self.nodes = list(nodes)
         #: A ResourceQuota on the number of pods: the Job controller's creations past it fail (an Event).
-        self.pod_quota: Optional[int] = None
-        self.node_of: Dict[str, Tuple[str, str]] = {}  # pod key -> its network namespace and address
-        self.job_started: Dict[str, float] = {}
+        self.pod_quota: int | None = None
+        self.node_of: dict[str, tuple[str, str]] = {}  # pod key -> its network namespace and address
+        self.job_started: dict[str, float] = {}
         self._next_ip = 1
         #: A loopback /24 of its own, so kubelets of concurrent test runs never share a pod IP.
         self._ip_prefix = f"127.{random.randrange(10, 250)}.{random.randrange(1, 250)}"
         self._stop = threading.Event()
-        self.errors: List[str] = []
+        self.errors: list[str] = []
         self.thread = threading.Thread(target=self._loop, daemon=True, name="kubelet")
         self.thread.start()
 
@@ -99,10 +107,11 @@ class Kubelet:
     def _sync(self) -> None:
         jobs, _ = self.store.list("jobs", None)
         pods, _ = self.store.list("pods", None)
-        by_job: Dict[str, List[Dict[str, Any]]] = {}
+        by_job: dict[str, list[dict[str, Any]]] = {}
         for pod in pods:
-            by_job.setdefault(f"{pod['metadata']['namespace']}/{pod['metadata']['labels'].get('job-name')}",
-                              []).append(pod)
+            by_job.setdefault(f"{pod['metadata']['namespace']}/{pod['metadata']['labels'].get('job-name')}", []).append(
+                pod
+            )
         names = set()
         for job in jobs:
             key = f"{job['metadata']['namespace']}/{job['metadata']['name']}"
@@ -119,7 +128,7 @@ class Kubelet:
             else:
                 self._sync_pod(pod)
 
-    def _sync_job(self, job: Dict[str, Any], pods: List[Dict[str, Any]]) -> None:
+    def _sync_job(self, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         meta, spec, st = job["metadata"], job["spec"], job.get("status") or {}
         ns, name = meta["namespace"], meta["name"]
         if meta.get("deletionTimestamp"):
@@ -137,8 +146,12 @@ class Kubelet:
                     continue
                 self._create_pod(job, index)
             self.job_started[f"{ns}/{name}"] = time.monotonic()
-            self.store.update("jobs", ns, name, lambda o: o["status"].update(startTime=now(), active=int(
-                spec.get("completions") or 1)))
+            self.store.update(
+                "jobs",
+                ns,
+                name,
+                lambda o: o["status"].update(startTime=now(), active=int(spec.get("completions") or 1)),
+            )
             return
         phases = [p["status"].get("phase") for p in pods]
         deadline = spec.get("activeDeadlineSeconds")
@@ -147,52 +160,102 @@ class Kubelet:
         elif "Failed" in phases:
             self._fail(job, pods, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
         elif phases and all(p == "Succeeded" for p in phases):
-            self.store.update("jobs", ns, name, lambda o: o["status"].update(
-                active=0, succeeded=len(phases), conditions=[_condition("Complete", "", "")]))
+            self.store.update(
+                "jobs",
+                ns,
+                name,
+                lambda o: o["status"].update(
+                    active=0, succeeded=len(phases), conditions=[_condition("Complete", "", "")]
+                ),
+            )
 
-    def _fail(self, job: Dict[str, Any], pods: List[Dict[str, Any]], reason: str, message: str) -> None:
+    def _fail(self, job: dict[str, Any], pods: list[dict[str, Any]], reason: str, message: str) -> None:
         for pod in pods:
             if pod["status"].get("phase") not in ("Failed", "Succeeded"):
                 self._delete_pod(pod)
         failed = sum(p["status"].get("phase") == "Failed" for p in pods)
-        self.store.update("jobs", job["metadata"]["namespace"], job["metadata"]["name"], lambda o: o["status"].update(
-            active=0, failed=max(failed, 1), conditions=[_condition("Failed", reason, message)]))
+        self.store.update(
+            "jobs",
+            job["metadata"]["namespace"],
+            job["metadata"]["name"],
+            lambda o: o["status"].update(
+                active=0, failed=max(failed, 1), conditions=[_condition("Failed", reason, message)]
+            ),
+        )
 
-    def _create_pod(self, job: Dict[str, Any], index: int) -> None:
+    def _create_pod(self, job: dict[str, Any], index: int) -> None:
         template = copy.deepcopy(job["spec"]["template"])
         meta = template.get("metadata") or {}
         job_name = job["metadata"]["name"]
-        labels = {**(meta.get("labels") or {}), "job-name": job_name, INDEX: str(index),
-                  "controller-uid": job["metadata"]["uid"]}
+        labels = {
+            **(meta.get("labels") or {}),
+            "job-name": job_name,
+            INDEX: str(index),
+            "controller-uid": job["metadata"]["uid"],
+        }
         annotations = {**(meta.get("annotations") or {}), INDEX: str(index)}
         spec = template["spec"]
         spec["hostname"] = f"{job_name}-{index}"
         for c in spec["containers"]:
-            c.setdefault("env", []).append({"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
-                "fieldPath": f"metadata.annotations['{INDEX}']"}}})
-        pod = {"apiVersion": "v1", "kind": "Pod", "spec": spec,
-               "metadata": {"name": f"{job_name}-{index}-{uuid.uuid4().hex[:5]}", "labels": labels,
-                            "annotations": annotations,
-                            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job_name,
-                                                 "uid": job["metadata"]["uid"], "controller": True}]},
-               "status": {"phase": "Pending"}}
+            c.setdefault("env", []).append(
+                {
+                    "name": "JOB_COMPLETION_INDEX",
+                    "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX}']"}},
+                }
+            )
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "spec": spec,
+            "metadata": {
+                "name": f"{job_name}-{index}-{uuid.uuid4().hex[:5]}",
+                "labels": labels,
+                "annotations": annotations,
+                "ownerReferences": [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": job_name,
+                        "uid": job["metadata"]["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
+            "status": {"phase": "Pending"},
+        }
         self.store.create("pods", job["metadata"]["namespace"], pod)
 
-    def _failed_create(self, job: Dict[str, Any], index: int) -> None:
+    def _failed_create(self, job: dict[str, Any], index: int) -> None:
         """The Job controller's Warning event for a pod the quota refused."""
         meta = job["metadata"]
         used = len(self.store.list("pods", meta["namespace"])[0])
-        self.store.create("events", meta["namespace"], {
-            "apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}"},
-            "involvedObject": {"apiVersion": "batch/v1", "kind": "Job", "namespace": meta["namespace"],
-                               "name": meta["name"], "uid": meta["uid"]},
-            "reason": "FailedCreate", "type": "Warning", "count": 1, "source": {"component": "job-controller"},
-            "firstTimestamp": now(), "lastTimestamp": now(),
-            "message": f'Error creating: pods "{meta["name"]}-{index}-x" is forbidden: exceeded quota: pods, '
-                       f"requested: pods=1, used: pods={used}, limited: pods={self.pod_quota}"})
+        self.store.create(
+            "events",
+            meta["namespace"],
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}"},
+                "involvedObject": {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "namespace": meta["namespace"],
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                },
+                "reason": "FailedCreate",
+                "type": "Warning",
+                "count": 1,
+                "source": {"component": "job-controller"},
+                "firstTimestamp": now(),
+                "lastTimestamp": now(),
+                "message": f'Error creating: pods "{meta["name"]}-{index}-x" is forbidden: exceeded quota: pods, '
+                f"requested: pods=1, used: pods={used}, limited: pods={self.pod_quota}",
+            },
+        )
 
     # ------------------------------------------------------------------ pods
-    def _sync_pod(self, pod: Dict[str, Any]) -> None:
+    def _sync_pod(self, pod: dict[str, Any]) -> None:
         meta, st = pod["metadata"], pod["status"]
         key = f"{meta['namespace']}/{meta['name']}"
         if st.get("phase") == "Pending" and key not in self.running:
@@ -201,28 +264,63 @@ class Kubelet:
             code = self.running[key].proc.poll()
             if code is not None:
                 log = (self.running[key].root / "log").read_text(errors="replace")[-300:]
-                self.store.update("pods", meta["namespace"], meta["name"], lambda o: o["status"].update(
-                    phase="Succeeded" if code == 0 else "Failed", containerStatuses=[_container_status(
-                        o, {"terminated": {"exitCode": code if code >= 0 else 128 - code,
-                                           "reason": "Completed" if code == 0 else "Error", "message": log}})]))
+                self.store.update(
+                    "pods",
+                    meta["namespace"],
+                    meta["name"],
+                    lambda o: o["status"].update(
+                        phase="Succeeded" if code == 0 else "Failed",
+                        containerStatuses=[
+                            _container_status(
+                                o,
+                                {
+                                    "terminated": {
+                                        "exitCode": code if code >= 0 else 128 - code,
+                                        "reason": "Completed" if code == 0 else "Error",
+                                        "message": log,
+                                    }
+                                },
+                            )
+                        ],
+                    ),
+                )
 
-    def _start(self, pod: Dict[str, Any]) -> None:
+    def _start(self, pod: dict[str, Any]) -> None:
         meta, spec = pod["metadata"], pod["spec"]
         ns, name = meta["namespace"], meta["name"]
         (container,) = spec["containers"]
         gpus = int(((container.get("resources") or {}).get("requests") or {}).get("nvidia.com/gpu", 0))
         if gpus > self.gpus:
-            cond = _condition("PodScheduled", "Unschedulable", "0/1 nodes are available: 1 Insufficient "
-                                                               "nvidia.com/gpu.", status="False")
+            cond = _condition(
+                "PodScheduled",
+                "Unschedulable",
+                "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+                status="False",
+            )
             if not any(c.get("reason") == "Unschedulable" for c in pod["status"].get("conditions") or []):
                 self.store.update("pods", ns, name, lambda o: o["status"].update(conditions=[cond]))
             return
         if any(c["image"] not in self.images for c in [container, *(spec.get("initContainers") or [])]):
             if not pod["status"].get("containerStatuses"):
-                self.store.update("pods", ns, name, lambda o: o["status"].update(
-                    conditions=[_condition("PodScheduled", "", "")], containerStatuses=[_container_status(o, {
-                        "waiting": {"reason": "ErrImagePull", "message": f'failed to pull image "{container["image"]}"'
-                                    ": not found"}})]))
+                self.store.update(
+                    "pods",
+                    ns,
+                    name,
+                    lambda o: o["status"].update(
+                        conditions=[_condition("PodScheduled", "", "")],
+                        containerStatuses=[
+                            _container_status(
+                                o,
+                                {
+                                    "waiting": {
+                                        "reason": "ErrImagePull",
+                                        "message": f'failed to pull image "{container["image"]}": not found',
+                                    }
+                                },
+                            )
+                        ],
+                    ),
+                )
             return
         key = f"{ns}/{name}"
         if self.nodes:
@@ -251,7 +349,7 @@ class Kubelet:
             value = fields[ref["fieldPath"]] if ref else _expand(item.get("value", ""), env)
             for mount_path, local in mounts.items():  # the mount stands at a private path
                 if value == mount_path or value.startswith(mount_path + "/"):
-                    value = str(local) + value[len(mount_path):]
+                    value = str(local) + value[len(mount_path) :]
             env[item["name"]] = value
         if key not in self.node_of:
             env.pop("MONARCH_LISTEN_HOST", None)
@@ -262,11 +360,27 @@ class Kubelet:
             done = subprocess.run(argv, env=env, cwd=root, capture_output=True, timeout=120)
             if done.returncode != 0:
                 message = (done.stdout + done.stderr).decode(errors="replace")[-300:]
-                self.store.update("pods", ns, name, lambda o: o["status"].update(
-                    phase="Failed", podIP=ip, initContainerStatuses=[{
-                        "name": init["name"], "image": init["image"], "imageID": "", "ready": False, "restartCount": 0,
-                        "state": {"terminated": {"exitCode": done.returncode, "reason": "Error",
-                                                 "message": message}}}]))
+                self.store.update(
+                    "pods",
+                    ns,
+                    name,
+                    lambda o: o["status"].update(
+                        phase="Failed",
+                        podIP=ip,
+                        initContainerStatuses=[
+                            {
+                                "name": init["name"],
+                                "image": init["image"],
+                                "imageID": "",
+                                "ready": False,
+                                "restartCount": 0,
+                                "state": {
+                                    "terminated": {"exitCode": done.returncode, "reason": "Error", "message": message}
+                                },
+                            }
+                        ],
+                    ),
+                )
                 shutil.rmtree(root, ignore_errors=True)
                 self.node_of.pop(key, None)
                 return
@@ -274,8 +388,9 @@ class Kubelet:
         setup, words = [], []  # shell commands (run in the pod's own mount namespace) and their "$N" words
         if key in self.node_of:  # the pod's hostname, /etc/hosts and /etc/resolv.conf, as the kubelet writes them
             hostname = spec.get("hostname") or name
-            (root / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {hostname}.{spec.get('subdomain')}.{ns}.svc "
-                                        f"{hostname}\n")
+            (root / "hosts").write_text(
+                f"127.0.0.1 localhost\n{ip} {hostname}.{spec.get('subdomain')}.{ns}.svc {hostname}\n"
+            )
             (root / "resolv.conf").write_text("nameserver 127.0.0.1\n")  # no cluster DNS: a quick refusal
             setup += ['hostname "$1"', 'mount --bind "$2" /etc/hosts', 'mount --bind "$3" /etc/resolv.conf']
             words += [hostname, str(root / "hosts"), str(root / "resolv.conf")]
@@ -283,18 +398,49 @@ class Kubelet:
             setup.append(f'mount -t tmpfs pod-private "${len(words) + 1}"')
             words.append(hidden)
         if setup:
-            argv = ["unshare", "--mount", "--propagation", "private", *(["--uts"] if key in self.node_of else []),
-                    "sh", "-c", f'{" && ".join(setup)} && shift {len(words)} && exec "$@"', "sh", *words, *argv]
+            argv = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                *(["--uts"] if key in self.node_of else []),
+                "sh",
+                "-c",
+                f'{" && ".join(setup)} && shift {len(words)} && exec "$@"',
+                "sh",
+                *words,
+                *argv,
+            ]
         with open(root / "log", "wb") as log:
-            proc = subprocess.Popen(enter + argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=root,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                enter + argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                cwd=root,
+                start_new_session=True,
+            )
         self.running[key] = _Container(proc, root)
-        self.store.update("pods", ns, name, lambda o: (o["spec"].update(nodeName="node-0"), o["status"].update(
-            phase="Running", podIP=ip, podIPs=[{"ip": ip}], hostIP="127.0.0.1", startTime=now(),
-            conditions=[_condition("PodScheduled", "", ""), _condition("Ready", "", "")],
-            containerStatuses=[_container_status(o, {"running": {"startedAt": now()}}, ready=True)])))
+        self.store.update(
+            "pods",
+            ns,
+            name,
+            lambda o: (
+                o["spec"].update(nodeName="node-0"),
+                o["status"].update(
+                    phase="Running",
+                    podIP=ip,
+                    podIPs=[{"ip": ip}],
+                    hostIP="127.0.0.1",
+                    startTime=now(),
+                    conditions=[_condition("PodScheduled", "", ""), _condition("Ready", "", "")],
+                    containerStatuses=[_container_status(o, {"running": {"startedAt": now()}}, ready=True)],
+                ),
+            ),
+        )
 
-    def _materialise_volumes(self, pod: Dict[str, Any], container: Dict[str, Any], root: Path) -> Dict[str, Path]:
+    def _materialise_volumes(self, pod: dict[str, Any], container: dict[str, Any], root: Path) -> dict[str, Path]:
         """Secret volumes as files with the volume's mode in a private directory; {mount path: directory}."""
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
         out = {}
@@ -313,7 +459,7 @@ class Kubelet:
             out[mount["mountPath"]] = local
         return out
 
-    def _delete_pod(self, pod: Dict[str, Any]) -> None:
+    def _delete_pod(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         key = f"{meta['namespace']}/{meta['name']}"
         container = self.running.pop(key, None)
@@ -331,7 +477,7 @@ class Kubelet:
             if key not in self.ips:
                 raise OSError(f"pod {key} has no IP")
             return socket.create_connection((self.ips[key], port), timeout=2)
-        made: List[Any] = []
+        made: list[Any] = []
 
         def connect() -> None:
             try:
@@ -350,7 +496,7 @@ class Kubelet:
         made[0].settimeout(None)
         return made[0]
 
-    def pids(self) -> List[int]:
+    def pids(self) -> list[int]:
         return [c.proc.pid for c in self.running.values()]
 
     def close(self) -> None:
@@ -365,10 +511,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
 
 
-def _expand(text: str, env: Dict[str, str]) -> str:
+def _expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' ``$(VAR)`` expansion (``$$`` escapes; unknown references stay as they are)."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        text,
+    )
 
 
 def _kill(proc: subprocess.Popen, grace: float = 5.0) -> None:
@@ -389,21 +538,30 @@ def _kill(proc: subprocess.Popen, grace: float = 5.0) -> None:
         pass
 
 
-def _finished(st: Dict[str, Any]) -> bool:
-    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in st.get("conditions") or [])
+def _finished(st: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in st.get("conditions") or []
+    )
 
 
-def _condition(kind: str, reason: str, message: str, status: str = "True") -> Dict[str, Any]:
+def _condition(kind: str, reason: str, message: str, status: str = "True") -> dict[str, Any]:
     cond = {"type": kind, "status": status, "lastTransitionTime": now()}
     if reason:
         cond.update(reason=reason, message=message)
     return cond
 
 
-def _container_status(pod: Dict[str, Any], state: Dict[str, Any], ready: bool = False) -> Dict[str, Any]:
+def _container_status(pod: dict[str, Any], state: dict[str, Any], ready: bool = False) -> dict[str, Any]:
     container = pod["spec"]["containers"][0]
-    return {"name": container["name"], "image": container["image"], "imageID": "", "ready": ready,
-            "restartCount": 0, "started": "running" in state, "state": state}
+    return {
+        "name": container["name"],
+        "image": container["image"],
+        "imageID": "",
+        "ready": ready,
+        "restartCount": 0,
+        "started": "running" in state,
+        "state": state,
+    }
 
 
 __all__ = ["Kubelet"]

@@ -15,8 +15,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Tuple
 
 import psutil
 import pytest
@@ -43,7 +43,7 @@ dist.destroy_process_group()
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Tuple[ApiServer, Kubelet, str]]:
+def cluster(tmp_path: Path) -> Iterator[tuple[ApiServer, Kubelet, str]]:
     server = ApiServer()
     old = tmp_path / "old-image"  # an image with another monarch-cli
     (old / "monarch_cli").mkdir(parents=True)
@@ -58,11 +58,17 @@ def cluster(tmp_path: Path) -> Iterator[Tuple[ApiServer, Kubelet, str]]:
 
 
 def _monarch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
 
 
-def _processes_of(rid: str) -> List[str]:
+def _processes_of(rid: str) -> list[str]:
     """The command lines (process titles) of the reservation's agents and what they started."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
@@ -72,12 +78,29 @@ def _processes_of(rid: str) -> List[str]:
     return found
 
 
-def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+def test_serve_run_status_stop(cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     server, kubelet, kubeconfig = cluster
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
-    printed = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                       kubeconfig, "--label", "team=ml", "--annotation", TOPOLOGY, "--time", "1h", "--dry-run",
-                       "--json")
+    printed = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        IMAGE,
+        "--kubeconfig",
+        kubeconfig,
+        "--label",
+        "team=ml",
+        "--annotation",
+        TOPOLOGY,
+        "--time",
+        "1h",
+        "--dry-run",
+        "--json",
+    )
     assert printed.returncode == 0 and server.store.list("jobs", None)[0] == [], printed.stderr  # contacts nothing
     (tmp_path / "plan.json").write_text(printed.stdout)
     served = _monarch(tmp_path, "serve", "--plan", "plan.json", "--json")  # reserve exactly the printed plan
@@ -98,11 +121,42 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
     assert [h.name for h in job.state.hosts] == [f"{rid}-0", f"{rid}-1"]
     assert job.state.scheduler_data["kubernetes"]["reach"] == "direct"  # pod IPs answer: no port-forward
     assert sum(c.startswith(f"monarch agent {rid} host {rid}-") for c in _processes_of(rid)) == 2
-    again = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                     kubeconfig, "--label", "team=ml", "--annotation", TOPOLOGY, "--time", "1h", "--json")
+    again = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        IMAGE,
+        "--kubeconfig",
+        kubeconfig,
+        "--label",
+        "team=ml",
+        "--annotation",
+        TOPOLOGY,
+        "--time",
+        "1h",
+        "--json",
+    )
     assert again.returncode == 0 and json.loads(again.stdout)["reservation_id"] == rid, again.stderr  # reused
-    other = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", OLD_IMAGE, "--kubeconfig",
-                     kubeconfig, "--label", "team=ml", "--time", "1h")
+    other = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        OLD_IMAGE,
+        "--kubeconfig",
+        kubeconfig,
+        "--label",
+        "team=ml",
+        "--time",
+        "1h",
+    )
     assert other.returncode != 0 and f"--image {IMAGE}, not {OLD_IMAGE}" in other.stderr, other.stderr
 
     ran = _monarch(tmp_path, "run-spmd", "--", "python", "allreduce.py")
@@ -119,15 +173,29 @@ def test_serve_run_status_stop(cluster: Tuple[ApiServer, Kubelet, str], tmp_path
         assert server.store.list(plural, "default", f"monarch-cli/reservation={rid}")[0] == [], plural
     assert _processes_of(rid) == [] and kubelet.pids() == []
     # the Job went in the foreground (pods first); the API's default for Jobs would have orphaned them
-    assert any(p == "jobs" and o["metadata"]["name"] == rid and
-               o["metadata"].get("finalizers") == ["foregroundDeletion"] for _, p, _, _, o in server.store.events)
+    assert any(
+        p == "jobs" and o["metadata"]["name"] == rid and o["metadata"].get("finalizers") == ["foregroundDeletion"]
+        for _, p, _, _, o in server.store.events
+    )
 
 
-def test_image_pull_failure_is_one_line_and_leaves_nothing(cluster: Tuple[ApiServer, Kubelet, str],
-                                                           tmp_path: Path) -> None:
+def test_image_pull_failure_is_one_line_and_leaves_nothing(
+    cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path
+) -> None:
     server, _, kubeconfig = cluster
-    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", "registry.example/typo:1",
-                    "--kubeconfig", kubeconfig, timeout=60)
+    done = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        "registry.example/typo:1",
+        "--kubeconfig",
+        kubeconfig,
+        timeout=60,
+    )
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "ErrImagePull" in lines[0] and "typo:1" in lines[0], done.stderr
@@ -135,20 +203,30 @@ def test_image_pull_failure_is_one_line_and_leaves_nothing(cluster: Tuple[ApiSer
         assert server.store.list(plural, "default")[0] == [], plural
 
 
-def test_unschedulable_pods_give_up_with_the_reason(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unschedulable_pods_give_up_with_the_reason(
+    cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server, _, kubeconfig = cluster
     monkeypatch.setattr("monarch_cli.schedulers.kubernetes.pods.UNSCHEDULABLE_GRACE", 1.0)
-    messages: List[str] = []
+    messages: list[str] = []
     with pytest.raises(SchedulerError, match=r"Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"):
-        serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, gpus_per_node=8,
-              kubeconfig=kubeconfig, progress=messages.append)
+        serve(
+            None,
+            "kubernetes",
+            hosts=2,
+            state=tmp_path / ".monarch" / "s.pkl",
+            image=IMAGE,
+            gpus_per_node=8,
+            kubeconfig=kubeconfig,
+            progress=messages.append,
+        )
     assert any(m.startswith("Pending: pod monarch-") and "Insufficient nvidia.com/gpu" in m for m in messages), messages
     assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
 
 
-def test_a_quota_that_refuses_pods_is_shown_while_waiting(cluster: Tuple[ApiServer, Kubelet, str],
-                                                         tmp_path: Path) -> None:
+def test_a_quota_that_refuses_pods_is_shown_while_waiting(
+    cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path
+) -> None:
     server, kubelet, kubeconfig = cluster
     kubelet.pod_quota = 1  # room for one of the two pods
 
@@ -159,14 +237,24 @@ def test_a_quota_that_refuses_pods_is_shown_while_waiting(cluster: Tuple[ApiServ
         if "exceeded quota" in message:
             raise Seen(message)
 
-    with pytest.raises(Seen, match=r"Pending: the Job default/monarch-\w+ cannot create its pods: Error creating: "
-                                   r"pods .* is forbidden: exceeded quota: pods, requested: pods=1"):
-        serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, kubeconfig=kubeconfig,
-              progress=give_up_when_shown)
+    with pytest.raises(
+        Seen,
+        match=r"Pending: the Job default/monarch-\w+ cannot create its pods: Error creating: "
+        r"pods .* is forbidden: exceeded quota: pods, requested: pods=1",
+    ):
+        serve(
+            None,
+            "kubernetes",
+            hosts=2,
+            state=tmp_path / ".monarch" / "s.pkl",
+            image=IMAGE,
+            kubeconfig=kubeconfig,
+            progress=give_up_when_shown,
+        )
     assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
 
 
-def test_a_job_past_its_deadline_is_reported_gone(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+def test_a_job_past_its_deadline_is_reported_gone(cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     server, kubelet, kubeconfig = cluster
     state = tmp_path / ".monarch" / "s.pkl"
     job = serve(None, "kubernetes", hosts=1, state=state, image=IMAGE, kubeconfig=kubeconfig, time="8s")
@@ -182,10 +270,11 @@ def test_a_job_past_its_deadline_is_reported_gone(cluster: Tuple[ApiServer, Kube
     assert server.store.list("jobs", "default")[0] == [] and kubelet.pids() == []
 
 
-def test_a_pod_that_dies_fails_the_reservation(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+def test_a_pod_that_dies_fails_the_reservation(cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     server, kubelet, kubeconfig = cluster
-    job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", image=IMAGE,
-                kubeconfig=kubeconfig)
+    job = serve(
+        None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", image=IMAGE, kubeconfig=kubeconfig
+    )
     rid = job.state.reservation_id
     for p in psutil.process_iter(["cmdline"]):
         if " ".join(p.info["cmdline"] or []).startswith(f"monarch agent {rid} host {rid}-1"):
@@ -202,18 +291,58 @@ def test_a_pod_that_dies_fails_the_reservation(cluster: Tuple[ApiServer, Kubelet
     assert server.store.list("pods", "default")[0] == [] and _processes_of(rid) == [] and kubelet.pids() == []
 
 
-def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(cluster: Tuple[ApiServer, Kubelet, str],
-                                                                         tmp_path: Path) -> None:
+def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(
+    cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path
+) -> None:
     server, _, kubeconfig = cluster
-    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                    kubeconfig, "--validate", "--dry-run")
+    done = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        IMAGE,
+        "--kubeconfig",
+        kubeconfig,
+        "--validate",
+        "--dry-run",
+    )
     assert done.returncode == 0 and "validated by the API server" in done.stdout, done.stderr
     assert all(server.store.list(p, "default")[0] == [] for p in ("jobs", "secrets", "services"))  # a dry run
-    offline = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                       kubeconfig, "--namespace", "nosuch", "--dry-run")
+    offline = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        IMAGE,
+        "--kubeconfig",
+        kubeconfig,
+        "--namespace",
+        "nosuch",
+        "--dry-run",
+    )
     assert offline.returncode == 0, offline.stderr  # a plain dry run asks nobody...
-    asked = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                     kubeconfig, "--namespace", "nosuch", "--dry-run", "--validate")
+    asked = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        IMAGE,
+        "--kubeconfig",
+        kubeconfig,
+        "--namespace",
+        "nosuch",
+        "--dry-run",
+        "--validate",
+    )
     lines = asked.stderr.strip().splitlines()  # ...--validate asks the API server, which refuses
     assert asked.returncode != 0 and len(lines) == 1, asked.stderr
     assert 'the API server rejects the Secret: namespaces "nosuch" not found (HTTP 404)' in lines[0], lines[0]
@@ -226,20 +355,35 @@ def test_validate_asks_the_api_server_and_an_unreachable_one_is_one_line(cluster
     two["contexts"].append({"name": "closed", "context": {"cluster": "closed", "user": "tester"}})
     two["current-context"] = "closed"
     (tmp_path / "two").write_text(json.dumps(two))
-    chosen = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                      str(tmp_path / "two"), "--context", "emulator", "--validate", "--dry-run")
+    chosen = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        IMAGE,
+        "--kubeconfig",
+        str(tmp_path / "two"),
+        "--context",
+        "emulator",
+        "--validate",
+        "--dry-run",
+    )
     assert chosen.returncode == 0 and "validated by the API server" in chosen.stdout, chosen.stderr
-    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                    config, timeout=60)
+    done = _monarch(
+        tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig", config, timeout=60
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1 and "cannot reach the Kubernetes API" in lines[0], done.stderr
 
 
-def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+def test_a_queued_job_waits_suspended_until_admitted(cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     """What Kueue does to a queued Job, done by hand: serve waits, saying so, until the Job is unsuspended.
     Then, forced port-forwards reach the agents; and a Job deleted behind the client's back is reported gone."""
     server, _, kubeconfig = cluster
-    messages: List[str] = []
+    messages: list[str] = []
 
     def admit_when_asked(message: str) -> None:
         messages.append(message)
@@ -249,8 +393,17 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, K
             assert server.store.list("pods", "default")[0] == []  # nothing runs before admission
             server.store.update("jobs", "default", job["metadata"]["name"], lambda o: o["spec"].update(suspend=False))
 
-    job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "s.pkl", image=IMAGE, queue="team-a",
-                kubeconfig=kubeconfig, progress=admit_when_asked, port_forward="always")
+    job = serve(
+        None,
+        "kubernetes",
+        hosts=2,
+        state=tmp_path / ".monarch" / "s.pkl",
+        image=IMAGE,
+        queue="team-a",
+        kubeconfig=kubeconfig,
+        progress=admit_when_asked,
+        port_forward="always",
+    )
     assert len(job.state.hosts) == 2 and any("waiting for Kueue" in m for m in messages), messages
     assert job.state.scheduler_data["kubernetes"]["reach"] == "port-forward"
     shown = job.status()
@@ -269,8 +422,9 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, K
     from kubernetes import client, config  # as `kubectl delete job` would, behind the client's back
 
     batch = client.BatchV1Api(config.new_client_from_config(config_file=kubeconfig))
-    batch.delete_namespaced_job(job.state.reservation_id, "default",
-                                body=client.V1DeleteOptions(propagation_policy="Foreground"))
+    batch.delete_namespaced_job(
+        job.state.reservation_id, "default", body=client.V1DeleteOptions(propagation_policy="Foreground")
+    )
     deadline = time.monotonic() + 30
     while server.store.list("jobs", "default")[0] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -280,25 +434,42 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: Tuple[ApiServer, K
     assert server.store.list("pods", "default")[0] == [] and server.store.list("secrets", "default")[0] == []
 
 
-def test_an_image_with_another_monarch_cli_is_one_line(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+def test_an_image_with_another_monarch_cli_is_one_line(cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     server, _, kubeconfig = cluster
-    done = _monarch(tmp_path, "serve", "-s", "kubernetes", "--hosts", "2", "--image", OLD_IMAGE, "--kubeconfig",
-                    kubeconfig, timeout=60)
+    done = _monarch(
+        tmp_path,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        OLD_IMAGE,
+        "--kubeconfig",
+        kubeconfig,
+        timeout=60,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert "version-check: exit code 1" in lines[0] and "this image has monarch-cli 0.0.1, the client" in lines[0]
     assert server.store.list("pods", "default")[0] == [] and server.store.list("jobs", "default")[0] == []
 
 
-def test_a_pod_that_dies_mid_run_ends_the_run(cluster: Tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+def test_a_pod_that_dies_mid_run_ends_the_run(cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     server, kubelet, kubeconfig = cluster
-    job = serve(None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", image=IMAGE,
-                kubeconfig=kubeconfig)
+    job = serve(
+        None, "kubernetes", hosts=2, state=tmp_path / ".monarch" / "job_state.pkl", image=IMAGE, kubeconfig=kubeconfig
+    )
     rid = job.state.reservation_id
     (tmp_path / "wait.py").write_text("import time\nprint('started', flush=True)\ntime.sleep(120)\n")
-    run = subprocess.Popen([sys.executable, "-m", "monarch_cli", "run-spmd", "--", "python", "wait.py"], cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "300"})
+    run = subprocess.Popen(
+        [sys.executable, "-m", "monarch_cli", "run-spmd", "--", "python", "wait.py"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "300"},
+    )
     assert run.stdout is not None
     for _ in range(2):
         assert "started" in run.stdout.readline()
@@ -319,9 +490,19 @@ def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
     core, batch = apis({"kubeconfig": server.kubeconfig(tmp_path / "kubeconfig")})
 
     def pod(name: str, index: int) -> None:
-        server.store.create("pods", "default", {"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": name, "labels": {"monarch-cli/reservation": "r", "batch.kubernetes.io/job-completion-index":
-                                     str(index)}}, "spec": {"containers": [{"name": "agent", "image": "x"}]}})
+        server.store.create(
+            "pods",
+            "default",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "labels": {"monarch-cli/reservation": "r", "batch.kubernetes.io/job-completion-index": str(index)},
+                },
+                "spec": {"containers": [{"name": "agent", "image": "x"}]},
+            },
+        )
 
     pod("r-0-a", 0)
     watch = PodWatch(core, batch, "default", "r", 2, 1, lambda _m: None)
@@ -348,8 +529,18 @@ def test_the_workspace_reaches_pods_that_do_not_share_it(tmp_path: Path) -> None
     server = ApiServer()
     kubelet = Kubelet(server.store, images={IMAGE: ""}, hide=[workspace])
     try:
-        served = _monarch(workspace, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                          server.kubeconfig(tmp_path / "kubeconfig"))
+        served = _monarch(
+            workspace,
+            "serve",
+            "-s",
+            "kubernetes",
+            "--hosts",
+            "2",
+            "--image",
+            IMAGE,
+            "--kubeconfig",
+            server.kubeconfig(tmp_path / "kubeconfig"),
+        )
         assert served.returncode == 0, served.stderr
         ran = _monarch(workspace, "run-spmd", "--", "python", "allreduce.py")
         assert ran.returncode == 0, ran.stderr

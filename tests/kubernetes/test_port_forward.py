@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Tuple
 
 import pytest
 
@@ -32,7 +32,7 @@ PORT = 29600
 
 
 @pytest.fixture(scope="module")
-def pod_network() -> Iterator[List[Tuple[str, str]]]:
+def pod_network() -> Iterator[list[tuple[str, str]]]:
     if os.geteuid() != 0:
         pytest.skip("pods in network namespaces of their own need root")
     sh("ip", "route", "del", "unreachable", f"{SUBNET}.0/24", check=False)
@@ -48,12 +48,11 @@ def pod_network() -> Iterator[List[Tuple[str, str]]]:
 
 
 @pytest.fixture
-def cluster(pod_network: List[Tuple[str, str]], tmp_path: Path) -> Iterator[Tuple[ApiServer, Kubelet, str, Path]]:
+def cluster(pod_network: list[tuple[str, str]], tmp_path: Path) -> Iterator[tuple[ApiServer, Kubelet, str, Path]]:
     workspace = tmp_path / "project"
     workspace.mkdir()
     server = ApiServer()
-    kubelet = Kubelet(server.store, images={IMAGE: ""}, root=tmp_path / "kubelet", hide=[workspace],
-                      nodes=pod_network)
+    kubelet = Kubelet(server.store, images={IMAGE: ""}, root=tmp_path / "kubelet", hide=[workspace], nodes=pod_network)
     server.dial = kubelet.dial
     yield server, kubelet, server.kubeconfig(tmp_path / "kubeconfig"), workspace
     kubelet.close()
@@ -61,14 +60,15 @@ def cluster(pod_network: List[Tuple[str, str]], tmp_path: Path) -> Iterator[Tupl
     assert not kubelet.errors, kubelet.errors
 
 
-def _agent_peers(netns: str) -> List[str]:
+def _agent_peers(netns: str) -> list[str]:
     """The peer addresses of the connections into the agent's port inside ``netns``."""
     out = sh("ip", "netns", "exec", netns, "ss", "-Htn", "state", "established", f"( sport = :{PORT} )").stdout
     return [line.split()[-1].rpartition(":")[0] for line in out.splitlines() if line.strip()]
 
 
 def test_a_client_outside_the_cluster_drives_the_pods_through_port_forwards(
-        cluster: Tuple[ApiServer, Kubelet, str, Path], pod_network: List[Tuple[str, str]]) -> None:
+    cluster: tuple[ApiServer, Kubelet, str, Path], pod_network: list[tuple[str, str]]
+) -> None:
     server, kubelet, kubeconfig, workspace = cluster
     (workspace / "allreduce.py").write_text(ALLREDUCE + "print('data', open('data.txt').read())\n")
     (workspace / "data.txt").write_text("from the laptop")
@@ -76,8 +76,9 @@ def test_a_client_outside_the_cluster_drives_the_pods_through_port_forwards(
         with pytest.raises(OSError):
             socket.create_connection((ip, PORT), timeout=1).close()
 
-    served = _monarch(workspace, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                      kubeconfig)
+    served = _monarch(
+        workspace, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig", kubeconfig
+    )
     assert served.returncode == 0, served.stderr
     assert "Traceback" not in served.stderr, served.stderr
     job = job_load(workspace / ".monarch" / "job_state.pkl")
@@ -115,10 +116,23 @@ def test_a_client_outside_the_cluster_drives_the_pods_through_port_forwards(
         assert sh("ip", "netns", "pids", netns).stdout.split() == []
 
 
-def test_never_forwarding_from_outside_the_cluster_is_one_line(cluster: Tuple[ApiServer, Kubelet, str, Path]) -> None:
+def test_never_forwarding_from_outside_the_cluster_is_one_line(cluster: tuple[ApiServer, Kubelet, str, Path]) -> None:
     server, kubelet, kubeconfig, workspace = cluster
-    done = _monarch(workspace, "serve", "-s", "kubernetes", "--hosts", "2", "--image", IMAGE, "--kubeconfig",
-                    kubeconfig, "--port-forward", "never", timeout=60)
+    done = _monarch(
+        workspace,
+        "serve",
+        "-s",
+        "kubernetes",
+        "--hosts",
+        "2",
+        "--image",
+        IMAGE,
+        "--kubeconfig",
+        kubeconfig,
+        "--port-forward",
+        "never",
+        timeout=60,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert "is not reachable from here (No route to host)" in lines[0] and "--port-forward" in lines[0], lines[0]

@@ -12,8 +12,13 @@ from monarch_cli.runtime.dap_link import DapFrames, accept_same_user, listen_loo
 
 
 def _as_nobody(code: str) -> subprocess.Popen:
-    return subprocess.Popen(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", code], cwd="/",
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        ["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", code],
+        cwd="/",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user (runuser -u nobody) needs root")
@@ -21,16 +26,29 @@ def test_only_this_users_sockets_are_accepted_and_an_orphaned_one_is_not_taken_f
     listener = listen_loopback()
     port = listener.getsockname()[1]
     # Another user, connected and waiting for an answer: closed without a byte read or sent.
-    other = _as_nobody(f"import socket; s = socket.create_connection(('127.0.0.1', {port})); s.sendall(b'x');"
-                       "s.settimeout(10); print(repr(s.recv(100)))")
+    other = _as_nobody(
+        f"import socket; s = socket.create_connection(('127.0.0.1', {port})); s.sendall(b'x');"
+        "s.settimeout(10); print(repr(s.recv(100)))"
+    )
     conn, refused = accept_same_user(listener)
     assert conn is None and refused is not None and "uid 65534" in refused
     out, err = other.communicate(timeout=20)
     assert out.strip() == "b''" or "ConnectionResetError" in err
     # Another user that closes at once: its orphaned socket shows uid 0 in /proc, but no inode.
-    subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c",
-                    f"import socket; s = socket.create_connection(('127.0.0.1', {port})); s.sendall(b'x'); s.close()"],
-                   check=True, timeout=20, cwd="/")
+    subprocess.run(
+        [
+            "runuser",
+            "-u",
+            "nobody",
+            "--",
+            "/usr/bin/python3",
+            "-c",
+            f"import socket; s = socket.create_connection(('127.0.0.1', {port})); s.sendall(b'x'); s.close()",
+        ],
+        check=True,
+        timeout=20,
+        cwd="/",
+    )
     conn, refused = accept_same_user(listener)
     assert conn is None and "unknown user" in (refused or "")
     # This user gets in.
@@ -45,7 +63,7 @@ def test_only_this_users_sockets_are_accepted_and_an_orphaned_one_is_not_taken_f
 
 def test_dap_frames_are_whole_messages_and_garbage_is_refused() -> None:
     frames = DapFrames()
-    one = b'Content-Length: 2\r\n\r\n{}'
+    one = b"Content-Length: 2\r\n\r\n{}"
     two = b'Content-Length: 7\r\n\r\n{"a":1}'
     stream = one + two
     got = []

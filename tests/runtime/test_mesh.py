@@ -9,8 +9,6 @@ import time
 
 import pytest
 
-from monarch_cli.runtime.mailbox import Mailbox
-
 from monarch_cli import (
     Actor,
     ActorError,
@@ -25,6 +23,7 @@ from monarch_cli import (
     this_host,
     this_proc,
 )
+from monarch_cli.runtime.mailbox import Mailbox
 
 
 class Counter(Actor):
@@ -406,5 +405,4 @@ def test_stop_returns_a_future_that_coroutines_can_await():
 
     asyncio.run(main())
     assert time.monotonic() - t >= 1.5
-    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-               for pid in pids)
+    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z" for pid in pids)

@@ -18,7 +18,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 def _messages_table() -> str:
     text = DOC.read_text()
-    section = text[text.index("## Messages"):]
+    section = text[text.index("## Messages") :]
     section = section[: section.index("\n## ", 1)]
     return "\n".join(line for line in section.splitlines() if line.startswith("| ") and ("→" in line or "↔" in line))
 
@@ -66,7 +66,7 @@ def test_events_reach_the_subscription_of_their_run_and_no_other() -> None:
     import queue
 
     mb = Mailbox.get()
-    got: "queue.Queue[tuple]" = queue.Queue()
+    got: queue.Queue[tuple] = queue.Queue()
     mine = mb.subscribe("run-a", {protocol.Output: lambda e, body: got.put(("a", e.rank, bytes(body[0])))})
     with mb.subscribe(None, {protocol.DebugState: lambda e, _: got.put(("any", e.run_id, e.state))}):
         dropped = mb.events.dropped.get("output", 0)

@@ -23,7 +23,12 @@ def test_select_ints_drop_dims_and_slices_keep_them():
 
 @pytest.mark.parametrize(
     "dims, error",
-    [({"racks": 0}, KeyError), ({"gpus": 4}, IndexError), ({"gpus": slice(9, 10)}, IndexError), ({"gpus": "1"}, TypeError)],
+    [
+        ({"racks": 0}, KeyError),
+        ({"gpus": 4}, IndexError),
+        ({"gpus": slice(9, 10)}, IndexError),
+        ({"gpus": "1"}, TypeError),
+    ],
 )
 def test_bad_selections_say_what_is_wrong(dims, error):
     with pytest.raises(error):

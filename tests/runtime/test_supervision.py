@@ -15,7 +15,7 @@ from monarch_cli.config import settings
 from monarch_cli.runtime.agent_start import launch_agent
 from monarch_cli.runtime.mailbox import Mailbox
 
-from ..conftest import all_gone, alive, spawn_python, wait_until
+from ..conftest import alive, all_gone, spawn_python, wait_until
 
 
 class Mortal(Actor):
@@ -42,7 +42,11 @@ class Mortal(Actor):
 
 @pytest.mark.parametrize(
     "how, expected",
-    [("sigkill", "killed by signal 9 (SIGKILL)"), ("segfault", "killed by signal 11 (SIGSEGV)"), ("exit", "exited with code 3")],
+    [
+        ("sigkill", "killed by signal 9 (SIGKILL)"),
+        ("segfault", "killed by signal 11 (SIGSEGV)"),
+        ("exit", "exited with code 3"),
+    ],
 )
 def test_dying_proc_fails_every_pending_call_quickly_and_says_why(how, expected):
     procs = this_host().spawn_procs(per_host={"gpus": 2})
@@ -197,7 +201,9 @@ def test_a_killed_fork_server_fails_its_procs_with_the_cause_and_is_replaced(key
         mesh = procs.spawn("mortal", Mortal)
         pids = list(mesh.pid.call().get(timeout=10).values())
         pending = mesh.sleep.call(30)
-        (server,) = [c for c in psutil.Process(agent.pid).children() if c.cmdline()[0].startswith("monarch fork-server")]
+        (server,) = [
+            c for c in psutil.Process(agent.pid).children() if c.cmdline()[0].startswith("monarch fork-server")
+        ]
         server.kill()
         with pytest.raises(SupervisionError, match=r"fork server on forky died \(signal SIGKILL\)"):
             pending.get(timeout=10)

@@ -130,12 +130,15 @@ def test_order_is_kept_per_sender_and_nothing_is_lost_under_load(store):
         assert [seq for s, seq in log if s == sender] == list(range(per_sender))
 
 
-@pytest.mark.parametrize("body, frames", [
-    (None, 1),                                    # header only
-    ({"loss": 0.5, "name": "x" * 48}, 1),         # the usual call: packed into one frame
-    (b"x" * 200_000, 2),                          # too big to pack: header frame + body frame
-    (np.arange(100_000, dtype=np.float32), 3),    # an out-of-band buffer travels as its own frame
-])
+@pytest.mark.parametrize(
+    "body, frames",
+    [
+        (None, 1),  # header only
+        ({"loss": 0.5, "name": "x" * 48}, 1),  # the usual call: packed into one frame
+        (b"x" * 200_000, 2),  # too big to pack: header frame + body frame
+        (np.arange(100_000, dtype=np.float32), 3),  # an out-of-band buffer travels as its own frame
+    ],
+)
 def test_messages_are_one_frame_when_small_and_round_trip_either_way(body, frames):
     import zmq
 

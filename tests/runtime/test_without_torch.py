@@ -35,8 +35,9 @@ def test_the_runtime_works_where_torch_cannot_be_imported(tmp_path: Path) -> Non
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('No module named torch (hidden by the test)')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(REPO)])}
-    done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "[(False, array([0, 2, 4])), (False, array([0, 2, 4]))]", done.stdout

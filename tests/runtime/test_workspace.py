@@ -5,16 +5,21 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Dict
 
 import pytest
 
 from monarch_cli.runtime.workspace import (
-    Mirror, Scanner, WorkspaceError, check_size, diff, load_scanner, save_scanner,
+    Mirror,
+    Scanner,
+    WorkspaceError,
+    check_size,
+    diff,
+    load_scanner,
+    save_scanner,
 )
 
 
-def _write(root: Path, files: Dict[str, str]) -> None:
+def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         p = root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -29,7 +34,7 @@ def _sync(scanner: Scanner, mirror: Mirror) -> int:
     return sum(1 for u in updates if u.data is not None)
 
 
-def _tree(root: Path) -> Dict[str, str]:
+def _tree(root: Path) -> dict[str, str]:
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
@@ -41,21 +46,44 @@ def _tree(root: Path) -> Dict[str, str]:
 
 def test_ignores_skips_links_and_modes(tmp_path: Path) -> None:
     ws, mirror_dir = tmp_path / "ws", tmp_path / "mirror"
-    _write(ws, {
-        "train.py": "print(1)\n", "pkg/mod.py": "x = 1\n", "pkg/__pycache__/mod.pyc": "bytecode",
-        ".git/HEAD": "ref", ".monarch/job_state.pkl": "state", "venv/pyvenv.cfg": "home = /usr",
-        "venv/lib/site.py": "", ".gitignore": "*.log\n!keep.log\nbuild/\n", "out.log": "log", "keep.log": "kept",
-        "build/a.o": "obj", "data/.gitignore": "*.bin\n", "data/big.bin": "0" * 100, "data/small.txt": "s",
-        ".monarchignore": "secret.txt\n", "secret.txt": "pw",
-    })
+    _write(
+        ws,
+        {
+            "train.py": "print(1)\n",
+            "pkg/mod.py": "x = 1\n",
+            "pkg/__pycache__/mod.pyc": "bytecode",
+            ".git/HEAD": "ref",
+            ".monarch/job_state.pkl": "state",
+            "venv/pyvenv.cfg": "home = /usr",
+            "venv/lib/site.py": "",
+            ".gitignore": "*.log\n!keep.log\nbuild/\n",
+            "out.log": "log",
+            "keep.log": "kept",
+            "build/a.o": "obj",
+            "data/.gitignore": "*.bin\n",
+            "data/big.bin": "0" * 100,
+            "data/small.txt": "s",
+            ".monarchignore": "secret.txt\n",
+            "secret.txt": "pw",
+        },
+    )
     os.chmod(ws / "train.py", 0o755)
     os.symlink("pkg/mod.py", ws / "link.py")
     os.symlink("pkg", ws / "pkglink")
     os.symlink("/etc/passwd", ws / "outside")
     scanner = Scanner(str(ws))
     result = scanner.scan()
-    assert sorted(result.manifest) == [".gitignore", ".monarchignore", "data/.gitignore", "data/small.txt",
-                                       "keep.log", "link.py", "pkg/mod.py", "pkglink", "train.py"]
+    assert sorted(result.manifest) == [
+        ".gitignore",
+        ".monarchignore",
+        "data/.gitignore",
+        "data/small.txt",
+        "keep.log",
+        "link.py",
+        "pkg/mod.py",
+        "pkglink",
+        "train.py",
+    ]
     assert result.outside_links == ["outside -> /etc/passwd"]
     mirror = Mirror(str(mirror_dir))
     _sync(scanner, mirror)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import List
 
 import psutil
 import pytest
@@ -68,19 +67,32 @@ def third_party(tmp_path: Path) -> Path:
     info = site / "flavoured_backend-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flavoured-backend\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent("""\
+    (info / "entry_points.txt").write_text(
+        textwrap.dedent("""\
         [monarch_cli.schedulers]
         flavoured = flavoured_backend:FlavouredScheduler
         broken = flavoured_backend:BrokenScheduler
-    """))
+    """)
+    )
     return site
 
 
 def monarch(*args: str, cwd: Path, site: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{site}", "MONARCH_STATE": str(cwd / ".monarch" / "s.pkl"),
-           "TMPDIR": str(cwd)}
-    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{site}",
+        "MONARCH_STATE": str(cwd / ".monarch" / "s.pkl"),
+        "TMPDIR": str(cwd),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_a_backend_from_another_package_gets_its_options_as_flags(tmp_path: Path, third_party: Path) -> None:
@@ -90,23 +102,57 @@ def test_a_backend_from_another_package_gets_its_options_as_flags(tmp_path: Path
     every = monarch("serve", "--help", cwd=tmp_path, site=third_party)
     assert "--flavour" in every.stdout and "--partition" in every.stdout  # no backend named: all of them
 
-    flags = monarch("serve", "-s", "flavoured", "--dry-run", "--json", "-f", "mint", "--copies", "3", "--", "python",
-                    "t.py", cwd=tmp_path, site=third_party)
+    flags = monarch(
+        "serve",
+        "-s",
+        "flavoured",
+        "--dry-run",
+        "--json",
+        "-f",
+        "mint",
+        "--copies",
+        "3",
+        "--",
+        "python",
+        "t.py",
+        cwd=tmp_path,
+        site=third_party,
+    )
     assert flags.returncode == 0, flags.stderr
     assert json.loads(flags.stdout)["options"] == {"flavour": "mint", "copies": 3}
-    pairs = monarch("serve", "-s", "flavoured", "--dry-run", "--json", "-o", "flavour=lemon", "-o", "copies=2",
-                    cwd=tmp_path, site=third_party)
+    pairs = monarch(
+        "serve",
+        "-s",
+        "flavoured",
+        "--dry-run",
+        "--json",
+        "-o",
+        "flavour=lemon",
+        "-o",
+        "copies=2",
+        cwd=tmp_path,
+        site=third_party,
+    )
     assert json.loads(pairs.stdout)["options"] == {"flavour": "lemon", "copies": 2}
-    one_line_error(monarch("serve", "-s", "flavoured", "--dry-run", "-o", "copies=many", cwd=tmp_path,
-                           site=third_party), "copies= takes a whole number")
-    one_line_error(monarch("serve", "-s", "flavoured", "--dry-run", "-o", "colour=red", cwd=tmp_path,
-                           site=third_party), "has no option 'colour'", "flavour, copies")
-    one_line_error(monarch("serve", "-s", "nope", "--dry-run", cwd=tmp_path, site=third_party),
-                   "unknown scheduler 'nope'", "flavoured")
+    one_line_error(
+        monarch("serve", "-s", "flavoured", "--dry-run", "-o", "copies=many", cwd=tmp_path, site=third_party),
+        "copies= takes a whole number",
+    )
+    one_line_error(
+        monarch("serve", "-s", "flavoured", "--dry-run", "-o", "colour=red", cwd=tmp_path, site=third_party),
+        "has no option 'colour'",
+        "flavour, copies",
+    )
+    one_line_error(
+        monarch("serve", "-s", "nope", "--dry-run", cwd=tmp_path, site=third_party),
+        "unknown scheduler 'nope'",
+        "flavoured",
+    )
 
 
-def test_a_backend_from_another_package_gets_its_stop_options_as_flags(tmp_path: Path, third_party: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_backend_from_another_package_gets_its_stop_options_as_flags(
+    tmp_path: Path, third_party: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log = tmp_path / "stops.jsonl"
     monkeypatch.setenv("FLAVOUR_STOP_LOG", str(log))
     helped = monarch("stop", "--help", cwd=tmp_path, site=third_party)
@@ -115,10 +161,14 @@ def test_a_backend_from_another_package_gets_its_stop_options_as_flags(tmp_path:
         served = monarch("serve", "-s", "flavoured", cwd=tmp_path, site=third_party)
         assert served.returncode == 0, served.stderr
         # Another backend's stop option, or a bad value: one line, and the reservation is still there.
-        one_line_error(monarch("stop", "--keep-cluster", cwd=tmp_path, site=third_party),
-                       "unknown flavoured stop option(s): keep_cluster", "known: linger")
-        one_line_error(monarch("stop", "-o", "linger=soon", cwd=tmp_path, site=third_party),
-                       "linger= takes a whole number")
+        one_line_error(
+            monarch("stop", "--keep-cluster", cwd=tmp_path, site=third_party),
+            "unknown flavoured stop option(s): keep_cluster",
+            "known: linger",
+        )
+        one_line_error(
+            monarch("stop", "-o", "linger=soon", cwd=tmp_path, site=third_party), "linger= takes a whole number"
+        )
         assert not log.exists() and monarch("status", cwd=tmp_path, site=third_party).returncode == 0
         stopped = monarch("stop", *stop, cwd=tmp_path, site=third_party)
         assert stopped.returncode == 0, stopped.stderr
@@ -146,25 +196,41 @@ def test_user_errors_with_json_are_json(tmp_path: Path, third_party: Path) -> No
     done = monarch("run-spmd", "--json", cwd=tmp_path, site=third_party)
     error = json.loads(done.stdout)
     assert done.returncode == 2 and error["kind"] == "job" and "no reservation" in error["error"]
-    bad = monarch("serve", "--dry-run", "--json", "--", "torchrun", "--bogus-flag", "t.py", cwd=tmp_path,
-                  site=third_party)
+    bad = monarch(
+        "serve", "--dry-run", "--json", "--", "torchrun", "--bogus-flag", "t.py", cwd=tmp_path, site=third_party
+    )
     assert bad.returncode == 2 and "--bogus-flag" in json.loads(bad.stdout)["error"]
 
 
 def test_agent_command_round_trips_and_matches_the_agents_parser() -> None:
     from monarch_cli.runtime.agent_command import parser
 
-    cmd = AgentCommand(name="n0", host="10.0.0.1", port=4000, port_range=(5000, 5100), preload="torch",
-                       warm_up=True, keys_stdin=True, address_file="/tmp/a.addr")
+    cmd = AgentCommand(
+        name="n0",
+        host="10.0.0.1",
+        port=4000,
+        port_range=(5000, 5100),
+        preload="torch",
+        warm_up=True,
+        keys_stdin=True,
+        address_file="/tmp/a.addr",
+    )
     assert AgentCommand.from_json(json.loads(json.dumps(cmd.to_json()))) == cmd
     args = parser().parse_args(cmd.argv()[3:])
     assert (args.name, args.host, args.port, args.port_range, args.preload, args.warm_up, args.keys_stdin) == (
-        "n0", "10.0.0.1", 4000, (5000, 5100), "torch", True, True)
+        "n0",
+        "10.0.0.1",
+        4000,
+        (5000, 5100),
+        "torch",
+        True,
+        True,
+    )
     with pytest.raises(SystemExit):
         parser().parse_args(["--port-range", "9-2"])
 
 
-def _listening(pid: int) -> List[int]:
+def _listening(pid: int) -> list[int]:
     ports = []
     for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         try:
@@ -195,8 +261,9 @@ def test_agents_listen_on_a_fixed_port_and_keep_their_ports_in_a_range(tmp_path:
         master = int(out.getvalue().split(b"master_port ")[1].split()[0])
         assert base + 10 <= master <= base + 40  # the rendezvous port the agent reserved
         for host in job.state.hosts:
-            own = [c.laddr.port for c in psutil.Process(host.pid).net_connections("tcp")
-                   if c.status == psutil.CONN_LISTEN]
+            own = [
+                c.laddr.port for c in psutil.Process(host.pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN
+            ]
             assert own == [int(host.agent.rsplit(":", 1)[1])], own  # one port per host, heartbeats included
             others = [p for p in _listening(host.pid) if p not in (base, base + 1)]
             assert all(base + 10 <= p <= base + 40 for p in others), others

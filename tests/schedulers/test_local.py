@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import psutil
 import pytest
@@ -25,7 +24,7 @@ from ..jobs.conftest import living, reservation_pids, spmd
 OK = "import os\nprint('ok', os.environ['RANK'])\n"
 
 
-def agent_pids(state: Path) -> List[int]:
+def agent_pids(state: Path) -> list[int]:
     """The agents' pids as the state file records them."""
     return [h.pid for h in job_load(state).state.hosts]
 
@@ -130,8 +129,9 @@ def test_serve_reuses_a_matching_reservation_and_replaces_only_when_asked(tmp_pa
             j.scheduler.release(j.state)  # no-op for agents already gone
 
 
-def test_agents_of_another_monarch_cli_version_are_refused_in_one_line(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_agents_of_another_monarch_cli_version_are_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Client and agents must run the same version (their messages are not versioned): a run
     says which host runs which, serve will not reuse them without --replace, stop still works."""
     import shutil
@@ -141,10 +141,13 @@ def test_agents_of_another_monarch_cli_version_are_refused_in_one_line(tmp_path:
     import monarch_cli
 
     other = tmp_path / "other"  # a copy of this package that says it is another version
-    shutil.copytree(Path(monarch_cli.__file__).parent, other / "monarch_cli",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(monarch_cli.__file__).parent, other / "monarch_cli", ignore=shutil.ignore_patterns("__pycache__")
+    )
     init = other / "monarch_cli" / "__init__.py"
-    init.write_text(init.read_text().replace(f'__version__ = "{monarch_cli.__version__}"', '__version__ = "0.0.1-other"'))
+    init.write_text(
+        init.read_text().replace(f'__version__ = "{monarch_cli.__version__}"', '__version__ = "0.0.1-other"')
+    )
     state = tmp_path / "job_state.pkl"
     script = write_script(tmp_path, "train.py", "print('ran')\n")
     with monkeypatch.context() as mp:  # the agents start with the other copy first on their path
@@ -154,9 +157,15 @@ def test_agents_of_another_monarch_cli_version_are_refused_in_one_line(tmp_path:
     try:
         with pytest.raises(JobError) as info:
             job.run_spmd()
-        assert str(info.value).startswith(f"host local0 runs monarch-cli 0.0.1-other, this client {monarch_cli.__version__}")
-        cli = subprocess.run([sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(state)],
-                             capture_output=True, text=True, timeout=60)
+        assert str(info.value).startswith(
+            f"host local0 runs monarch-cli 0.0.1-other, this client {monarch_cli.__version__}"
+        )
+        cli = subprocess.run(
+            [sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert cli.returncode != 0 and "Traceback" not in cli.stderr
         assert len(cli.stderr.strip().splitlines()) == 1 and "runs monarch-cli 0.0.1-other" in cli.stderr
         with pytest.raises(JobError) as refused:
@@ -187,7 +196,7 @@ if sys.argv[2] == "hang":
 """
 
 
-def recorded_pids(directory: Path, kind: str) -> Dict[str, List[int]]:
+def recorded_pids(directory: Path, kind: str) -> dict[str, list[int]]:
     ranks, children = [], []
     for p in directory.glob(f"{kind}-*"):
         _, rank, child = p.name.split("-")
@@ -215,8 +224,7 @@ def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
 
         # 2. A run still in progress when the reservation is stopped.
         results: list = []
-        runner = threading.Thread(target=lambda: results.append(
-            spmd(job, script, str(marks), "hang")), daemon=True)
+        runner = threading.Thread(target=lambda: results.append(spmd(job, script, str(marks), "hang")), daemon=True)
         runner.start()
         assert wait_until(lambda: len(recorded_pids(marks, "hang")["children"]) == 4, 30)
         hanging = recorded_pids(marks, "hang")
@@ -226,8 +234,11 @@ def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
         job.stop()
         stopped = True
         assert wait_until(lambda: not living(everything), 10), living(everything)
-        left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-                if p.info["pid"] in everything and " ".join(p.info["cmdline"] or []).startswith("monarch ")]
+        left = [
+            p.info
+            for p in psutil.process_iter(["pid", "cmdline"])
+            if p.info["pid"] in everything and " ".join(p.info["cmdline"] or []).startswith("monarch ")
+        ]
         assert left == []
         with pytest.raises(NoReservation):
             job_load(state)
@@ -251,14 +262,14 @@ class Role:
     name: str
     image: str
     entrypoint: str
-    args: List[str] = dataclasses.field(default_factory=list)
+    args: list[str] = dataclasses.field(default_factory=list)
     num_replicas: int = 1
 
 
 @dataclasses.dataclass
 class AppDef:
     name: str
-    roles: List[Role] = dataclasses.field(default_factory=list)
+    roles: list[Role] = dataclasses.field(default_factory=list)
 
 
 def trainer(replicas: int, *args: str) -> AppDef:
@@ -311,12 +322,17 @@ def test_serve_an_appdef_and_run_its_command(tmp_path: Path, monkeypatch: pytest
 
 def test_appdef_shaped_like_torchx_dist_ddp(tmp_path: Path) -> None:
     # What torchx.components.dist.ddp(script="train.py", j="2x2") returns (torchx 0.7), as plain data.
-    command = ("torchrun --rdzv_backend c10d --rdzv_endpoint ${TORCHX_RANK0_HOST:=localhost}:29500 "
-               "--rdzv_id ${app_id} --nnodes 2 --nproc_per_node 2 --tee 3 --role '' train.py")
+    command = (
+        "torchrun --rdzv_backend c10d --rdzv_endpoint ${TORCHX_RANK0_HOST:=localhost}:29500 "
+        "--rdzv_id ${app_id} --nnodes 2 --nproc_per_node 2 --tee 3 --role '' train.py"
+    )
     app = AppDef("train", [Role("train", "local", "bash", ["-c", command], num_replicas=2)])
     plan = dryrun(app, state=tmp_path / "job_state.pkl")
     assert "start 2 host agent(s)" in plan.summary
-    assert "default command: torchrun --rdzv_backend c10d --rdzv_endpoint localhost:29500 --rdzv_id monarch" in plan.render()
+    assert (
+        "default command: torchrun --rdzv_backend c10d --rdzv_endpoint localhost:29500 --rdzv_id monarch"
+        in plan.render()
+    )
 
 
 def test_torchx_scheduler_names_reach_the_local_backend() -> None:

@@ -48,17 +48,49 @@ def test_serve_script_minimal(tmp_path: Path) -> None:
 
 
 def test_serve_script_with_every_cluster_option(tmp_path: Path) -> None:
-    plan = dryrun(TORCHRUN, "slurm", hosts=4, state=tmp_path / ".monarch" / "job_state.pkl", preload="torch,numpy",
-                  partition="gpu", time="2:00:00", gpus_per_node=8, cpus_per_task=16, mem="200G", account="research",
-                  qos="high", constraint="a100", exclusive=True, sbatch_args=["--reservation=big", "--mail-type=END"])
+    plan = dryrun(
+        TORCHRUN,
+        "slurm",
+        hosts=4,
+        state=tmp_path / ".monarch" / "job_state.pkl",
+        preload="torch,numpy",
+        partition="gpu",
+        time="2:00:00",
+        gpus_per_node=8,
+        cpus_per_task=16,
+        mem="200G",
+        account="research",
+        qos="high",
+        constraint="a100",
+        exclusive=True,
+        sbatch_args=["--reservation=big", "--mail-type=END"],
+    )
     _golden("serve_all_options.sbatch", _normalize(plan.artifacts["sbatch script"], tmp_path))
 
 
 def test_batch_script_through_the_cli(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "monarch_cli", "sbatch", "-N", "2", "--time", "1:00:00", "--signal=B:USR1@120",
-         "--requeue", "-p", "gpu", "--dry-run", "--", *TORCHRUN],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "monarch_cli",
+            "sbatch",
+            "-N",
+            "2",
+            "--time",
+            "1:00:00",
+            "--signal=B:USR1@120",
+            "--requeue",
+            "-p",
+            "gpu",
+            "--dry-run",
+            "--",
+            *TORCHRUN,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr
@@ -77,10 +109,18 @@ def test_batch_script_keeps_a_given_job_name_and_task_layout(tmp_path: Path) -> 
     [
         (["-N", "2", "--", "torchrun", "t.py"], {}, ["-N 2"], ["torchrun", "t.py"]),
         (["--nodes=2", "python", "t.py", "--lr", "1"], {}, ["--nodes=2"], ["python", "t.py", "--lr", "1"]),
-        (["-N2", "--exclusive", "--time", "5", "python", "-u", "t.py"], {}, ["-N2", "--exclusive", "--time=5"],
-         ["python", "-u", "t.py"]),
-        (["--dry-run", "--state", "s.pkl", "--requeue", "--", "python", "t.py", "--dry-run"],
-         {"--dry-run": True, "--state": "s.pkl"}, ["--requeue"], ["python", "t.py", "--dry-run"]),
+        (
+            ["-N2", "--exclusive", "--time", "5", "python", "-u", "t.py"],
+            {},
+            ["-N2", "--exclusive", "--time=5"],
+            ["python", "-u", "t.py"],
+        ),
+        (
+            ["--dry-run", "--state", "s.pkl", "--requeue", "--", "python", "t.py", "--dry-run"],
+            {"--dry-run": True, "--state": "s.pkl"},
+            ["--requeue"],
+            ["python", "t.py", "--dry-run"],
+        ),
         (["--signal", "B:USR1@60", "--wait"], {"--wait": True}, ["--signal=B:USR1@60"], []),
     ],
 )
@@ -110,7 +150,10 @@ def test_bad_slurm_options_are_refused_before_anything_starts(tmp_path: Path, op
 def test_cli_refuses_a_bad_option_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "monarch_cli", "serve", "--scheduler", "slurm", "--partition", "a b", "--dry-run"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"PYTHONPATH": str(REPO)},
     )
     lines = [l for l in done.stderr.splitlines() if l.strip()]
@@ -120,11 +163,44 @@ def test_cli_refuses_a_bad_option_in_one_line(tmp_path: Path) -> None:
 def test_serve_dry_run_through_the_cli_prints_the_same_script(tmp_path: Path) -> None:
     """The CLI's cluster flags map onto the same sbatch lines as the Python options."""
     done = subprocess.run(
-        [sys.executable, "-m", "monarch_cli", "serve", "--scheduler", "slurm", "--nodes", "4", "--dry-run",
-         "--preload", "torch,numpy", "--partition", "gpu", "--time", "2:00:00", "--gpus-per-node", "8",
-         "--cpus-per-task", "16", "--mem", "200G", "--account", "research", "--qos", "high", "--constraint", "a100",
-         "--exclusive", "--sbatch-arg=--reservation=big", "--sbatch-arg=--mail-type=END", "--", *TORCHRUN],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "monarch_cli",
+            "serve",
+            "--scheduler",
+            "slurm",
+            "--nodes",
+            "4",
+            "--dry-run",
+            "--preload",
+            "torch,numpy",
+            "--partition",
+            "gpu",
+            "--time",
+            "2:00:00",
+            "--gpus-per-node",
+            "8",
+            "--cpus-per-task",
+            "16",
+            "--mem",
+            "200G",
+            "--account",
+            "research",
+            "--qos",
+            "high",
+            "--constraint",
+            "a100",
+            "--exclusive",
+            "--sbatch-arg=--reservation=big",
+            "--sbatch-arg=--mail-type=END",
+            "--",
+            *TORCHRUN,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr
@@ -135,7 +211,13 @@ def test_sbatch_dry_run_makes_the_checks_the_real_submit_makes(tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"PYTHONPATH": str(REPO)}
     for args, needle in ((["--parsable"], "not an option here"), (["--", "torchrun", "--nnode=2", "t.py"], "--nnodes")):
         argv = [*args, "--", "python", "t.py"] if args[0] != "--" else args
-        done = subprocess.run([sys.executable, "-m", "monarch_cli", "sbatch", "--dry-run", *argv], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60, env=env)
+        done = subprocess.run(
+            [sys.executable, "-m", "monarch_cli", "sbatch", "--dry-run", *argv],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         lines = [l for l in done.stderr.splitlines() if l.strip()]
         assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr

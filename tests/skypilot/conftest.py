@@ -18,8 +18,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Tuple
 
 import pytest
 
@@ -52,7 +52,7 @@ def _teardown() -> None:
 
 
 @pytest.fixture(scope="session")
-def sky_nodes() -> Iterator[List[Tuple[str, str]]]:
+def sky_nodes() -> Iterator[list[tuple[str, str]]]:
     """``[(namespace, address)]`` of the nodes."""
     if os.geteuid() != 0:
         pytest.fail("the skypilot stand-in needs root (network and mount namespaces)")
@@ -72,7 +72,7 @@ def sky_nodes() -> Iterator[List[Tuple[str, str]]]:
 
 
 @pytest.fixture
-def sky_internal(sky_nodes: List[Tuple[str, str]]) -> List[Tuple[str, str]]:
+def sky_internal(sky_nodes: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """``[(namespace, internal address)]`` of the nodes."""
     return [(ns, f"{INTERNAL_SUBNET}.{10 + i}") for i, (ns, _) in enumerate(sky_nodes, 1)]
 
@@ -85,7 +85,7 @@ class SkySsh:
 
 
 @pytest.fixture
-def sky_ssh(sky_nodes: List[Tuple[str, str]], tmp_path: Path) -> Iterator[SkySsh]:
+def sky_ssh(sky_nodes: list[tuple[str, str]], tmp_path: Path) -> Iterator[SkySsh]:
     """Real sshd on the head node, as a cloud VM's; the key pair SkyPilot would have made."""
     if not os.path.exists("/usr/sbin/sshd"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -100,8 +100,12 @@ def sky_ssh(sky_nodes: List[Tuple[str, str]], tmp_path: Path) -> Iterator[SkySsh
     (base / "sshd_config").write_text(_SSHD_CONFIG.format(address=address, base=base))
     os.makedirs("/run/sshd", exist_ok=True)
     log = open(base / "sshd.log", "wb")
-    sshd = subprocess.Popen(["ip", "netns", "exec", ns, "/usr/sbin/sshd", "-D", "-e", "-f", str(base / "sshd_config")],
-                            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    sshd = subprocess.Popen(
+        ["ip", "netns", "exec", ns, "/usr/sbin/sshd", "-D", "-e", "-f", str(base / "sshd_config")],
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 20
         while True:

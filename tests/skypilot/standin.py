@@ -24,8 +24,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 from monarch_cli.errors import SchedulerError
 from monarch_cli.schedulers.skypilot import Cluster, Shape
@@ -43,7 +44,7 @@ exec bash -c "$1"
 """
 
 
-def _nodes(variable: str = "MSKY_NODES") -> List[Tuple[str, str]]:
+def _nodes(variable: str = "MSKY_NODES") -> list[tuple[str, str]]:
     return [tuple(item.split("=", 1)) for item in os.environ[variable].split(",")]  # type: ignore[misc]
 
 
@@ -69,7 +70,7 @@ def _is_sshd(pid: int) -> bool:
         return False
 
 
-def netns_pids(ns: str) -> List[int]:
+def netns_pids(ns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
@@ -79,41 +80,77 @@ class NamespaceProvisioner:
         self.state_dir = Path(os.environ["MSKY_STATE"])
         self.state_dir.mkdir(parents=True, exist_ok=True)
 
-    def _record(self, cluster: str) -> Dict[str, Any]:
+    def _record(self, cluster: str) -> dict[str, Any]:
         try:
             return json.loads((self.state_dir / f"{cluster}.json").read_text())
         except FileNotFoundError:
             return {}
 
-    def _save(self, cluster: str, record: Dict[str, Any]) -> None:
+    def _save(self, cluster: str, record: dict[str, Any]) -> None:
         (self.state_dir / f"{cluster}.json").write_text(json.dumps(record))
 
-    def launch(self, cluster: str, task: Dict[str, Any], secrets: Dict[str, str],
-               progress: Callable[[str], None]) -> Cluster:
-        nodes = _nodes()[:int(task["num_nodes"])]
+    def launch(
+        self, cluster: str, task: dict[str, Any], secrets: dict[str, str], progress: Callable[[str], None]
+    ) -> Cluster:
+        nodes = _nodes()[: int(task["num_nodes"])]
         if len(nodes) < int(task["num_nodes"]):
             raise SchedulerError(f"the stand-in has {len(_nodes())} node(s), not {task['num_nodes']}")
         record = self._record(cluster)
         if record and any(_alive(pid) for pid in record["pids"]):
             raise SchedulerError(f"the stand-in runs one job per cluster ({cluster} runs one)")
         ips = [address for _, address in nodes]
-        internal = [address for _, address in _nodes("MSKY_INTERNAL")][:len(nodes)] \
-            if os.environ.get("MSKY_INTERNAL") else ips
+        internal = (
+            [address for _, address in _nodes("MSKY_INTERNAL")][: len(nodes)]
+            if os.environ.get("MSKY_INTERNAL")
+            else ips
+        )
         launches = record.get("launches", 0) + 1
-        record = {"state": "UP", "nodes": [ns for ns, _ in nodes], "pids": [], "logs": [], "launches": launches,
-                  "accelerators": task["resources"].get("accelerators"), "autostop": None}
+        record = {
+            "state": "UP",
+            "nodes": [ns for ns, _ in nodes],
+            "pids": [],
+            "logs": [],
+            "launches": launches,
+            "accelerators": task["resources"].get("accelerators"),
+            "autostop": None,
+        }
         self._save(cluster, record)
         for rank, (ns, _) in enumerate(nodes):
-            env = {**os.environ, **secrets, "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NODE_IPS": "\n".join(internal),
-                   "SKYPILOT_NUM_NODES": str(len(nodes)), "SKYPILOT_CLUSTER_INFO": json.dumps({"cluster": cluster})}
+            env = {
+                **os.environ,
+                **secrets,
+                "SKYPILOT_NODE_RANK": str(rank),
+                "SKYPILOT_NODE_IPS": "\n".join(internal),
+                "SKYPILOT_NUM_NODES": str(len(nodes)),
+                "SKYPILOT_CLUSTER_INFO": json.dumps({"cluster": cluster}),
+            }
             log = self.state_dir / f"{cluster}.node{rank}.log"
             disk = self.state_dir / f"{cluster}.node{rank}.disk"
             disk.mkdir(mode=0o700, exist_ok=True)
             with open(log, "ab") as out:
-                proc = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
-                                         "bash", "-c", _NODE, task["setup"], task["run"], str(disk)], env=env,
-                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "unshare",
+                        "--mount",
+                        "--propagation",
+                        "private",
+                        "bash",
+                        "-c",
+                        _NODE,
+                        task["setup"],
+                        task["run"],
+                        str(disk),
+                    ],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             record["pids"].append(proc.pid)
             record["logs"].append(str(log))
             self._save(cluster, record)
@@ -131,7 +168,7 @@ class NamespaceProvisioner:
             ssh = SshAccess(ips[0], 22, user, key_file)
         return Cluster(ips, internal, ssh)
 
-    def existing(self, cluster: str) -> Optional[Shape]:
+    def existing(self, cluster: str) -> Shape | None:
         record = self._record(cluster)
         return Shape(record["state"], len(record["nodes"]), record.get("accelerators")) if record else None
 
@@ -148,7 +185,7 @@ class NamespaceProvisioner:
         record["autostop"] = {"idle_minutes": idle_minutes, "down": down}
         self._save(cluster, record)
 
-    def state(self, cluster: str) -> Tuple[str, str]:
+    def state(self, cluster: str) -> tuple[str, str]:
         record = self._record(cluster)
         if not record:
             return "GONE", f"SkyPilot has no cluster {cluster} (torn down, autodowned or preempted)"
@@ -168,7 +205,7 @@ class NamespaceProvisioner:
             (self.state_dir / f"{cluster}.json").unlink()
 
     @staticmethod
-    def _kill(record: Dict[str, Any], spare: Callable[[int], bool] = lambda pid: False) -> None:
+    def _kill(record: dict[str, Any], spare: Callable[[int], bool] = lambda pid: False) -> None:
         """SIGKILL everything in the nodes, until nothing is left (a fork may race the first round)."""
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:

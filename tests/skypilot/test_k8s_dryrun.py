@@ -27,8 +27,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -37,17 +38,24 @@ from ..kubernetes.apiserver import ApiServer
 pytestmark = [pytest.mark.slow]
 REPO = str(Path(__file__).resolve().parents[2])
 
-NODE = {"kind": "Node", "apiVersion": "v1",
-        "metadata": {"name": "emu-node-1", "labels": {"kubernetes.io/hostname": "emu-node-1"}},
-        "status": {"capacity": {"cpu": "16", "memory": "64Gi", "pods": "110"},
-                   "allocatable": {"cpu": "16", "memory": "64Gi", "pods": "110"},
-                   "addresses": [{"type": "InternalIP", "address": "10.0.0.5"}],
-                   "conditions": [{"type": "Ready", "status": "True"}]}}
+NODE = {
+    "kind": "Node",
+    "apiVersion": "v1",
+    "metadata": {"name": "emu-node-1", "labels": {"kubernetes.io/hostname": "emu-node-1"}},
+    "status": {
+        "capacity": {"cpu": "16", "memory": "64Gi", "pods": "110"},
+        "allocatable": {"cpu": "16", "memory": "64Gi", "pods": "110"},
+        "addresses": [{"type": "InternalIP", "address": "10.0.0.5"}],
+        "conditions": [{"type": "Ready", "status": "True"}],
+    },
+}
 
 # SkyPilot's catalog of its default pod images (kubernetes/images.csv in skypilot-org/skypilot-catalog).
-IMAGES = ("Tag,ImageId\n"
-          "skypilot:custom-cpu-ubuntu-2204-v1,docker:us-docker.pkg.dev/sky-dev-465/skypilotk8s/skypilot:latest\n"
-          "skypilot:custom-gpu-ubuntu-2204-v1,docker:us-docker.pkg.dev/sky-dev-465/skypilotk8s/skypilot-gpu:latest\n")
+IMAGES = (
+    "Tag,ImageId\n"
+    "skypilot:custom-cpu-ubuntu-2204-v1,docker:us-docker.pkg.dev/sky-dev-465/skypilotk8s/skypilot:latest\n"
+    "skypilot:custom-gpu-ubuntu-2204-v1,docker:us-docker.pkg.dev/sky-dev-465/skypilotk8s/skypilot-gpu:latest\n"
+)
 
 DRYRUN = textwrap.dedent("""\
     import sys
@@ -104,8 +112,9 @@ def _install_tools() -> None:
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "socat", "netcat-openbsd", "rsync"]):
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
-            pytest.fail(f"{' '.join(cmd)} failed (SkyPilot's Kubernetes cloud needs socat, nc, rsync): "
-                        f"{done.stderr[-1000:]}")
+            pytest.fail(
+                f"{' '.join(cmd)} failed (SkyPilot's Kubernetes cloud needs socat, nc, rsync): {done.stderr[-1000:]}"
+            )
 
 
 @pytest.fixture
@@ -116,9 +125,15 @@ def emulator() -> Iterator[ApiServer]:
 
     class WithNodes(base):  # type: ignore[valid-type,misc]
         def do_GET(self) -> None:
-            reply = {"/version": {"major": "1", "minor": "30", "gitVersion": "v1.30.0"},
-                     "/api/v1/nodes": {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
-                                       "items": [NODE]}}.get(self.path.split("?")[0])
+            reply = {
+                "/version": {"major": "1", "minor": "30", "gitVersion": "v1.30.0"},
+                "/api/v1/nodes": {
+                    "kind": "NodeList",
+                    "apiVersion": "v1",
+                    "metadata": {"resourceVersion": "1"},
+                    "items": [NODE],
+                },
+            }.get(self.path.split("?")[0])
             if reply is not None:
                 return self._send(200, reply)
             return base.do_GET(self)
@@ -130,25 +145,56 @@ def emulator() -> Iterator[ApiServer]:
         server.close()
 
 
-def test_skypilot_dry_run_accepts_our_task_on_an_emulated_kubernetes_context(emulator: ApiServer,
-                                                                             tmp_path: Path) -> None:
+def test_skypilot_dry_run_accepts_our_task_on_an_emulated_kubernetes_context(
+    emulator: ApiServer, tmp_path: Path
+) -> None:
     _install_tools()
     home = tmp_path / "home"
     (home / ".kube").mkdir(parents=True)
     (home / ".sky").mkdir()
     emulator.kubeconfig(home / ".kube" / "config")
     (home / ".sky" / "config.yaml").write_text("kubernetes:\n  networking: nodeport\n")
-    env = {**os.environ, "HOME": str(home), "PYTHONPATH": os.pathsep.join(
-        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [REPO])}
-    planned = subprocess.run([sys.executable, "-m", "monarch_cli", "serve", "--scheduler", "skypilot", "--hosts", "2",
-                              "--cloud", "kubernetes", "--dry-run", "--json", "--", "python", "train.py"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "PYTHONPATH": os.pathsep.join([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [REPO]),
+    }
+    planned = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monarch_cli",
+            "serve",
+            "--scheduler",
+            "skypilot",
+            "--hosts",
+            "2",
+            "--cloud",
+            "kubernetes",
+            "--dry-run",
+            "--json",
+            "--",
+            "python",
+            "train.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert planned.returncode == 0, planned.stderr
     plan: Any = json.loads(planned.stdout)
     task = tmp_path / "task.yaml"
     task.write_text(plan["artifacts"]["task.yaml (secrets redacted)"])
-    done = subprocess.run([sys.executable, "-c", DRYRUN, str(task), IMAGES], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", DRYRUN, str(task), IMAGES],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "Dryrun finished." in out, out[-3000:]

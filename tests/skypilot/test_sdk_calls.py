@@ -9,11 +9,13 @@ then answer as SkyPilot does. The ``sky.Task`` is SkyPilot's own, built from our
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List
+from typing import Any
 
 import pytest
+import sky  # noqa: E402 - the test extra installs SkyPilot
 
 from monarch_cli.errors import OptionError, SchedulerError
 from monarch_cli.jobs import dryrun
@@ -21,10 +23,8 @@ from monarch_cli.schedulers import Reservation
 from monarch_cli.schedulers.skypilot import KEYS_SECRET, Shape, SkyPilotScheduler
 from monarch_cli.schedulers.skypilot_sdk import SkyProvisioner
 
-import sky  # noqa: E402 - the test extra installs SkyPilot
 
-
-def _checked(real: Callable[..., Any], answer: Callable[..., Any], calls: List[Dict[str, Any]]) -> Callable[..., Any]:
+def _checked(real: Callable[..., Any], answer: Callable[..., Any], calls: list[dict[str, Any]]) -> Callable[..., Any]:
     signature = inspect.signature(real)
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -36,16 +36,25 @@ def _checked(real: Callable[..., Any], answer: Callable[..., Any], calls: List[D
 
 
 @pytest.fixture
-def sdk(monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
-    state: Dict[str, Any] = {"calls": [], "clusters": {}}
+def sdk(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    state: dict[str, Any] = {"calls": [], "clusters": {}}
     calls = state["calls"]
 
     # What SkyPilot's handle and credentials hold for a 2-node AWS cluster (CloudVmRayResourceHandle's fields).
-    handle = SimpleNamespace(cached_external_ips=["34.1.1.1", "34.1.1.2"], external_ips=lambda: [],
-                             cached_internal_ips=["172.31.0.5", "172.31.0.6"], cached_external_ssh_ports=[22, 22],
-                             launched_nodes=2, launched_resources=sky.Resources(infra="aws", accelerators="L4:1"))
-    credentials = {"ssh_user": "ubuntu", "ssh_private_key": "~/.sky/clients/abc/ssh/sky-key",
-                   "ssh_control_name": "mesh", "ssh_proxy_command": None}
+    handle = SimpleNamespace(
+        cached_external_ips=["34.1.1.1", "34.1.1.2"],
+        external_ips=lambda: [],
+        cached_internal_ips=["172.31.0.5", "172.31.0.6"],
+        cached_external_ssh_ports=[22, 22],
+        launched_nodes=2,
+        launched_resources=sky.Resources(infra="aws", accelerators="L4:1"),
+    )
+    credentials = {
+        "ssh_user": "ubuntu",
+        "ssh_private_key": "~/.sky/clients/abc/ssh/sky-key",
+        "ssh_control_name": "mesh",
+        "ssh_proxy_command": None,
+    }
     state["credentials"] = credentials
 
     def launch(task: Any, cluster_name: str = "", _include_credentials: bool = False, **_: Any) -> str:
@@ -58,7 +67,7 @@ def sdk(monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
         # A server new enough adds the credentials when asked (MIN_LAUNCH_CREDENTIALS_API_VERSION).
         return (1, handle, state["credentials"]) if request_id == "req-launch-creds" else (1, handle)
 
-    def status(cluster_names: List[str], **_: Any) -> List[Any]:
+    def status(cluster_names: list[str], **_: Any) -> list[Any]:
         name = cluster_names[0]
         found = state["clusters"].get(name)
         return [{"name": name, "status": sky.ClusterStatus[found], "handle": handle}] if found else []
@@ -83,9 +92,9 @@ def sdk(monkeypatch: pytest.MonkeyPatch) -> Dict[str, Any]:
     return state
 
 
-def test_launch_state_and_down_through_the_sdk(sdk: Dict[str, Any], tmp_path: Path) -> None:
+def test_launch_state_and_down_through_the_sdk(sdk: dict[str, Any], tmp_path: Path) -> None:
     plan = dryrun(["python", "train.py"], "skypilot", hosts=2, state=tmp_path / "s.pkl", gpus="L4", cloud="kubernetes")
-    progress: List[str] = []
+    progress: list[str] = []
     nodes = SkyProvisioner().launch("mesh", plan.data["task"], {KEYS_SECRET: "PUBLIC SECRET"}, progress.append)
     assert nodes.ips == ["34.1.1.1", "34.1.1.2"] and nodes.internal_ips == ["172.31.0.5", "172.31.0.6"]
     # SSH access to the head, for the tunnels: its external address and port, SkyPilot's user and key.
@@ -102,12 +111,21 @@ def test_launch_state_and_down_through_the_sdk(sdk: Dict[str, Any], tmp_path: Pa
     SkyProvisioner().down("mesh")
     state, reason = SkyProvisioner().state("mesh")
     assert state == "GONE" and "has no cluster mesh" in reason
-    assert [c["name"] for c in sdk["calls"]] == ["launch", "stream_and_get", "status", "get", "down", "get",
-                                                 "status", "get"]
+    assert [c["name"] for c in sdk["calls"]] == [
+        "launch",
+        "stream_and_get",
+        "status",
+        "get",
+        "down",
+        "get",
+        "status",
+        "get",
+    ]
 
 
 def test_a_key_sent_by_the_api_server_is_kept_0600_and_removed_with_the_cluster(
-        sdk: Dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sdk: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     sdk["credentials"] = {"ssh_user": "ubuntu", "ssh_private_key_content": "-----BEGIN KEY-----\nxyz\n"}
     plan = dryrun(["python", "train.py"], "skypilot", hosts=2, state=tmp_path / "s.pkl")
@@ -119,15 +137,18 @@ def test_a_key_sent_by_the_api_server_is_kept_0600_and_removed_with_the_cluster(
     assert not key.exists()
 
 
-def test_an_old_server_without_credentials_in_the_launch_is_asked_through_status(sdk: Dict[str, Any],
-                                                                                 tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_old_server_without_credentials_in_the_launch_is_asked_through_status(
+    sdk: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_status = sky.status
 
-    def status(cluster_names: List[str], **kwargs: Any) -> List[Any]:
+    def status(cluster_names: list[str], **kwargs: Any) -> list[Any]:
         records = real_status(cluster_names, **kwargs)
-        return [{**r, "credentials": {"ssh_user": "gcpuser", "ssh_private_key": "/k"}} for r in records] \
-            if kwargs.get("_include_credentials") else records
+        return (
+            [{**r, "credentials": {"ssh_user": "gcpuser", "ssh_private_key": "/k"}} for r in records]
+            if kwargs.get("_include_credentials")
+            else records
+        )
 
     monkeypatch.setattr(sky, "status", status)
     monkeypatch.setattr(sky, "launch", lambda *a, **k: "req-launch")  # answered with (job id, handle) only
@@ -137,21 +158,21 @@ def test_an_old_server_without_credentials_in_the_launch_is_asked_through_status
     assert nodes.ssh is not None and (nodes.ssh.user, nodes.ssh.key_file) == ("gcpuser", "/k")
 
 
-def test_a_cluster_behind_a_proxy_command_is_reached_directly_only(sdk: Dict[str, Any], tmp_path: Path) -> None:
+def test_a_cluster_behind_a_proxy_command_is_reached_directly_only(sdk: dict[str, Any], tmp_path: Path) -> None:
     sdk["credentials"] = {"ssh_user": "sky", "ssh_private_key": "/k", "ssh_proxy_command": "ssh -W %h:%p jump"}
     plan = dryrun(["python", "train.py"], "skypilot", hosts=2, state=tmp_path / "s.pkl")
-    progress: List[str] = []
+    progress: list[str] = []
     nodes = SkyProvisioner().launch("mesh", plan.data["task"], {KEYS_SECRET: "k"}, progress.append)
     assert nodes.ssh is None and any("proxy command" in p for p in progress)
 
 
-def test_an_existing_cluster_is_described_from_its_handle(sdk: Dict[str, Any]) -> None:
+def test_an_existing_cluster_is_described_from_its_handle(sdk: dict[str, Any]) -> None:
     assert SkyProvisioner().existing("mesh") is None
     sdk["clusters"]["mesh"] = "STOPPED"
     assert SkyProvisioner().existing("mesh") == Shape("STOPPED", 2, "L4:1", "aws")
 
 
-def test_stop_keep_cluster_cancels_the_job_and_sets_autostop_without_down(sdk: Dict[str, Any], tmp_path: Path) -> None:
+def test_stop_keep_cluster_cancels_the_job_and_sets_autostop_without_down(sdk: dict[str, Any], tmp_path: Path) -> None:
     sdk["clusters"]["mesh"] = "UP"
     record = Reservation("sky-1", [], {"cluster": "mesh", "keep": {"idle_minutes": 30, "down": False}})
     scheduler = SkyPilotScheduler()
@@ -165,13 +186,16 @@ def test_stop_keep_cluster_cancels_the_job_and_sets_autostop_without_down(sdk: D
     sdk["calls"].clear()
     scheduler.release_with(record, scheduler.check_stop_options({}))  # a plain stop: sky down
     assert [c["name"] for c in sdk["calls"]] == ["down", "get"] and sdk["clusters"] == {}
-    for bad, message in (({"autostop": 5}, "needs --keep-cluster"), ({"keep_cluster": True, "autostop": 0},
-                                                                     "more than zero"), ({"keep": True}, "unknown")):
+    for bad, message in (
+        ({"autostop": 5}, "needs --keep-cluster"),
+        ({"keep_cluster": True, "autostop": 0}, "more than zero"),
+        ({"keep": True}, "unknown"),
+    ):
         with pytest.raises(OptionError, match=message):
             scheduler.check_stop_options(bad)
 
 
-def test_a_failed_launch_is_one_line(sdk: Dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_failed_launch_is_one_line(sdk: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def refuse(*_: Any, **__: Any) -> None:
         raise sky.exceptions.NoCloudAccessError("Cloud access is not set up. Run: sky check\nmore detail")
 

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Tuple
 
 import pytest
 
@@ -39,7 +38,7 @@ dist.destroy_process_group()
 
 
 @pytest.fixture
-def standin(sky_nodes: List[Tuple[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NamespaceProvisioner:
+def standin(sky_nodes: list[tuple[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NamespaceProvisioner:
     monkeypatch.setenv("MONARCH_SKYPILOT_PROVISIONER", "tests.skypilot.standin:NamespaceProvisioner")
     monkeypatch.setenv("MSKY_NODES", ",".join(f"{ns}={address}" for ns, address in sky_nodes))
     monkeypatch.setenv("MSKY_STATE", str(tmp_path / "standin"))
@@ -48,17 +47,22 @@ def standin(sky_nodes: List[Tuple[str, str]], tmp_path: Path, monkeypatch: pytes
 
 
 def _monarch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def _environ_of(pid: int) -> str:
     return Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b"\n").decode(errors="replace")
 
 
-def test_serve_sync_gloo_run_status_and_stop_on_standin_nodes(standin: NamespaceProvisioner,
-                                                              sky_nodes: List[Tuple[str, str]], tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch, sky_ssh: SkySsh) -> None:
+def test_serve_sync_gloo_run_status_and_stop_on_standin_nodes(
+    standin: NamespaceProvisioner,
+    sky_nodes: list[tuple[str, str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sky_ssh: SkySsh,
+) -> None:
     monkeypatch.setenv("MSKY_SSH", f"{sky_ssh.user}:{sky_ssh.key_file}")  # SSH access too: the open port wins
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -85,9 +89,14 @@ def test_serve_sync_gloo_run_status_and_stop_on_standin_nodes(standin: Namespace
             m.setenv("MONARCH_SKYPILOT_PROVISIONER", "no_such_module:Nothing")
             assert job.scheduler.probe(job.state).liveness is Liveness.ALIVE
         out = io.BytesIO()
-        notices: List[str] = []
-        result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out,
-                              on_event=notices.append, env={"GLOO_SOCKET_IFNAME": "eth0"})
+        notices: list[str] = []
+        result = job.run_spmd(
+            ["torchrun", "--nproc-per-node=1", "train.py"],
+            stdout=out,
+            stderr=out,
+            on_event=notices.append,
+            env={"GLOO_SOCKET_IFNAME": "eth0"},
+        )
         text = out.getvalue().decode()
         logs = [Path(os.environ["MSKY_STATE"], f"msky-e2e.node{i}.log").read_text()[-1500:] for i in range(2)]
         assert result.exit_code == 0, "\n".join([text, repr(result), *notices, *logs])
@@ -105,8 +114,9 @@ def test_serve_sync_gloo_run_status_and_stop_on_standin_nodes(standin: Namespace
     assert not Path(os.environ["MSKY_STATE"], "msky-e2e.json").exists()  # it was torn down, not left up
 
 
-def test_a_cluster_stopped_behind_our_back_is_reported_gone(standin: NamespaceProvisioner,
-                                                           sky_nodes: List[Tuple[str, str]], tmp_path: Path) -> None:
+def test_a_cluster_stopped_behind_our_back_is_reported_gone(
+    standin: NamespaceProvisioner, sky_nodes: list[tuple[str, str]], tmp_path: Path
+) -> None:
     state = tmp_path / ".monarch" / "job_state.pkl"
     job = serve(None, "skypilot", state=state, hosts=2, cluster="msky-gone")
     standin.stop_behind_our_back("msky-gone")
@@ -120,15 +130,19 @@ def test_a_cluster_stopped_behind_our_back_is_reported_gone(standin: NamespacePr
     assert all(not netns_pids(ns) for ns, _ in sky_nodes)
 
 
-def _non_sshd(ns: str) -> List[str]:
+def _non_sshd(ns: str) -> list[str]:
     """What runs in a node besides sshd (the head's, and its sessions)."""
     names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in netns_pids(ns) if Path(f"/proc/{pid}").exists()]
     return [n for n in names if not n.startswith("sshd")]
 
 
 def test_stop_keep_cluster_leaves_it_up_with_autostop_and_serve_cluster_reuses_it(
-        standin: NamespaceProvisioner, sky_nodes: List[Tuple[str, str]], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, sky_ssh: SkySsh) -> None:
+    standin: NamespaceProvisioner,
+    sky_nodes: list[tuple[str, str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sky_ssh: SkySsh,
+) -> None:
     monkeypatch.setenv("MSKY_SSH", f"{sky_ssh.user}:{sky_ssh.key_file}")
     state = tmp_path / ".monarch" / "job_state.pkl"
     # --reach tunnel forces the SSH path though the agents' port is open.
@@ -145,13 +159,23 @@ def test_stop_keep_cluster_leaves_it_up_with_autostop_and_serve_cluster_reuses_i
         assert not state.exists()
 
         # Another shape on that name is refused before SkyPilot is asked to launch; the cluster is untouched.
-        wrong = _monarch("serve", "--scheduler", "skypilot", "--hosts", "1", "--cluster", "msky-keep", "--state",
-                         str(state), cwd=tmp_path)
+        wrong = _monarch(
+            "serve",
+            "--scheduler",
+            "skypilot",
+            "--hosts",
+            "1",
+            "--cluster",
+            "msky-keep",
+            "--state",
+            str(state),
+            cwd=tmp_path,
+        )
         assert wrong.returncode != 0 and "cluster msky-keep exists (UP) with 2 node(s), not 1" in wrong.stderr
         assert len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
         assert standin._record("msky-keep")["launches"] == 1
 
-        progress: List[str] = []
+        progress: list[str] = []
         job = serve(None, "skypilot", state=state, hosts=2, cluster="msky-keep", progress=progress.append)
         assert "reusing cluster msky-keep (UP, 2 node(s))" in progress and job.state.scheduler_data["reused"]
         assert standin._record("msky-keep")["launches"] == 2
@@ -164,16 +188,25 @@ def test_stop_keep_cluster_leaves_it_up_with_autostop_and_serve_cluster_reuses_i
         standin.down("msky-keep")
 
 
-def _agent_peers(ns: str, port: int) -> List[str]:
+def _agent_peers(ns: str, port: int) -> list[str]:
     """The peer addresses of the connections into ``port`` inside namespace ``ns``."""
-    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established", f"( sport = :{port} )"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [line.split()[-1].rpartition(":")[0] for line in out.splitlines() if line.strip()]
 
 
 def test_agents_behind_a_firewall_are_reached_through_ssh_tunnels_to_the_head(
-        standin: NamespaceProvisioner, sky_nodes: List[Tuple[str, str]], sky_internal: List[Tuple[str, str]],
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sky_ssh: SkySsh) -> None:
+    standin: NamespaceProvisioner,
+    sky_nodes: list[tuple[str, str]],
+    sky_internal: list[tuple[str, str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sky_ssh: SkySsh,
+) -> None:
     # The nodes know each other by internal addresses the client has no route to; the agents listen
     # only there, so their port is closed to the client. SkyPilot gives SSH access to the head.
     monkeypatch.setenv("MSKY_INTERNAL", ",".join(f"{ns}={address}" for ns, address in sky_internal))
@@ -183,15 +216,26 @@ def test_agents_behind_a_firewall_are_reached_through_ssh_tunnels_to_the_head(
     (ws / "train.py").write_text(ALLREDUCE)
     (ws / "data.txt").write_text("v2")
     state = ws / ".monarch" / "job_state.pkl"
-    served = _monarch("serve", "--scheduler", "skypilot", "--hosts", "2", "--cluster", "msky-fw", "--state", str(state),
-                      cwd=ws)
+    served = _monarch(
+        "serve", "--scheduler", "skypilot", "--hosts", "2", "--cluster", "msky-fw", "--state", str(state), cwd=ws
+    )
     try:
         assert served.returncode == 0, served.stderr
         for _, address in sky_nodes:  # nothing answers on the agents' port where the client can reach
             with pytest.raises(OSError):
                 socket.create_connection((address, 26600), timeout=1).close()
-        done = _monarch("run-spmd", "--state", str(state), "-e", "GLOO_SOCKET_IFNAME=eth1", "--", "torchrun",
-                        "--nproc-per-node=1", "train.py", cwd=ws)
+        done = _monarch(
+            "run-spmd",
+            "--state",
+            str(state),
+            "-e",
+            "GLOO_SOCKET_IFNAME=eth1",
+            "--",
+            "torchrun",
+            "--nproc-per-node=1",
+            "train.py",
+            cwd=ws,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         lines = [line for line in (done.stdout + done.stderr).splitlines() if " sum " in line]
         assert len(lines) == 2 and all("sum 3 " in line and "data v2" in line for line in lines), done.stderr

@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import yaml
@@ -26,9 +26,17 @@ from ..conftest import assert_golden, one_line_error
 GOLDEN = Path(__file__).parent / "golden"
 REPO = Path(__file__).resolve().parents[2]
 TASK = "task.yaml (secrets redacted)"
-ALL_OPTIONS: Dict[str, Any] = dict(cluster="train-a100", gpus="A100:8", cloud="aws", region="us-east-1",
-                                   image="docker:pytorch/pytorch:latest", disk_size=512, use_spot=True, autostop=30,
-                                   time="1h30m")
+ALL_OPTIONS: dict[str, Any] = dict(
+    cluster="train-a100",
+    gpus="A100:8",
+    cloud="aws",
+    region="us-east-1",
+    image="docker:pytorch/pytorch:latest",
+    disk_size=512,
+    use_spot=True,
+    autostop=30,
+    time="1h30m",
+)
 
 
 def _normalize(text: str) -> str:
@@ -47,8 +55,14 @@ def _sky_task(text: str) -> Any:
 
 
 def _monarch(*args: str, cwd: Path, pythonpath: str = str(REPO)) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": pythonpath})
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+    )
 
 
 def _without_skypilot(tmp_path: Path) -> str:
@@ -68,12 +82,19 @@ def test_minimal_task_is_golden_and_skypilot_reads_it(tmp_path: Path) -> None:
     assert res.ports == ["26600"]  # the agents' fixed port, opened where the cloud has a firewall
     assert not res.autostop_config or not res.autostop_config.enabled  # nothing asked: the cluster stays up
     assert "pip install --quiet monarch-cli==VERSION" in task.setup
-    assert "--keys-stdin --port 26600" in task.run and "--name \"node$SKYPILOT_NODE_RANK\"" in task.run
+    assert "--keys-stdin --port 26600" in task.run and '--name "node$SKYPILOT_NODE_RANK"' in task.run
 
 
 def test_task_with_every_option_is_golden_and_skypilot_reads_it(tmp_path: Path) -> None:
-    plan = dryrun(["python", "train.py"], "skypilot", hosts=4, state=tmp_path / "s.pkl", agent_port=29000,
-                  port_range=(30000, 30100), **ALL_OPTIONS)
+    plan = dryrun(
+        ["python", "train.py"],
+        "skypilot",
+        hosts=4,
+        state=tmp_path / "s.pkl",
+        agent_port=29000,
+        port_range=(30000, 30100),
+        **ALL_OPTIONS,
+    )
     text = _golden("task_all_options.yaml", _normalize(plan.artifacts[TASK]))
     task = _sky_task(text)
     (res,) = task.resources
@@ -99,9 +120,25 @@ def test_the_secret_is_never_in_the_plan(tmp_path: Path) -> None:
 
 def test_dry_run_from_the_cli_prints_yaml_and_the_sky_launch_line(tmp_path: Path) -> None:
     # SkyPilot cannot even be imported: the dry run neither needs it nor contacts its API server.
-    done = _monarch("serve", "--scheduler", "skypilot", "--hosts", "2", "--gpus", "H100:8", "--cloud", "gcp",
-                    "--cluster", "mesh", "--dry-run", "--", "python", "train.py", cwd=tmp_path,
-                    pythonpath=_without_skypilot(tmp_path))
+    done = _monarch(
+        "serve",
+        "--scheduler",
+        "skypilot",
+        "--hosts",
+        "2",
+        "--gpus",
+        "H100:8",
+        "--cloud",
+        "gcp",
+        "--cluster",
+        "mesh",
+        "--dry-run",
+        "--",
+        "python",
+        "train.py",
+        cwd=tmp_path,
+        pythonpath=_without_skypilot(tmp_path),
+    )
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "# task.yaml (secrets redacted)" in out and 'accelerators: "H100:8"' in out and "num_nodes: 2" in out
@@ -117,29 +154,43 @@ def test_dry_run_from_the_cli_prints_yaml_and_the_sky_launch_line(tmp_path: Path
 
 
 def test_without_skypilot_installed_serve_says_what_to_install(tmp_path: Path) -> None:
-    done = _monarch("serve", "--scheduler", "skypilot", "--", "python", "train.py", cwd=tmp_path,
-                    pythonpath=_without_skypilot(tmp_path))
-    one_line_error(done, "the skypilot scheduler needs SkyPilot, which is not installed: "
-                         "pip install 'monarch-cli[skypilot]'")
+    done = _monarch(
+        "serve",
+        "--scheduler",
+        "skypilot",
+        "--",
+        "python",
+        "train.py",
+        cwd=tmp_path,
+        pythonpath=_without_skypilot(tmp_path),
+    )
+    one_line_error(
+        done, "the skypilot scheduler needs SkyPilot, which is not installed: pip install 'monarch-cli[skypilot]'"
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--hosts", "0"], "--hosts must be at least 1"),
-    (["--time", "soon"], "--time takes minutes"),
-    (["--time", "0m"], "--time must be more than zero"),
-    (["--region", "us-east-1"], "--region needs --cloud"),
-    (["--autostop", "-5"], "--autostop must be more than zero"),
-    (["--cluster", "Bad_Name"], "SkyPilot cluster names are lowercase"),
-    (["-o", "gpu=A100"], "no option 'gpu'"),
-    (["--reach", "ssh"], "--reach takes auto, direct, tunnel"),
-])
-def test_bad_input_is_one_line_and_a_failure(tmp_path: Path, args: List[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--hosts", "0"], "--hosts must be at least 1"),
+        (["--time", "soon"], "--time takes minutes"),
+        (["--time", "0m"], "--time must be more than zero"),
+        (["--region", "us-east-1"], "--region needs --cloud"),
+        (["--autostop", "-5"], "--autostop must be more than zero"),
+        (["--cluster", "Bad_Name"], "SkyPilot cluster names are lowercase"),
+        (["-o", "gpu=A100"], "no option 'gpu'"),
+        (["--reach", "ssh"], "--reach takes auto, direct, tunnel"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_failure(tmp_path: Path, args: list[str], message: str) -> None:
     done = _monarch("serve", "--scheduler", "skypilot", *args, "--dry-run", cwd=tmp_path)
     assert done.returncode != 0 and message in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("text, minutes", [("90", 90), ("45m", 45), ("2h", 120), ("1h30m", 90), ("1d", 1440),
-                                           ("1:30:00", 90), ("0:00:30", 1), ("90s", 2)])
+@pytest.mark.parametrize(
+    "text, minutes",
+    [("90", 90), ("45m", 45), ("2h", 120), ("1h30m", 90), ("1d", 1440), ("1:30:00", 90), ("0:00:30", 1), ("90s", 2)],
+)
 def test_time_in_minutes(text: str, minutes: int) -> None:
     assert parse_minutes(text) == minutes

@@ -14,8 +14,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
 
 import pytest
 
@@ -26,16 +26,22 @@ NODES = 2
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[List[str]]:
+def slurm_cluster() -> Iterator[list[str]]:
     """The test cluster's node names, once every node is idle."""
     if os.geteuid() != 0:
-        pytest.fail("the Slurm tests need root: they install Slurm (apt) and start a test cluster "
-                    "with network namespaces (scripts/slurm-cluster.sh)", pytrace=False)
+        pytest.fail(
+            "the Slurm tests need root: they install Slurm (apt) and start a test cluster "
+            "with network namespaces (scripts/slurm-cluster.sh)",
+            pytrace=False,
+        )
     was_up = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True).returncode == 0
     started = subprocess.run(["bash", str(SCRIPT), "start", str(NODES)], capture_output=True, text=True, timeout=1500)
     if started.returncode != 0:
-        pytest.fail(f"could not start the Slurm test cluster with {SCRIPT.name} start: "
-                    f"{(started.stderr or started.stdout).strip()[-3000:]}", pytrace=False)
+        pytest.fail(
+            f"could not start the Slurm test cluster with {SCRIPT.name} start: "
+            f"{(started.stderr or started.stdout).strip()[-3000:]}",
+            pytrace=False,
+        )
     nodes = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N"], capture_output=True, text=True)
     names = sorted(set(nodes.stdout.split()))
     if len(names) < NODES:
@@ -45,7 +51,7 @@ def slurm_cluster() -> Iterator[List[str]]:
         subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, timeout=120)
 
 
-def clean_env(**extra: str) -> Dict[str, str]:
+def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any Slurm job context (the tests run outside allocations)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MONARCH_"))}
     env.update(extra)
@@ -54,11 +60,19 @@ def clean_env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def monarch(*args: str, cwd: Path, timeout: float = 180, env: Optional[Dict[str, str]] = None
-            ) -> subprocess.CompletedProcess:
+def monarch(
+    *args: str, cwd: Path, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The real CLI in a subprocess, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env or clean_env(), stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def slurm(*args: str, check: bool = True) -> str:
@@ -86,7 +100,7 @@ class Served:
     def __call__(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return monarch(args[0], "--state", str(self.state), *args[1:], cwd=self.cwd, timeout=timeout)
 
-    def status(self) -> Dict:
+    def status(self) -> dict:
         done = monarch("status", "--json", "--state", str(self.state), cwd=self.cwd)
         return json.loads(done.stdout)
 

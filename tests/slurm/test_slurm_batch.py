@@ -38,8 +38,9 @@ CHECKPOINT = """
 def test_batch_exit_status_is_the_runs_and_status_logs_find_the_job(slurm_cluster, tmp_path):
     job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
     ok_script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
-    ok = job("sbatch", "-N", "2", "--time=10", "--wait", "--", "torchrun", "--nproc-per-node=2", str(ok_script),
-             timeout=600)
+    ok = job(
+        "sbatch", "-N", "2", "--time=10", "--wait", "--", "torchrun", "--nproc-per-node=2", str(ok_script), timeout=600
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     ok_id = ok.stdout.strip()
     assert ok_id.isdigit(), ok.stdout
@@ -76,8 +77,11 @@ def _submit_and_wait_ready(job: Served, script: Path) -> str:
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip()
     out = job.cwd / f"slurm-{job_id}.out"
-    wait_for(lambda: out.exists() and all(f"rank {r} ready" in out.read_text() for r in range(4)), 180,
-             f"the ranks of job {job_id} to be ready")
+    wait_for(
+        lambda: out.exists() and all(f"rank {r} ready" in out.read_text() for r in range(4)),
+        180,
+        f"the ranks of job {job_id} to be ready",
+    )
     return job_id
 
 

@@ -49,8 +49,19 @@ def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path
     script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
     job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
     try:
-        served = job("serve", "--scheduler", "slurm", "--nodes", "2", "--time", "30", "--",
-                     "torchrun", "--nproc-per-node=2", str(script))
+        served = job(
+            "serve",
+            "--scheduler",
+            "slurm",
+            "--nodes",
+            "2",
+            "--time",
+            "30",
+            "--",
+            "torchrun",
+            "--nproc-per-node=2",
+            str(script),
+        )
         assert served.returncode == 0, served.stderr
         info = job.status()
         assert info["alive"] and info["slurm"]["state"] == "RUNNING"
@@ -102,8 +113,9 @@ def test_serve_run_twice_cancel_outside_serve_again_stop(slurm_cluster, tmp_path
         assert job_state(info2["slurm"]["job_id"]) in ("CANCELLED", "")
         assert not job.state.exists()
         assert not (Path(info2["slurm"]["dir"]) / "keys").exists()
-        wait_for(lambda: not _agent_processes(info2["slurm"]["dir"], info2["slurm"]["job_id"]), 30,
-                 "every agent to exit")
+        wait_for(
+            lambda: not _agent_processes(info2["slurm"]["dir"], info2["slurm"]["job_id"]), 30, "every agent to exit"
+        )
     finally:
         job("stop")  # whatever failed, leave no job behind
 
@@ -117,14 +129,29 @@ BREAK = """
 """
 
 
-def _debug_a_paused_run(tmp_path: Path, job: "Served", nodes: list) -> None:
+def _debug_a_paused_run(tmp_path: Path, job: Served, nodes: list) -> None:
     import pexpect
 
     script = write_script(tmp_path, "pause.py", BREAK)
     run = subprocess.Popen(
-        [sys.executable, "-m", "monarch_cli", "run-spmd", "--no-color", "--state", str(job.state), "--",
-         "torchrun", "--nproc-per-node=2", str(script)],
-        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "monarch_cli",
+            "run-spmd",
+            "--no-color",
+            "--state",
+            str(job.state),
+            "--",
+            "torchrun",
+            "--nproc-per-node=2",
+            str(script),
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         last: list = []
@@ -143,12 +170,15 @@ def _debug_a_paused_run(tmp_path: Path, job: "Served", nodes: list) -> None:
         rows = json.loads(job("debug", "list", "--json").stdout)
         assert [r["host"] for r in rows] == [nodes[0], nodes[0], nodes[1], nodes[1]]
         cast = json.loads(job("debug", "cast", "*", "p where", "--json").stdout)
-        assert {r: v["output"].strip() for r, v in cast.items()} == {
-            str(r): repr(nodes[r // 2]) for r in range(4)}
-        shell = pexpect.spawn(sys.executable, ["-m", "monarch_cli", "debug", "--state", str(job.state), "attach", "3"],
-                              cwd=str(tmp_path), env={**clean_env(), "TERM": "dumb", "NO_COLOR": "1",
-                                                      "MONARCH_DEBUG_HISTORY": str(tmp_path / "hist")},
-                              encoding="utf-8", timeout=60)
+        assert {r: v["output"].strip() for r, v in cast.items()} == {str(r): repr(nodes[r // 2]) for r in range(4)}
+        shell = pexpect.spawn(
+            sys.executable,
+            ["-m", "monarch_cli", "debug", "--state", str(job.state), "attach", "3"],
+            cwd=str(tmp_path),
+            env={**clean_env(), "TERM": "dumb", "NO_COLOR": "1", "MONARCH_DEBUG_HISTORY": str(tmp_path / "hist")},
+            encoding="utf-8",
+            timeout=60,
+        )
         shell.expect_exact("(Pdb) ")
         shell.sendline("p rank, where")
         shell.expect_exact(f"(3, {nodes[1]!r})")
@@ -185,9 +215,27 @@ def test_two_reservations_on_the_same_nodes_do_not_collide(slurm_cluster, tmp_pa
         sa, sb = a.status(), b.status()
         assert [h["name"] for h in sa["hosts"]] == [h["name"] for h in sb["hosts"]] == slurm_cluster[:2]
         assert {h["agent"] for h in sa["hosts"]}.isdisjoint({h["agent"] for h in sb["hosts"]})
-        procs = [subprocess.Popen([sys.executable, "-m", "monarch_cli", "exec", "--no-color", "--state",
-                                   str(j.state), "--", "echo $GROUP_RANK"], cwd=tmp_path, env=clean_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for j in (a, b)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "monarch_cli",
+                    "exec",
+                    "--no-color",
+                    "--state",
+                    str(j.state),
+                    "--",
+                    "echo $GROUP_RANK",
+                ],
+                cwd=tmp_path,
+                env=clean_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for j in (a, b)
+        ]
         for p in procs:
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
@@ -200,8 +248,7 @@ def test_two_reservations_on_the_same_nodes_do_not_collide(slurm_cluster, tmp_pa
 def test_pending_job_reports_state_and_reason_then_agents(slurm_cluster, tmp_path, monkeypatch):
     monkeypatch.setattr(settings(), "host", settings().host)  # this process may pick a routable address
     events: list = []
-    job = serve(None, "slurm", hosts=2, state=tmp_path / "p.pkl", progress=events.append,
-                sbatch_args=["--begin=now+3"])
+    job = serve(None, "slurm", hosts=2, state=tmp_path / "p.pkl", progress=events.append, sbatch_args=["--begin=now+3"])
     try:
         assert any(re.search(r"Slurm job \d+ pending \(BeginTime\) for 0:0\d", e) for e in events), events
         assert any("agents up: 2/2" in e for e in events), events
@@ -212,7 +259,10 @@ def test_pending_job_reports_state_and_reason_then_agents(slurm_cluster, tmp_pat
 
 def test_serve_inside_an_allocation_starts_an_overlapping_step_and_stop_ends_only_it(slurm_cluster, tmp_path):
     script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
-    inner = write_script(tmp_path, "inside.sh", f"""
+    inner = write_script(
+        tmp_path,
+        "inside.sh",
+        f"""
         set -u
         m() {{ c=$1; shift; {sys.executable} -m monarch_cli "$c" --state {tmp_path}/in.pkl "$@"; }}
         m serve --scheduler slurm -- torchrun --nproc-per-node=2 {script} || exit 11
@@ -221,9 +271,16 @@ def test_serve_inside_an_allocation_starts_an_overlapping_step_and_stop_ends_onl
         m stop || exit 13
         squeue -h -s -j $SLURM_JOB_ID -o %j > {tmp_path}/steps-after-stop.txt
         squeue -h -j $SLURM_JOB_ID -o %T > {tmp_path}/job-after-stop.txt
-    """)
-    done = subprocess.run(["salloc", "-N", "2", "--time=10", "bash", str(inner)], cwd=tmp_path, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    """,
+    )
+    done = subprocess.run(
+        ["salloc", "-N", "2", "--time=10", "bash", str(inner)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     _check_ranks(done.stdout, slurm_cluster)
     status = json.loads((tmp_path / "status.json").read_text())
@@ -234,10 +291,31 @@ def test_serve_inside_an_allocation_starts_an_overlapping_step_and_stop_ends_onl
 
 
 def test_allocation_options_that_cannot_apply_are_refused(slurm_cluster, tmp_path):
-    done = subprocess.run(["salloc", "-N", "1", "--time=5", sys.executable, "-m", "monarch_cli", "serve",
-                           "--scheduler", "slurm", "--partition", "debug", "--nodes", "2", "--state",
-                           str(tmp_path / "x.pkl")], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            "salloc",
+            "-N",
+            "1",
+            "--time=5",
+            sys.executable,
+            "-m",
+            "monarch_cli",
+            "serve",
+            "--scheduler",
+            "slurm",
+            "--partition",
+            "debug",
+            "--nodes",
+            "2",
+            "--state",
+            str(tmp_path / "x.pkl"),
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "cannot apply" in done.stderr and "--partition" in done.stderr
 
@@ -250,11 +328,15 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
     """Two reservations, one node each: one loses its node, the other reaches its time limit
     (Slurm's smallest, one minute) while a run is going on it."""
     limited, failing = Served(tmp_path, tmp_path / "limited.pkl"), Served(tmp_path, tmp_path / "failing.pkl")
-    sleeper = write_script(tmp_path, "sleeper.py", """
+    sleeper = write_script(
+        tmp_path,
+        "sleeper.py",
+        """
         import time
         print("started", flush=True)
         time.sleep(600)
-    """)
+    """,
+    )
     failed_node = None
     try:
         # --exclusive: one node each, so that one node's failure ends only one of them.
@@ -265,9 +347,25 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
         limited_id, failing_id = limited.status()["slurm"]["job_id"], failing.status()["slurm"]["job_id"]
         failed_node = failing.status()["hosts"][0]["name"]
         run = subprocess.Popen(
-            [sys.executable, "-m", "monarch_cli", "run-spmd", "--json", "--state", str(limited.state), "--",
-             "torchrun", "--nproc-per-node=2", str(sleeper)],
-            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "monarch_cli",
+                "run-spmd",
+                "--json",
+                "--state",
+                str(limited.state),
+                "--",
+                "torchrun",
+                "--nproc-per-node=2",
+                str(sleeper),
+            ],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
         # Node failure: Slurm ends the job as NODE_FAIL (serve's jobs are --no-requeue, so it
         # does not come back later with agents nobody knows about).
@@ -275,7 +373,9 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
         wait_for(lambda: job_state(failing_id) == "NODE_FAIL", 30, "the job to fail with its node")
         status = failing("status")
         assert status.returncode == 1 and f"Slurm job {failing_id} is NODE_FAIL (a node failed" in status.stdout
-        one_line_error(failing("run-spmd", "--", "python", str(sleeper)), f"Slurm job {failing_id} is NODE_FAIL (a node failed")
+        one_line_error(
+            failing("run-spmd", "--", "python", str(sleeper)), f"Slurm job {failing_id} is NODE_FAIL (a node failed"
+        )
         wait_for(lambda: _node_state(failed_node) == "idle", 60, f"{failed_node} to come back")
         failed_node = None
 
@@ -288,12 +388,16 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
         ranks = json.loads(out)["ranks"]
         assert all("started" in r["last_lines"] for r in ranks), ranks
         for r in ranks:
-            assert (r["how"].startswith(f"lost: host {r['host']} stopped answering")
-                    or r["how"].startswith("killed by SIGTERM")), r
+            assert r["how"].startswith(f"lost: host {r['host']} stopped answering") or r["how"].startswith(
+                "killed by SIGTERM"
+            ), r
             assert r["how"].endswith(f"Slurm job {limited_id} is TIMEOUT (its time limit was reached)"), r
         wait_for(lambda: job_state(limited_id) == "TIMEOUT", 60, "the job to reach its time limit")
         status = limited("status")
-        assert status.returncode == 1 and f"Slurm job {limited_id} is TIMEOUT (its time limit was reached)" in status.stdout
+        assert (
+            status.returncode == 1
+            and f"Slurm job {limited_id} is TIMEOUT (its time limit was reached)" in status.stdout
+        )
         one_line_error(limited("exec", "--", "true"), f"Slurm job {limited_id} is TIMEOUT (its time limit was reached)")
     finally:
         if failed_node is not None:
@@ -305,8 +409,20 @@ def test_node_failure_and_time_limit_end_reservations_clearly(slurm_cluster, tmp
 def test_serve_reserves_exactly_the_plan_a_dry_run_printed(slurm_cluster, tmp_path):
     job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
     write_script(tmp_path, "planned.py", "print('planned')\n")
-    printed = job("serve", "--scheduler", "slurm", "--nodes", "2", "-o", "time=30", "--dry-run", "--json", "--",
-                  "python", "planned.py")
+    printed = job(
+        "serve",
+        "--scheduler",
+        "slurm",
+        "--nodes",
+        "2",
+        "-o",
+        "time=30",
+        "--dry-run",
+        "--json",
+        "--",
+        "python",
+        "planned.py",
+    )
     assert printed.returncode == 0, printed.stderr
     plan = json.loads(printed.stdout)
     assert plan["scheduler"] == "slurm" and plan["options"] == {"time": "30"} and "keys" not in plan["data"]

@@ -34,12 +34,30 @@ def test_stack_diagnose_and_sql_on_slurm(slurm_cluster, tmp_path):
     job = Served(tmp_path, tmp_path / ".monarch" / "job_state.pkl")
     run = None
     try:
-        served = job("serve", "--scheduler", "slurm", "--nodes", "2", "--time", "30", "--",
-                     "torchrun", "--nproc-per-node=2", str(script), str(flag))
+        served = job(
+            "serve",
+            "--scheduler",
+            "slurm",
+            "--nodes",
+            "2",
+            "--time",
+            "30",
+            "--",
+            "torchrun",
+            "--nproc-per-node=2",
+            str(script),
+            str(flag),
+        )
         assert served.returncode == 0, served.stderr
-        run = subprocess.Popen([sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(job.state)], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                               stdin=subprocess.DEVNULL)
+        run = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(job.state)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+            stdin=subprocess.DEVNULL,
+        )
 
         def ready() -> bool:
             if run.poll() is not None:

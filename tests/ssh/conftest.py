@@ -17,8 +17,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List
 
 import pytest
 
@@ -73,7 +73,7 @@ class SshHost:
 
 @dataclasses.dataclass
 class SshHosts:
-    hosts: List[SshHost]
+    hosts: list[SshHost]
     client_key: Path  # private key, 0600, authorized on every host
     known_hosts: Path  # the hosts' keys, for StrictHostKeyChecking
     python: str  # the interpreter path, the same on every host
@@ -115,7 +115,7 @@ def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     base = tmp_path_factory.mktemp("ssh")
     key = base / "client_key"
     _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "monarch-test-client", "-f", str(key))
-    hosts: List[SshHost] = []
+    hosts: list[SshHost] = []
     pyroot = _pyroot()
     try:
         for ns, address in add_hosts(PREFIX, SUBNET, n):
@@ -126,11 +126,31 @@ def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
             shutil.copy(f"{key}.pub", infra / "authorized_keys")
             script = _HOST_SCRIPT.format(keep=KEEP, pyroot=pyroot or "/nonexistent-pyroot")
             if not pyroot:  # the interpreter is not under /root: nothing to bind back
-                script = script.replace(f'mount --rbind "/nonexistent-pyroot" {KEEP}\n', "").replace(
-                    'mkdir -p "/nonexistent-pyroot" ', "mkdir -p ").replace(f'mount --rbind {KEEP} "/nonexistent-pyroot"\n', "")
+                script = (
+                    script.replace(f'mount --rbind "/nonexistent-pyroot" {KEEP}\n', "")
+                    .replace('mkdir -p "/nonexistent-pyroot" ', "mkdir -p ")
+                    .replace(f'mount --rbind {KEEP} "/nonexistent-pyroot"\n', "")
+                )
             log = open(base / f"{ns}.sshd.log", "wb")
-            sshd = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
-                                     "sh", "-c", script, str(infra)], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            sshd = subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    script,
+                    str(infra),
+                ],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+            )
             pub = (infra / "host_key.pub").read_text().split()
             hosts.append(SshHost(ns, address, f"{address} {pub[0]} {pub[1]}", sshd))
         known = base / "known_hosts"

@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List
 
 import pytest
 
@@ -38,15 +37,20 @@ dist.destroy_process_group()
 """
 
 
-def _agent_peers(ns: str, port: int) -> List[str]:
+def _agent_peers(ns: str, port: int) -> list[str]:
     """The peer addresses of the connections into ``port`` inside namespace ``ns``."""
-    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established", f"( sport = :{port} )"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [line.split()[-1].rpartition(":")[0] for line in out.splitlines() if line.strip()]
 
 
 def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_port_each(
-        ssh_hosts: SshHosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ssh_hosts: SshHosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -60,19 +64,32 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
         hs = job._hostset()
         assert all(h.agent.startswith("tcp://127.0.0.1:") for h in hs.hosts), hs.hosts  # the forwards
         client_port = hs.mb.address.rpartition(":")[2]
-        reach = subprocess.run(["ip", "netns", "exec", ssh_hosts.hosts[0].name, sys.executable, "-c",
-                                f"import socket; socket.create_connection(('127.0.0.1', {client_port}), 2)"],
-                               capture_output=True, text=True)
+        reach = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ssh_hosts.hosts[0].name,
+                sys.executable,
+                "-c",
+                f"import socket; socket.create_connection(('127.0.0.1', {client_port}), 2)",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert reach.returncode != 0 and "refused" in reach.stderr.lower(), reach.stderr
 
         (ws / "train.py").write_text(SCRIPT)
         monkeypatch.chdir(ws)
         out = io.BytesIO()
-        result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out,
-                              env={"GLOO_SOCKET_IFNAME": "eth0"})
+        result = job.run_spmd(
+            ["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out, env={"GLOO_SOCKET_IFNAME": "eth0"}
+        )
         text = out.getvalue().decode()
-        assert result.exit_code == 0 and not any(r.lost for r in result.ranks), \
-            ([r.how for r in result.ranks], text[-2000:])
+        assert result.exit_code == 0 and not any(r.lost for r in result.ranks), (
+            [r.how for r in result.ranks],
+            text[-2000:],
+        )
         assert text.count("x" * 99) == 30000 and text.count("sum 3 rank") == 2, text[-2000:]
 
         # Every connection into an agent's port came from its own host's sshd (the forward), none
@@ -85,9 +102,13 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
 
         # The debugger's relay: rank 0 on h1 pauses; its pdb is driven from here through the forward.
         (ws / "dbg.py").write_text("import os\nanswer = 6 * 7\nif os.environ['RANK'] == '0':\n    breakpoint()\n")
-        runs: List[RunResult] = []
-        runner = threading.Thread(target=lambda: runs.append(job.run_spmd(
-            ["torchrun", "--nproc-per-node=1", "dbg.py"], stdout=io.BytesIO(), stderr=io.BytesIO())), daemon=True)
+        runs: list[RunResult] = []
+        runner = threading.Thread(
+            target=lambda: runs.append(
+                job.run_spmd(["torchrun", "--nproc-per-node=1", "dbg.py"], stdout=io.BytesIO(), stderr=io.BytesIO())
+            ),
+            daemon=True,
+        )
         runner.start()
         client = DebugClient(job)
         try:
@@ -111,7 +132,6 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
     finally:
         job.stop()
         configure(host=before[0], heartbeat_timeout=before[1], heartbeat_interval=before[2])
-
 
 
 # An actor script driving a served reservation, as a user runs one: its own process (one
@@ -154,21 +174,31 @@ print(json.dumps({"died": died, "failures": failures, "after": after}), flush=Tr
 
 
 def test_actor_procs_on_hosts_that_cannot_reach_the_client_are_relayed_through_their_agents(
-        ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
     state = tmp_path / "job_state.pkl"
     job = serve(None, "ssh", state=state, hosts="h1,h2", ssh_config=str(config), python=PYTHON, tunnel=True)
     try:
         (tmp_path / "actors.py").write_text(ACTOR_SCRIPT)
         # The script's mailbox listens on its loopback: no host can connect to it.
-        script = subprocess.Popen([sys.executable, str(tmp_path / "actors.py"), str(state)], cwd=tmp_path,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONPATH": REPO, "MONARCH_HOST": "127.0.0.1"})
+        script = subprocess.Popen(
+            [sys.executable, str(tmp_path / "actors.py"), str(state)],
+            cwd=tmp_path,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": REPO, "MONARCH_HOST": "127.0.0.1"},
+        )
         try:
             first = json.loads(script.stdout.readline() or "null")
             assert first is not None, script.communicate(timeout=30)[1][-3000:]
-            assert first == {"relay": [True, True], "where": [h.address for h in ssh_hosts.hosts],
-                             "doubled": [True, True]}, first
+            assert first == {
+                "relay": [True, True],
+                "where": [h.address for h in ssh_hosts.hosts],
+                "doubled": [True, True],
+            }, first
             # Only the forwards ever connected to the agents' ports: nothing came from the client.
             for h, rec in zip(ssh_hosts.hosts, job.state.hosts):
                 peers = _agent_peers(h.name, int(rec.agent.rpartition(":")[2]))

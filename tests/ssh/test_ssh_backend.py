@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
-import threading
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Tuple
 
 import paramiko
 import pytest
-
-import json
 
 from monarch_cli.errors import MonarchError, SchedulerError
 from monarch_cli.jobs import Job, JobError, dryrun, job_load, serve
@@ -36,18 +35,27 @@ dist.destroy_process_group()
 
 
 def _ssh_config(hosts: SshHosts, path: Path, known_hosts: Path) -> Path:
-    path.write_text("".join(
-        f"Host h{i}\n  HostName {h.address}\n  User root\n  IdentityFile {hosts.client_key}\n"
-        f"  UserKnownHostsFile {known_hosts}\n  StrictHostKeyChecking yes\n"
-        for i, h in enumerate(hosts.hosts, 1)))
+    path.write_text(
+        "".join(
+            f"Host h{i}\n  HostName {h.address}\n  User root\n  IdentityFile {hosts.client_key}\n"
+            f"  UserKnownHostsFile {known_hosts}\n  StrictHostKeyChecking yes\n"
+            for i, h in enumerate(hosts.hosts, 1)
+        )
+    )
     return path
 
 
-def _on_host(hosts: SshHosts, i: int, command: str) -> Tuple[int, str]:
+def _on_host(hosts: SshHosts, i: int, command: str) -> tuple[int, str]:
     client = paramiko.SSHClient()
     client.load_host_keys(str(hosts.known_hosts))
-    client.connect(hosts.hosts[i].address, username="root", key_filename=str(hosts.client_key),
-                   look_for_keys=False, allow_agent=False, timeout=10)
+    client.connect(
+        hosts.hosts[i].address,
+        username="root",
+        key_filename=str(hosts.client_key),
+        look_for_keys=False,
+        allow_agent=False,
+        timeout=10,
+    )
     try:
         _, out, err = client.exec_command(command, timeout=30)
         text = out.read().decode() + err.read().decode()
@@ -60,7 +68,7 @@ def _is_agent(cmdline: str) -> bool:
     return "monarch_cli.runtime.agent" in cmdline or "monarch agent" in cmdline  # its process title
 
 
-def _netns_processes(hosts: SshHosts) -> List[str]:
+def _netns_processes(hosts: SshHosts) -> list[str]:
     """Every process in the hosts' namespaces but their sshd listeners."""
     left = []
     for h in hosts.hosts:
@@ -75,13 +83,14 @@ def _netns_processes(hosts: SshHosts) -> List[str]:
 
 
 @pytest.fixture(scope="module")
-def ssh_job(ssh_hosts: SshHosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Job, Path, Path]]:
+def ssh_job(ssh_hosts: SshHosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Job, Path, Path]]:
     base = tmp_path_factory.mktemp("sshjob")
     config = _ssh_config(ssh_hosts, base / "ssh_config", ssh_hosts.known_hosts)
     ws = base / "ws"
     ws.mkdir()
-    job = serve(None, "ssh", state=ws / ".monarch" / "job_state.pkl", hosts="h1,h2",
-                ssh_config=str(config), python=PYTHON)
+    job = serve(
+        None, "ssh", state=ws / ".monarch" / "job_state.pkl", hosts="h1,h2", ssh_config=str(config), python=PYTHON
+    )
     yield job, ws, config
     job.stop()
 
@@ -98,26 +107,31 @@ def test_dry_run_shows_targets_and_redacts_keys(ssh_hosts: SshHosts, tmp_path: P
         dryrun(None, "local", hosts="h1,h2")
 
 
-def test_serve_keys_sync_and_a_two_host_gloo_run(ssh_job: Tuple[Job, Path, Path], ssh_hosts: SshHosts,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_keys_sync_and_a_two_host_gloo_run(
+    ssh_job: tuple[Job, Path, Path], ssh_hosts: SshHosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
     job, ws, _ = ssh_job
     secret = job.state.keys.split()[-1] if " " in job.state.keys else job.state.keys
     for i, rec in enumerate(job.state.scheduler_data["ssh_hosts"]):
         code, text = _on_host(ssh_hosts, i, f"stat -c '%a' {rec['directory']} {rec['directory']}/keys")
         assert text.split() == ["700", "600"], text
-        code, text = _on_host(ssh_hosts, i, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; "
-                                            f"cat /proc/{rec['pid']}/environ | tr '\\0' '\\n'")
+        code, text = _on_host(
+            ssh_hosts,
+            i,
+            f"cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; cat /proc/{rec['pid']}/environ | tr '\\0' '\\n'",
+        )
         assert code == 0 and _is_agent(text) and secret not in text
     (ws / "train.py").write_text(ALLREDUCE)
     (ws / "data.txt").write_text("v1")
     (ws / "old.py").write_text("")
     monkeypatch.chdir(ws)
     out = io.BytesIO()
-    notices: List[str] = []
+    notices: list[str] = []
     # the hosts share this machine's hostname, which resolves to a loopback address: name gloo's interface
     gloo = {"GLOO_SOCKET_IFNAME": "eth0"}
-    result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out,
-                          on_event=notices.append, env=gloo)
+    result = job.run_spmd(
+        ["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out, on_event=notices.append, env=gloo
+    )
     text = out.getvalue().decode()
     assert result.exit_code == 0, text
     assert any(n.startswith("synced 3 files") and "to 2 hosts" in n for n in notices), notices
@@ -138,17 +152,36 @@ def test_serve_keys_sync_and_a_two_host_gloo_run(ssh_job: Tuple[Job, Path, Path]
 
 
 def _monarch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "monarch_cli", *args], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": REPO})
+    return subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
 
 
 def test_reserve_from_a_printed_plan_and_stop_leaves_nothing(ssh_hosts: SshHosts, tmp_path: Path) -> None:
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
     state = str(tmp_path / ".monarch" / "job_state.pkl")
     before = set(_netns_processes(ssh_hosts))
-    printed = _monarch("serve", "--scheduler", "ssh", "--hosts", "h1,h2", "--ssh-config", str(config),
-                       "-o", f"python={PYTHON}", "--remote-dir", "/root/stoptest", "--state", state, "--dry-run",
-                       "--json")
+    printed = _monarch(
+        "serve",
+        "--scheduler",
+        "ssh",
+        "--hosts",
+        "h1,h2",
+        "--ssh-config",
+        str(config),
+        "-o",
+        f"python={PYTHON}",
+        "--remote-dir",
+        "/root/stoptest",
+        "--state",
+        state,
+        "--dry-run",
+        "--json",
+    )
     assert printed.returncode == 0, printed.stderr
     plan = json.loads(printed.stdout)
     assert [h["target"]["alias"] for h in plan["data"]["hosts"]] == ["h1", "h2"]
@@ -161,7 +194,8 @@ def test_reserve_from_a_printed_plan_and_stop_leaves_nothing(ssh_hosts: SshHosts
     for i, rec in enumerate(job.state.scheduler_data["ssh_hosts"]):  # exactly the plan's command ran there
         assert rec["directory"] == f"/root/stoptest/{plan['reservation_id']}"
         assert _on_host(ssh_hosts, i, f"cat /proc/{rec['pid']}/cmdline | tr '\\0' ' '")[1].startswith(
-            f"monarch agent {plan['reservation_id']} host h{i + 1}")
+            f"monarch agent {plan['reservation_id']} host h{i + 1}"
+        )
     status = _monarch("status", "--state", state)
     assert status.returncode == 0 and "h2: root@" in status.stdout + status.stderr, status.stdout + status.stderr
     started = set(_netns_processes(ssh_hosts)) - before
@@ -178,8 +212,7 @@ def test_unknown_and_changed_host_keys_are_refused(ssh_hosts: SshHosts, tmp_path
     empty = tmp_path / "known_empty"
     config = _ssh_config(ssh_hosts, tmp_path / "cfg_unknown", empty)
     with pytest.raises(SchedulerError, match=r"host h1 .*unknown host key.*--accept-new-host-keys"):
-        serve(None, "ssh", hosts="h1", state=tmp_path / "a" / "s.pkl", ssh_config=str(config),
-              python=PYTHON)
+        serve(None, "ssh", hosts="h1", state=tmp_path / "a" / "s.pkl", ssh_config=str(config), python=PYTHON)
     # a changed key: h2's recorded key is h1's
     lines = ssh_hosts.known_hosts.read_text().splitlines()
     forged = tmp_path / "known_forged"
@@ -187,8 +220,15 @@ def test_unknown_and_changed_host_keys_are_refused(ssh_hosts: SshHosts, tmp_path
     config = _ssh_config(ssh_hosts, tmp_path / "cfg_forged", forged)
     before = set(_netns_processes(ssh_hosts))
     with pytest.raises(SchedulerError, match=r"host h2 .*CHANGED") as e:
-        serve(None, "ssh", hosts="h1,h2", state=tmp_path / "b" / "s.pkl", ssh_config=str(config),
-              python=PYTHON, accept_new_host_keys=True)  # never accepts a changed key
+        serve(
+            None,
+            "ssh",
+            hosts="h1,h2",
+            state=tmp_path / "b" / "s.pkl",
+            ssh_config=str(config),
+            python=PYTHON,
+            accept_new_host_keys=True,
+        )  # never accepts a changed key
     assert "\n" not in str(e.value)
     assert not set(_netns_processes(ssh_hosts)) - before  # h1's agent was undone
     # accept-new records an unknown key
@@ -201,16 +241,34 @@ def test_unknown_and_changed_host_keys_are_refused(ssh_hosts: SshHosts, tmp_path
 
 def test_wrong_python_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp_path: Path) -> None:
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
-    proc = subprocess.run([sys.executable, "-m", "monarch_cli", "serve", "--scheduler", "ssh", "--hosts", "h1",
-                           "--ssh-config", str(config), "--python", "/usr/bin/python3-nope",
-                           "--state", str(tmp_path / "s.pkl")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monarch_cli",
+            "serve",
+            "--scheduler",
+            "ssh",
+            "--hosts",
+            "h1",
+            "--ssh-config",
+            str(config),
+            "--python",
+            "/usr/bin/python3-nope",
+            "--state",
+            str(tmp_path / "s.pkl"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0
     assert "host h1: /usr/bin/python3-nope has no monarch-cli" in proc.stderr and "pip install" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_a_host_whose_link_goes_down_is_reported_by_name_and_stop_still_works(
-        ssh_job: Tuple[Job, Path, Path], ssh_hosts: SshHosts, monkeypatch: pytest.MonkeyPatch) -> None:
+    ssh_job: tuple[Job, Path, Path], ssh_hosts: SshHosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Runs last in this module: it breaks the module's reservation."""
     job, ws, _ = ssh_job
     monkeypatch.chdir(ws)
@@ -248,9 +306,11 @@ def test_proxy_jump_and_unreachable_host(ssh_hosts: SshHosts, tmp_path: Path) ->
 
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
     h2 = ssh_hosts.hosts[1]
-    config.write_text(config.read_text() + f"Host via1\n  HostName {h2.address}\n  ProxyJump h1\n  User root\n"
-                      f"  IdentityFile {ssh_hosts.client_key}\n  UserKnownHostsFile {ssh_hosts.known_hosts}\n"
-                      "Host nowhere\n  HostName 10.214.0.99\n  ConnectTimeout 1\n")
+    config.write_text(
+        config.read_text() + f"Host via1\n  HostName {h2.address}\n  ProxyJump h1\n  User root\n"
+        f"  IdentityFile {ssh_hosts.client_key}\n  UserKnownHostsFile {ssh_hosts.known_hosts}\n"
+        "Host nowhere\n  HostName 10.214.0.99\n  ConnectTimeout 1\n"
+    )
     target = resolve("via1", {"ssh_config": str(config)})
     assert (target.hostname, target.proxy_jump) == (h2.address, "h1")
     client = connect(target, accept_new=False)

@@ -18,8 +18,9 @@ from .test_ssh_backend import PYTHON, _on_host, _ssh_config
 pytestmark = [pytest.mark.slow, pytest.mark.ssh]
 
 
-def test_keys_held_only_by_ssh_agent_are_used(ssh_hosts: SshHosts, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keys_held_only_by_ssh_agent_are_used(
+    ssh_hosts: SshHosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from monarch_cli.schedulers.ssh import connect, resolve
 
     sock = tmp_path / "agent.sock"
@@ -35,8 +36,10 @@ def test_keys_held_only_by_ssh_agent_are_used(ssh_hosts: SshHosts, tmp_path: Pat
         monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ssh/id_* to fall back on
         h1 = ssh_hosts.hosts[0]
         config = tmp_path / "ssh_config"  # no IdentityFile: only the agent has the key
-        config.write_text(f"Host viaagent\n  HostName {h1.address}\n  User root\n"
-                          f"  UserKnownHostsFile {ssh_hosts.known_hosts}\n  StrictHostKeyChecking yes\n")
+        config.write_text(
+            f"Host viaagent\n  HostName {h1.address}\n  User root\n"
+            f"  UserKnownHostsFile {ssh_hosts.known_hosts}\n  StrictHostKeyChecking yes\n"
+        )
         client = connect(resolve("viaagent", {"ssh_config": str(config)}), accept_new=False)
         try:
             _, out, _ = client.exec_command("echo reached-by-agent-key")
@@ -54,13 +57,25 @@ def test_a_full_remote_disk_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
     ws = tmp_path / "ws"
     ws.mkdir()
-    job = serve(None, "ssh", state=ws / ".monarch" / "job_state.pkl", hosts="h1,h2",
-                ssh_config=str(config), python=PYTHON, remote_dir=small)
+    job = serve(
+        None,
+        "ssh",
+        state=ws / ".monarch" / "job_state.pkl",
+        hosts="h1,h2",
+        ssh_config=str(config),
+        python=PYTHON,
+        remote_dir=small,
+    )
     try:
         (ws / "data.bin").write_bytes(os.urandom(1 << 20))  # 1 MiB: more than h2's 256 KiB
         (ws / "run.py").write_text("print('ran')\n")
-        done = subprocess.run([sys.executable, "-m", "monarch_cli", "run-spmd", "--", "torchrun",
-                               "--nproc-per-node=1", "run.py"], cwd=ws, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "monarch_cli", "run-spmd", "--", "torchrun", "--nproc-per-node=1", "run.py"],
+            cwd=ws,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
         errors = [line for line in done.stderr.splitlines() if line.startswith("monarch: error:")]
         assert len(errors) == 1 and "h2" in errors[0] and "space" in errors[0].lower(), done.stderr

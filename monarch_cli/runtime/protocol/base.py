@@ -28,18 +28,33 @@ same way.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-__all__ = ["MESSAGES", "ROUTES", "header", "decode", "answer_to", "not_understood", "CLIENT_AGENT",
-           "AGENT_CLIENT", "CLIENT_PROC", "PROC_AGENT", "PROC_CLIENT", "AGENT_ZYGOTE", "ZYGOTE_AGENT", "ANY"]
+__all__ = [
+    "MESSAGES",
+    "ROUTES",
+    "header",
+    "decode",
+    "answer_to",
+    "not_understood",
+    "CLIENT_AGENT",
+    "AGENT_CLIENT",
+    "CLIENT_PROC",
+    "PROC_AGENT",
+    "PROC_CLIENT",
+    "AGENT_ZYGOTE",
+    "ZYGOTE_AGENT",
+    "ANY",
+]
 
-M = TypeVar("M", bound=Type[Any])
+M = TypeVar("M", bound=type[Any])
 
 #: Every message class by its kind (what :func:`decode` looks up).
-MESSAGES: Dict[str, Type[Any]] = {}
+MESSAGES: dict[str, type[Any]] = {}
 #: Which process sends each kind to which (the table in docs/architecture.md follows it).
-ROUTES: Dict[str, str] = {}
-_SIZES: Dict[str, Tuple[Type[Any], int]] = {}  # kind -> (class, header length)
+ROUTES: dict[str, str] = {}
+_SIZES: dict[str, tuple[type[Any], int]] = {}  # kind -> (class, header length)
 _tuple_new = tuple.__new__
 
 
@@ -56,12 +71,12 @@ def _message(kind: str, route: str) -> Callable[[M], M]:
     return register
 
 
-def header(msg: Any) -> Tuple[Any, ...]:
+def header(msg: Any) -> tuple[Any, ...]:
     """The plain tuple a message travels as: ``(KIND, *fields)``."""
     return (msg.KIND, *msg)
 
 
-def decode(head: Tuple[Any, ...]) -> Any:
+def decode(head: tuple[Any, ...]) -> Any:
     """The typed message of a received header; ``KeyError`` for a kind this side does not know,
     ``TypeError`` for a known kind with the wrong number of fields."""
     cls, size = _SIZES[head[0]]
@@ -70,7 +85,7 @@ def decode(head: Tuple[Any, ...]) -> Any:
     return _tuple_new(cls, head[1:])  # what ``cls._make`` does, without its Python frame
 
 
-def answer_to(head: Tuple[Any, ...]) -> Optional[Tuple[int, str]]:
+def answer_to(head: tuple[Any, ...]) -> tuple[int, str] | None:
     """``(cid, reply_to)`` of a header of any kind, known or not, that asks for an answer (by
     the convention above); None when it asks for none. Lets a receiver refuse a kind it does
     not know (a newer sender) with an error instead of leaving the sender to time out."""
@@ -79,13 +94,15 @@ def answer_to(head: Tuple[Any, ...]) -> Optional[Tuple[int, str]]:
     return None
 
 
-def not_understood(head: Tuple[Any, ...], who: str) -> str:
+def not_understood(head: tuple[Any, ...], who: str) -> str:
     """The error for a message ``who`` cannot read: an unknown kind, or a known one with other fields."""
     kind = head[0] if head else None
     if kind not in MESSAGES:
         return f"{who} does not understand {kind!r} messages (is it older than this client? start it again)"
-    return (f"{who} cannot read a {kind!r} message of {len(head) - 1} fields (it expects "
-            f"{', '.join(MESSAGES[kind]._fields) or 'none'}; are both sides the same version?)")
+    return (
+        f"{who} cannot read a {kind!r} message of {len(head) - 1} fields (it expects "
+        f"{', '.join(MESSAGES[kind]._fields) or 'none'}; are both sides the same version?)"
+    )
 
 
 CLIENT_AGENT = "client → agent"

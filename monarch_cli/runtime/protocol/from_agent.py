@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from ..errors import Failure
 from .base import AGENT_CLIENT, ANY, _message
 
-__all__ = ["Result", "Output", "RankExited", "RankPaused", "ReservationStopped", "Telemetry", "DebugOutput",
-    "DebugState", "DebugDapToIde", "DebugDapClosed", "ProcExited"]
+__all__ = [
+    "Result",
+    "Output",
+    "RankExited",
+    "RankPaused",
+    "ReservationStopped",
+    "Telemetry",
+    "DebugOutput",
+    "DebugState",
+    "DebugDapToIde",
+    "DebugDapClosed",
+    "ProcExited",
+]
 
 
 # ---------------------------------------------------------------------------- answers
@@ -37,10 +48,10 @@ class RankExited(NamedTuple):
 
     run_id: str
     rank: int
-    exitcode: Optional[int]
-    signal: Optional[int]
+    exitcode: int | None
+    signal: int | None
     duration: float
-    pid: Optional[int]
+    pid: int | None
     cause: str
 
 
@@ -51,7 +62,7 @@ class RankPaused(NamedTuple):
     run_id: str
     rank: int
     host: str
-    where: Dict[str, Any]
+    where: dict[str, Any]
 
 
 @_message("reservation_stopped", AGENT_CLIENT)
@@ -67,8 +78,8 @@ class Telemetry(NamedTuple):
 
     run_id: str
     host: str
-    samples: List[Any]
-    steps: List[Any]
+    samples: list[Any]
+    steps: list[Any]
 
 
 @_message("debug_output", AGENT_CLIENT)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from ..errors import Failure
 from .base import CLIENT_PROC, PROC_CLIENT, _message
@@ -15,7 +15,7 @@ __all__ = ["Call", "Spawn", "StopActor", "Stop", "Unhandled", "EndpointError"]
 class Call(NamedTuple):
     """Call an endpoint; the body is ``(args, kwargs)``; ``cid`` None: a broadcast, no answer."""
 
-    cid: Optional[int]
+    cid: int | None
     reply_to: str
     key: str
     method: str

@@ -3,11 +3,22 @@ messages of a rank's debugger channel."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, TypedDict, Union
+from typing import Any, TypedDict
 
-__all__ = ["RankSpec", "ProcBoot", "DebuggerOutput", "DebuggerPaused", "DebuggerResumed", "DapReady",
-    "DapFailed", "DebuggerInput", "DapConnect", "RankDebugMessage", "AgentDebugMessage",
-    "DEBUGGER_CHANNEL"]
+__all__ = [
+    "RankSpec",
+    "ProcBoot",
+    "DebuggerOutput",
+    "DebuggerPaused",
+    "DebuggerResumed",
+    "DapReady",
+    "DapFailed",
+    "DebuggerInput",
+    "DapConnect",
+    "RankDebugMessage",
+    "AgentDebugMessage",
+    "DEBUGGER_CHANNEL",
+]
 
 
 # ---------------------------------------------------------- rank spec, proc boot
@@ -17,26 +28,39 @@ class RankSpec(TypedDict, total=False):
     to :mod:`..rank_start`."""
 
     rank: int
-    env: Dict[str, str]
+    env: dict[str, str]
     cwd: str
     mode: str  # script | module | no_python
-    program: List[str]
-    python_args: List[str]
+    program: list[str]
+    python_args: list[str]
     warm: bool
     host_store: bool  # rank 0 serves the rendezvous store on the port the agent held
     post_mortem: bool
-    telemetry: Dict[str, Any]  # run_id, agent_pid, dir
+    telemetry: dict[str, Any]  # run_id, agent_pid, dir
     module_report: str  # (agent) where a warm rank writes what it imported
-    _fd_roles: Dict[str, int]  # (agent) listen / debug: index into the fds passed with the fork
+    _fd_roles: dict[str, int]  # (agent) listen / debug: index into the fds passed with the fork
     _zygote_pid: int  # (zygote)
 
 
 #: What a forked proc needs to start (built by the agent, read by :mod:`..proc`); ``import`` is
 #: the spawner's import context (sys.path, cwd), ``pid`` and ``_zygote_pid`` are added on the way.
-ProcBoot = TypedDict("ProcBoot", {
-    "keys": str, "proc_id": str, "ready_call_id": int, "owner": str, "agent": str, "host": str,
-    "settings": Dict[str, Any], "import": Dict[str, Any], "relay": bool, "pid": int, "_zygote_pid": int,
-}, total=False)
+ProcBoot = TypedDict(
+    "ProcBoot",
+    {
+        "keys": str,
+        "proc_id": str,
+        "ready_call_id": int,
+        "owner": str,
+        "agent": str,
+        "host": str,
+        "settings": dict[str, Any],
+        "import": dict[str, Any],
+        "relay": bool,
+        "pid": int,
+        "_zygote_pid": int,
+    },
+    total=False,
+)
 
 
 # ------------------------------------------------ rank ↔ agent: the debugger channel (JSON)
@@ -82,10 +106,15 @@ class DapConnect(TypedDict):
     handoff: bool
 
 
-RankDebugMessage = Union[DebuggerOutput, DebuggerPaused, DebuggerResumed, DapReady, DapFailed]
-AgentDebugMessage = Union[DebuggerInput, DapConnect]
+RankDebugMessage = DebuggerOutput | DebuggerPaused | DebuggerResumed | DapReady | DapFailed
+AgentDebugMessage = DebuggerInput | DapConnect
 #: The debugger channel's message types by their ``type`` (for docs and the table test).
-DEBUGGER_CHANNEL: Dict[str, str] = {
-    "output": "rank → agent", "paused": "rank → agent", "resumed": "rank → agent",
-    "dap_ready": "rank → agent", "dap_error": "rank → agent", "input": "agent → rank", "dap": "agent → rank",
+DEBUGGER_CHANNEL: dict[str, str] = {
+    "output": "rank → agent",
+    "paused": "rank → agent",
+    "resumed": "rank → agent",
+    "dap_ready": "rank → agent",
+    "dap_error": "rank → agent",
+    "input": "agent → rank",
+    "dap": "agent → rank",
 }

@@ -5,7 +5,7 @@ a client checking a workspace loads neither that code nor the workspace scanner.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..workspace import Entry, FileUpdate
@@ -22,7 +22,7 @@ class SyncCheck:
     digest: str  # "" asks only whether the workspace is shared, and the mirror's digest
     workspace: str  # the client's absolute workspace path
     probe: str  # a file of the workspace (relative; "" for the directory itself) ...
-    probe_stat: Tuple[int, int, int]  # ... and its (inode, size, mtime_ns) as the client sees it
+    probe_stat: tuple[int, int, int]  # ... and its (inode, size, mtime_ns) as the client sees it
 
 
 @dataclasses.dataclass
@@ -32,15 +32,15 @@ class SyncStatus:
     shared: bool
     directory: str
     digest: str
-    files: Optional[Dict[str, Tuple[Entry, str]]]
+    files: dict[str, tuple[Entry, str]] | None
 
 
 @dataclasses.dataclass
 class SyncApply:
     reservation: str
     name: str
-    updates: List[FileUpdate]
-    deleted: List[str]
+    updates: list[FileUpdate]
+    deleted: list[str]
     base: str  # the mirror digest these changes were computed against ("" for a later batch)
 
 

@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple
 
 from .base import CLIENT_AGENT, CLIENT_PROC, PROC_AGENT, _message
 
-__all__ = ["Heartbeat", "HEARTBEAT_ACK", "Ping", "ReservePort", "ReleasePort", "RunRanks", "ForgetPreload",
-    "OutputCredit", "SignalRanks", "Stopping", "SpawnProcs", "RelayToProc", "RelayToClient", "StopProcs", "ClientExit", "Shutdown",
-    "SyncManifest", "SyncApplyRequest", "TelemetrySample", "TelemetryStacks", "DebugList", "DebugAttach",
-    "DebugDetach", "DebugInput", "DebugCast", "DebugContinue", "DebugDap", "DebugDapData", "DebugDapEnd"]
+__all__ = [
+    "Heartbeat",
+    "HEARTBEAT_ACK",
+    "Ping",
+    "ReservePort",
+    "ReleasePort",
+    "RunRanks",
+    "ForgetPreload",
+    "OutputCredit",
+    "SignalRanks",
+    "Stopping",
+    "SpawnProcs",
+    "RelayToProc",
+    "RelayToClient",
+    "StopProcs",
+    "ClientExit",
+    "Shutdown",
+    "SyncManifest",
+    "SyncApplyRequest",
+    "TelemetrySample",
+    "TelemetryStacks",
+    "DebugList",
+    "DebugAttach",
+    "DebugDetach",
+    "DebugInput",
+    "DebugCast",
+    "DebugContinue",
+    "DebugDap",
+    "DebugDapData",
+    "DebugDapEnd",
+]
 
 
 # ------------------------------------------------------------------ client → agent
@@ -121,7 +148,7 @@ class RelayToClient(NamedTuple):
 class StopProcs(NamedTuple):
     cid: int
     reply_to: str
-    proc_ids: List[str]
+    proc_ids: list[str]
     grace: float
 
 
@@ -156,15 +183,15 @@ class SyncApplyRequest(NamedTuple):
 class TelemetrySample(NamedTuple):
     cid: int
     reply_to: str
-    run_id: Optional[str]
+    run_id: str | None
 
 
 @_message("telemetry_stacks", CLIENT_AGENT)
 class TelemetryStacks(NamedTuple):
     cid: int
     reply_to: str
-    run_id: Optional[str]
-    ranks: Optional[List[int]]
+    run_id: str | None
+    ranks: list[int] | None
     native: bool
 
 

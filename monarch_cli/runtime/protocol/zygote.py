@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple
+from typing import Any, NamedTuple
 
 from .base import AGENT_ZYGOTE, ZYGOTE_AGENT, _message
 
@@ -16,7 +16,7 @@ class Fork(NamedTuple):
 
     req_id: int
     kind: str
-    boot: Dict[str, Any]
+    boot: dict[str, Any]
 
 
 @_message("forked", ZYGOTE_AGENT)

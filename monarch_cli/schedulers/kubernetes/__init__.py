@@ -17,12 +17,22 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any
 
 from ...errors import OptionError, PlanError, SchedulerError
 from ..agents import wait_for_agents
-from ..base import HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, \
-    ReserveRequest, Scheduler
+from ..base import (
+    HostRecord,
+    Liveness,
+    Option,
+    Plan,
+    Probe,
+    Progress,
+    Reservation,
+    ReservationRecord,
+    ReserveRequest,
+    Scheduler,
+)
 from . import manifests
 from .api import INSTALL_HINT, api_error, apis
 from .manifests import RESERVATION_LABEL
@@ -55,9 +65,13 @@ class KubernetesScheduler(Scheduler):
         Option("service_account", str, help="The pods' service account."),
         Option("time", str, help="Wall-clock limit: activeDeadlineSeconds (MM, HH:MM:SS, D-HH:MM:SS, 2h)."),
         Option("validate", bool, default=False, help="Also have the API server validate the manifests (dry run)."),
-        Option("port_forward", str, default="auto",
-               help="Reach the agents through a port-forward per pod over the Kubernetes API: auto (when pod IPs "
-                    "are not reachable from here), always, never."),
+        Option(
+            "port_forward",
+            str,
+            default="auto",
+            help="Reach the agents through a port-forward per pod over the Kubernetes API: auto (when pod IPs "
+            "are not reachable from here), always, never.",
+        ),
     )
 
     # ---------------------------------------------------------------- planning
@@ -69,30 +83,55 @@ class KubernetesScheduler(Scheduler):
         if mode not in PORT_FORWARD_MODES:
             raise OptionError(f"--port-forward takes {', '.join(PORT_FORWARD_MODES)}, not {mode!r}")
         rid = f"monarch-{uuid.uuid4().hex[:8]}"
-        built = manifests.build(rid, request.hosts, opts, agent_port=request.agent_port,
-                                port_range=request.port_range, preload=request.preload)
-        data = {**{k: v for k, v in built.items()}, "context": opts.get("context"),
-                "kubeconfig": opts.get("kubeconfig"), "hosts": request.hosts, "port_forward": mode}
+        built = manifests.build(
+            rid,
+            request.hosts,
+            opts,
+            agent_port=request.agent_port,
+            port_range=request.port_range,
+            preload=request.preload,
+        )
+        data = {
+            **{k: v for k, v in built.items()},
+            "context": opts.get("context"),
+            "kubeconfig": opts.get("kubeconfig"),
+            "hosts": request.hosts,
+            "port_forward": mode,
+        }
         ns = built["namespace"]
-        steps = [f"create Secret {ns}/{built['secret']}: the reservation keys (data: {manifests.REDACTED}), mounted "
-                 f"read-only at {manifests.KEYS_DIR}",
-                 f"create headless Service {ns}/{built['service']}",
-                 f"create Indexed Job {ns}/{rid}: {request.hosts} pod(s), one host agent each on port "
-                 f"{built['agent_port']}" + (", suspended for Kueue" if opts.get("queue") else ""),
-                 "watch the pods until every one runs and its agent answers (host rank = completion index)",
-                 {"auto": "reach each agent at its pod IP, or through a port-forward over the API if pod IPs are "
-                          "not reachable from here",
-                  "always": "reach each agent through a port-forward over the API",
-                  "never": "reach each agent at its pod IP"}[mode]]
+        steps = [
+            f"create Secret {ns}/{built['secret']}: the reservation keys (data: {manifests.REDACTED}), mounted "
+            f"read-only at {manifests.KEYS_DIR}",
+            f"create headless Service {ns}/{built['service']}",
+            f"create Indexed Job {ns}/{rid}: {request.hosts} pod(s), one host agent each on port "
+            f"{built['agent_port']}" + (", suspended for Kueue" if opts.get("queue") else ""),
+            "watch the pods until every one runs and its agent answers (host rank = completion index)",
+            {
+                "auto": "reach each agent at its pod IP, or through a port-forward over the API if pod IPs are "
+                "not reachable from here",
+                "always": "reach each agent through a port-forward over the API",
+                "never": "reach each agent at its pod IP",
+            }[mode],
+        ]
         if opts.get("validate"):
             self._validate(data)
             steps.append("validated by the API server (server-side dry run)")
         where = f"context {opts['context']}" if opts.get("context") else "the current kubeconfig context"
         summary = f"an Indexed Job of {request.hosts} host agent pod(s) in namespace {ns} ({where})"
-        return Plan(self.name, rid, request.hosts, list(request.command), str(workdir.resolve()), summary, steps,
-                    artifacts={"manifests": manifests.render(built["manifests"])}, options=opts, data=data)
+        return Plan(
+            self.name,
+            rid,
+            request.hosts,
+            list(request.command),
+            str(workdir.resolve()),
+            summary,
+            steps,
+            artifacts={"manifests": manifests.render(built["manifests"])},
+            options=opts,
+            data=data,
+        )
 
-    def _validate(self, data: Dict[str, Any]) -> None:
+    def _validate(self, data: dict[str, Any]) -> None:
         core, batch = apis(data)
         for m in data["manifests"]:
             body = manifests.with_keys(m, "validation placeholder") if m["kind"] == "Secret" else m
@@ -104,23 +143,27 @@ class KubernetesScheduler(Scheduler):
                 raise api_error(e, f"the API server rejects the {m['kind']}") from None
 
     @staticmethod
-    def _create(core: Any, batch: Any, body: Dict[str, Any], dry_run: Optional[str] = None) -> None:
+    def _create(core: Any, batch: Any, body: dict[str, Any], dry_run: str | None = None) -> None:
         ns = body["metadata"]["namespace"]
         kw = {"dry_run": dry_run} if dry_run else {}
-        create = {"Secret": core.create_namespaced_secret, "Service": core.create_namespaced_service,
-                  "Job": batch.create_namespaced_job}[body["kind"]]
+        create = {
+            "Secret": core.create_namespaced_secret,
+            "Service": core.create_namespaced_service,
+            "Job": batch.create_namespaced_job,
+        }[body["kind"]]
         create(ns, body, **kw)
 
     # ---------------------------------------------------------------- reserving
-    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+    def reserve(self, plan: Plan, keys: Keys, progress: Progress) -> Reservation:
         self.check_plan(plan)
         data = plan.data
         try:
             objects = list(data["manifests"])
             ns, job, hosts, port = data["namespace"], data["job"], int(data["hosts"]), int(data["agent_port"])
         except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(f"malformed kubernetes plan ({type(e).__name__}: {e}); make a new one with --dry-run") \
-                from None
+            raise PlanError(
+                f"malformed kubernetes plan ({type(e).__name__}: {e}); make a new one with --dry-run"
+            ) from None
         core, batch = apis(data)
         record = {k: data.get(k) for k in ("namespace", "job", "secret", "service", "context", "kubeconfig")}
         record["options"] = {k: v for k, v in plan.options.items() if k != "validate"}
@@ -134,8 +177,15 @@ class KubernetesScheduler(Scheduler):
                     raise api_error(e, f"cannot create {m['kind']} {ns}/{m['metadata']['name']}") from None
             watch = PodWatch(core, batch, ns, job, hosts, port, progress, data.get("port_forward") or "auto")
             names = [f"{job}-{i}" for i in range(hosts)]
-            found = wait_for_agents(watch.discover, names, progress, timeout=AGENT_START_TIMEOUT,
-                                    check=watch.check, label="pods running with agents up", interval=0.05)
+            found = wait_for_agents(
+                watch.discover,
+                names,
+                progress,
+                timeout=AGENT_START_TIMEOUT,
+                check=watch.check,
+                label="pods running with agents up",
+                interval=0.05,
+            )
         except BaseException:
             try:  # leave nothing behind; the first error is the one to report
                 _delete_all(core, batch, record, wait=True)
@@ -145,11 +195,12 @@ class KubernetesScheduler(Scheduler):
         pods = watch.pod_names()
         record["pods"] = [pods.get(i, "") for i in range(hosts)]
         record["reach"] = watch.reach or "direct"
-        return Reservation(plan.reservation_id, [HostRecord(h.name, h.agent, None, h.node_rank) for h in found],
-                           {"kubernetes": record})
+        return Reservation(
+            plan.reservation_id, [HostRecord(h.name, h.agent, None, h.node_rank) for h in found], {"kubernetes": record}
+        )
 
     # ---------------------------------------------------------------- the reservation
-    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> str | None:
         """Same number of pods and the same options (image, resources, labels...) as asked for now."""
         why = super().can_serve(reservation, request)
         had = (reservation.scheduler_data.get("kubernetes") or {}).get("options") or {}
@@ -157,10 +208,11 @@ class KubernetesScheduler(Scheduler):
         if why is None and asked != had:
             diff = sorted(k for k in set(had) | set(asked) if had.get(k) != asked.get(k))
             why = "it was made with other options: " + ", ".join(
-                f"--{k.replace('_', '-')} {had.get(k, '(unset)')}, not {asked.get(k, '(unset)')}" for k in diff)
+                f"--{k.replace('_', '-')} {had.get(k, '(unset)')}, not {asked.get(k, '(unset)')}" for k in diff
+            )
         return why
 
-    def agent_addresses(self, reservation: ReservationRecord) -> List[str]:
+    def agent_addresses(self, reservation: ReservationRecord) -> list[str]:
         """Out of the cluster: a loopback port of this process per pod, port-forwarded to its agent."""
         record = reservation.scheduler_data.get("kubernetes") or {}
         if record.get("reach") != "port-forward":
@@ -168,10 +220,12 @@ class KubernetesScheduler(Scheduler):
         from .port_forward import forward
 
         core, _ = apis(record)
-        return [forward(core, record["namespace"], pod, int(h.agent.rpartition(":")[2])) if pod else h.agent
-                for h, pod in zip(reservation.hosts, record.get("pods") or [""] * len(reservation.hosts))]
+        return [
+            forward(core, record["namespace"], pod, int(h.agent.rpartition(":")[2])) if pod else h.agent
+            for h, pod in zip(reservation.hosts, record.get("pods") or [""] * len(reservation.hosts))
+        ]
 
-    def dead_hosts(self, reservation: ReservationRecord) -> List[str]:
+    def dead_hosts(self, reservation: ReservationRecord) -> list[str]:
         """Hosts whose pod is gone or not running, from one list of the pods: `status` need not wait
         for their agents' silence (through a port-forward, a deleted pod's forward is refused)."""
         record = reservation.scheduler_data.get("kubernetes") or {}
@@ -180,12 +234,16 @@ class KubernetesScheduler(Scheduler):
             return []
         try:
             core, _ = apis(record)
-            listed = core.list_namespaced_pod(record["namespace"],
-                                              label_selector=f"{RESERVATION_LABEL}={record['job']}").items
+            listed = core.list_namespaced_pod(
+                record["namespace"], label_selector=f"{RESERVATION_LABEL}={record['job']}"
+            ).items
         except Exception:  # noqa: BLE001 - cannot tell: the agents' ping decides
             return []
-        running = {p.metadata.name for p in listed
-                   if p.status and p.status.phase == "Running" and not p.metadata.deletion_timestamp}
+        running = {
+            p.metadata.name
+            for p in listed
+            if p.status and p.status.phase == "Running" and not p.metadata.deletion_timestamp
+        }
         return [h.name for h, pod in zip(reservation.hosts, pods) if pod not in running]
 
     def release(self, reservation: ReservationRecord) -> None:
@@ -218,12 +276,15 @@ class KubernetesScheduler(Scheduler):
                 return Probe(Liveness.GONE, f"pod {pod.metadata.name} {pod.status.phase.lower()}: {exit_reason(pod)}")
         return Probe(Liveness.ALIVE)
 
-    def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
+    def describe(self, reservation: ReservationRecord) -> dict[str, Any]:
         record = reservation.scheduler_data.get("kubernetes") or {}
-        return {"kubernetes": {k: record.get(k) for k in ("namespace", "job", "secret", "service", "context", "pods",
-                                                          "reach")}}
+        return {
+            "kubernetes": {
+                k: record.get(k) for k in ("namespace", "job", "secret", "service", "context", "pods", "reach")
+            }
+        }
 
-    def status_lines(self, reservation: ReservationRecord) -> List[str]:
+    def status_lines(self, reservation: ReservationRecord) -> list[str]:
         record = reservation.scheduler_data.get("kubernetes") or {}
         ns, name = record.get("namespace"), record.get("job")
         try:
@@ -233,24 +294,31 @@ class KubernetesScheduler(Scheduler):
         except Exception as e:  # noqa: BLE001 - status shows what it can
             return [f"Job {ns}/{name}: {getattr(e, 'reason', None) or e}"]
         st = job.status
-        lines = [f"Job {ns}/{name}: active {st.active or 0}, succeeded {st.succeeded or 0}, failed {st.failed or 0}"
-                 + (f"; {job_ended(job)}" if job_ended(job) else "")]
+        lines = [
+            f"Job {ns}/{name}: active {st.active or 0}, succeeded {st.succeeded or 0}, failed {st.failed or 0}"
+            + (f"; {job_ended(job)}" if job_ended(job) else "")
+        ]
         if record.get("reach") == "port-forward":
             lines.append("agents reached through a port-forward per pod over the Kubernetes API")
         for pod in sorted(pods, key=lambda p: int((p.metadata.labels or {}).get(manifests.INDEX_LABEL, 0))):
             why = exit_reason(pod) if pod.status.phase in ("Failed", "Succeeded") else pending_reason(pod)
-            lines.append(f"pod {pod.metadata.name}: {pod.status.phase}, IP {pod.status.pod_ip or '-'}, node "
-                         f"{pod.spec.node_name or '-'}" + (f" ({why})" if why else ""))
+            lines.append(
+                f"pod {pod.metadata.name}: {pod.status.phase}, IP {pod.status.pod_ip or '-'}, node "
+                f"{pod.spec.node_name or '-'}" + (f" ({why})" if why else "")
+            )
         return lines
 
 
-def _delete_all(core: Any, batch: Any, record: Dict[str, Any], *, wait: bool) -> None:
+def _delete_all(core: Any, batch: Any, record: dict[str, Any], *, wait: bool) -> None:
     """Delete the Job (foreground: its pods first), the Secret and the Service; wait until no pod is left."""
     from kubernetes import client
 
     ns = record["namespace"]
-    calls = [(batch.delete_namespaced_job, record.get("job")), (core.delete_namespaced_secret, record.get("secret")),
-             (core.delete_namespaced_service, record.get("service"))]
+    calls = [
+        (batch.delete_namespaced_job, record.get("job")),
+        (core.delete_namespaced_secret, record.get("secret")),
+        (core.delete_namespaced_service, record.get("service")),
+    ]
     errors = []
     for delete, name in calls:
         if not name:
@@ -271,8 +339,10 @@ def _delete_all(core: Any, batch: Any, record: Dict[str, Any], *, wait: bool) ->
         if not left:
             return
         if time.monotonic() > deadline:
-            raise SchedulerError(f"{len(left)} pod(s) of Job {ns}/{record['job']} still exist after "
-                                 f"{RELEASE_TIMEOUT:.0f} s: {', '.join(p.metadata.name for p in left)}")
+            raise SchedulerError(
+                f"{len(left)} pod(s) of Job {ns}/{record['job']} still exist after "
+                f"{RELEASE_TIMEOUT:.0f} s: {', '.join(p.metadata.name for p in left)}"
+            )
         time.sleep(0.1)
 
 

@@ -9,7 +9,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any
 
 from ...errors import SchedulerError
 
@@ -24,16 +24,17 @@ def client_modules() -> Any:
     return kubernetes
 
 
-_API_CACHE: Dict[Tuple[Any, ...], Tuple[Any, Any]] = {}
+_API_CACHE: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 _API_LOCK = threading.Lock()
 
 
-def apis(data: Dict[str, Any]) -> Tuple[Any, Any]:
+def apis(data: dict[str, Any]) -> tuple[Any, Any]:
     """CoreV1Api and BatchV1Api for the plan's kubeconfig and context (in-cluster config when inside a pod);
     made once per process (a command probes, lists and forwards with the same ones)."""
     client_modules()
-    incluster = not data.get("kubeconfig") and not data.get("context") and \
-        bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    incluster = (
+        not data.get("kubeconfig") and not data.get("context") and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    )
     key = (data.get("kubeconfig"), data.get("context"), incluster, os.environ.get("KUBECONFIG"))
     with _API_LOCK:
         if key not in _API_CACHE:
@@ -41,7 +42,7 @@ def apis(data: Dict[str, Any]) -> Tuple[Any, Any]:
         return _API_CACHE[key]
 
 
-def _load_apis(data: Dict[str, Any], incluster: bool) -> Tuple[Any, Any]:
+def _load_apis(data: dict[str, Any], incluster: bool) -> tuple[Any, Any]:
     from kubernetes import client, config
 
     if data.get("kubeconfig") and not Path(data["kubeconfig"]).expanduser().is_file():

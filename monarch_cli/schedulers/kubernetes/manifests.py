@@ -12,7 +12,7 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from ...errors import OptionError
 from ...runtime.agent_command import AgentCommand
@@ -28,23 +28,27 @@ REDACTED = "<redacted>"
 DEFAULT_AGENT_PORT = 29600
 CONTAINER = "agent"
 
-_LABEL_NAME = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                         r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
 
-def parse_pairs(items: List[str], flag: str, *, label_values: bool) -> Dict[str, str]:
+def parse_pairs(items: list[str], flag: str, *, label_values: bool) -> dict[str, str]:
     """``k=v`` words (``--label``/``--annotation``) as a dict; a malformed one is a one-line error."""
-    pairs: Dict[str, str] = {}
+    pairs: dict[str, str] = {}
     for item in items:
         key, eq, value = str(item).partition("=")
         if not eq or not _LABEL_NAME.match(key) or len(key.rpartition("/")[2]) > 63:
             raise OptionError(f"{flag} takes key=value with a Kubernetes key (e.g. team=ml), not {item!r}")
         if label_values and not _LABEL_VALUE.match(value):
-            raise OptionError(f"{flag} {key}: {value!r} is not a valid label value (63 characters at most: "
-                              "letters, digits, '-', '_', '.')")
+            raise OptionError(
+                f"{flag} {key}: {value!r} is not a valid label value (63 characters at most: "
+                "letters, digits, '-', '_', '.')"
+            )
         pairs[key] = value
     return pairs
 
@@ -77,7 +81,7 @@ def _quantity(value: Any, flag: str) -> str:
     return text
 
 
-def load_pod_template(path: str) -> Dict[str, Any]:
+def load_pod_template(path: str) -> dict[str, Any]:
     """The user's pod template (YAML or JSON): a Pod, a PodTemplate, or ``{metadata, spec}``."""
     try:
         text = Path(path).expanduser().read_text()
@@ -89,8 +93,10 @@ def load_pod_template(path: str) -> Dict[str, Any]:
         try:
             import yaml  # comes with the kubernetes extra
         except ImportError:
-            raise OptionError(f"--pod-template {path} is not JSON, and reading YAML needs PyYAML: "
-                              "pip install 'monarch-cli[kubernetes]'") from None
+            raise OptionError(
+                f"--pod-template {path} is not JSON, and reading YAML needs PyYAML: "
+                "pip install 'monarch-cli[kubernetes]'"
+            ) from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -123,8 +129,15 @@ def _merge(base: Any, ours: Any) -> Any:
     return ours
 
 
-def build(rid: str, hosts: int, opts: Dict[str, Any], *, agent_port: Optional[int],
-          port_range: Optional[Tuple[int, int]], preload: Optional[str]) -> Dict[str, Any]:
+def build(
+    rid: str,
+    hosts: int,
+    opts: dict[str, Any],
+    *,
+    agent_port: int | None,
+    port_range: tuple[int, int] | None,
+    preload: str | None,
+) -> dict[str, Any]:
     """The reservation's manifests (Secret data is a placeholder) and the facts ``reserve`` needs."""
     if not opts.get("image"):
         raise OptionError("the kubernetes scheduler needs --image IMAGE (an image with this monarch-cli installed)")
@@ -141,7 +154,7 @@ def build(rid: str, hosts: int, opts: Dict[str, Any], *, agent_port: Optional[in
     secret_name, service = f"{rid}-keys", rid
     meta = {"namespace": namespace, "labels": labels}
 
-    resources: Dict[str, str] = {}
+    resources: dict[str, str] = {}
     if opts.get("cpu") is not None:
         resources["cpu"] = _quantity(opts["cpu"], "--cpu")
     if opts.get("memory") is not None:
@@ -150,64 +163,117 @@ def build(rid: str, hosts: int, opts: Dict[str, Any], *, agent_port: Optional[in
         if int(opts["gpus_per_node"]) < 0:
             raise OptionError("--gpus-per-node must be at least 0")
         resources["nvidia.com/gpu"] = str(int(opts["gpus_per_node"]))
-    agent = AgentCommand(python="python3", name=f"{rid}-$(JOB_COMPLETION_INDEX)", port=port, port_range=port_range,
-                         preload=preload, warm_up=True, reservation=rid)
-    container: Dict[str, Any] = {
-        "name": CONTAINER, "image": opts["image"], "command": agent.argv(),
-        "env": [{"name": "MONARCH_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                # also on the pod's localhost, where a port-forward (the out-of-cluster path) connects
-                {"name": "MONARCH_LISTEN_HOST", "value": "0.0.0.0"},
-                {"name": "MONARCH_KEY_FILE", "value": f"{KEYS_DIR}/{KEYS_FILE}"}],
+    agent = AgentCommand(
+        python="python3",
+        name=f"{rid}-$(JOB_COMPLETION_INDEX)",
+        port=port,
+        port_range=port_range,
+        preload=preload,
+        warm_up=True,
+        reservation=rid,
+    )
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": opts["image"],
+        "command": agent.argv(),
+        "env": [
+            {"name": "MONARCH_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # also on the pod's localhost, where a port-forward (the out-of-cluster path) connects
+            {"name": "MONARCH_LISTEN_HOST", "value": "0.0.0.0"},
+            {"name": "MONARCH_KEY_FILE", "value": f"{KEYS_DIR}/{KEYS_FILE}"},
+        ],
         "ports": [{"name": "agent", "containerPort": port, "protocol": "TCP"}],
-        "volumeMounts": [{"name": "monarch-keys", "mountPath": KEYS_DIR, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [
+            {"name": "monarch-keys", "mountPath": KEYS_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
     }
     if resources:
         container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
     container["terminationMessagePolicy"] = "FallbackToLogsOnError"  # a failed start-up says why in the pod status
-    check = {"name": "version-check", "image": opts["image"], "command": ["python3", "-c", _version_check()],
-             "terminationMessagePolicy": "FallbackToLogsOnError"}
-    pod_spec: Dict[str, Any] = {
-        "restartPolicy": "Never", "subdomain": service, "initContainers": [check], "containers": [container],
-        "volumes": [{"name": "monarch-keys", "secret": {"secretName": secret_name, "defaultMode": 0o400}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+    check = {
+        "name": "version-check",
+        "image": opts["image"],
+        "command": ["python3", "-c", _version_check()],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": service,
+        "initContainers": [check],
+        "containers": [container],
+        "volumes": [
+            {"name": "monarch-keys", "secret": {"secretName": secret_name, "defaultMode": 0o400}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
     }
     if opts.get("service_account"):
         pod_spec["serviceAccountName"] = opts["service_account"]
-    template: Dict[str, Any] = {"metadata": {"labels": dict(labels)}, "spec": pod_spec}
+    template: dict[str, Any] = {"metadata": {"labels": dict(labels)}, "spec": pod_spec}
     if annotations:
         template["metadata"]["annotations"] = annotations
     if opts.get("pod_template"):
         user = load_pod_template(opts["pod_template"])
         template = _merge(user, template)
-    job_spec: Dict[str, Any] = {"completionMode": "Indexed", "completions": hosts, "parallelism": hosts,
-                                "backoffLimit": 0, "template": template}
+    job_spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": hosts,
+        "parallelism": hosts,
+        "backoffLimit": 0,
+        "template": template,
+    }
     if opts.get("time"):
         job_spec["activeDeadlineSeconds"] = parse_duration(opts["time"])
     if opts.get("queue"):
         job_spec["suspend"] = True  # Kueue admits it by unsuspending
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret_name, **copy.deepcopy(meta)},
-              "type": "Opaque", "immutable": True, "data": {KEYS_FILE: REDACTED}}
-    svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": service, **copy.deepcopy(meta)},
-           "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {RESERVATION_LABEL: rid},
-                    "ports": [{"name": "agent", "port": port, "targetPort": port, "protocol": "TCP"}]}}
-    job = {"apiVersion": "batch/v1", "kind": "Job",
-           "metadata": {"name": rid, "namespace": namespace, "labels": job_labels}, "spec": job_spec}
-    return {"namespace": namespace, "job": rid, "secret": secret_name, "service": service, "agent_port": port,
-            "manifests": [secret, svc, job]}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": secret_name, **copy.deepcopy(meta)},
+        "type": "Opaque",
+        "immutable": True,
+        "data": {KEYS_FILE: REDACTED},
+    }
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": service, **copy.deepcopy(meta)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {RESERVATION_LABEL: rid},
+            "ports": [{"name": "agent", "port": port, "targetPort": port, "protocol": "TCP"}],
+        },
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": rid, "namespace": namespace, "labels": job_labels},
+        "spec": job_spec,
+    }
+    return {
+        "namespace": namespace,
+        "job": rid,
+        "secret": secret_name,
+        "service": service,
+        "agent_port": port,
+        "manifests": [secret, svc, job],
+    }
 
 
 def _version_check() -> str:
     """A one-line Python check that the image holds this client's monarch-cli (an init container runs it)."""
     from ... import __version__
 
-    return ("import sys\ntry:\n    import monarch_cli\n    v = monarch_cli.__version__\nexcept ImportError:\n"
-            "    v = None\n"
-            f"sys.exit(0 if v == {__version__!r} else f'this image has monarch-cli {{v}}, the client {__version__}: "
-            f"install monarch-cli=={__version__} in the image')")
+    return (
+        "import sys\ntry:\n    import monarch_cli\n    v = monarch_cli.__version__\nexcept ImportError:\n"
+        "    v = None\n"
+        f"sys.exit(0 if v == {__version__!r} else f'this image has monarch-cli {{v}}, the client {__version__}: "
+        f"install monarch-cli=={__version__} in the image')"
+    )
 
 
-def with_keys(secret: Dict[str, Any], encoded_keys: str) -> Dict[str, Any]:
+def with_keys(secret: dict[str, Any], encoded_keys: str) -> dict[str, Any]:
     """The plan's Secret with the real keys in (only ``reserve`` calls this; never printed)."""
     filled = copy.deepcopy(secret)
     filled["data"] = {KEYS_FILE: base64.b64encode(encoded_keys.encode() + b"\n").decode()}
@@ -241,9 +307,19 @@ _PLAIN = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]*$")
 _KEYWORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "none"}
 
 
-def render(manifests: List[Dict[str, Any]]) -> str:
+def render(manifests: list[dict[str, Any]]) -> str:
     return "".join(f"---\n{to_yaml(m)}\n" for m in manifests)
 
 
-__all__ = ["build", "render", "to_yaml", "with_keys", "parse_pairs", "parse_duration", "RESERVATION_LABEL",
-           "INDEX_LABEL", "REDACTED", "DEFAULT_AGENT_PORT"]
+__all__ = [
+    "build",
+    "render",
+    "to_yaml",
+    "with_keys",
+    "parse_pairs",
+    "parse_duration",
+    "RESERVATION_LABEL",
+    "INDEX_LABEL",
+    "REDACTED",
+    "DEFAULT_AGENT_PORT",
+]

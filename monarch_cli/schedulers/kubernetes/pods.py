@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import socket
 import time
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any
 
 from ...errors import SchedulerError
 from ..base import Progress
@@ -19,28 +19,44 @@ UNSCHEDULABLE_GRACE = 120.0
 #: How often serve asks for a port-forward to a pod whose agent does not answer yet.
 FORWARD_PROBE_INTERVAL = 0.5
 #: Container waiting reasons that will not resolve by waiting.
-_TERMINAL_WAITING = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
-                     "CreateContainerConfigError", "CreateContainerError", "CrashLoopBackOff"}
+_TERMINAL_WAITING = {
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "CrashLoopBackOff",
+}
 
 
 class PodWatch:
     """The reservation's pods, kept current by watching them from the last resourceVersion seen."""
 
-    def __init__(self, core: Any, batch: Any, namespace: str, job: str, hosts: int, port: int,
-                 progress: Progress, port_forward: str = "auto") -> None:
+    def __init__(
+        self,
+        core: Any,
+        batch: Any,
+        namespace: str,
+        job: str,
+        hosts: int,
+        port: int,
+        progress: Progress,
+        port_forward: str = "auto",
+    ) -> None:
         self.core, self.batch, self.ns, self.job, self.hosts, self.port = core, batch, namespace, job, hosts, port
         self.progress, self.said = progress, ""
         self.mode = port_forward
         #: "direct" or "port-forward" once decided (the first agent to answer decides for all).
-        self.reach: Optional[str] = {"always": "port-forward", "never": "direct"}.get(port_forward)
-        self.next_forward: Dict[str, float] = {}
-        self.forward_errors: Set[str] = set()
+        self.reach: str | None = {"always": "port-forward", "never": "direct"}.get(port_forward)
+        self.next_forward: dict[str, float] = {}
+        self.forward_errors: set[str] = set()
         self.events_read = 0.0
         self.selector = f"{RESERVATION_LABEL}={job}"
-        self.pods: Dict[str, Any] = {}
-        self.version: Optional[str] = None
-        self.unschedulable_since: Optional[float] = None
-        self.answered: Dict[str, str] = {}
+        self.pods: dict[str, Any] = {}
+        self.version: str | None = None
+        self.unschedulable_since: float | None = None
+        self.answered: dict[str, str] = {}
         self.refreshed = 0.0
 
     def _refresh(self) -> None:
@@ -53,8 +69,14 @@ class PodWatch:
                 self.version = listed.metadata.resource_version
                 return
             w = watch.Watch()
-            for event in w.stream(self.core.list_namespaced_pod, self.ns, label_selector=self.selector,
-                                  resource_version=self.version, timeout_seconds=1, _request_timeout=10):
+            for event in w.stream(
+                self.core.list_namespaced_pod,
+                self.ns,
+                label_selector=self.selector,
+                resource_version=self.version,
+                timeout_seconds=1,
+                _request_timeout=10,
+            ):
                 pod = event["object"]
                 self.version = pod.metadata.resource_version
                 if event["type"] == "DELETED":
@@ -67,7 +89,7 @@ class PodWatch:
                 return
             raise api_error(e, f"cannot watch the pods of Job {self.ns}/{self.job}") from None
 
-    def _by_index(self) -> Dict[int, Any]:
+    def _by_index(self) -> dict[int, Any]:
         out = {}
         for pod in self.pods.values():
             index = (pod.metadata.labels or {}).get(manifests.INDEX_LABEL)
@@ -75,10 +97,10 @@ class PodWatch:
                 out[int(index)] = pod
         return out
 
-    def pod_names(self) -> Dict[int, str]:
+    def pod_names(self) -> dict[int, str]:
         return {i: p.metadata.name for i, p in self._by_index().items()}
 
-    def discover(self) -> Dict[str, str]:
+    def discover(self) -> dict[str, str]:
         """``{host name: agent address}`` for each running pod whose agent port accepts a connection."""
         running = [p for p in self._by_index().values() if p.status and p.status.phase == "Running"]
         if len(running) < self.hosts or time.monotonic() - self.refreshed > 1.0:
@@ -104,8 +126,10 @@ class PodWatch:
                 self.reach = "direct"
                 return True
             if self.reach == "direct" and how == "unreachable":
-                raise SchedulerError(f"pod {pod} (host {index}): its IP {ip} is not reachable from here ({why}); "
-                                     "use --port-forward auto or always from outside the cluster")
+                raise SchedulerError(
+                    f"pod {pod} (host {index}): its IP {ip} is not reachable from here ({why}); "
+                    "use --port-forward auto or always from outside the cluster"
+                )
             if self.reach == "direct" or how == "refused":  # reachable, the agent is not listening yet
                 return False
         if time.monotonic() < self.next_forward.get(pod, 0.0):
@@ -116,8 +140,10 @@ class PodWatch:
         answered, why = agent_answers(self.core, self.ns, pod, self.port)
         if answered and self.reach is None:
             self.reach = "port-forward"
-            self.progress("pod IPs are not reachable from here: each agent is reached through a port-forward over "
-                          "the Kubernetes API")
+            self.progress(
+                "pod IPs are not reachable from here: each agent is reached through a port-forward over "
+                "the Kubernetes API"
+            )
         elif why and why not in self.forward_errors:  # once each: pods alternate
             self.forward_errors.add(why)
             self.progress(f"port-forward to pod {pod}: {why}")
@@ -144,11 +170,16 @@ class PodWatch:
             refused = self._failed_create()
             if refused:
                 self._say(f"Pending: the Job {self.ns}/{self.job} cannot create its pods: {refused}")
-        unschedulable = [f"pod {p.metadata.name}: {pending_reason(p)}" for _, p in sorted(self._by_index().items())
-                         if pending_reason(p).startswith("Unschedulable")]
+        unschedulable = [
+            f"pod {p.metadata.name}: {pending_reason(p)}"
+            for _, p in sorted(self._by_index().items())
+            if pending_reason(p).startswith("Unschedulable")
+        ]
         if unschedulable:
-            self._say(f"Pending: {unschedulable[0]}" + (f" (and {len(unschedulable) - 1} more)"
-                                                         if len(unschedulable) > 1 else ""))
+            self._say(
+                f"Pending: {unschedulable[0]}"
+                + (f" (and {len(unschedulable) - 1} more)" if len(unschedulable) > 1 else "")
+            )
             self.unschedulable_since = self.unschedulable_since or time.monotonic()
             if time.monotonic() - self.unschedulable_since > UNSCHEDULABLE_GRACE:
                 raise SchedulerError(f"{unschedulable[0]} (for {UNSCHEDULABLE_GRACE:.0f} s)")
@@ -162,7 +193,8 @@ class PodWatch:
         self.events_read = time.monotonic()
         try:
             events = self.core.list_namespaced_event(
-                self.ns, field_selector=f"involvedObject.kind=Job,involvedObject.name={self.job}").items
+                self.ns, field_selector=f"involvedObject.kind=Job,involvedObject.name={self.job}"
+            ).items
         except Exception:  # noqa: BLE001 - events are a hint; RBAC may not allow them
             return ""
         warnings = [e for e in events if e.type == "Warning" and e.reason == "FailedCreate"]
@@ -173,13 +205,16 @@ class PodWatch:
         for index, pod in sorted(self._by_index().items()):
             phase = pod.status.phase if pod.status else None
             if phase in ("Failed", "Succeeded"):
-                raise SchedulerError(f"pod {pod.metadata.name} (host {index}) {phase.lower()} during start-up: "
-                                     f"{exit_reason(pod)}")
+                raise SchedulerError(
+                    f"pod {pod.metadata.name} (host {index}) {phase.lower()} during start-up: {exit_reason(pod)}"
+                )
             for cs in (pod.status.container_statuses or []) if pod.status else []:
                 waiting = cs.state.waiting if cs.state else None
                 if waiting and waiting.reason in _TERMINAL_WAITING:
-                    raise SchedulerError(f"pod {pod.metadata.name} (host {index}): {waiting.reason}: "
-                                         f"{(waiting.message or '').strip()[:300]}")
+                    raise SchedulerError(
+                        f"pod {pod.metadata.name} (host {index}): {waiting.reason}: "
+                        f"{(waiting.message or '').strip()[:300]}"
+                    )
 
     def _say(self, message: str) -> None:
         if message != self.said:
@@ -187,12 +222,12 @@ class PodWatch:
             self.said = message
 
 
-def _dial(ip: str, port: int, timeout: float = 0.5) -> Tuple[str, str]:
+def _dial(ip: str, port: int, timeout: float = 0.5) -> tuple[str, str]:
     """Try the pod IP's port: ("open"|"refused"|"unreachable"|"timeout", why)."""
     try:
         with socket.create_connection((ip, port), timeout=timeout):
             return "open", ""
-    except socket.timeout:
+    except TimeoutError:
         return "timeout", f"no answer in {timeout} s"
     except OSError as e:
         if e.errno == errno.ECONNREFUSED:
@@ -210,13 +245,18 @@ def pending_reason(pod: Any) -> str:
 
 
 def exit_reason(pod: Any) -> str:
-    statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])] if pod.status \
-        else []
+    statuses = (
+        [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])] if pod.status else []
+    )
     for cs in statuses:
         term = cs.state.terminated if cs.state else None
         if term and (term.exit_code or cs is statuses[-1]):
-            return (f"{cs.name}: " if cs.name != manifests.CONTAINER else "") + f"exit code {term.exit_code}" + (f" ({term.reason})" if term.reason else "") + \
-                (f": {_one_line(term.message)}" if term.message else "")
+            return (
+                (f"{cs.name}: " if cs.name != manifests.CONTAINER else "")
+                + f"exit code {term.exit_code}"
+                + (f" ({term.reason})" if term.reason else "")
+                + (f": {_one_line(term.message)}" if term.message else "")
+            )
     return (pod.status.reason or pod.status.message or "no reason given") if pod.status else "no status"
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from ..forwarding import CHUNK, LoopbackListener, pipe
 
@@ -27,7 +27,7 @@ RETRY_AFTER = 1.0
 _END_TIMEOUT = 5.0
 
 
-def open_stream(core: Any, namespace: str, pod: str, port: int) -> Tuple[Any, Any]:
+def open_stream(core: Any, namespace: str, pod: str, port: int) -> tuple[Any, Any]:
     """A connected socket to ``port`` on the pod's localhost, and the client's ``PortForward`` (for its error)."""
     from kubernetes import client
     from kubernetes.stream import portforward
@@ -39,7 +39,7 @@ def open_stream(core: Any, namespace: str, pod: str, port: int) -> Tuple[Any, An
     return forwarded.socket(port), forwarded
 
 
-def agent_answers(core: Any, namespace: str, pod: str, port: int, timeout: float = 2.0) -> Tuple[bool, str]:
+def agent_answers(core: Any, namespace: str, pod: str, port: int, timeout: float = 2.0) -> tuple[bool, str]:
     """Whether something listens on ``port`` in the pod and speaks first (an agent sends its ZeroMQ
     greeting as soon as it accepts); else why not (the kubelet's error, or the API server's)."""
     try:
@@ -90,7 +90,7 @@ class PodForward(LoopbackListener):
         pipe(conn, remote, _end)
 
 
-_FORWARDS: Dict[Tuple[str, str], PodForward] = {}
+_FORWARDS: dict[tuple[str, str], PodForward] = {}
 _LOCK = threading.Lock()
 
 
@@ -98,7 +98,7 @@ def forward(core: Any, namespace: str, pod: str, port: int) -> str:
     """The loopback address of this process that forwards to ``port`` of ``pod`` (made once per process)."""
     key = (namespace, pod)
     with _LOCK:
-        fwd: Optional[PodForward] = _FORWARDS.get(key)
+        fwd: PodForward | None = _FORWARDS.get(key)
         if fwd is None or fwd.port != port:
             fwd = _FORWARDS[key] = PodForward(core, namespace, pod, port)
         return fwd.address

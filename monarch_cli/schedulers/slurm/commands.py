@@ -11,8 +11,8 @@ import os
 import shlex
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import SchedulerError
 
@@ -23,7 +23,7 @@ class SlurmError(SchedulerError):
     """A Slurm command failed; the message quotes what Slurm said."""
 
 
-def allocation_id() -> Optional[str]:
+def allocation_id() -> str | None:
     """The Slurm job this process runs in (salloc shell, batch script), if any."""
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID") or None
 
@@ -32,8 +32,10 @@ def run(cmd: Sequence[str], check: bool = True, timeout: float = _CMD_TIMEOUT) -
     try:
         done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
-        raise SlurmError(f"{cmd[0]} not found on PATH: run this on a Slurm login node "
-                         "(with Slurm's client commands), or use --scheduler local") from None
+        raise SlurmError(
+            f"{cmd[0]} not found on PATH: run this on a Slurm login node "
+            "(with Slurm's client commands), or use --scheduler local"
+        ) from None
     except subprocess.TimeoutExpired:
         raise SlurmError(f"`{shlex.join(cmd[:2])}` did not answer in {timeout:.0f} s; is slurmctld up?") from None
     if check and done.returncode != 0:
@@ -48,7 +50,7 @@ def slurm_message(stderr: str) -> str:
         line = line.strip()
         for prefix in ("sbatch: error: ", "squeue: error: ", "srun: error: ", "scancel: error: ", "error: "):
             if line.startswith(prefix):
-                line = line[len(prefix):]
+                line = line[len(prefix) :]
         if line and line not in parts:
             parts.append(line)
     return "; ".join(parts)
@@ -62,11 +64,16 @@ def submit(script: Path, extra_args: Sequence[str] = ()) -> str:
     return parse_job_id(done.stdout)
 
 
-def submit_and_wait(script: Path, on_submitted: Callable[[str], None]) -> Tuple[str, int]:
+def submit_and_wait(script: Path, on_submitted: Callable[[str], None]) -> tuple[str, int]:
     """``sbatch --parsable --wait``: report the job id at once, return it with the job's exit code."""
     try:
-        proc = subprocess.Popen(["sbatch", "--parsable", "--wait", str(script)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            ["sbatch", "--parsable", "--wait", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
     except FileNotFoundError:
         raise SlurmError("sbatch not found on PATH: run this on a Slurm login node, or use --scheduler local") from None
     assert proc.stdout is not None and proc.stderr is not None
@@ -93,7 +100,7 @@ def parse_job_id(stdout: str) -> str:
     return job_id
 
 
-def job_info(job_id: str) -> Optional[Dict[str, str]]:
+def job_info(job_id: str) -> dict[str, str] | None:
     """The job's state from ``squeue``; ``{}`` if Slurm no longer knows it, None if squeue failed."""
     if not job_id:
         return {}
@@ -111,24 +118,24 @@ def job_info(job_id: str) -> Optional[Dict[str, str]]:
     return {}
 
 
-def job_workdir(job_id: str) -> Optional[Path]:
+def job_workdir(job_id: str) -> Path | None:
     """The job's working directory, while Slurm still knows the job."""
     done = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%Z"], check=False, timeout=15)
     text = done.stdout.strip()
     return Path(text) if done.returncode == 0 and text else None
 
 
-def hostnames(nodelist: str) -> List[str]:
+def hostnames(nodelist: str) -> list[str]:
     """Expand a compressed node list (``node[1-3,7]``) in Slurm's own order."""
     return run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
 
 
-def steps(job_id: str) -> List[str]:
+def steps(job_id: str) -> list[str]:
     done = run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], check=False, timeout=15)
     return done.stdout.split() if done.returncode == 0 else []
 
 
-def find_step(job_id: str, name: str) -> Optional[str]:
+def find_step(job_id: str, name: str) -> str | None:
     """The step id (``123.4``) of our agent step, looked up by its name."""
     for _ in range(20):
         done = run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"], check=False, timeout=15)
@@ -140,5 +147,17 @@ def find_step(job_id: str, name: str) -> Optional[str]:
     return None
 
 
-__all__ = ["SlurmError", "allocation_id", "run", "slurm_message", "submit", "submit_and_wait", "parse_job_id",
-           "job_info", "job_workdir", "hostnames", "steps", "find_step"]
+__all__ = [
+    "SlurmError",
+    "allocation_id",
+    "run",
+    "slurm_message",
+    "submit",
+    "submit_and_wait",
+    "parse_job_id",
+    "job_info",
+    "job_workdir",
+    "hostnames",
+    "steps",
+    "find_step",
+]

@@ -14,7 +14,6 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import List, Optional, Tuple
 
 from ...runtime.agent_command import AgentCommand, parse_port_range
 from ...sysutil import source_address_towards
@@ -38,16 +37,26 @@ def node_address(node: str) -> str:
     return candidates[0] if candidates else "127.0.0.1"
 
 
-def agent_command(directory: Path, preload: Optional[str], port: Optional[int],
-                  port_range: Optional[Tuple[int, int]]) -> AgentCommand:
+def agent_command(
+    directory: Path, preload: str | None, port: int | None, port_range: tuple[int, int] | None
+) -> AgentCommand:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return AgentCommand(name=node, host=node_address(node), address_file=str(directory / "agents" / f"{node}.addr"),
-                        warm_up=True, preload=preload, port=port, port_range=port_range,
-                        reservation=f"slurm-{os.environ.get('SLURM_JOB_ID', '')}")  # its title in ps
+    return AgentCommand(
+        name=node,
+        host=node_address(node),
+        address_file=str(directory / "agents" / f"{node}.addr"),
+        warm_up=True,
+        preload=preload,
+        port=port,
+        port_range=port_range,
+        reservation=f"slurm-{os.environ.get('SLURM_JOB_ID', '')}",
+    )  # its title in ps
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m monarch_cli.schedulers.slurm.node", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m monarch_cli.schedulers.slurm.node", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--dir", type=Path, required=True, help="the reservation's directory (shared filesystem)")
     parser.add_argument("--preload")
     parser.add_argument("--port", type=int)

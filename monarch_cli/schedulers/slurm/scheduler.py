@@ -20,9 +20,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -30,8 +31,18 @@ from ...errors import OptionError, PlanError, UserError
 from ...runtime.agent_command import format_port_range
 from ...sysutil import signal_if_alive
 from ..agents import read_address_files, wait_for_agents
-from ..base import (HostRecord, Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest,
-                    Scheduler)
+from ..base import (
+    HostRecord,
+    Liveness,
+    Option,
+    Plan,
+    Probe,
+    Progress,
+    Reservation,
+    ReservationRecord,
+    ReserveRequest,
+    Scheduler,
+)
 from .commands import SlurmError, allocation_id, find_step, hostnames, job_info, run, steps, submit
 
 if TYPE_CHECKING:
@@ -50,8 +61,9 @@ OPTIONS = (
     Option("qos", str, None, "Slurm quality of service."),
     Option("constraint", str, None, "Node features the nodes must have.", short="-C"),
     Option("exclusive", bool, False, "Nodes not shared with other jobs."),
-    Option("sbatch_args", list, None, "Extra sbatch argument such as --reservation=x (repeatable).",
-           flag="--sbatch-arg"),
+    Option(
+        "sbatch_args", list, None, "Extra sbatch argument such as --reservation=x (repeatable).", flag="--sbatch-arg"
+    ),
 )
 #: serve's Slurm options and the sbatch flag each becomes (None: passed through as given).
 OPTION_FLAGS = {o.name: (None if o.type is list else o.cli_flag) for o in OPTIONS}
@@ -80,12 +92,12 @@ class SlurmScheduler(Scheduler):
     options = OPTIONS
 
     # ------------------------------------------------------------ planning
-    def default_hosts(self) -> Optional[int]:
+    def default_hosts(self) -> int | None:
         """Inside an allocation, serve all of its nodes unless told otherwise."""
         nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
         return int(nodes) if allocation_id() and nodes and nodes.isdigit() else None
 
-    def check_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
+    def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
         return _check_options(super().check_options(options))
 
     def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
@@ -93,37 +105,68 @@ class SlurmScheduler(Scheduler):
         rid = _new_id()
         job_dir = _job_dir(workdir, rid)
         node_args = _node_args(request)
-        data: Dict[str, Any] = {"job_dir": str(job_dir)}
+        data: dict[str, Any] = {"job_dir": str(job_dir)}
         keys = f"write a fresh key pair to {job_dir / 'keys'} (0600; the nodes read it from the shared filesystem)"
         if allocation_id():
             _allocation_options(options)
             nodes = _allocation_nodes(request.hosts)
             cmd = _step_command(job_dir, nodes, options, node_args)
             data.update(mode="allocation", job_id=allocation_id(), nodes=nodes, srun=cmd)
-            summary = (f"inside Slurm allocation {allocation_id()}: start {len(nodes)} host agent(s) on "
-                       f"{','.join(nodes)} as a background `srun --overlap` step")
-            steps = [keys, f"run in the background: {shlex.join(cmd)}",
-                     f"wait until {len(nodes)} agent(s) have written {job_dir / 'agents'}/<node>.addr"]
-            return Plan(self.name, rid, len(nodes), list(request.command), str(workdir.resolve()), summary, steps,
-                        {"srun command": shlex.join(cmd)}, _plain(options), data)
-        script = render_serve_script(request.hosts, f"monarch-{rid[6:]}", job_dir, sys.executable, options,
-                                     node_args=node_args)
+            summary = (
+                f"inside Slurm allocation {allocation_id()}: start {len(nodes)} host agent(s) on "
+                f"{','.join(nodes)} as a background `srun --overlap` step"
+            )
+            steps = [
+                keys,
+                f"run in the background: {shlex.join(cmd)}",
+                f"wait until {len(nodes)} agent(s) have written {job_dir / 'agents'}/<node>.addr",
+            ]
+            return Plan(
+                self.name,
+                rid,
+                len(nodes),
+                list(request.command),
+                str(workdir.resolve()),
+                summary,
+                steps,
+                {"srun command": shlex.join(cmd)},
+                _plain(options),
+                data,
+            )
+        script = render_serve_script(
+            request.hosts, f"monarch-{rid[6:]}", job_dir, sys.executable, options, node_args=node_args
+        )
         data.update(mode="batch")
         summary = f"submit an sbatch script: {request.hosts} node(s), one host agent each"
-        steps = [keys, f"write the script below to {job_dir / 'serve.sbatch'} and submit it with `sbatch --parsable`",
-                 "report the job's state while it pends",
-                 f"wait until {request.hosts} agent(s) have written {job_dir / 'agents'}/<node>.addr"]
-        return Plan(self.name, rid, request.hosts, list(request.command), str(workdir.resolve()), summary, steps,
-                    {"sbatch script": script}, _plain(options), data)
+        steps = [
+            keys,
+            f"write the script below to {job_dir / 'serve.sbatch'} and submit it with `sbatch --parsable`",
+            "report the job's state while it pends",
+            f"wait until {request.hosts} agent(s) have written {job_dir / 'agents'}/<node>.addr",
+        ]
+        return Plan(
+            self.name,
+            rid,
+            request.hosts,
+            list(request.command),
+            str(workdir.resolve()),
+            summary,
+            steps,
+            {"sbatch script": script},
+            _plain(options),
+            data,
+        )
 
     # ----------------------------------------------------------- reserving
-    def reserve(self, plan: Plan, keys: "Keys", progress: Progress) -> Reservation:
+    def reserve(self, plan: Plan, keys: Keys, progress: Progress) -> Reservation:
         self.check_plan(plan)
         job_dir = Path(plan.data["job_dir"])
         if plan.data.get("mode") == "allocation":
             if allocation_id() != plan.data.get("job_id"):
-                raise PlanError(f"this plan starts agents inside Slurm allocation {plan.data.get('job_id')}, but this "
-                                f"process runs {'in ' + str(allocation_id()) if allocation_id() else 'outside any'}")
+                raise PlanError(
+                    f"this plan starts agents inside Slurm allocation {plan.data.get('job_id')}, but this "
+                    f"process runs {'in ' + str(allocation_id()) if allocation_id() else 'outside any'}"
+                )
             _make_job_dir(job_dir, keys)
             return self._reserve_in_allocation(plan, job_dir, progress)
         _make_job_dir(job_dir, keys)
@@ -133,8 +176,13 @@ class SlurmScheduler(Scheduler):
         except BaseException:
             _forget_keys(job_dir)
             raise
-        data = {"mode": "batch", "job_id": job_id, "dir": str(job_dir), "options": plan.options,
-                "output": str(job_dir / f"slurm-{job_id}.out")}
+        data = {
+            "mode": "batch",
+            "job_id": job_id,
+            "dir": str(job_dir),
+            "options": plan.options,
+            "output": str(job_dir / f"slurm-{job_id}.out"),
+        }
         try:
             hosts = _wait_for_agents(job_id, None, job_dir, plan.hosts, progress, data["output"])
         except BaseException:
@@ -152,13 +200,20 @@ class SlurmScheduler(Scheduler):
         progress(f"starting {len(nodes)} agent(s) in allocation {job_id} (srun --overlap)")
         with open(log_path, "ab") as log:
             try:
-                srun = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                        start_new_session=True)  # outlives this CLI, not the allocation
+                srun = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+                )  # outlives this CLI, not the allocation
             except FileNotFoundError:
                 _forget_keys(job_dir)
                 raise SlurmError("srun not found on PATH, though $SLURM_JOB_ID is set") from None
-        data: Dict[str, Any] = {"mode": "allocation", "job_id": job_id, "dir": str(job_dir), "srun_pid": srun.pid,
-                                "options": plan.options, "output": str(log_path)}
+        data: dict[str, Any] = {
+            "mode": "allocation",
+            "job_id": job_id,
+            "dir": str(job_dir),
+            "srun_pid": srun.pid,
+            "options": plan.options,
+            "output": str(log_path),
+        }
         try:
             hosts = _wait_for_agents(job_id, srun, job_dir, len(nodes), progress, str(log_path), names=nodes)
             data["step"] = find_step(job_id, f"monarch-agents-{plan.reservation_id[6:]}")
@@ -169,7 +224,7 @@ class SlurmScheduler(Scheduler):
         return Reservation(plan.reservation_id, hosts, data)
 
     # ------------------------------------------------------------ checking
-    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> Optional[str]:
+    def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> str | None:
         why = super().can_serve(reservation, request)
         if why is None and request.options and request.options != reservation.scheduler_data.get("options"):
             why = "it was reserved with other Slurm options"
@@ -188,25 +243,36 @@ class SlurmScheduler(Scheduler):
         if not info:
             return Probe(Liveness.GONE, f"Slurm job {job_id} has ended and is no longer known to Slurm")
         if info["state"] != "RUNNING":
-            return Probe(Liveness.GONE, f"Slurm job {job_id} is {info['state']}{_explain(info['state'], info['reason'])}")
+            return Probe(
+                Liveness.GONE, f"Slurm job {job_id} is {info['state']}{_explain(info['state'], info['reason'])}"
+            )
         step = data.get("step")
         if data.get("mode") == "allocation" and step and step not in steps(job_id):
             return Probe(Liveness.GONE, f"agent step {step} of Slurm allocation {job_id} has ended")
         return Probe(Liveness.ALIVE)
 
-    def describe(self, reservation: ReservationRecord) -> Dict[str, Any]:
+    def describe(self, reservation: ReservationRecord) -> dict[str, Any]:
         data = reservation.scheduler_data
         raw = job_info(str(data.get("job_id", "")))
         info = raw or {}
         known = "no longer known to Slurm" if raw == {} else "unknown (squeue did not answer)"
-        return {"slurm": {"job_id": data.get("job_id"), "mode": data.get("mode"), "step": data.get("step"),
-                          "state": info.get("state", known),
-                          "reason": info.get("reason"), "elapsed": info.get("elapsed"),
-                          "time_left": info.get("time_left"), "nodes": info.get("nodes"),
-                          "partition": info.get("partition"), "output": data.get("output"),
-                          "dir": data.get("dir")}}
+        return {
+            "slurm": {
+                "job_id": data.get("job_id"),
+                "mode": data.get("mode"),
+                "step": data.get("step"),
+                "state": info.get("state", known),
+                "reason": info.get("reason"),
+                "elapsed": info.get("elapsed"),
+                "time_left": info.get("time_left"),
+                "nodes": info.get("nodes"),
+                "partition": info.get("partition"),
+                "output": data.get("output"),
+                "dir": data.get("dir"),
+            }
+        }
 
-    def status_lines(self, reservation: ReservationRecord) -> List[str]:
+    def status_lines(self, reservation: ReservationRecord) -> list[str]:
         return [slurm_line(self.describe(reservation)["slurm"])]
 
     # ----------------------------------------------------------- releasing
@@ -221,7 +287,7 @@ class SlurmScheduler(Scheduler):
             _forget_keys(Path(data["dir"]))
 
 
-def slurm_line(slurm: Dict[str, Any]) -> str:
+def slurm_line(slurm: dict[str, Any]) -> str:
     """One line of Slurm facts for ``monarch status``."""
     head = f"slurm: job {slurm.get('job_id')}"
     if slurm.get("step"):
@@ -248,8 +314,15 @@ def _explain(state: str, reason: str) -> str:
     return f" ({': '.join(words)})" if words else ""
 
 
-def render_serve_script(nodes: int, job_name: str, job_dir: Path, python: str, options: Dict[str, Any],
-                        preload: Optional[str] = None, node_args: Optional[List[str]] = None) -> str:
+def render_serve_script(
+    nodes: int,
+    job_name: str,
+    job_dir: Path,
+    python: str,
+    options: dict[str, Any],
+    preload: str | None = None,
+    node_args: list[str] | None = None,
+) -> str:
     """The sbatch script of a reservation (``monarch serve --scheduler slurm``)."""
     _no_whitespace(str(job_dir), "the state directory")
     srun_extra = f" --gpus-per-node={options['gpus_per_node']}" if options.get("gpus_per_node") else ""
@@ -274,7 +347,7 @@ def sbatch_lines(args: Sequence[str]) -> str:
     return "".join(f"#SBATCH {a}\n" for a in args)
 
 
-def sbatch_option_args(options: Dict[str, Any]) -> List[str]:
+def sbatch_option_args(options: dict[str, Any]) -> list[str]:
     """serve's Slurm options as sbatch arguments, in a fixed order."""
     args = []
     for key, flag in OPTION_FLAGS.items():
@@ -290,8 +363,8 @@ def load_template(name: str) -> string.Template:
     return string.Template(resources.files("monarch_cli.templates").joinpath(name).read_text())
 
 
-def _check_options(options: Dict[str, Any]) -> Dict[str, Any]:
-    checked: Dict[str, Any] = {}
+def _check_options(options: dict[str, Any]) -> dict[str, Any]:
+    checked: dict[str, Any] = {}
     for key, value in options.items():
         if value is None:
             continue
@@ -314,7 +387,7 @@ def _no_whitespace(value: str, what: str) -> None:
         raise OptionError(f"{what} for Slurm must be non-empty and without spaces, not {value!r}")
 
 
-def _plain(options: Dict[str, Any]) -> Dict[str, Any]:
+def _plain(options: dict[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in options.items()}
 
 
@@ -326,36 +399,40 @@ def _job_dir(workdir: Path, rid: str) -> Path:
     return workdir.resolve() / "slurm" / rid
 
 
-def _make_job_dir(job_dir: Path, keys: "Keys") -> None:
+def _make_job_dir(job_dir: Path, keys: Keys) -> None:
     """The reservation's directory (0700) with its keys (0600) and an empty agents/."""
     (job_dir / "agents").mkdir(parents=True, mode=0o700)
     os.chmod(job_dir, 0o700)
     keys.write(job_dir / "keys")
 
 
-def _allocation_options(options: Dict[str, Any]) -> None:
+def _allocation_options(options: dict[str, Any]) -> None:
     """Inside an allocation there is nothing to ask Slurm for: say so rather than ignore options."""
     moot = sorted(k for k in options if k != "gpus_per_node")
     if moot:
         flags = ", ".join("--" + k.replace("_", "-") for k in moot)
-        raise OptionError(f"inside Slurm allocation {allocation_id()}, {flags} cannot apply (the allocation is "
-                         "already made); leave them out, or run `monarch serve` outside the allocation")
+        raise OptionError(
+            f"inside Slurm allocation {allocation_id()}, {flags} cannot apply (the allocation is "
+            "already made); leave them out, or run `monarch serve` outside the allocation"
+        )
 
 
-def _allocation_nodes(count: int) -> List[str]:
+def _allocation_nodes(count: int) -> list[str]:
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     if not nodelist:
         raise SlurmError(f"inside Slurm job {allocation_id()} but $SLURM_JOB_NODELIST is not set")
     nodes = hostnames(nodelist)
     if count > len(nodes):
-        raise UserError(f"--nodes {count} is more than the {len(nodes)} node(s) of allocation {allocation_id()} "
-                       f"({nodelist}); ask for at most {len(nodes)}")
+        raise UserError(
+            f"--nodes {count} is more than the {len(nodes)} node(s) of allocation {allocation_id()} "
+            f"({nodelist}); ask for at most {len(nodes)}"
+        )
     return nodes[:count]
 
 
-def _node_args(request: ReserveRequest) -> List[str]:
+def _node_args(request: ReserveRequest) -> list[str]:
     """The node entry point's agent options (the node adds its own name, address and address file)."""
-    args: List[str] = []
+    args: list[str] = []
     if request.preload is not None:
         args += ["--preload", request.preload]
     if request.agent_port is not None:
@@ -365,20 +442,35 @@ def _node_args(request: ReserveRequest) -> List[str]:
     return args
 
 
-def _step_command(job_dir: Path, nodes: List[str], options: Dict[str, Any], node_args: List[str]) -> List[str]:
+def _step_command(job_dir: Path, nodes: list[str], options: dict[str, Any], node_args: list[str]) -> list[str]:
     """``srun`` for agents inside an existing allocation: overlapping, so the user's own steps still fit."""
     count = len(nodes)
-    cmd = ["srun", "--overlap", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
-           f"--nodelist={','.join(nodes)}", f"--job-name=monarch-agents-{job_dir.name[6:]}",
-           "--kill-on-bad-exit=0", "--cpu-bind=none"]
+    cmd = [
+        "srun",
+        "--overlap",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        f"--job-name=monarch-agents-{job_dir.name[6:]}",
+        "--kill-on-bad-exit=0",
+        "--cpu-bind=none",
+    ]
     if options.get("gpus_per_node"):
         cmd.append(f"--gpus-per-node={options['gpus_per_node']}")
     return cmd + [sys.executable, "-m", NODE_MODULE, "--dir", str(job_dir), *node_args]
 
 
 # ------------------------------------------------------------------- waiting
-def _wait_for_agents(job_id: str, srun: Optional[subprocess.Popen], job_dir: Path, count: int,
-                     progress: Progress, output: str, names: Optional[List[str]] = None) -> List[HostRecord]:
+def _wait_for_agents(
+    job_id: str,
+    srun: subprocess.Popen | None,
+    job_dir: Path,
+    count: int,
+    progress: Progress,
+    output: str,
+    names: list[str] | None = None,
+) -> list[HostRecord]:
     """Report the job's progress while it pends, then wait until one agent per node has written its address."""
     started = time.monotonic()
     last = ""
@@ -398,14 +490,17 @@ def _wait_for_agents(job_id: str, srun: Optional[subprocess.Popen], job_dir: Pat
                 last = msg
             time.sleep(0.5)
         else:
-            raise SlurmError(f"Slurm job {job_id} is {state} ({info.get('reason') if info else ''}) "
-                             f"before its agents came up: {_tail(output)}")
-    found_names: List[str] = names
+            raise SlurmError(
+                f"Slurm job {job_id} is {state} ({info.get('reason') if info else ''}) "
+                f"before its agents came up: {_tail(output)}"
+            )
+    found_names: list[str] = names
 
     def check() -> None:
         if srun is not None and srun.poll() is not None:
-            raise SlurmError(f"the agent step (srun) exited with status {srun.returncode} before the agents "
-                             f"came up: {_tail(output)}")
+            raise SlurmError(
+                f"the agent step (srun) exited with status {srun.returncode} before the agents came up: {_tail(output)}"
+            )
         if srun is None:  # our own job: it may fail on the nodes (no Python there, a bad path...)
             info = job_info(job_id)
             if info == {} or (info and info["state"] != "RUNNING"):
@@ -413,9 +508,15 @@ def _wait_for_agents(job_id: str, srun: Optional[subprocess.Popen], job_dir: Pat
                 raise SlurmError(f"Slurm job {job_id} {how} before its agents came up: {_tail(output)}")
 
     try:
-        return wait_for_agents(lambda: read_address_files(job_dir / "agents", found_names), found_names, progress,
-                               timeout=AGENT_START_TIMEOUT, check=check, interval=0.3,
-                               label=f"Slurm job {job_id} running on {','.join(found_names)}; agents up")
+        return wait_for_agents(
+            lambda: read_address_files(job_dir / "agents", found_names),
+            found_names,
+            progress,
+            timeout=AGENT_START_TIMEOUT,
+            check=check,
+            interval=0.3,
+            label=f"Slurm job {job_id} running on {','.join(found_names)}; agents up",
+        )
     except SlurmError:
         raise
     except UserError as e:  # the timeout: say which job, and show its output
@@ -435,7 +536,7 @@ def _clock(seconds: float) -> str:
 
 
 # ------------------------------------------------------------------- ending
-def _end_step(data: Dict[str, Any]) -> None:
+def _end_step(data: dict[str, Any]) -> None:
     """End only our agent step of an allocation that is not ours to cancel."""
     if data.get("step"):
         run(["scancel", str(data["step"])], check=False)
@@ -489,5 +590,15 @@ def _forget_keys(job_dir: Path) -> None:
         pass
 
 
-__all__ = ["SlurmScheduler", "SlurmError", "render_serve_script", "sbatch_option_args", "sbatch_lines", "load_template",
-           "slurm_line", "OPTIONS", "OPTION_FLAGS", "NODE_MODULE"]
+__all__ = [
+    "SlurmScheduler",
+    "SlurmError",
+    "render_serve_script",
+    "sbatch_option_args",
+    "sbatch_lines",
+    "load_template",
+    "slurm_line",
+    "OPTIONS",
+    "OPTION_FLAGS",
+    "NODE_MODULE",
+]
