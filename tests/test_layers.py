@@ -104,6 +104,7 @@ def test_no_module_imports_a_higher_layer() -> None:
 OWNED = {
     "paramiko": {"monarch_cli/schedulers/ssh.py", "monarch_cli/schedulers/skypilot_ssh.py"},
     "pathspec": {"monarch_cli/runtime/workspace.py"},
+    "torchx": {"monarch_cli/schedulers/torchx/appdef.py", "monarch_cli/schedulers/torchx/scheduler.py"},
 }
 
 

@@ -34,6 +34,10 @@ _BUILTIN: dict[str, str] = {
     "ssh": "monarch_cli.schedulers.ssh:SshScheduler",
     "skypilot": "monarch_cli.schedulers.skypilot:SkyPilotScheduler",
 }
+#: Families: ``<family>:<name>`` -> "module:function" returning the backend class for that name.
+_FAMILIES: dict[str, str] = {
+    "torchx": "monarch_cli.schedulers.torchx:scheduler_class_for",
+}
 #: torchx scheduler names users already type, mapped to ours.
 ALIASES = {"local_cwd": "local"}
 ENTRY_POINT_GROUP = "monarch_cli.schedulers"
@@ -52,9 +56,15 @@ def available() -> list[str]:
 
 def scheduler_class(name: str) -> type[Scheduler]:
     key = ALIASES.get(name, name)
+    family, colon, member = key.partition(":")
+    if colon and family in _FAMILIES:
+        module, _, attr = _FAMILIES[family].partition(":")
+        cls = getattr(importlib.import_module(module), attr)(member)
+        return cls
     target = _BUILTIN.get(key) or _entry_points().get(key)
     if target is None:
-        raise JobError(f"unknown scheduler {name!r}; available: {', '.join(available())}")
+        families = ", ".join(f"{f}:<name>" for f in _FAMILIES)
+        raise JobError(f"unknown scheduler {name!r}; available: {', '.join(available())}, {families}")
     module, _, attr = target.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
