@@ -32,21 +32,19 @@ def mcp_cmd(
     Register it with your agent client as the command `monarch mcp`, started in your project's directory
     (or with --state). stdout carries MCP only. See docs/agents.md.
     """
-    try:
-        import mcp  # noqa: F401 - the optional extra: say how to get it, in one line
-    except ImportError:
-        raise UserError("monarch mcp needs the MCP Python SDK: pip install 'mcp>=2.3,<3'") from None
-    import anyio
+    import importlib.util
 
+    if importlib.util.find_spec("mcp") is None:  # the optional extra: say how to get it, in one line
+        raise UserError("monarch mcp needs the MCP Python SDK: pip install 'mcp>=2.3,<3'")
     from ...jobs.state import state_path
-    from .server import serve_stdio
+    from .server import main
 
     handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s monarch mcp %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
-    anyio.run(serve_stdio, state_path(state).absolute())
+    main(state_path(state).absolute())
     handler.flush()
     sys.stderr.flush()
     # The client closed stdin: leave now. Threads of this process (a reservation's mailbox, a

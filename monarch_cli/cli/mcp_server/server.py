@@ -250,3 +250,8 @@ async def serve_stdio(state: Path | None) -> None:
     app = MonarchMcp(state)
     async with stdio_server() as (read, write):
         await app.server.run(read, write, app.server.create_initialization_options())
+
+
+def main(state: Path | None) -> None:
+    """Serve until the client closes stdin."""
+    anyio.run(serve_stdio, state)
