@@ -62,6 +62,12 @@ print("working", flush=True)
 time.sleep(600)
 """
 
+CRASH = """
+import os
+answer = 41 + int(os.environ["RANK"])
+raise RuntimeError(f"rank {os.environ['RANK']} crashed")
+"""
+
 BIG_WAIT = 240  # seconds: a loaded 2-core machine may take long to start torch
 
 
@@ -327,3 +333,37 @@ def test_sql_refusal_leaves_the_store_intact_even_for_tricks(tmp_path: Path) -> 
     assert not (tmp_path / "x.db").exists() and not (tmp_path / "copy.db").exists()
     with sqlite3.connect(store) as db:
         assert db.execute("SELECT run_id FROM runs").fetchall() == [("r1",)]
+
+
+def test_debug_tools_reach_a_rank_paused_post_mortem(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    write_script(project, "crash.py", CRASH)
+
+    async def session() -> None:
+        async with connected(project, tmp_path / "server.log") as agent:
+            await agent.ok("serve", {"hosts": 1})
+            assert "no rank is paused" in await agent.refused("debug_cast", {"command": "p 1"})
+            run = await agent.ok(
+                "run_spmd", {"command": "torchrun --nproc-per-node=1 crash.py", "post_mortem": True, "wait_s": 0}
+            )
+            for _ in range(BIG_WAIT * 2):
+                paused = (await agent.ok("debug_list"))["paused"]
+                if paused and paused[0]["state"] == "paused":
+                    break
+                await anyio.sleep(0.5)
+            assert [(p["rank"], p["run_id"]) for p in paused] == [(0, run["run_id"])], paused
+            answer = await agent.ok("debug_cast", {"ranks": "0", "command": "p answer"})
+            assert answer["0"]["output"].strip() == "41", answer
+            await agent.ok("debug_cast", {"command": "c"})
+            done = await agent.ok("wait_run", {"run_id": run["run_id"], "wait_s": BIG_WAIT})
+            assert done["state"] == "finished" and done["exit_code"] == 1, done
+            assert "RuntimeError: rank 0 crashed" in "\n".join(done["tail"]["lines"])
+            # a run that cannot start is an error result with our one line; the next call works
+            assert "nnodes" in await agent.refused(
+                "run_spmd", {"command": "torchrun --nnodes=3 --nproc-per-node=1 crash.py"}
+            )
+            rows = await agent.ok("sql", {"query": "SELECT run_id FROM runs", "limit": 1})
+            assert rows["row_count"] == 2 and len(rows["rows"]) == 1 and rows["rows_left_out"] == 1, rows
+            await agent.ok("stop")
+
+    anyio.run(session)

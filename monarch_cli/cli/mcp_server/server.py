@@ -143,12 +143,14 @@ class MonarchMcp:
     ) -> Reply:
         deadline = time.monotonic() + wait_s
         runs_ = s.runs
+        pause = 0.05  # a re-run ends in a fraction of a second: look soon, then every POLL_S
         while True:
             snap = await anyio.to_thread.run_sync(runs_.snapshot, run_id, tail, rank)
             if runs.is_final(snap) or time.monotonic() >= deadline:
                 break
             await progress.say(_progress_line(snap))
-            await anyio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+            await anyio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(POLL_S, pause * 2)
         return _run_reply(snap)
 
 
@@ -196,7 +198,7 @@ def _progress_line(snap: dict[str, Any]) -> str:
 def _run_reply(snap: dict[str, Any]) -> Reply:
     state = snap["state"]
     if state in (runs.ERROR, runs.LOST):
-        return Reply(snap, f"run {snap['run_id']}: {state}: {snap['error']}", error=True)
+        return Reply(snap, snap["error"], error=True)  # our one line; run_id and state are in the data
     lines = []
     if state == runs.FINISHED:
         outcome = "ok" if snap["exit_code"] == 0 else f"exit status {snap['exit_code']}"
