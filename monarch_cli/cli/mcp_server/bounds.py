@@ -78,3 +78,16 @@ def cell(value: Any) -> Any:
     if isinstance(value, str) and len(value) > MAX_CELL:
         return f"{value[:MAX_CELL]}… [{len(value) - MAX_CELL} more characters]"
     return value
+
+
+#: Hosts listed in a result (status, warm, exec), at most.
+MAX_HOSTS = 256
+
+
+def cap(data: dict[str, Any], key: str, limit: int, hint: str) -> None:
+    """Keep the first ``limit`` entries of ``data[key]``; say how many were left out and where they are."""
+    items = data.get(key)
+    if isinstance(items, list) and len(items) > limit:
+        data[key] = items[:limit]
+        data[f"{key}_left_out"] = len(items) - limit
+        data[f"{key}_hint"] = hint

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,7 @@ def main() -> int:
     if os.fork():  # the parent tells the server the runner's pid through the pipe and leaves
         return 0
     os.setsid()  # its own session: not in the server's process group or session
+    signal.signal(signal.SIGTERM, _cancelled)  # cancel_run before the run's own handling is in place
     state_dir = Path(spec["state_dir"])
     path = record_path(state_dir, spec["run_id"])
     out = os.open(path.with_suffix(".out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -110,12 +112,16 @@ def _run(spec: dict[str, Any], path: Path, record: dict[str, Any]) -> dict[str, 
     return {"state": "finished", "exit_code": result.exit_code}
 
 
+def _cancelled(sig: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _failure(e: BaseException) -> dict[str, Any]:
     from ..console import describe_error, internal_message
 
     known = describe_error(e)
     if isinstance(e, KeyboardInterrupt):
-        known = ("interrupted before the run started", "interrupted", 130)
+        known = ("cancelled before its ranks started", "interrupted", 130)
     if known is None:
         known = (internal_message(e, "see the server's log"), "internal", 70)
     return {"state": "error", "error": known[0], "kind": known[1]}

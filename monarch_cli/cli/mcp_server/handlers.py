@@ -17,7 +17,7 @@ from typing import Any
 
 from ...errors import UserError
 from .. import results
-from .bounds import MAX_FRAMES, MAX_GROUPS, MAX_LOG_LINES, MAX_ROWS, cell, clip_line, scan
+from .bounds import MAX_FRAMES, MAX_GROUPS, MAX_HOSTS, MAX_LOG_LINES, MAX_RANKS, MAX_ROWS, cap, cell, clip_line, scan
 from .runs import Runs, run_logs_for
 
 
@@ -115,6 +115,7 @@ def status(s: Session, a: dict[str, Any]) -> Reply:
     except NoReservation as e:
         return Reply(results.no_reservation_json(str(e)), f"no reservation: {e}")
     info = job.status()
+    cap(info, "hosts", MAX_HOSTS, "every host: monarch status --json")
     hosts = ", ".join(f"{h['name']} {'up' if h['alive'] else 'DOWN'}" for h in info["hosts"])
     lines = [f"reservation {info['reservation_id']} ({info['scheduler']}): {'up' if info['alive'] else 'GONE'}"]
     lines.append(f"hosts: {hosts}")
@@ -135,6 +136,7 @@ def warm(s: Session, a: dict[str, Any]) -> Reply:
         text = "forgot " + ", ".join(f"{n} module(s) on {h}" for h, n in forgotten.items())
         return Reply({"forgotten": forgotten}, text)
     data = results.warm_json(job)
+    cap(data, "hosts", MAX_HOSTS, "every host: monarch warm --json")
     text = "\n".join(
         f"{h['name']}: "
         + (
@@ -175,6 +177,8 @@ def exec_(s: Session, a: dict[str, Any]) -> Reply:
     with open(os.devnull, "wb") as sink:  # each host's output is in the run's logs, and its last lines below
         result = s.job().exec(command, stdout=sink, stderr=sink, on_event=s.progress)
     data = result.to_json()
+    data["ranks"].sort(key=lambda r: (r["status"] == 0, r["rank"]))  # failures first, if any are cut
+    cap(data, "ranks", MAX_HOSTS, f"every host's output: logs with run_id {result.run_id}")
     lines = [f"exec {result.run_id}: exit status {result.exit_code}"]
     for r in data["ranks"]:
         r["last_lines"] = [clip_line(l) for l in r["last_lines"]]
@@ -186,6 +190,8 @@ def exec_(s: Session, a: dict[str, Any]) -> Reply:
 def logs(s: Session, a: dict[str, Any]) -> Reply:
     run_dir, files = run_logs_for(s.state, a.get("run_id") or s.runs.latest(), a.get("rank"))
     data = results.logs_json(run_dir, files)
+    if data["result"]:
+        cap(data["result"], "ranks", MAX_RANKS, "every rank's ending: sql over the ranks table")
     pattern = None
     if a.get("grep"):
         try:
@@ -270,6 +276,7 @@ def stack(s: Session, a: dict[str, Any]) -> Reply:
     data["ranks"] = [
         {k: v for k, v in r.items() if k in ("rank", "host", "pid", "method", "error")} for r in data["ranks"]
     ]
+    cap(data, "ranks", MAX_RANKS, "every rank: sql over the stacks table")
     data["hint"] = "every thread's frames: sql \"SELECT rank, thread, stack FROM stacks WHERE capture_id = '...'\""
     lines = [f"run {report.run_id}: {len(report.stacks)} rank(s), {len(report.groups)} distinct stack(s)"]
     lines += [f"  {g.describe()}" for g in report.groups[:MAX_GROUPS]]
@@ -278,12 +285,20 @@ def stack(s: Session, a: dict[str, Any]) -> Reply:
 
 def diagnose(s: Session, a: dict[str, Any]) -> Reply:
     d = s.job().diagnose(a.get("silence", 60.0))
+    data = d.to_json()
+    cap(data, "suspects", MAX_RANKS, "all of them: call diagnose again after fixing these, or sql over ranks")
+    evidence = data["evidence"]
+    suspects = {sus.rank for sus in d.suspects}
+    if len(evidence.get("ranks") or ()) > MAX_RANKS:  # keep the suspects' rows, then the first others
+        evidence["ranks"].sort(key=lambda r: (r.get("rank") not in suspects, r.get("rank", 0)))
+        cap(evidence, "ranks", MAX_RANKS, "every rank: sql over the ranks and samples tables")
+    cap(evidence, "stack_groups", MAX_GROUPS, "every stack: call stack, or sql over the stacks table")
     lines = [f"{d.verdict}: {d.summary}"]
-    for sus in d.suspects:
+    for sus in d.suspects[:MAX_RANKS]:
         lines.append(f"  rank {sus.rank}{' on ' + sus.host if sus.host else ''}: " + "; ".join(sus.reasons))
     for g in d.evidence.get("stack_groups", []):
         lines.append(f"  stacks: ranks {g['ranks']}: {g['summary']}")
-    return Reply(d.to_json(), "\n".join(lines))
+    return Reply(data, "\n".join(lines))
 
 
 # ------------------------------------------------------------------------ debugger
@@ -300,6 +315,7 @@ def debug_list(s: Session, a: dict[str, Any]) -> Reply:
     finally:
         client.close()
     data = {"paused": results.paused_json(rows)}
+    cap(data, "paused", MAX_RANKS, "narrow with run_id, or use `monarch debug list --json`")
     if not rows:
         return Reply(data, "no rank is paused (ranks pause at breakpoint(), or on a crash with post_mortem)")
     text = "\n".join(f"rank {r.rank} on {r.host}: {r.state} at {r.where} in {r.function}" for r in rows)

@@ -27,6 +27,8 @@ from .detached import read_record, record_path
 #: States a run can be in; the last three are final.
 RUNNING, STARTING, FINISHED, ERROR, LOST = "running", "starting", "finished", "error", "lost"
 FINAL = (FINISHED, ERROR, LOST)
+#: Runner records kept (the oldest ended ones beyond this are removed when a run starts).
+KEEP_RECORDS = 50
 
 
 class Runs:
@@ -54,6 +56,7 @@ class Runs:
             **options,
         }
         record_path(self.state_dir, run_id).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._prune()
         runner = subprocess.Popen(
             [sys.executable, "-m", "monarch_cli.cli.mcp_server.detached"],
             stdin=subprocess.PIPE,
@@ -71,6 +74,13 @@ class Runs:
         if runner.returncode != 0 or not out.strip().isdigit():
             raise UserError(f"the run's process did not start (exit status {runner.returncode})")
         return run_id
+
+    def _prune(self) -> None:
+        for path in _records(self.state_dir)[:-KEEP_RECORDS]:
+            record = read_record(path)
+            if record is None or record.get("state") in FINAL or not _alive(record["pid"], record["started_at"]):
+                path.unlink(missing_ok=True)
+                path.with_suffix(".out").unlink(missing_ok=True)
 
     # --------------------------------------------------------------- looking
     def latest(self) -> str:

@@ -136,6 +136,8 @@ class MonarchMcp:
         await progress.say(f"run {run_id}: sent {how}")
         reply = await self._wait(s, run_id, a.get("wait_s", 40), a.get("tail", 20), None, progress)
         reply.data["cancel"] = how
+        if reply.data.get("kind") == "interrupted":  # it ended before it began: what was asked
+            reply.error = False
         return reply
 
     async def _wait(
