@@ -80,10 +80,14 @@ class Agent:
         self.progress: list[str] = []
 
     async def call(self, name: str, args: dict[str, Any] | None = None) -> tuple[dict[str, Any], str, bool]:
+        values: list[float] = []
+
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            values.append(progress)
             self.progress.append(message or "")
 
         res = await self.session.call_tool(name, args or {}, progress_callback=on_progress)
+        assert values == sorted(set(values)), values  # progress only grows
         text = "".join(c.text for c in res.content if c.type == "text")
         data = res.structured_content or {}
         self.seen.append(text + json.dumps(data))
@@ -237,6 +241,7 @@ def test_a_session_serve_run_fail_diagnose_rerun_cancel_stop(tmp_path: Path) -> 
                 if (hang.get("lines") or 0) >= 4:
                     break
                 assert hang["state"] in ("starting", "running"), hang
+            assert any(f"run {run_id} running, 0/4 ranks exited" in p for p in agent.progress), agent.progress
             stacks = await agent.ok("stack")
             assert stacks["run_id"] == run_id
             assert any(g["ranks"] == [1] and "waiting_for_the_flag" in g["summary"] for g in stacks["groups"]), stacks

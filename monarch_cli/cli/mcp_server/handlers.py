@@ -177,7 +177,8 @@ def exec_(s: Session, a: dict[str, Any]) -> Reply:
     with open(os.devnull, "wb") as sink:  # each host's output is in the run's logs, and its last lines below
         result = s.job().exec(command, stdout=sink, stderr=sink, on_event=s.progress)
     data = result.to_json()
-    data["ranks"].sort(key=lambda r: (r["status"] == 0, r["rank"]))  # failures first, if any are cut
+    if len(data["ranks"]) > MAX_HOSTS:  # failures first, if some must be cut
+        data["ranks"].sort(key=lambda r: (r["status"] == 0, r["rank"]))
     cap(data, "ranks", MAX_HOSTS, f"every host's output: logs with run_id {result.run_id}")
     lines = [f"exec {result.run_id}: exit status {result.exit_code}"]
     for r in data["ranks"]:
