@@ -232,30 +232,25 @@ def logs(s: Session, a: dict[str, Any]) -> Reply:
 
 # ---------------------------------------------------------------------- telemetry
 def sql(s: Session, a: dict[str, Any]) -> Reply:
-    from ...telemetry_store import query, schema_json, schema_text
-    from ..sql import store_path
+    from ...telemetry_store import StoreError, query_bounded, schema_json, schema_text
+    from ..sql import render, store_path
 
     if a.get("schema"):
         return Reply(schema_json(), schema_text())
     statement = (a.get("query") or "").strip()
     if not statement:
         raise UserError("give a query, e.g. SELECT * FROM runs (schema=true lists the tables)")
-    from ...telemetry_store import StoreError
-
-    try:
-        cols, rows = query(store_path(str(s.state) if s.state else None), statement)
+    limit = min(a.get("limit", 200), MAX_ROWS)
+    try:  # at most `limit` rows held: `SELECT * FROM logs` may be millions
+        cols, rows, total = query_bounded(store_path(str(s.state) if s.state else None), statement, (), limit)
     except StoreError as e:
         raise UserError(str(e)) from None
-    limit = min(a.get("limit", 200), MAX_ROWS)
-    kept = [{c: cell(v) for c, v in zip(cols, r)} for r in rows[:limit]]
-    data: dict[str, Any] = {"columns": cols, "rows": kept, "row_count": len(rows)}
-    if len(rows) > limit:
-        data["rows_left_out"] = len(rows) - limit
-        data["hint"] = f"{len(rows) - limit} more row(s): add LIMIT/OFFSET or aggregate"
-    from ..sql import render
-
+    kept = [{c: cell(v) for c, v in zip(cols, r)} for r in rows]
+    data: dict[str, Any] = {"columns": cols, "rows": kept, "row_count": total}
     text = render(cols, [tuple(r.values()) for r in kept], "text")
-    if "hint" in data:
+    if total > limit:
+        data["rows_left_out"] = total - limit
+        data["hint"] = f"{total - limit} more row(s): add LIMIT/OFFSET or aggregate"
         text += data["hint"] + "\n"
     return Reply(data, text)
 
