@@ -282,6 +282,7 @@ def test_a_session_serve_run_fail_diagnose_rerun_cancel_stop(tmp_path: Path) -> 
 def test_a_run_outlives_its_server_and_a_new_server_picks_it_up(tmp_path: Path) -> None:
     project = tmp_path / "project"
     write_script(project, "hang.py", HANG)
+    write_script(project, "long.py", LONG)
     flag = tmp_path / "release"
     ids: dict[str, Any] = {}
 
@@ -298,6 +299,15 @@ def test_a_run_outlives_its_server_and_a_new_server_picks_it_up(tmp_path: Path) 
             flag.write_text("go")
             done = await agent.ok("wait_run", {"run_id": ids["run"], "wait_s": BIG_WAIT})
             assert done["state"] == "finished" and done["exit_code"] == 0, done
+
+            # a run whose process is killed (kill -9, the OOM killer): lost, and said so in one line
+            long = await agent.ok("run_spmd", {"command": "python long.py", "wait_s": 0})
+            while (await agent.ok("wait_run", {"run_id": long["run_id"], "wait_s": 1})).get("lines", 0) < 1:
+                pass
+            record = project / ".monarch" / "mcp" / "runs" / f"{long['run_id']}.json"
+            os.kill(json.loads(record.read_text())["pid"], 9)
+            lost = await agent.refused("wait_run", {"run_id": long["run_id"], "wait_s": BIG_WAIT})
+            assert "ended without a result" in lost
             await agent.ok("stop")
 
     anyio.run(first)

@@ -118,7 +118,8 @@ class Runs:
             why = "its process ended without a result (killed?)"
             if record.get("state") == FINISHED:  # ended between our two looks
                 return self.snapshot(run_id, tail, rank)
-            return {"run_id": run_id, "state": LOST, "error": f"run {run_id}: {why}", **self._progress(run_id, tail)}
+            lost = {"run_id": run_id, "state": LOST, "error": f"run {run_id}: {why}", "kind": "lost"}
+            return {**lost, **self._progress(run_id, tail)}
         snap = {
             "run_id": run_id,
             "state": STARTING if record is not None and record.get("state") == STARTING else RUNNING,
