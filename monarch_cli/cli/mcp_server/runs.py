@@ -71,6 +71,7 @@ class Runs:
             runner.kill()
             runner.wait()
             raise UserError("the run's process did not start within 60 s") from None
+        # The runner prints its pid once its record exists (wait_run can find it from now on).
         if runner.returncode != 0 or not out.strip().isdigit():
             raise UserError(f"the run's process did not start (exit status {runner.returncode})")
         return run_id
