@@ -26,6 +26,8 @@ LAYERS = {
     "sysutil": 0,
     "templates": 0,
     "telemetry_store": 0,
+    "telemetry_queries": 0,
+    "dashboard": 4,
 }
 #: The top-level modules of the package itself (``monarch_cli/__init__.py`` re-exports the runtime lazily).
 ROOT = {"__init__": 1, "__main__": 4}
@@ -104,6 +106,10 @@ def test_no_module_imports_a_higher_layer() -> None:
 OWNED = {
     "paramiko": {"monarch_cli/schedulers/ssh.py", "monarch_cli/schedulers/skypilot_ssh.py"},
     "pathspec": {"monarch_cli/runtime/workspace.py"},
+    "fastapi": {"monarch_cli/dashboard/__init__.py", "monarch_cli/dashboard/app.py"},
+    "uvicorn": {"monarch_cli/dashboard/__init__.py"},
+    "starlette": {"monarch_cli/dashboard/app.py"},
+    "opentelemetry": {"monarch_cli/jobs/otlp.py"},
 }
 
 
@@ -159,7 +165,7 @@ def _loaded_by(argv: list[str], cwd: Path, before: str = "") -> dict[str, bool]:
         "from monarch_cli.cli import app\n"
         f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
         "heavy = ['zmq', 'cloudpickle', 'monarch_cli.runtime.agent', 'monarch_cli.runtime.mailbox', "
-        "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec']\n"
+        "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec', 'fastapi', 'opentelemetry']\n"
         "print({m: m in sys.modules for m in heavy})\n"
     )
     done = subprocess.run(

@@ -54,8 +54,9 @@ COMMAND_MODULES = {
     "sbatch": "slurm",
     "version": "version",
     **dict.fromkeys(["sql", "stack", "diagnose", "top"], "telemetry"),
+    "dashboard": "dashboard",
 }
-_ALL = ("debug", "jobs", "slurm", "telemetry", "version")
+_ALL = ("dashboard", "debug", "jobs", "slurm", "telemetry", "version")
 
 
 def _only_module(argv: "list[str]") -> "str | None":

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..runtime import protocol
 from ..runtime.future import gather
+from ..telemetry_queries import sql as named_sql
 from ..telemetry_store import StoreError, TelemetryWriter, _connect_rw, db_path, query
 from .errors import JobError
 
@@ -326,7 +327,7 @@ class Inspector:
     def latest_run(self) -> dict[str, Any] | None:
         if not self.db.exists():
             return None
-        rows = self.sql("SELECT * FROM runs ORDER BY run_id DESC LIMIT 1")
+        rows = self.sql(named_sql("latest_run"))
         return rows[0] if rows else None
 
     # ------------------------------------------------------------------- agents
@@ -414,31 +415,19 @@ class Inspector:
         run_id = run["run_id"]
         rows = {
             r["rank"]: RankRow(r["rank"], r["host"], r["how"] or "running")
-            for r in self.sql("SELECT rank, host, how FROM ranks WHERE run_id = ?", (run_id,))
+            for r in self.sql(named_sql("rank_states"), (run_id,))
         }
         now = time.time()
-        for r in self.sql("SELECT rank, max(ts) AS ts FROM logs WHERE run_id = ? GROUP BY rank", (run_id,)):
+        for r in self.sql(named_sql("last_output_at"), (run_id,)):
             if r["rank"] in rows:
                 rows[r["rank"]].output_age = now - r["ts"]
-        for r in self.sql(
-            "SELECT l.rank, l.line FROM logs l JOIN (SELECT rank, max(rowid) AS id FROM logs "
-            "WHERE run_id = ? AND line != '' GROUP BY rank) m ON l.rowid = m.id",
-            (run_id,),
-        ):
+        for r in self.sql(named_sql("last_line"), (run_id,)):
             if r["rank"] in rows:
                 rows[r["rank"]].last_line = r["line"]
-        for r in self.sql(
-            "SELECT rank, max(step) AS step, (SELECT dt_ms FROM steps s2 WHERE s2.run_id = s.run_id AND "
-            "s2.rank = s.rank ORDER BY step DESC LIMIT 1) AS dt FROM steps s WHERE run_id = ? GROUP BY rank",
-            (run_id,),
-        ):
+        for r in self.sql(named_sql("last_step"), (run_id,)):
             if r["rank"] in rows:
                 rows[r["rank"]].step, rows[r["rank"]].step_ms = r["step"], r["dt"]
-        for r in self.sql(
-            "SELECT s.rank, s.cpu_percent, s.rss_mb, s.gpu_util, s.gpu_mem_mb FROM samples s JOIN "
-            "(SELECT max(rowid) AS id FROM samples WHERE run_id = ? GROUP BY rank) m ON s.rowid = m.id",
-            (run_id,),
-        ):  # the last sample recorded: all a finished run has
+        for r in self.sql(named_sql("last_sample"), (run_id,)):  # the last sample recorded: all a finished run has
             if r["rank"] in rows:
                 row = rows[r["rank"]]
                 row.cpu_percent, row.rss_mb, row.gpu_util, row.gpu_mem_mb = (
@@ -539,9 +528,7 @@ class Inspector:
 
     def _diagnose_ended(self, run: dict[str, Any]) -> Diagnosis:
         run_id = run["run_id"]
-        ranks = self.sql(
-            "SELECT rank, host, how, status, ended_at FROM ranks WHERE run_id = ? ORDER BY ended_at, rank", (run_id,)
-        )
+        ranks = self.sql(named_sql("rank_endings"), (run_id,))
         evidence = {"ranks": ranks}
         if run["interrupted"]:
             return Diagnosis(
@@ -562,10 +549,7 @@ class Inspector:
                 "unknown", 2, run_id, f"run {run_id} ended with exit {run['exit_code']}", evidence=evidence
             )
         first = failed[0]
-        tail = self.sql(
-            "SELECT stream, line FROM logs WHERE run_id = ? AND rank = ? AND line != '' ORDER BY rowid DESC LIMIT 10",
-            (run_id, first["rank"]),
-        )[::-1]
+        tail = self.sql(named_sql("tail"), (run_id, first["rank"]))[::-1]
         lines = [r["line"] for r in tail]
         # stdout and stderr come through separate pipes, so their order is not certain: an
         # error message is on stderr, so its last line is the one to quote
