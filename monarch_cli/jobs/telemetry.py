@@ -65,8 +65,11 @@ class TelemetryError(JobError):
 class RunTelemetry:
     """One run's rows, written in the background by a :class:`TelemetryWriter`."""
 
-    def __init__(self, state_dir: Path, run_id: str, command: Sequence[str], log_dir: Path) -> None:
+    def __init__(
+        self, state_dir: Path, run_id: str, command: Sequence[str], log_dir: Path, reservation: str = ""
+    ) -> None:
         self.run_id = run_id
+        self.export = _otlp_export(state_dir, reservation, run_id, shlex.join(command))
         self.writer = TelemetryWriter(db_path(state_dir), run_id, start=False)  # started once the ranks are launched
         self.writer.sql(
             "INSERT OR REPLACE INTO runs (run_id, command, started_at, log_dir, restarts, interrupted) "
@@ -121,9 +124,15 @@ class RunTelemetry:
                 for l in launches
             ],
         )
+        if self.export is not None:
+            self.export.ranks_started(
+                [(l.rank, hostset.hosts[l.node].name, int(l.spec["env"].get("LOCAL_RANK", 0))) for l in launches]
+            )
 
     def output(self, rank: int, stream: int, data: bytes) -> None:
         self.writer.output(rank, stream, data)
+        if self.export is not None:
+            self.export.output(rank, stream, data)
 
     def rank_exit(self, e: RankExit) -> None:
         w = self.writer
@@ -135,12 +144,16 @@ class RunTelemetry:
         )
         if not e.ok:
             w.event("rank_lost" if e.lost else "rank_failed", e.rank, e.how)
+        if self.export is not None:
+            self.export.rank_exit(e.rank, e.how, e.status)
 
     def on_agent_event(self, event: protocol.Telemetry, _body: Any) -> None:
         """A host agent's :class:`~monarch_cli.runtime.protocol.Telemetry` for this run."""
         if event.run_id == self.run_id:
             self.writer.rows("samples", event.samples)
             self.writer.rows("steps", event.steps)
+            if self.export is not None:
+                self.export.samples(event.samples, event.steps)
 
     def finish(self, result: RunResult | None) -> None:
         if result is not None:
@@ -152,6 +165,16 @@ class RunTelemetry:
                 self.writer.event("interrupt", None, "")
             self.writer.event("run_end", None, f"exit {result.exit_code}")
         self.writer.close()
+        if self.export is not None:
+            self.export.finish(result.exit_code if result is not None else None)
+
+
+def _otlp_export(state_dir: Path, reservation: str, run_id: str, command: str) -> Any:
+    """The run's OpenTelemetry export when the reservation names a collector (``serve --otlp``), else None."""
+    from . import otlp
+
+    endpoint = otlp.endpoint_for(state_dir)
+    return otlp.RunExport(endpoint, reservation, run_id, command) if endpoint else None
 
 
 # ------------------------------------------------------------------------------- stacks
