@@ -64,7 +64,12 @@ class Dashboard:
         import uvicorn
 
         config = uvicorn.Config(
-            self.app(), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1
+            self.app(),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ws="none",  # no websocket routes: SSE only
+            timeout_graceful_shutdown=1,
         )
         server = uvicorn.Server(config)
         self._server = server

@@ -8,6 +8,7 @@ same functions. Every read of the store goes through :mod:`monarch_cli.telemetry
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -217,7 +218,7 @@ class Views:
                     "ranks": ranks,
                     "ranks_text": compress(ranks),
                     "summary": stack.splitlines()[0] if stack else "",
-                    "frames": stack.splitlines(),
+                    "frames": _own_frames(stack.splitlines()),
                 }
                 for stack, ranks in ordered
             ],
@@ -262,3 +263,14 @@ class Views:
         """Cheap change detection for live updates (one statement)."""
         found = self._rows("cursors")
         return found[0] if found else {}
+
+
+_LAUNCHER = os.path.join("monarch_cli", "runtime", "")
+
+
+def _own_frames(frames: list[str]) -> list[str]:
+    """The frames down to the user's program: monarch's launcher frames below it are left out (as ``stack --full``)."""
+    for i, f in enumerate(frames):
+        if i and _LAUNCHER in f:
+            return frames[:i]
+    return frames

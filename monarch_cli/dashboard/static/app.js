@@ -92,11 +92,15 @@ async function runsPage() {
         el("td", { class: "num" }, fmtDur(r.seconds ?? (r.ended_at ? null : Date.now() / 1000 - r.started_at))),
         el("td", { class: "num" }, r.world_size ?? "-"), el("td", { class: "num" }, r.hosts ?? "-"),
         el("td", { class: "num" }, r.failed || ""), el("td", { class: "num" }, r.restarts || ""),
-        el("td", { class: "cmd", title: r.command }, r.command),
+        el("td", { class: "cmd", title: r.command }, el("span", {}, r.command)),
         el("td", {}, el("a", { href: `#/plots/${r.run_id}` }, "plots"))))));
   }
-  draw(await api("api/runs"));
-  listen({}, { runs: (d) => draw(d.runs) });
+  let runs = await api("api/runs");
+  draw(runs);
+  listen({}, { runs: (d) => { runs = d.runs; draw(runs); } });
+  // running rows' durations tick here, without asking the server
+  const timer = setInterval(() => { if (!document.hidden && runs.some((r) => r.ended_at === null)) draw(runs); }, 1000);
+  return () => clearInterval(timer);
 }
 
 // -------------------------------------------------------------------------------------------------- run
@@ -272,7 +276,7 @@ async function plotsPage(runId) {
 // ----------------------------------------------------------------------------------------------- stacks
 function drawGroups(groups) {
   return el("div", { class: "groups", id: "stack-groups" }, ...groups.map((g) => el("div", { class: "group" },
-    el("details", {}, el("summary", {}, el("b", {}, `${g.ranks.length} rank${g.ranks.length === 1 ? "" : "s"} (${g.ranks_text || compress(g.ranks)})`), ": ", g.summary),
+    el("details", groups.length <= 3 ? { open: "" } : {}, el("summary", {}, el("b", {}, `${g.ranks.length} rank${g.ranks.length === 1 ? "" : "s"} (${g.ranks_text || compress(g.ranks)})`), ": ", g.summary),
       el("pre", {}, (g.frames || []).map((f) => typeof f === "string" ? f : `${f.function} (${f.file}:${f.line})`).join("\n"))))));
 }
 async function stacksPage() {
@@ -326,7 +330,8 @@ async function route() {
   const [name, arg] = (location.hash.replace(/^#\/?/, "") || "runs").split("/");
   const go = PAGES[name] ? name : "runs";
   if (page && page.cleanup) page.cleanup();
-  if (stream) { stream.close(); stream = null; document.getElementById("live").className = "live off"; }
+  if (stream) { stream.close(); stream = null; }
+  document.getElementById("live").className = "live none";
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("on", a.dataset.page === go);
   page = { name: go };
   $main.dataset.page = go;
