@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -74,6 +75,17 @@ def _shoot(browser, name: str, tmp: Path) -> None:  # type: ignore[no-untyped-de
         (DOCS_IMG / f"dashboard-{name}.png").write_bytes(png)
 
 
+def _row(browser, run_id: str) -> str:  # type: ignore[no-untyped-def]
+    """The runs table's row of a run, read in one step (rows are redrawn every second while a run goes on)."""
+    return browser.execute_script(
+        "const r = document.querySelector(`tr[data-run='${arguments[0]}']`); return r ? r.innerText : ''", run_id
+    )
+
+
+def _run_ids(browser) -> set[str]:  # type: ignore[no-untyped-def]
+    return set(browser.execute_script("return [...document.querySelectorAll('tr[data-run]')].map(r => r.dataset.run)"))
+
+
 def _go(browser, dashboard: Served, route: str) -> None:  # type: ignore[no-untyped-def]
     browser.execute_script("location.hash = arguments[0]", route)
     wait_for(
@@ -124,7 +136,23 @@ def test_a_live_run_in_the_browser(job: Job, dashboard: Served, browser, tmp_pat
     wait_for(
         "the runs page", lambda: browser.execute_script("return document.getElementById('main').dataset.ready === '1'")
     )
-    before = {e.get_attribute("data-run") for e in browser.find_elements(By.CSS_SELECTOR, "tr[data-run]")}
+    before = _run_ids(browser)
+
+    # an earlier run that failed: the runs page shows history with its exit summary
+    (tmp_path / "fail.py").write_text(
+        "import os, sys\nprint('loading data')\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n"
+    )
+    failed = job.run_spmd(
+        ["torchrun", "--nproc-per-node=2", str(tmp_path / "fail.py")],
+        stdout=open(os.devnull, "wb"),
+        stderr=open(os.devnull, "wb"),
+    )
+    assert failed.exit_code == 3
+    wait_for(
+        "the failed run's row",
+        lambda: "exit 3" in _row(browser, failed.run_id),
+    )
+    before = _run_ids(browser)
 
     result: dict = {}
     run = threading.Thread(
@@ -143,14 +171,10 @@ def test_a_live_run_in_the_browser(job: Job, dashboard: Served, browser, tmp_pat
         # the run appears on the open page, live (no reload)
         row = wait_for(
             "the new run's row",
-            lambda: [
-                e
-                for e in browser.find_elements(By.CSS_SELECTOR, "tr[data-run]")
-                if e.get_attribute("data-run") not in before
-            ],
+            lambda: sorted(_run_ids(browser) - before),
         )[0]
-        run_id = row.get_attribute("data-run")
-        assert "running" in row.text and "train.py" in row.text
+        text = _row(browser, run_id := row)
+        assert "running" in text and "train.py" in text
         wait_for(
             "a few steps of every rank",
             lambda: len(job.sql("SELECT DISTINCT rank FROM steps WHERE run_id = ? AND step >= 8", (run_id,))) == 4,
@@ -160,7 +184,9 @@ def test_a_live_run_in_the_browser(job: Job, dashboard: Served, browser, tmp_pat
 
         # output: every rank's lines, terminal-style labels; filter by rank, then search
         _go(browser, dashboard, f"#/run/{run_id}")
-        rows = lambda: [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#log .row")]  # noqa: E731
+        rows = lambda: browser.execute_script(  # noqa: E731 - read at once: rows are redrawn as lines arrive
+            "return [...document.querySelectorAll('#log .row')].map(r => r.innerText)"
+        )
         wait_for(
             "lines of all 4 ranks",
             lambda: {t.split("]")[0] for t in rows()} >= {"[rank0", "[rank1", "[rank2", "[rank3"},
@@ -168,9 +194,13 @@ def test_a_live_run_in_the_browser(job: Job, dashboard: Served, browser, tmp_pat
         _shoot(browser, "run", tmp_path)
         browser.find_element(By.ID, "rank-filter").send_keys("1")
         wait_for("only rank 1's lines", lambda: rows() and all(t.startswith("[rank1]") for t in rows()))
-        n = len(rows())
+
+        def newest_step() -> int:
+            return max(int(m.group(1)) for t in rows() if (m := re.search(r"step=(\d+)", t)))
+
+        seen = newest_step()
         wait_for(
-            "rank 1's new lines, live", lambda: len(rows()) > n or browser.find_element(By.ID, "line-count").text != ""
+            "rank 1's next lines, live", lambda: newest_step() > seen and all(t.startswith("[rank1]") for t in rows())
         )
         browser.find_element(By.ID, "search").send_keys("still going")
         wait_for(
@@ -231,7 +261,7 @@ def test_a_live_run_in_the_browser(job: Job, dashboard: Served, browser, tmp_pat
         assert result["r"].exit_code == 0
         wait_for(
             "the run's row says ok",
-            lambda: "ok" in browser.find_element(By.CSS_SELECTOR, f"tr[data-run='{run_id}']").text.split(),
+            lambda: "ok" in _row(browser, run_id).split(),
         )
     finally:
         stop.write_text("")
