@@ -38,6 +38,7 @@ class Views:
         self.state_file = state_path(state)
         self.db = db_path(self.state_file.parent)
         self._job: Job | None = None
+        self._stamp: int | None = None
         self._agents = threading.Lock()
 
     # ----------------------------------------------------------------- helpers
@@ -45,9 +46,13 @@ class Views:
         """The reservation, loaded on first use (and again after it changes or goes)."""
         from ..jobs import job_load
 
-        if self._job is None or not self.state_file.exists():
+        try:
+            stamp = self.state_file.stat().st_mtime_ns
+        except OSError:
+            stamp = None
+        if self._job is None or stamp != self._stamp:  # a new reservation (serve --replace) or none
             try:
-                self._job = job_load(self.state_file)
+                self._job, self._stamp = job_load(self.state_file), stamp
             except (NoReservation, StateError) as e:
                 self._job = None
                 raise DashboardError(str(e)) from None

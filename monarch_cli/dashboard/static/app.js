@@ -80,7 +80,7 @@ async function hostsPage() {
 
 // ------------------------------------------------------------------------------------------------- runs
 async function runsPage() {
-  const box = el("div", { class: "panel" });
+  const box = el("div", { class: "panel wide" });
   show(el("h1", {}, "Runs"), box);
   function draw(runs) {
     if (!runs.length) { box.replaceChildren(el("span", { class: "muted" }, "No run recorded yet: start one with monarch run-spmd.")); return; }
