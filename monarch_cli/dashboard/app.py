@@ -1,7 +1,8 @@
 """The dashboard's web app: FastAPI routes over :class:`~.views.Views`, a token check, live updates (SSE).
 
 Every route (page, static file, API, event stream, OpenAPI schema) needs the token: in the URL
-(``?token=``), the ``X-Monarch-Token`` header, or the cookie the page sets. Anything else gets 403.
+(``?token=``) or the ``X-Monarch-Token`` header. Anything else gets 403. No cookie: a cookie for
+127.0.0.1 would go to every port of this machine, other users' servers included.
 The Host header must name the loopback address the server listens on (no DNS rebinding).
 """
 
@@ -12,7 +13,6 @@ import functools
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -24,7 +24,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .views import MAX_LINES, DashboardError, Views
 
 STATIC = Path(__file__).parent / "static"
-COOKIE = "monarch_dashboard"
 #: How often the event stream looks at the store for new rows (one cheap statement).
 POLL_S = 0.5
 #: A keep-alive comment this often, so proxies and the browser keep the stream open.
@@ -44,9 +43,6 @@ class TokenGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
         given = given or headers.get("x-monarch-token", "")
-        if not given and "cookie" in headers:
-            morsel = SimpleCookie(headers["cookie"]).get(COOKIE)
-            given = morsel.value if morsel else ""
         host_ok = not self.hosts or headers.get("host", "") in self.hosts
         if not (host_ok and given and secrets.compare_digest(given.encode(), self.token.encode())):
             why = b"forbidden: open the dashboard with the URL (and token) `monarch dashboard` printed\n"
@@ -78,16 +74,15 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
         title="monarch dashboard",
         version="1",
         description="Every page of `monarch dashboard`, as JSON. Each request needs the token "
-        "(`?token=`, header `X-Monarch-Token`, or the page's cookie).",
+        "(`?token=` or the header `X-Monarch-Token`).",
         docs_url=None,  # Swagger UI loads from a CDN; the schema itself is at /openapi.json
         redoc_url=None,
     )
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def index(request: Request) -> HTMLResponse:
-        page = HTMLResponse((STATIC / "index.html").read_text())
-        page.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/")
-        return page
+    def index() -> HTMLResponse:
+        # the page's own static files carry the token too (it is URL-safe base64)
+        return HTMLResponse((STATIC / "index.html").read_text().replace("{{token}}", token))
 
     @app.get("/static/{name}", include_in_schema=False)
     def static(name: str) -> FileResponse:

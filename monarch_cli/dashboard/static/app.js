@@ -7,6 +7,7 @@ const ROW = 18;
 const $main = document.getElementById("main");
 let stream = null;   // the one EventSource
 let page = null;     // {name, cleanup}
+const TOKEN = new URLSearchParams(location.search).get("token") || ""; // sent with every request (no cookie)
 
 function el(tag, attrs = {}, ...kids) {
   const e = document.createElement(tag);
@@ -19,7 +20,7 @@ function el(tag, attrs = {}, ...kids) {
   return e;
 }
 async function api(path, opts = {}) {
-  const r = await fetch(path, { credentials: "same-origin", ...opts });
+  const r = await fetch(path, { ...opts, headers: { "X-Monarch-Token": TOKEN } });
   const body = await r.json().catch(() => ({}));
   if (!r.ok) throw new Error(body.detail || `${r.status} ${r.statusText}`);
   return body;
@@ -27,6 +28,7 @@ async function api(path, opts = {}) {
 function listen(params, handlers) {
   if (stream) stream.close();
   const q = new URLSearchParams(Object.entries(params).filter(([, v]) => v !== null && v !== undefined && v !== ""));
+  q.set("token", TOKEN); // EventSource cannot send headers
   stream = new EventSource("api/events?" + q);
   const live = document.getElementById("live");
   stream.onopen = () => { live.className = "live on"; };
