@@ -121,7 +121,9 @@ def sql(name: str) -> str:
 
 
 #: ``loss=0.25``, ``lr=3e-4``, ``acc=97.5%``: a name, ``=``, a number (what a training script prints).
-_NUMBER = re.compile(r"(?<![\w.])([A-Za-z_][A-Za-z0-9_./-]{0,63})=\s*(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])")
+_NUMBER = re.compile(
+    r"(?<![\w./=-])([A-Za-z_][A-Za-z0-9_./-]{0,63})=\s*(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])"
+)
 
 
 def numbers(line: str) -> list[tuple[str, float]]:

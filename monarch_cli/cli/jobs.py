@@ -87,6 +87,10 @@ def serve_cmd(
             job = reserve_plan(
                 _read_plan(plan_file), state=state, replace=replace, progress=lambda msg: spinner.update(escape(msg))
             )
+        if otlp is not None:
+            from ..jobs.otlp import set_endpoint
+
+            set_endpoint(job.path.parent, otlp)
         _served(job, started, as_json)
         return
     hosts = str(nodes) if nodes is not None else hosts

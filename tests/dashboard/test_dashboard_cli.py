@@ -64,6 +64,17 @@ def test_serve_otlp_then_dashboard_prints_its_url_once_and_refuses_requests_with
             with urllib.request.urlopen(f"{base}api/runs?token={token}", timeout=10) as r:
                 runs = json.loads(r.read())
             assert [r["exit_code"] for r in runs] == [0] and "hello.py" in runs[0]["command"]
+
+            # between runs: the history, the last run's verdict, both hosts, the top rows, from the store
+            def get(path: str) -> dict:
+                with urllib.request.urlopen(f"{base}{path}?token={token}", timeout=60) as r:
+                    return json.loads(r.read())
+
+            assert get("api/diagnose")["verdict"] == "healthy"
+            assert [h["alive"] for h in get("api/hosts")["hosts"]] == [True, True]
+            top = get("api/top")
+            assert top["run_id"] == runs[0]["run_id"] and sorted(r["rank"] for r in top["ranks"]) == [0, 1]
+            assert get("api/runs/latest/logs")["lines"][0]["line"] == "hello"
             with urllib.request.urlopen(info["openapi"], timeout=10) as r:
                 schema = json.loads(r.read())
             assert {"/api/hosts", "/api/runs", "/api/runs/{run_id}/logs", "/api/events", "/api/diagnose"} <= set(

@@ -213,11 +213,16 @@ def test_an_unreachable_collector_neither_fails_nor_holds_the_run(
     assert rows[0]["n"] == 4 * 13  # the store, written alongside, is complete
 
 
-def test_the_endpoint_is_checked_and_kept_private(tmp_path: Path) -> None:
+def test_the_endpoint_is_checked_and_kept_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="OTLP/HTTP base URL"):
         otlp.set_endpoint(tmp_path, "localhost:4318")
     otlp.set_endpoint(tmp_path, "http://collector:4318/")
     assert otlp.endpoint_for(tmp_path) == "http://collector:4318"
     assert (otlp.config_path(tmp_path).stat().st_mode & 0o077) == 0
     otlp.set_endpoint(tmp_path, "off")
+    assert otlp.endpoint_for(tmp_path) is None
+    monkeypatch.setenv("MONARCH_OTLP_ENDPOINT", "http://other:4318")  # the environment overrides, per run
+    otlp.set_endpoint(tmp_path, "http://collector:4318")
+    assert otlp.endpoint_for(tmp_path) == "http://other:4318"
+    monkeypatch.setenv("MONARCH_OTLP_ENDPOINT", "off")
     assert otlp.endpoint_for(tmp_path) is None
