@@ -21,6 +21,7 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import models as m
 from .views import MAX_LINES, DashboardError, Views
 
 STATIC = Path(__file__).parent / "static"
@@ -92,15 +93,15 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
         return FileResponse(path)
 
     @app.get("/api/hosts", summary="Hosts: agent liveness, warm state, CPUs/GPUs, their ranks' CPU/RSS/GPU")
-    def hosts_api() -> dict[str, Any]:
+    def hosts_api() -> m.Hosts:
         return _answer(views.hosts)
 
     @app.get("/api/runs", summary="Run history, newest first")
-    def runs_api(limit: int = Query(50, ge=1, le=1000)) -> list[dict[str, Any]]:
+    def runs_api(limit: int = Query(50, ge=1, le=1000)) -> list[m.Run]:
         return _answer(lambda: views.runs(limit))
 
     @app.get("/api/runs/{run_id}", summary="One run ('latest' for the newest): its row, exit table, events, hosts")
-    def run_api(run_id: str) -> dict[str, Any]:
+    def run_api(run_id: str) -> m.RunDetail:
         return _answer(lambda: views.run(run_id))
 
     @app.get("/api/runs/{run_id}/logs", summary="Output lines, oldest first, filtered by rank and text")
@@ -111,21 +112,21 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
         ranks: str | None = Query(None, description="ranks, e.g. 0,2-3"),
         q: str | None = Query(None, description="only lines containing this text (case-insensitive)"),
         limit: int = Query(1000, ge=1, le=MAX_LINES),
-    ) -> dict[str, Any]:
+    ) -> m.LogPage:
         return _answer(lambda: views.logs(run_id, after=after, before=before, ranks=_ranks(ranks), text=q, limit=limit))
 
     @app.get(
         "/api/runs/{run_id}/series", summary="Plot points after the cursors: samples, step times, key=value numbers"
     )
-    def series_api(run_id: str, samples: int = 0, steps: int = 0, logs: int = 0) -> dict[str, Any]:
+    def series_api(run_id: str, samples: int = 0, steps: int = 0, logs: int = 0) -> m.Series:
         return _answer(lambda: views.series(run_id, samples, steps, logs))
 
     @app.get("/api/runs/{run_id}/stacks", summary="The newest stored stack capture of a run, grouped")
-    def stored_stacks_api(run_id: str) -> dict[str, Any]:
+    def stored_stacks_api(run_id: str) -> m.Stacks:
         return _answer(lambda: views.stored_stacks(run_id))
 
     @app.post("/api/stacks", summary="Capture every live rank's stack now (like `monarch stack`), grouped")
-    def capture_api(ranks: str | None = None) -> dict[str, Any]:
+    def capture_api(ranks: str | None = None) -> m.Stacks:
         try:
             return views.capture_stacks(set(_ranks(ranks) or []) or None)
         except DashboardError as e:
@@ -134,18 +135,18 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
             raise HTTPException(409, f"cannot capture stacks: {e}") from None
 
     @app.get("/api/diagnose", summary="The `monarch diagnose` verdict")
-    def diagnose_api(silence: float = Query(60.0, gt=0)) -> dict[str, Any]:
+    def diagnose_api(silence: float = Query(60.0, gt=0)) -> m.Diagnosis:
         return views.diagnose(silence)
 
     @app.get("/api/top", summary="The `monarch top` rows of the newest run")
-    def top_api() -> dict[str, Any]:
+    def top_api() -> m.Top:
         try:
             return views.top()
         except Exception as e:  # noqa: BLE001 - no reservation or agents gone: one line
             raise HTTPException(409, str(e)) from None
 
     @app.get("/api/queries", summary="The SQL behind each view (run it yourself with `monarch sql`)")
-    def queries_api() -> dict[str, dict[str, str]]:
+    def queries_api() -> dict[str, m.Query]:
         from ..telemetry_queries import QUERIES
 
         return {name: {"description": what, "sql": sql} for name, (what, sql) in QUERIES.items()}

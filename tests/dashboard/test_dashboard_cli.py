@@ -80,6 +80,12 @@ def test_serve_otlp_then_dashboard_prints_its_url_once_and_refuses_requests_with
             assert {"/api/hosts", "/api/runs", "/api/runs/{run_id}/logs", "/api/events", "/api/diagnose"} <= set(
                 schema["paths"]
             )
+            # each answer's shape is in the schema, for scripts and agents
+            line = schema["components"]["schemas"]["LogLine"]["properties"]
+            assert set(line) == {"id", "rank", "ts", "stream", "line"}
+            assert {"Run", "RunDetail", "Hosts", "Series", "Stacks", "Diagnosis"} <= set(
+                schema["components"]["schemas"]
+            )
         finally:
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=30)

@@ -4,6 +4,7 @@
 const COLORS = [36, 33, 32, 35, 34, 31, 96, 93, 92, 95, 94, 91]; // the terminal's rank colours (jobs/output.py)
 const PLOT = ["#1c7ed6", "#f08c00", "#2f9e44", "#ae3ec9", "#1098ad", "#e03131", "#5c940d", "#d6336c", "#4263eb", "#0ca678", "#f59f00", "#7048e8"];
 const ROW = 18;
+const KEEP_LINES = 200000; // lines a page holds while following; earlier ones are fetched again on scrolling up
 const $main = document.getElementById("main");
 let stream = null;   // the one EventSource
 let page = null;     // {name, cleanup}
@@ -193,7 +194,11 @@ async function runPage(runId) {
     schedule();
     const last = lines.length ? lines[lines.length - 1].id : 0;
     listen({ run: runId, after: last, ranks: rankBox.value.trim(), q: textBox.value.trim() }, {
-      logs: (p) => { lines = lines.concat(p.lines); schedule(); },
+      logs: (p) => {
+        lines = lines.concat(p.lines);
+        if (lines.length > KEEP_LINES) { lines = lines.slice(lines.length - KEEP_LINES); more = true; } // older ones: scroll up
+        schedule();
+      },
       runs: async () => { const x = await api(`api/runs/${encodeURIComponent(runId)}`); drawHead(x.run, x.ranks); },
     });
   }
@@ -268,7 +273,7 @@ async function plotsPage(runId) {
   rankBox.addEventListener("input", () => { clearTimeout(timer); timer = setTimeout(draw, 250); });
   let dirty = false;
   listen({ run: runId, series: "true", samples: cursors.samples, steps: cursors.steps, logs: cursors.logs }, {
-    series: (delta) => { cursors = ingest(delta); if (!dirty) { dirty = true; setTimeout(() => { dirty = false; draw(); }, 500); } },
+    series: (delta) => { cursors = ingest(delta); if (!dirty) { dirty = true; setTimeout(() => { dirty = false; draw(); }, 1000); } },
   });
   const resize = () => { for (const c of Object.values(charts)) c.plot.setSize({ width: Math.max(560, c.box.clientWidth - 32), height: 240 }); };
   window.addEventListener("resize", resize);
