@@ -110,3 +110,34 @@ def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
         held.close()
     assert done.returncode == 2
     one_line_error(done, "cannot listen on 127.0.0.1:")
+
+
+def test_open_hands_the_url_with_its_token_to_the_browser(tmp_path: Path) -> None:
+    """--open goes through Python's webbrowser, which runs $BROWSER: here a command that records the URL."""
+    import time
+
+    from monarch_cli.telemetry_store import _connect_rw, db_path
+
+    _connect_rw(db_path(tmp_path / ".monarch")).close()
+    opened = tmp_path / "opened"
+    env = {k: v for k, v in os.environ.items() if k != "MONARCH_STATE"}
+    env.update(PYTHONPATH=str(REPO), BROWSER=f"sh -c 'echo %s > {opened}'")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monarch_cli", "dashboard", "--open"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        printed = proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while not (opened.exists() and opened.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        url = opened.read_text().strip()
+        assert url.startswith("http://127.0.0.1:") and "?token=" in url and url in printed
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
