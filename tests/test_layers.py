@@ -30,6 +30,8 @@ LAYERS = {
     "templates": 0,
     "telemetry_store": 0,
     "version": 0,
+    "telemetry_queries": 0,
+    "dashboard": 4,
 }
 #: The top-level modules of the package itself (``monarch_cli/__init__.py`` re-exports the runtime lazily).
 ROOT = {"__init__": 1, "__main__": 4}
@@ -270,6 +272,10 @@ OWNED = {
     "mcp": {"monarch_cli/cli/mcp_server/server.py"},
     "anyio": {"monarch_cli/cli/mcp_server/server.py"},
     "jsonschema": {"monarch_cli/cli/mcp_server/server.py"},
+    "fastapi": {"monarch_cli/dashboard/__init__.py", "monarch_cli/dashboard/app.py"},
+    "uvicorn": {"monarch_cli/dashboard/__init__.py"},
+    "starlette": {"monarch_cli/dashboard/app.py"},
+    "opentelemetry": {"monarch_cli/jobs/otlp.py"},
 }
 
 
@@ -325,7 +331,7 @@ def _loaded_by(argv: list[str], cwd: Path, before: str = "") -> dict[str, bool]:
         "from monarch_cli.cli import app\n"
         f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
         "heavy = ['zmq', 'cloudpickle', 'monarch_cli.runtime.agent.host', 'monarch_cli.runtime.mailbox.mailbox', "
-        "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec', 'mcp']\n"
+        "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec', 'mcp', 'fastapi', 'opentelemetry']\n"
         "print({m: m in sys.modules for m in heavy})\n"
     )
     done = subprocess.run(

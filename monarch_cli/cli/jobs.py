@@ -15,7 +15,7 @@ from rich.markup import escape
 from ..jobs.state import NoReservation, StateError, state_path
 from . import results, runs
 from .backend_options import BackendOptionsCommand, BackendStopOptionsCommand, backend_options
-from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, friendly, out
+from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out
 from .runs import render_result as _render_result
 
 
@@ -59,10 +59,25 @@ def serve_cmd(
         None, "--option", "-o", metavar="KEY=VALUE", help="A backend option (repeatable), e.g. -o partition=gpu."
     ),
     nodes: int | None = typer.Option(None, "--nodes", "-N", min=1, help="Same as --hosts."),
+    otlp: str | None = typer.Option(
+        None,
+        "--otlp",
+        metavar="ENDPOINT",
+        help="Export runs to this OpenTelemetry collector (OTLP/HTTP, e.g. http://localhost:4318): rank "
+        "metrics, run/rank spans, output as logs. 'off' stops it. Needs the 'otlp' extra.",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Reserve hosts and leave them up; reuse a reservation that can serve the request."""
     from ..jobs import dryrun, reserve_plan, serve
+
+    if otlp is not None and otlp != "off":
+        from ..jobs.otlp import check_endpoint
+
+        try:
+            check_endpoint(otlp)
+        except ValueError as e:
+            fail(str(e), as_json=as_json)
 
     if plan_file is not None:
         started = time.monotonic()
@@ -70,6 +85,10 @@ def serve_cmd(
             job = reserve_plan(
                 _read_plan(plan_file), state=state, replace=replace, progress=lambda msg: spinner.update(escape(msg))
             )
+        if otlp is not None:
+            from ..jobs.otlp import set_endpoint
+
+            set_endpoint(job.path.parent, otlp)
         _served(job, started, as_json)
         return
     hosts = str(nodes) if nodes is not None else hosts
@@ -105,6 +124,10 @@ def serve_cmd(
             progress=lambda msg: spinner.update(escape(msg)),
             **options,
         )
+    if otlp is not None:
+        from ..jobs.otlp import set_endpoint
+
+        set_endpoint(job.path.parent, otlp)
     _served(job, started, as_json)
 
 

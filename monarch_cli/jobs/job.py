@@ -223,7 +223,11 @@ class Job:
             ),
         )
         stdout, stderr = _consoles(stdout, stderr, runner)
-        telemetry = RunTelemetry(self.path.parent, run_id, argv, log_dir) if telemetry_enabled() else None
+        telemetry = (
+            RunTelemetry(self.path.parent, run_id, argv, log_dir, self.state.reservation_id)
+            if telemetry_enabled()
+            else None
+        )
         while True:
             port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
             try:
