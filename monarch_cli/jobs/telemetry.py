@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..runtime import protocol
-from ..runtime.future import gather
+from ..runtime.mailbox.future import gather
+from ..telemetry_queries import sql as named_sql
 from ..telemetry_store import StoreError, TelemetryWriter, _connect_rw, db_path, query
 from .errors import JobError
 
@@ -64,8 +65,11 @@ class TelemetryError(JobError):
 class RunTelemetry:
     """One run's rows, written in the background by a :class:`TelemetryWriter`."""
 
-    def __init__(self, state_dir: Path, run_id: str, command: Sequence[str], log_dir: Path) -> None:
+    def __init__(
+        self, state_dir: Path, run_id: str, command: Sequence[str], log_dir: Path, reservation: str = ""
+    ) -> None:
         self.run_id = run_id
+        self.export = _otlp_export(state_dir, reservation, run_id, shlex.join(command))
         self.writer = TelemetryWriter(db_path(state_dir), run_id, start=False)  # started once the ranks are launched
         self.writer.sql(
             "INSERT OR REPLACE INTO runs (run_id, command, started_at, log_dir, restarts, interrupted) "
@@ -120,9 +124,15 @@ class RunTelemetry:
                 for l in launches
             ],
         )
+        if self.export is not None:
+            self.export.ranks_started(
+                [(l.rank, hostset.hosts[l.node].name, int(l.spec["env"].get("LOCAL_RANK", 0))) for l in launches]
+            )
 
     def output(self, rank: int, stream: int, data: bytes) -> None:
         self.writer.output(rank, stream, data)
+        if self.export is not None:
+            self.export.output(rank, stream, data)
 
     def rank_exit(self, e: RankExit) -> None:
         w = self.writer
@@ -134,12 +144,16 @@ class RunTelemetry:
         )
         if not e.ok:
             w.event("rank_lost" if e.lost else "rank_failed", e.rank, e.how)
+        if self.export is not None:
+            self.export.rank_exit(e.rank, e.how, e.status)
 
     def on_agent_event(self, event: protocol.Telemetry, _body: Any) -> None:
         """A host agent's :class:`~monarch_cli.runtime.protocol.Telemetry` for this run."""
         if event.run_id == self.run_id:
             self.writer.rows("samples", event.samples)
             self.writer.rows("steps", event.steps)
+            if self.export is not None:
+                self.export.samples(event.samples, event.steps)
 
     def finish(self, result: RunResult | None) -> None:
         if result is not None:
@@ -151,6 +165,16 @@ class RunTelemetry:
                 self.writer.event("interrupt", None, "")
             self.writer.event("run_end", None, f"exit {result.exit_code}")
         self.writer.close()
+        if self.export is not None:
+            self.export.finish(result.exit_code if result is not None else None)
+
+
+def _otlp_export(state_dir: Path, reservation: str, run_id: str, command: str) -> Any:
+    """The run's OpenTelemetry export when the reservation names a collector (``serve --otlp``), else None."""
+    from . import otlp
+
+    endpoint = otlp.endpoint_for(state_dir)
+    return otlp.RunExport(endpoint, reservation, run_id, command) if endpoint else None
 
 
 # ------------------------------------------------------------------------------- stacks
@@ -326,7 +350,7 @@ class Inspector:
     def latest_run(self) -> dict[str, Any] | None:
         if not self.db.exists():
             return None
-        rows = self.sql("SELECT * FROM runs ORDER BY run_id DESC LIMIT 1")
+        rows = self.sql(named_sql("latest_run"))
         return rows[0] if rows else None
 
     # ------------------------------------------------------------------- agents
@@ -414,31 +438,19 @@ class Inspector:
         run_id = run["run_id"]
         rows = {
             r["rank"]: RankRow(r["rank"], r["host"], r["how"] or "running")
-            for r in self.sql("SELECT rank, host, how FROM ranks WHERE run_id = ?", (run_id,))
+            for r in self.sql(named_sql("rank_states"), (run_id,))
         }
         now = time.time()
-        for r in self.sql("SELECT rank, max(ts) AS ts FROM logs WHERE run_id = ? GROUP BY rank", (run_id,)):
+        for r in self.sql(named_sql("last_output_at"), (run_id,)):
             if r["rank"] in rows:
                 rows[r["rank"]].output_age = now - r["ts"]
-        for r in self.sql(
-            "SELECT l.rank, l.line FROM logs l JOIN (SELECT rank, max(rowid) AS id FROM logs "
-            "WHERE run_id = ? AND line != '' GROUP BY rank) m ON l.rowid = m.id",
-            (run_id,),
-        ):
+        for r in self.sql(named_sql("last_line"), (run_id,)):
             if r["rank"] in rows:
                 rows[r["rank"]].last_line = r["line"]
-        for r in self.sql(
-            "SELECT rank, max(step) AS step, (SELECT dt_ms FROM steps s2 WHERE s2.run_id = s.run_id AND "
-            "s2.rank = s.rank ORDER BY step DESC LIMIT 1) AS dt FROM steps s WHERE run_id = ? GROUP BY rank",
-            (run_id,),
-        ):
+        for r in self.sql(named_sql("last_step"), (run_id,)):
             if r["rank"] in rows:
                 rows[r["rank"]].step, rows[r["rank"]].step_ms = r["step"], r["dt"]
-        for r in self.sql(
-            "SELECT s.rank, s.cpu_percent, s.rss_mb, s.gpu_util, s.gpu_mem_mb FROM samples s JOIN "
-            "(SELECT max(rowid) AS id FROM samples WHERE run_id = ? GROUP BY rank) m ON s.rowid = m.id",
-            (run_id,),
-        ):  # the last sample recorded: all a finished run has
+        for r in self.sql(named_sql("last_sample"), (run_id,)):  # the last sample recorded: all a finished run has
             if r["rank"] in rows:
                 row = rows[r["rank"]]
                 row.cpu_percent, row.rss_mb, row.gpu_util, row.gpu_mem_mb = (
@@ -539,9 +551,7 @@ class Inspector:
 
     def _diagnose_ended(self, run: dict[str, Any]) -> Diagnosis:
         run_id = run["run_id"]
-        ranks = self.sql(
-            "SELECT rank, host, how, status, ended_at FROM ranks WHERE run_id = ? ORDER BY ended_at, rank", (run_id,)
-        )
+        ranks = self.sql(named_sql("rank_endings"), (run_id,))
         evidence = {"ranks": ranks}
         if run["interrupted"]:
             return Diagnosis(
@@ -562,10 +572,7 @@ class Inspector:
                 "unknown", 2, run_id, f"run {run_id} ended with exit {run['exit_code']}", evidence=evidence
             )
         first = failed[0]
-        tail = self.sql(
-            "SELECT stream, line FROM logs WHERE run_id = ? AND rank = ? AND line != '' ORDER BY rowid DESC LIMIT 10",
-            (run_id, first["rank"]),
-        )[::-1]
+        tail = self.sql(named_sql("tail"), (run_id, first["rank"]))[::-1]
         lines = [r["line"] for r in tail]
         # stdout and stderr come through separate pipes, so their order is not certain: an
         # error message is on stderr, so its last line is the one to quote

@@ -39,7 +39,7 @@ from . import local_replicas
 from .appdef import LOCAL_SCHEDULERS, SHARED_FILESYSTEM, AgentRole, dryrun, options_of, run_config, runopts_of
 
 if TYPE_CHECKING:
-    from ...runtime.keys import Keys
+    from ...runtime.transport.keys import Keys
 
 _log = logging.getLogger(__name__)
 PREFIX = "torchx:"

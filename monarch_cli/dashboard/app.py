@@ -1,0 +1,240 @@
+"""The dashboard's web app: FastAPI routes over :class:`~.views.Views`, a token check, live updates (SSE).
+
+Every route (page, static file, API, event stream, OpenAPI schema) needs the token: in the URL
+(``?token=``) or the ``X-Monarch-Token`` header. Anything else gets 403. No cookie: a cookie for
+127.0.0.1 would go to every port of this machine, other users' servers included.
+The Host header must name the loopback address the server listens on (no DNS rebinding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from . import models as m
+from .views import MAX_LINES, DashboardError, Views
+
+STATIC = Path(__file__).parent / "static"
+#: How often the event stream looks at the store for new rows (one cheap statement).
+POLL_S = 0.5
+#: A keep-alive comment this often, so proxies and the browser keep the stream open.
+KEEPALIVE_S = 15.0
+
+
+class TokenGuard:
+    """ASGI middleware: 403 unless the request carries the token and names a loopback Host."""
+
+    def __init__(self, app: ASGIApp, token: str, hosts: set[str]) -> None:
+        self.app, self.token, self.hosts = app, token, hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
+        given = given or headers.get("x-monarch-token", "")
+        host_ok = not self.hosts or headers.get("host", "") in self.hosts
+        if not (host_ok and given and secrets.compare_digest(given.encode(), self.token.encode())):
+            why = b"forbidden: open the dashboard with the URL (and token) `monarch dashboard` printed\n"
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 403,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"content-length", str(len(why)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": why})
+            return
+        await self.app(scope, receive, send)
+
+
+def _answer(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except DashboardError as e:
+        raise HTTPException(404, str(e)) from None
+
+
+def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
+    """The ASGI app for one reservation; ``hosts``: the Host header values accepted (empty: any)."""
+    app = FastAPI(
+        title="monarch dashboard",
+        version="1",
+        description="Every page of `monarch dashboard`, as JSON. Each request needs the token "
+        "(`?token=` or the header `X-Monarch-Token`).",
+        docs_url=None,  # Swagger UI loads from a CDN; the schema itself is at /openapi.json
+        redoc_url=None,
+    )
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def index() -> HTMLResponse:
+        # the page's own static files carry the token too (it is URL-safe base64)
+        return HTMLResponse((STATIC / "index.html").read_text().replace("{{token}}", token))
+
+    @app.get("/static/{name}", include_in_schema=False)
+    def static(name: str) -> FileResponse:
+        path = STATIC / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            raise HTTPException(404, "no such file")
+        return FileResponse(path)
+
+    @app.get("/api/hosts", summary="Hosts: agent liveness, warm state, CPUs/GPUs, their ranks' CPU/RSS/GPU")
+    def hosts_api() -> m.Hosts:
+        return _answer(views.hosts)
+
+    @app.get("/api/runs", summary="Run history, newest first")
+    def runs_api(limit: int = Query(50, ge=1, le=1000)) -> list[m.Run]:
+        return _answer(lambda: views.runs(limit))
+
+    @app.get("/api/runs/{run_id}", summary="One run ('latest' for the newest): its row, exit table, events, hosts")
+    def run_api(run_id: str) -> m.RunDetail:
+        return _answer(lambda: views.run(run_id))
+
+    @app.get("/api/runs/{run_id}/logs", summary="Output lines, oldest first, filtered by rank and text")
+    def logs_api(
+        run_id: str,
+        after: int | None = Query(None, description="lines after this id (for following)"),
+        before: int | None = Query(None, description="the lines just before this id (the tail when neither)"),
+        ranks: str | None = Query(None, description="ranks, e.g. 0,2-3"),
+        q: str | None = Query(None, description="only lines containing this text (case-insensitive)"),
+        limit: int = Query(1000, ge=1, le=MAX_LINES),
+    ) -> m.LogPage:
+        return _answer(lambda: views.logs(run_id, after=after, before=before, ranks=_ranks(ranks), text=q, limit=limit))
+
+    @app.get(
+        "/api/runs/{run_id}/series", summary="Plot points after the cursors: samples, step times, key=value numbers"
+    )
+    def series_api(run_id: str, samples: int = 0, steps: int = 0, logs: int = 0) -> m.Series:
+        return _answer(lambda: views.series(run_id, samples, steps, logs))
+
+    @app.get("/api/runs/{run_id}/stacks", summary="The newest stored stack capture of a run, grouped")
+    def stored_stacks_api(run_id: str) -> m.Stacks:
+        return _answer(lambda: views.stored_stacks(run_id))
+
+    @app.post("/api/stacks", summary="Capture every live rank's stack now (like `monarch stack`), grouped")
+    def capture_api(ranks: str | None = None) -> m.Stacks:
+        try:
+            return views.capture_stacks(set(_ranks(ranks) or []) or None)
+        except DashboardError as e:
+            raise HTTPException(409, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - JobError from the agents: one line for the page
+            raise HTTPException(409, f"cannot capture stacks: {e}") from None
+
+    @app.get("/api/diagnose", summary="The `monarch diagnose` verdict")
+    def diagnose_api(silence: float = Query(60.0, gt=0)) -> m.Diagnosis:
+        return views.diagnose(silence)
+
+    @app.get("/api/top", summary="The `monarch top` rows of the newest run")
+    def top_api() -> m.Top:
+        try:
+            return views.top()
+        except Exception as e:  # noqa: BLE001 - no reservation or agents gone: one line
+            raise HTTPException(409, str(e)) from None
+
+    @app.get("/api/queries", summary="The SQL behind each view (run it yourself with `monarch sql`)")
+    def queries_api() -> dict[str, m.Query]:
+        from ..telemetry_queries import QUERIES
+
+        return {name: {"description": what, "sql": sql} for name, (what, sql) in QUERIES.items()}
+
+    @app.get(
+        "/api/events",
+        summary="Server-sent events: `runs` when a run starts or ends, `logs` (new lines of `run`, filtered), "
+        "`series` (new plot points)",
+    )
+    async def events_api(
+        request: Request,
+        run: str | None = None,
+        after: int | None = Query(None, description="logs cursor: send lines after this id"),
+        ranks: str | None = None,
+        q: str | None = None,
+        series: bool = False,
+        samples: int = 0,
+        steps: int = 0,
+        logs: int = 0,
+    ) -> StreamingResponse:
+        stream = _events(views, request.is_disconnected, run, after, _ranks(ranks), q, series, [samples, steps, logs])
+        return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+    return TokenGuard(app, token, hosts or set())
+
+
+def _ranks(text: str | None) -> list[int] | None:
+    if not text or not text.strip():
+        return None
+    out: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise HTTPException(422, f"ranks: {text!r} is not like 0,2-3") from None
+    return sorted(out)
+
+
+def _event(kind: str, data: Any) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _events(
+    views: Views,
+    gone: Callable[[], Awaitable[bool]],
+    run: str | None,
+    after: int | None,
+    ranks: list[int] | None,
+    text: str | None,
+    series: bool,
+    cursor: list[int],
+) -> AsyncIterator[bytes]:
+    """Deltas only: each tick reads the store's cursors (one statement) and sends what is new."""
+    last: dict[str, Any] = {}
+    quiet = 0.0
+    pending = False  # more new lines than one event holds: send the next batch without waiting for a change
+    yield b": connected\n\n"
+    while not await gone():
+        try:
+            now = await asyncio.to_thread(views.cursors)
+        except DashboardError:
+            now = {}
+        if now != last or pending:
+            if (now.get("run"), now.get("open_runs"), now.get("events")) != (
+                last.get("run"),
+                last.get("open_runs"),
+                last.get("events"),
+            ):
+                yield _event("runs", {"runs": await asyncio.to_thread(views.runs, 50), "cursors": now})
+            if run is not None and after is not None and (pending or now.get("logs") != last.get("logs")):
+                page = await asyncio.to_thread(
+                    functools.partial(views.logs, run, after=after, ranks=ranks, text=text, limit=MAX_LINES)
+                )
+                pending = page["more"]
+                if page["lines"]:
+                    after = page["lines"][-1]["id"]
+                    yield _event("logs", page)
+            if run is not None and series:
+                delta = await asyncio.to_thread(views.series, run, *cursor)
+                if delta["samples"] or delta["steps"] or delta["numbers"]:
+                    yield _event("series", delta)
+                c = delta["cursors"]
+                cursor = [c["samples"], c["steps"], c["logs"]]
+            last, quiet = now, 0.0
+        else:
+            quiet += POLL_S
+            if quiet >= KEEPALIVE_S:
+                yield b": keep-alive\n\n"
+                quiet = 0.0
+        await asyncio.sleep(POLL_S)

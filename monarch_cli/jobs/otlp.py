@@ -1,0 +1,331 @@
+"""OpenTelemetry export of a run: rank metrics, run/rank lifecycle as traces, rank output as logs (OTLP/HTTP).
+
+Off unless a reservation names a collector (``monarch serve --otlp ENDPOINT``, kept in
+``.monarch/otlp.json``; ``$MONARCH_OTLP_ENDPOINT`` overrides, ``off`` disables). The run's loop only
+appends to a queue: a daemon thread imports the SDK (the ``otlp`` extra), turns the queue into spans,
+metric points and log records, and the SDK's batch processors export them with short timeouts. A
+collector that is down or unreachable therefore never slows or fails the run: at the end the run waits
+for the last export only if the collector was seen to answer, and then at most :data:`FLUSH_WAIT_S`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+CONFIG_NAME = "otlp.json"
+#: Seconds one export may take (each signal, each batch).
+EXPORT_TIMEOUT_S = float(os.environ.get("MONARCH_OTLP_TIMEOUT", "3") or 3)
+#: The most a run's end waits for its last data to leave, when the collector answers.
+FLUSH_WAIT_S = 3.0
+#: Output lines queued beyond this (a collector far slower than the ranks) are dropped, and counted.
+MAX_QUEUED = 200_000
+
+
+def config_path(state_dir: Path) -> Path:
+    return Path(state_dir) / CONFIG_NAME
+
+
+def set_endpoint(state_dir: Path, endpoint: str | None) -> None:
+    """Remember (or, with ``None``/``""``/``off``, forget) the reservation's collector."""
+    path = config_path(state_dir)
+    if not endpoint or endpoint == "off":
+        path.unlink(missing_ok=True)
+        return
+    check_endpoint(endpoint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # an endpoint may carry a token
+    with os.fdopen(fd, "w") as f:
+        json.dump({"endpoint": endpoint.rstrip("/")}, f)
+
+
+def check_endpoint(endpoint: str) -> None:
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--otlp takes an OTLP/HTTP base URL such as http://localhost:4318, not {endpoint!r}")
+
+
+def endpoint_for(state_dir: Path) -> str | None:
+    env = os.environ.get("MONARCH_OTLP_ENDPOINT")
+    if env is not None:
+        return None if env in ("", "off") else env.rstrip("/")
+    try:
+        return json.loads(config_path(state_dir).read_text()).get("endpoint") or None
+    except (OSError, ValueError):
+        return None
+
+
+class RunExport:
+    """One run's export. Every public method only appends to a queue (the run's loop never waits)."""
+
+    def __init__(self, endpoint: str, reservation: str, run_id: str, command: str) -> None:
+        self.endpoint, self.reservation, self.run_id, self.command = endpoint, reservation, run_id, command
+        self._queue: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._done = threading.Event()
+        self.answered = False  # the collector accepted a TCP connection
+        self._probed = threading.Event()
+        self.dropped = 0
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="monarch-otlp", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ producers
+    def _put(self, kind: str, item: Any) -> None:
+        if len(self._queue) >= MAX_QUEUED or self.error is not None:
+            self.dropped += 1
+            return
+        self._queue.append((kind, item))
+
+    def ranks_started(self, ranks: list[tuple[int, str, int]]) -> None:
+        """(rank, host, local rank) of each launched rank."""
+        self._put("start", (time.time_ns(), ranks))
+        self._wake.set()
+
+    def output(self, rank: int, stream: int, data: bytes) -> None:
+        self._put("out", (time.time_ns(), rank, stream, data))
+
+    def rank_exit(self, rank: int, how: str, status: int) -> None:
+        self._put("exit", (time.time_ns(), rank, how, status))
+
+    def samples(self, samples: list[tuple[Any, ...]], steps: list[tuple[Any, ...]]) -> None:
+        self._put("metrics", (samples, steps))
+        self._wake.set()
+
+    def finish(self, exit_code: int | None) -> None:
+        """End the run's span and flush; waits (at most FLUSH_WAIT_S) only for a collector that answered."""
+        self._queue.append(("end", (time.time_ns(), exit_code)))
+        self._wake.set()
+        self._probed.wait(1.5)  # done long before, unless the run was shorter than a connect timeout
+        if self.answered:
+            self._done.wait(FLUSH_WAIT_S)
+        elif self.error is None:
+            self.error = f"nothing answers at {self.endpoint}"
+        if self.error is not None:
+            import sys
+
+            print(f"monarch: OpenTelemetry export failed ({self.error}); the run is unaffected", file=sys.stderr)
+
+    # --------------------------------------------------------------- thread
+    def _loop(self) -> None:
+        try:
+            self._probe()
+            sdk = _Sdk(self.endpoint, self.reservation, self.run_id)
+        except Exception as e:  # noqa: BLE001 - the SDK missing or failing: the run goes on without export
+            self.error = f"{type(e).__name__}: {e}" + (
+                " (pip install the 'otlp' extra)" if isinstance(e, ImportError) else ""
+            )
+            self._probed.set()
+            self._queue.clear()
+            self._done.set()
+            return
+        run_span = sdk.tracer.start_span(
+            "monarch.run",
+            attributes={"monarch.run_id": self.run_id, "process.command_line": self.command},
+            start_time=time.time_ns(),
+        )
+        ranks: dict[int, Any] = {}
+        partial: dict[tuple[int, int], bytes] = {}
+        hosts: dict[int, str] = {}
+        ended = False
+        while not ended:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            while self._queue:
+                kind, item = self._queue.popleft()
+                try:
+                    if kind == "start":
+                        ts, launched = item
+                        for rank, host, local in launched:
+                            hosts[rank] = host
+                            ranks[rank] = sdk.rank_span(run_span, rank, host, local, ts)
+                    elif kind == "out":
+                        ts, rank, stream, data = item
+                        buf = partial.pop((rank, stream), b"") + data
+                        *lines, rest = buf.split(b"\n")
+                        if rest:
+                            partial[(rank, stream)] = rest
+                        for raw in lines:
+                            sdk.log(ranks.get(rank), rank, hosts.get(rank), stream, ts, raw)
+                    elif kind == "exit":
+                        ts, rank, how, status = item
+                        for stream in (1, 2):
+                            rest = partial.pop((rank, stream), b"")
+                            if rest:
+                                sdk.log(ranks.get(rank), rank, hosts.get(rank), stream, ts, rest)
+                        sdk.end_rank(ranks.pop(rank, None), how, status, ts)
+                    elif kind == "metrics":
+                        sdk.record(*item, hosts)
+                    elif kind == "end":
+                        ts, exit_code = item
+                        for span in ranks.values():
+                            sdk.end_rank(span, "unknown (the run ended first)", None, ts)
+                        sdk.end_run(run_span, exit_code, ts)
+                        ended = True
+                except Exception as e:  # noqa: BLE001 - a bad record must not stop the export of the rest
+                    self.error = f"{type(e).__name__}: {e}"
+        try:
+            sdk.shutdown()
+        finally:
+            self._done.set()
+
+    def _probe(self) -> None:
+        """Is anything listening at the collector's address? (Off the run's path; decides whether its end waits.)"""
+        parts = urlsplit(self.endpoint)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            socket.create_connection((parts.hostname, port), timeout=1.0).close()
+            self.answered = True
+        except OSError:
+            self.answered = False
+        finally:
+            self._probed.set()
+
+
+class _Sdk:
+    """The OpenTelemetry SDK objects of one run (imported here: only a run that exports loads them)."""
+
+    def __init__(self, endpoint: str, reservation: str, run_id: str) -> None:
+        import logging
+
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk._logs import LoggerProvider
+        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        quiet = logging.getLogger("opentelemetry")  # its retries would print on the run's console
+        quiet.addHandler(logging.NullHandler())
+        quiet.propagate = False
+        resource = Resource.create(
+            {
+                "service.name": "monarch",
+                "monarch.reservation": reservation,
+                "monarch.run_id": run_id,
+                "host.name": socket.gethostname(),  # the client's host; each rank's is an attribute
+            }
+        )
+        timeout = EXPORT_TIMEOUT_S
+        ms = int(timeout * 1000)
+        self.traces = TracerProvider(resource=resource)
+        self.traces.add_span_processor(
+            BatchSpanProcessor(
+                OTLPSpanExporter(f"{endpoint}/v1/traces", timeout=timeout),
+                schedule_delay_millis=1000,
+                export_timeout_millis=ms,
+            )
+        )
+        self.logs = LoggerProvider(resource=resource)
+        self.logs.add_log_record_processor(
+            BatchLogRecordProcessor(
+                OTLPLogExporter(f"{endpoint}/v1/logs", timeout=timeout),
+                schedule_delay_millis=1000,
+                export_timeout_millis=ms,
+                max_queue_size=65536,
+            )
+        )
+        self.reader = PeriodicExportingMetricReader(
+            OTLPMetricExporter(f"{endpoint}/v1/metrics", timeout=timeout),
+            export_interval_millis=2000,
+            export_timeout_millis=ms,
+        )
+        self.metrics = MeterProvider(resource=resource, metric_readers=[self.reader])
+        self.tracer = self.traces.get_tracer("monarch_cli")
+        self.logger = self.logs.get_logger("monarch_cli")
+        meter = self.metrics.get_meter("monarch_cli")
+        self.cpu = meter.create_gauge(
+            "monarch.rank.cpu", unit="%", description="CPU use of the rank's process (100 = one core)"
+        )
+        self.rss = meter.create_gauge(
+            "monarch.rank.rss", unit="MiBy", description="resident memory of the rank's process"
+        )
+        self.gpu_util = meter.create_gauge(
+            "monarch.rank.gpu.utilization", unit="%", description="utilisation of the rank's GPU"
+        )
+        self.gpu_mem = meter.create_gauge(
+            "monarch.rank.gpu.memory", unit="MiBy", description="GPU memory of the rank's process"
+        )
+        self.step_time = meter.create_histogram(
+            "monarch.rank.step_time", unit="ms", description="time between optimizer steps"
+        )
+        self.steps = meter.create_counter("monarch.rank.steps", unit="{step}", description="optimizer steps taken")
+        from opentelemetry import trace
+        from opentelemetry._logs import SeverityNumber
+        from opentelemetry.trace import Status, StatusCode
+
+        self._trace, self._sev, self._status, self._code = trace, SeverityNumber, Status, StatusCode
+
+    def _attrs(self, rank: int, host: str | None) -> dict[str, Any]:
+        return {"monarch.rank": rank, "monarch.host": host or ""}
+
+    def rank_span(self, parent: Any, rank: int, host: str, local: int, ts: int) -> Any:
+        ctx = self._trace.set_span_in_context(parent)
+        attrs = {**self._attrs(rank, host), "monarch.local_rank": local}
+        return self.tracer.start_span(f"rank {rank}", context=ctx, attributes=attrs, start_time=ts)
+
+    def end_rank(self, span: Any, how: str, status: int | None, ts: int) -> None:
+        if span is None:
+            return
+        span.set_attribute("monarch.exit", how)
+        if status is not None:
+            span.set_attribute("monarch.status", status)
+        span.set_status(self._status(self._code.OK if status == 0 else self._code.ERROR, None if status == 0 else how))
+        span.end(end_time=ts)
+
+    def end_run(self, span: Any, exit_code: int | None, ts: int) -> None:
+        if exit_code is not None:
+            span.set_attribute("monarch.exit_code", exit_code)
+        ok = exit_code == 0
+        span.set_status(self._status(self._code.OK if ok else self._code.ERROR, None if ok else f"exit {exit_code}"))
+        span.end(end_time=ts)
+
+    def log(self, span: Any, rank: int, host: str | None, stream: int, ts: int, raw: bytes) -> None:
+        err = stream == 2
+        self.logger.emit(
+            timestamp=ts,
+            observed_timestamp=ts,
+            context=self._trace.set_span_in_context(span) if span is not None else None,
+            severity_number=self._sev.WARN if err else self._sev.INFO,
+            severity_text="stderr" if err else "stdout",
+            body=raw.rstrip(b"\r").decode("utf-8", "backslashreplace"),
+            attributes={**self._attrs(rank, host), "log.iostream": "stderr" if err else "stdout"},
+        )
+
+    def record(self, samples: list[tuple[Any, ...]], steps: list[tuple[Any, ...]], hosts: dict[int, str]) -> None:
+        # rows as the store has them: samples (run_id, rank, host, ts, pid, state, cpu, rss, threads, gpu_index,
+        # gpu_util, gpu_mem_mb, ...), steps (run_id, rank, step, ts, dt_ms)
+        for s in samples:
+            attrs = self._attrs(s[1], s[2])
+            if s[6] is not None:
+                self.cpu.set(s[6], attrs)
+            if s[7] is not None:
+                self.rss.set(s[7], attrs)
+            if s[10] is not None:
+                self.gpu_util.set(s[10], attrs)
+            if s[11] is not None:
+                self.gpu_mem.set(s[11], attrs)
+        for st in steps:
+            attrs = self._attrs(st[1], hosts.get(st[1]))
+            self.steps.add(1, attrs)
+            if st[2] > 1 and st[4] is not None:  # step 1 counts start-up
+                self.step_time.record(st[4], attrs)
+
+    def shutdown(self) -> None:
+        ms = int(EXPORT_TIMEOUT_S * 1000)
+        for provider in (self.traces, self.logs):
+            provider.force_flush(ms)
+        self.reader.force_flush(ms)
+        for provider in (self.traces, self.logs, self.metrics):
+            provider.shutdown()

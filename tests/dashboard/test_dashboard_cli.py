@@ -1,0 +1,143 @@
+"""`monarch dashboard` and `monarch serve --otlp` as a user runs them: real processes, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, one_line_error
+from tests.test_cli import monarch
+
+
+def test_without_a_reservation_or_a_store_it_says_so(tmp_path: Path) -> None:
+    done = monarch("dashboard", cwd=tmp_path)
+    assert done.returncode == 2
+    one_line_error(done, "run `monarch serve` first")
+
+
+def test_a_bad_otlp_endpoint_is_refused_before_reserving(tmp_path: Path) -> None:
+    done = monarch("serve", "--otlp", "localhost:4318", cwd=tmp_path)
+    assert done.returncode == 2
+    one_line_error(done, "OTLP/HTTP base URL")
+    assert not (tmp_path / ".monarch" / "job_state.pkl").exists()
+
+
+@pytest.mark.slow
+def test_serve_otlp_then_dashboard_prints_its_url_once_and_refuses_requests_without_it(tmp_path: Path) -> None:
+    served = monarch("serve", "-n", "2", "--otlp", "http://127.0.0.1:9/", cwd=tmp_path)
+    try:
+        assert served.returncode == 0, served.stderr
+        conf = tmp_path / ".monarch" / "otlp.json"
+        assert json.loads(conf.read_text()) == {"endpoint": "http://127.0.0.1:9"}
+        assert conf.stat().st_mode & 0o077 == 0
+        (tmp_path / "hello.py").write_text("print('hello')\n")
+        run = monarch("run-spmd", "--", "torchrun", "--nproc-per-node=1", "hello.py", cwd=tmp_path)
+        assert run.returncode == 0 and "[rank1] hello" in run.stdout
+        assert "OpenTelemetry export failed" in run.stderr and "run is unaffected" in run.stderr  # said once
+        assert run.stderr.count("OpenTelemetry") == 1 and "Traceback" not in run.stderr
+
+        env = {k: v for k, v in os.environ.items() if k != "MONARCH_STATE"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "monarch_cli", "dashboard", "--json"],
+            cwd=tmp_path,
+            env={**env, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            info = json.loads(proc.stdout.readline())
+            url, token = info["url"], info["url"].split("token=")[1]
+            base = url.split("?")[0]
+            assert base.startswith("http://127.0.0.1:") and len(token) >= 24
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(base + "api/runs", timeout=10)
+            assert e.value.code == 403
+            with urllib.request.urlopen(f"{base}api/runs?token={token}", timeout=10) as r:
+                runs = json.loads(r.read())
+            assert [r["exit_code"] for r in runs] == [0] and "hello.py" in runs[0]["command"]
+
+            # between runs: the history, the last run's verdict, both hosts, the top rows, from the store
+            def get(path: str) -> dict:
+                with urllib.request.urlopen(f"{base}{path}?token={token}", timeout=60) as r:
+                    return json.loads(r.read())
+
+            assert get("api/diagnose")["verdict"] == "healthy"
+            assert [h["alive"] for h in get("api/hosts")["hosts"]] == [True, True]
+            top = get("api/top")
+            assert top["run_id"] == runs[0]["run_id"] and sorted(r["rank"] for r in top["ranks"]) == [0, 1]
+            assert get("api/runs/latest/logs")["lines"][0]["line"] == "hello"
+            with urllib.request.urlopen(info["openapi"], timeout=10) as r:
+                schema = json.loads(r.read())
+            assert {"/api/hosts", "/api/runs", "/api/runs/{run_id}/logs", "/api/events", "/api/diagnose"} <= set(
+                schema["paths"]
+            )
+            # each answer's shape is in the schema, for scripts and agents
+            line = schema["components"]["schemas"]["LogLine"]["properties"]
+            assert set(line) == {"id", "rank", "ts", "stream", "line"}
+            assert {"Run", "RunDetail", "Hosts", "Series", "Stacks", "Diagnosis"} <= set(
+                schema["components"]["schemas"]
+            )
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert token not in out + err  # printed once, on the first line only
+    finally:
+        monarch("stop", cwd=tmp_path)
+
+
+def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    from monarch_cli.telemetry_store import _connect_rw, db_path
+
+    _connect_rw(db_path(tmp_path / ".monarch")).close()  # a store with history, no reservation
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    try:
+        done = monarch("dashboard", "--port", str(held.getsockname()[1]), cwd=tmp_path)
+    finally:
+        held.close()
+    assert done.returncode == 2
+    one_line_error(done, "cannot listen on 127.0.0.1:")
+
+
+def test_open_hands_the_url_with_its_token_to_the_browser(tmp_path: Path) -> None:
+    """--open goes through Python's webbrowser, which runs $BROWSER: here a command that records the URL."""
+    import time
+
+    from monarch_cli.telemetry_store import _connect_rw, db_path
+
+    _connect_rw(db_path(tmp_path / ".monarch")).close()
+    opened = tmp_path / "opened"
+    env = {k: v for k, v in os.environ.items() if k != "MONARCH_STATE"}
+    env.update(PYTHONPATH=str(REPO), BROWSER=f"sh -c 'echo %s > {opened}'")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monarch_cli", "dashboard", "--open"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        printed = proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while not (opened.exists() and opened.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        url = opened.read_text().strip()
+        assert url.startswith("http://127.0.0.1:") and "?token=" in url and url in printed
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
