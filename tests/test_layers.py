@@ -102,8 +102,12 @@ def test_no_module_imports_a_higher_layer() -> None:
 #: Optional-weight libraries and the only modules that may import them (lazily: a command that does not use them
 #: never pays for them; `test_commands_import_only_what_they_need` checks the commands).
 OWNED = {
-    "paramiko": {"monarch_cli/schedulers/ssh.py", "monarch_cli/schedulers/skypilot_ssh.py"},
+    "paramiko": {"monarch_cli/schedulers/ssh/scheduler.py", "monarch_cli/schedulers/skypilot/ssh_access.py"},
     "pathspec": {"monarch_cli/runtime/workspace.py"},
+    "kubernetes": {
+        f"monarch_cli/schedulers/kubernetes/{name}.py" for name in ("api", "pods", "port_forward", "scheduler")
+    },
+    "sky": {"monarch_cli/schedulers/skypilot/sdk.py"},
 }
 
 

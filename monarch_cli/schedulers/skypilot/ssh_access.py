@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from ..errors import SchedulerError
+from ...errors import SchedulerError
 
 
 @dataclasses.dataclass
@@ -105,7 +105,7 @@ def shared_client(key: str, access: SshAccess) -> Any:
 
 def forwards(key: str, access: SshAccess, targets: list[tuple[str, int]]) -> list[str]:
     """A loopback address per target, forwarded over the head's connection."""
-    from .ssh_forward import forward
+    from ..ssh.forward import forward
 
     return [forward((key, f"{ip}:{port}"), lambda: shared_client(key, access), (ip, port)) for ip, port in targets]
 

@@ -24,11 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
-from ..errors import OptionError, PlanError, SchedulerError
-from ..runtime.agent_command import READY_PREFIX, AgentCommand
-from .agents import wait_for_agents
-from .base import (
+from ... import __version__
+from ...errors import OptionError, PlanError, SchedulerError
+from ...runtime.agent_command import READY_PREFIX, AgentCommand
+from ..agents import wait_for_agents
+from ..base import (
     HostRecord,
     Liveness,
     Option,
@@ -42,7 +42,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..runtime.keys import Keys
+    from ...runtime.keys import Keys
 
 #: How long an agent may take to listen (it imports torch to warm up).
 AGENT_START_TIMEOUT = 60.0
@@ -506,7 +506,7 @@ class SshScheduler(Scheduler):
         """With ``tunnel``: a loopback port of this process per host, forwarded over SSH to its agent."""
         if not reservation.scheduler_data.get("tunnel"):
             return super().agent_addresses(reservation)
-        from .ssh_forward import forward
+        from .forward import forward
 
         accept_new = bool(reservation.scheduler_data.get("accept_new_host_keys"))
 
