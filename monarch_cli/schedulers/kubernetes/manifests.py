@@ -16,6 +16,7 @@ from typing import Any
 
 from ...errors import OptionError
 from ...runtime.agent_command import AgentCommand
+from .. import yaml_text
 
 #: Label on every object of a reservation (the selector ``stop`` and the pod watch use).
 RESERVATION_LABEL = "monarch-cli/reservation"
@@ -90,13 +91,8 @@ def load_pod_template(path: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except ValueError:
-        try:
-            import yaml  # comes with the kubernetes extra
-        except ImportError:
-            raise OptionError(
-                f"--pod-template {path} is not JSON, and reading YAML needs PyYAML: "
-                "pip install 'monarch-cli[kubernetes]'"
-            ) from None
+        import yaml
+
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -280,35 +276,14 @@ def with_keys(secret: dict[str, Any], encoded_keys: str) -> dict[str, Any]:
     return filled
 
 
-def to_yaml(value: Any, indent: int = 0) -> str:
-    """Block YAML for plain JSON data (strings as JSON strings, valid YAML); no PyYAML needed."""
-    pad = "  " * indent
-    if isinstance(value, dict) and value:
-        lines = []
-        for key, item in value.items():
-            k = key if re.fullmatch(r"[A-Za-z0-9_./-]+", key) and not key[0].isdigit() else json.dumps(key)
-            if isinstance(item, (dict, list)) and item:
-                lines.append(f"{pad}{k}:\n{to_yaml(item, indent + 1)}")
-            else:
-                lines.append(f"{pad}{k}: {to_yaml(item).strip()}")
-        return "\n".join(lines)
-    if isinstance(value, list) and value:
-        lines = []
-        for item in value:
-            text = to_yaml(item, indent + 1) if isinstance(item, (dict, list)) and item else to_yaml(item).strip()
-            lines.append(f"{pad}- {text.lstrip()}")
-        return "\n".join(lines)
-    if isinstance(value, str) and _PLAIN.match(value) and value.lower() not in _KEYWORDS:
-        return pad + value
-    return pad + json.dumps(value)
-
-
-_PLAIN = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]*$")
-_KEYWORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "none"}
+def to_yaml(value: Any) -> str:
+    """One object as YAML (PyYAML's safe dumper)."""
+    return yaml_text.dump(value)
 
 
 def render(manifests: list[dict[str, Any]]) -> str:
-    return "".join(f"---\n{to_yaml(m)}\n" for m in manifests)
+    """The manifests as one multi-document YAML stream, as ``kubectl apply -f`` takes it."""
+    return yaml_text.dump_all(manifests)
 
 
 __all__ = [

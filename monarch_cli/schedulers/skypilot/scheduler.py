@@ -23,7 +23,6 @@ SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`~.sdk.SkyPr
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import shlex
 import socket
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ... import __version__
 from ...errors import OptionError, PlanError, SchedulerError
 from ...runtime.agent_command import AgentCommand, format_port_range
+from .. import yaml_text
 from ..agents import wait_for_agents
 from ..base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
 from .provisioner import Provisioner, provisioner
@@ -106,20 +106,9 @@ def run_script(agent: AgentCommand, python: str, time_minutes: int | None) -> st
     )
 
 
-def to_yaml(data: Any, indent: int = 0) -> str:
-    """A small, deterministic YAML writer for the task (block literals for scripts); no PyYAML needed."""
-    pad = " " * indent
-    lines: list[str] = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            lines.append(f"{pad}{key}:")
-            lines.append(to_yaml(value, indent + 2).rstrip("\n"))
-        elif isinstance(value, str) and "\n" in value:
-            lines.append(f"{pad}{key}: |")
-            lines += [f"{pad}  {line}" if line else "" for line in value.rstrip("\n").split("\n")]
-        else:
-            lines.append(f"{pad}{key}: {json.dumps(value)}")
-    return "\n".join(lines) + "\n"
+def to_yaml(data: Any) -> str:
+    """The task as ``sky launch task.yaml`` reads it (PyYAML's safe dumper; scripts as block literals)."""
+    return yaml_text.dump(data)
 
 
 def launch_line(cluster: str) -> str:
