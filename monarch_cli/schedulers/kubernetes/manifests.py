@@ -129,18 +129,16 @@ def build(
     rid: str,
     hosts: int,
     opts: dict[str, Any],
-    *,
-    agent_port: int | None,
-    port_range: tuple[int, int] | None,
-    preload: str | None,
+    agent: AgentCommand,
 ) -> dict[str, Any]:
-    """The reservation's manifests (Secret data is a placeholder) and the facts ``reserve`` needs."""
+    """The reservation's manifests (Secret data is a placeholder) and the facts ``reserve`` needs; every pod
+    runs ``agent`` (its port fixed: the Service and the client find the agents there)."""
     if not opts.get("image"):
         raise OptionError("the kubernetes scheduler needs --image IMAGE (an image with this monarch-cli installed)")
     namespace = opts.get("namespace") or "default"
     if not _DNS_LABEL.match(namespace):
         raise OptionError(f"--namespace {namespace!r} is not a valid namespace name")
-    port = agent_port or DEFAULT_AGENT_PORT
+    port = agent.port or DEFAULT_AGENT_PORT
     user_labels = parse_pairs(opts.get("label") or [], "--label", label_values=True)
     annotations = parse_pairs(opts.get("annotation") or [], "--annotation", label_values=False)
     labels = {**user_labels, **MANAGED_BY, RESERVATION_LABEL: rid}
@@ -159,15 +157,6 @@ def build(
         if int(opts["gpus_per_node"]) < 0:
             raise OptionError("--gpus-per-node must be at least 0")
         resources["nvidia.com/gpu"] = str(int(opts["gpus_per_node"]))
-    agent = AgentCommand(
-        python="python3",
-        name=f"{rid}-$(JOB_COMPLETION_INDEX)",
-        port=port,
-        port_range=port_range,
-        preload=preload,
-        warm_up=True,
-        reservation=rid,
-    )
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": opts["image"],

@@ -83,14 +83,13 @@ class KubernetesScheduler(Scheduler):
         if mode not in PORT_FORWARD_MODES:
             raise OptionError(f"--port-forward takes {', '.join(PORT_FORWARD_MODES)}, not {mode!r}")
         rid = f"monarch-{uuid.uuid4().hex[:8]}"
-        built = manifests.build(
+        agent = request.agent_command(
             rid,
-            request.hosts,
-            opts,
-            agent_port=request.agent_port,
-            port_range=request.port_range,
-            preload=request.preload,
+            python="python3",
+            name=f"{rid}-$(JOB_COMPLETION_INDEX)",
+            port=request.agent_port or manifests.DEFAULT_AGENT_PORT,  # a Service needs a known port
         )
+        built = manifests.build(rid, request.hosts, opts, agent)
         data = {
             **{k: v for k, v in built.items()},
             "context": opts.get("context"),

@@ -52,15 +52,12 @@ class LocalScheduler(Scheduler):
         rid = f"local-{uuid.uuid4().hex[:8]}"
         root = workdir.resolve() / "agents"
         agents = [
-            AgentCommand(
+            request.agent_command(
+                rid,
                 name=f"local{i}",
-                warm_up=True,
                 keys_stdin=True,
-                preload=request.preload,
-                port=None if request.agent_port is None else request.agent_port + i,
-                port_range=request.port_range,
+                port=None if request.agent_port is None else request.agent_port + i,  # one machine: one port each
                 address_file=str(root / rid / f"local{i}.addr"),
-                reservation=rid,
                 state_file=request.state_file,
             )
             for i in range(request.hosts)

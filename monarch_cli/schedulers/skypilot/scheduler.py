@@ -186,15 +186,7 @@ class SkyPilotScheduler(Scheduler):
         rid = f"sky-{uuid.uuid4().hex[:8]}"
         cluster = cluster or f"monarch-{rid[4:]}"
         port = request.agent_port or DEFAULT_AGENT_PORT
-        agent = AgentCommand(
-            python=python,
-            port=port,
-            port_range=request.port_range,
-            preload=request.preload,
-            warm_up=True,
-            keys_stdin=True,
-            reservation=rid,
-        )
+        agent = request.agent_command(rid, python=python, port=port, keys_stdin=True)
         task = self.task_config(request.hosts, opts, agent, python, time_minutes, cluster)
         shown = {**task, "secrets": {KEYS_SECRET: REDACTED}}
         yaml_text = to_yaml(shown)

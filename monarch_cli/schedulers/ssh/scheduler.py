@@ -285,16 +285,8 @@ class SshScheduler(Scheduler):
         hosts, steps = [], []
         for alias in names:
             target = resolve(alias, opts)
-            agent = AgentCommand(
-                python=python,
-                name=alias,
-                host=target.hostname,
-                port=request.agent_port,
-                port_range=request.port_range,
-                preload=request.preload,
-                warm_up=True,
-                address_file="agent.addr",
-                reservation=rid,
+            agent = request.agent_command(
+                rid, python=python, name=alias, host=target.hostname, address_file="agent.addr"
             )
             command = _start_command(python, directory, root, target, agent)
             hosts.append(
