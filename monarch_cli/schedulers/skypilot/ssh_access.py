@@ -3,7 +3,7 @@
 SkyPilot gives every cluster SSH access (the head's address and port, a user, a private key).
 When the agents' fixed port is not open to the client (a cloud firewall, nodes without public
 addresses), the client keeps one paramiko connection to the head and forwards one loopback
-port per node over it (:mod:`.ssh_forward`, as the ssh backend's ``--tunnel``) to the node's
+port per node over it (:mod:`..ssh.forward`, as the ssh backend's ``--tunnel``) to the node's
 internal address, where its agent listens; each agent answers on the connection made to it.
 The head's host key is recorded when the reservation is made and required afterwards.
 """
