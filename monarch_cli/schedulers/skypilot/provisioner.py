@@ -1,17 +1,14 @@
 """What the skypilot backend needs from SkyPilot (:class:`Provisioner`), and what it gets back.
 
-Both the backend (:mod:`.scheduler`) and SkyPilot's SDK adaptor (:mod:`.sdk`) import these; neither imports
-the other at module level, so tests can inject a stand-in through :data:`PROVISIONER_ENV`.
+Both the backend (:mod:`.scheduler`) and SkyPilot's SDK adaptor (:mod:`.sdk`) import these, and the adaptor
+imports nothing of the backend: the backend picks the adaptor, or a stand-in named by :data:`PROVISIONER_ENV`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 from typing import Any, Protocol
 
-from ...errors import SchedulerError
 from ..base import Progress
 from .ssh_access import SshAccess
 
@@ -61,18 +58,4 @@ class Provisioner(Protocol):
         """End the task's job (the agents) and leave ``cluster`` up, to stop (or go down) after ``idle_minutes``."""
 
 
-def provisioner() -> Provisioner:
-    """SkyPilot's SDK, or the factory named by ``$MONARCH_SKYPILOT_PROVISIONER`` (``module:attr``)."""
-    target = os.environ.get(PROVISIONER_ENV)
-    if not target:
-        from .sdk import SkyProvisioner
-
-        return SkyProvisioner()
-    module, _, attr = target.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)()
-    except (ImportError, AttributeError) as e:
-        raise SchedulerError(f"${PROVISIONER_ENV}={target} cannot be loaded: {e}") from None
-
-
-__all__ = ["INSTALL_HINT", "PROVISIONER_ENV", "Cluster", "ClusterStatus", "Provisioner", "provisioner"]
+__all__ = ["INSTALL_HINT", "PROVISIONER_ENV", "Cluster", "ClusterStatus", "Provisioner"]

@@ -23,6 +23,8 @@ SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`~.sdk.SkyPr
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
 import re
 import shlex
 import socket
@@ -36,7 +38,7 @@ from ...runtime.agent_command import AgentCommand, format_port_range
 from .. import yaml_text
 from ..agents import wait_for_agents
 from ..base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
-from .provisioner import Provisioner, provisioner
+from .provisioner import PROVISIONER_ENV, Provisioner
 from .ssh_access import SshAccess
 
 if TYPE_CHECKING:
@@ -53,6 +55,20 @@ REDACTED = "<redacted>"
 #: How long ``--keep-cluster`` leaves an idle cluster up when neither stop nor serve said (minutes).
 DEFAULT_KEEP_MINUTES = 10
 REACH_MODES = ("auto", "direct", "tunnel")
+
+
+def provisioner() -> Provisioner:
+    """SkyPilot's SDK, or the factory named by ``$MONARCH_SKYPILOT_PROVISIONER`` (``module:attr``)."""
+    target = os.environ.get(PROVISIONER_ENV)
+    if not target:
+        from .sdk import SkyProvisioner
+
+        return SkyProvisioner()
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)()
+    except (ImportError, AttributeError) as e:
+        raise SchedulerError(f"${PROVISIONER_ENV}={target} cannot be loaded: {e}") from None
 
 
 def parse_minutes(text: str) -> int:
