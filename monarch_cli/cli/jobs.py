@@ -123,7 +123,7 @@ def _port_range(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     from ..errors import UserError
-    from ..runtime.agent_command import parse_port_range
+    from ..runtime.launch.command import parse_port_range
 
     try:
         return parse_port_range(text)

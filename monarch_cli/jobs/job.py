@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from ..runtime import protocol
-from ..runtime.keys import Keys
-from ..runtime.mailbox import Mailbox
+from ..runtime.mailbox.mailbox import Mailbox
+from ..runtime.transport.keys import Keys
 
 if TYPE_CHECKING:
-    from ..runtime.mesh import HostMesh
+    from ..runtime.actor.mesh import HostMesh
 from ..config import configure
 from ..errors import OptionError, PlanError
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
@@ -138,11 +138,11 @@ class Job:
         return hosts
 
     def host_mesh(self) -> HostMesh:
-        """The reservation's hosts as an actor-API :class:`~monarch_cli.runtime.mesh.HostMesh`
+        """The reservation's hosts as an actor-API :class:`~monarch_cli.runtime.actor.mesh.HostMesh`
         (``job.host_mesh().spawn_procs({"gpus": 8})``). A host this process reaches through a
         backend's forward (ssh ``--tunnel``) cannot reach this process either: its procs are
         driven through its agent, on the one connection to it; the others talk directly."""
-        from ..runtime.mesh import HostMesh
+        from ..runtime.actor.mesh import HostMesh
 
         hosts = self._reachable_hosts()
         try:

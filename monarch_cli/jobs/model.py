@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import __version__
 from ..runtime import protocol
 from ..runtime.exit_status import describe_status, signal_name
-from ..runtime.keys import Keys
-from ..runtime.mailbox import Mailbox
+from ..runtime.mailbox.mailbox import Mailbox
+from ..runtime.transport.keys import Keys
+from ..version import __version__
 from .errors import JobError
 from .lifecycle import DEFAULT_STRAGGLER_GRACE, EXIT_LOST, EXIT_STOPPED
 from .state import HostRecord

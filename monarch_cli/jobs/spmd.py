@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import settings
-from ..runtime import protocol, wire
+from ..runtime import protocol
 from ..runtime.errors import CallTimeout
-from ..runtime.future import Future, gather
+from ..runtime.mailbox.future import Future, gather
+from ..runtime.transport import wire
 from .errors import JobError
 from .lifecycle import DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGLER_GRACE, RunControl, SignalRelay
 from .model import HostSet, Launch, RankExit

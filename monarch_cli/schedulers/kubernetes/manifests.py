@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import OptionError
-from ...runtime.agent_command import AgentCommand
+from ...runtime.launch.command import AgentCommand
 from .. import yaml_text
 
 #: Label on every object of a reservation (the selector ``stop`` and the pod watch use).
@@ -248,7 +248,7 @@ def build(
 
 def _version_check() -> str:
     """A one-line Python check that the image holds this client's monarch-cli (an init container runs it)."""
-    from ... import __version__
+    from ...version import __version__
 
     return (
         "import sys\ntry:\n    import monarch_cli\n    v = monarch_cli.__version__\nexcept ImportError:\n"

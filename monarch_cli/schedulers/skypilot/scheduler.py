@@ -32,9 +32,9 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ... import __version__
 from ...errors import OptionError, PlanError, SchedulerError
-from ...runtime.agent_command import AgentCommand, format_port_range
+from ...runtime.launch.command import AgentCommand, format_port_range
+from ...version import __version__
 from .. import yaml_text
 from ..agents import wait_for_agents
 from ..base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
@@ -42,7 +42,7 @@ from .provisioner import PROVISIONER_ENV, Provisioner
 from .ssh_access import SshAccess
 
 if TYPE_CHECKING:
-    from ...runtime.keys import Keys
+    from ...runtime.transport.keys import Keys
 
 #: The SkyPilot secret that carries the reservation's keys to every node.
 KEYS_SECRET = "MONARCH_RESERVATION_KEYS"

@@ -3,9 +3,9 @@
 Every process of the runtime (controller, proc) has exactly one :class:`Mailbox`: requests
 and their futures, supervision of the procs it owns, and the events agents send it, routed
 to per-run subscriptions (:meth:`Mailbox.subscribe`). What runs where underneath:
-:mod:`.mailbox_io` (the I/O thread, the links to agents, who reads the reply socket),
-:mod:`.mailbox_heartbeats` (the heartbeat thread), :mod:`.mailbox_events` (the routing).
-Every message is defined in :mod:`.protocol`.
+:mod:`.io_thread` (the I/O thread, the links to agents, who reads the reply socket),
+:mod:`.heartbeats` (the heartbeat thread), :mod:`.events` (the routing).
+Every message is defined in :mod:`..protocol`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from typing import Any
 
 import zmq
 
-from . import protocol, wire
-from .errors import ActorError, Failure, SupervisionError
+from .. import protocol
+from ..errors import ActorError, Failure, SupervisionError
+from ..transport import wire
+from ..transport.keys import Keys, keys_from_environment
+from .events import EventRouter, Handler, Subscription
 from .future import Future
-from .keys import Keys, keys_from_environment
-from .mailbox_events import EventRouter, Handler, Subscription
-from .mailbox_heartbeats import AgentHeartbeats
-from .mailbox_io import MailboxIO
+from .heartbeats import AgentHeartbeats
+from .io_thread import MailboxIO
 
 
 @dataclasses.dataclass
@@ -153,7 +154,7 @@ class Mailbox(MailboxIO):
 
     # ------------------------------------------------------------------- sending
     def send(self, address: str, msg: Any, body: Sequence[Any] = ()) -> None:
-        """Send one :mod:`.protocol` message (its body frames from :func:`.wire.dumps`)."""
+        """Send one :mod:`..protocol` message (its body frames from :func:`..transport.wire.dumps`)."""
         head = (msg.KIND, *msg)
         if address in self._linked:
             through = self._relays.get(address)
@@ -234,7 +235,7 @@ class Mailbox(MailboxIO):
 
     # ------------------------------------------------------------------- events
     def subscribe(self, run_id: str | None, handlers: Mapping[type[Any], Handler]) -> Subscription:
-        """Receive ``run_id``'s events of these :mod:`.protocol` types (every run's, with None)
+        """Receive ``run_id``'s events of these :mod:`..protocol` types (every run's, with None)
         until the subscription is closed; use it as a context manager."""
         return self.events.subscribe(run_id, handlers)
 

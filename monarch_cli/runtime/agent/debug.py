@@ -6,7 +6,7 @@ at a time; others get a clear answer naming the holder. A holder that stops hear
 loses its holds, never the rank.
 
 DAP: the rank's debugpy connects to a loopback listener here that accepts only this user's
-sockets (see :mod:`.dap_link`); whole DAP messages then travel between that connection and
+sockets (see :mod:`..dap_link`); whole DAP messages then travel between that connection and
 the ``monarch debug --dap`` client that has bound the rank, over the authenticated runtime.
 """
 
@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import protocol
-from .dap_link import GOODBYE, DapFrames, accept_same_user, listen_loopback
+from .. import protocol
+from ..dap_link import GOODBYE, DapFrames, accept_same_user, listen_loopback
 
 if TYPE_CHECKING:
-    from .agent import HostAgent
+    from .core import AgentCore
 
 _PROMPTS = ("(Pdb) ", ">>> ", "... ")
 _STEPS = {"n", "next", "s", "step", "unt", "until", "r", "return", "j", "jump"}
@@ -80,7 +80,7 @@ class _Session:
 
 
 class DebugHost:
-    def __init__(self, agent: HostAgent) -> None:
+    def __init__(self, agent: AgentCore) -> None:
         self.agent = agent
         self.sessions: dict[tuple[str, int], _Session] = {}
         self.by_fd: dict[int, _Session] = {}
@@ -138,7 +138,7 @@ class DebugHost:
             self.agent.send(session.holder, protocol.DebugState(run_id, rank, "exited", how))
 
     def _from_rank(self, s: _Session, msg: Any) -> None:
-        """One :data:`~.protocol.RankDebugMessage` from the rank's debugger channel."""
+        """One :data:`~..protocol.RankDebugMessage` from the rank's debugger channel."""
         kind = msg["type"]
         if kind == "output":
             s.transcript += msg["data"]

@@ -17,9 +17,10 @@ from typing import Any
 
 import zmq
 
-from ..config import settings
-from . import protocol, wire
-from .keys import Keys
+from ...config import settings
+from .. import protocol
+from ..transport import wire
+from ..transport.keys import Keys
 
 
 @dataclasses.dataclass
@@ -80,7 +81,7 @@ class AgentHeartbeats:
             self._transport.close()
 
     def _loop(self) -> None:
-        from .transport import Transport
+        from ..transport.sockets import Transport
 
         self._transport = Transport(self._keys, zap=False)
         beat = wire.frames(protocol.header(protocol.Heartbeat(self._address)))[0]

@@ -3,11 +3,11 @@
 Requests arrive on the agent's authenticated inbox like every other request (so a backend
 reached only through one forwarded port gets sync too):
 
-* :class:`~.protocol.SyncManifest` with a :class:`SyncCheck` body: tells whether this host
+* :class:`~..protocol.SyncManifest` with a :class:`SyncCheck` body: tells whether this host
   sees the client's workspace itself (one of its files at the same path with the same inode,
   size and mtime), and otherwise the mirror's directory and digest, plus its manifest when
   the client's digest differs.
-* :class:`~.protocol.SyncApplyRequest` with a :class:`SyncApply` body: deletions and files (bytes
+* :class:`~..protocol.SyncApplyRequest` with a :class:`SyncApply` body: deletions and files (bytes
   out of band) written atomically into the mirror.
 
 A mirror lives at ``$MONARCH_REMOTE_DIR/<reservation>/workspace/<name>`` (default
@@ -21,12 +21,13 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import protocol, wire
-from .protocol.sync import SyncApplied, SyncApply, SyncCheck, SyncStatus  # noqa: F401 - the bodies this module answers
-from .workspace import Mirror
+from .. import protocol
+from ..protocol.sync import SyncApplied, SyncApply, SyncCheck, SyncStatus  # noqa: F401 - the bodies this module answers
+from ..transport import wire
+from ..workspace import Mirror
 
 if TYPE_CHECKING:
-    from .agent import HostAgent
+    from .core import AgentCore
 
 _mirrors: dict[str, Mirror] = {}
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -80,7 +81,7 @@ def apply(req: SyncApply) -> SyncApplied:
     return SyncApplied(written, nbytes, mirror.digest)
 
 
-def handlers(agent: HostAgent) -> dict[type, Callable[[Any, list[Any]], None]]:
+def handlers(agent: AgentCore) -> dict[type, Callable[[Any, list[Any]], None]]:
     """The messages this part of the agent answers."""
     return {
         protocol.SyncManifest: lambda msg, body: _answer(agent, msg, body, check),
@@ -88,7 +89,7 @@ def handlers(agent: HostAgent) -> dict[type, Callable[[Any, list[Any]], None]]:
     }
 
 
-def _answer(agent: HostAgent, msg: Any, body: list[Any], serve: Callable[[Any], Any]) -> None:
+def _answer(agent: AgentCore, msg: Any, body: list[Any], serve: Callable[[Any], Any]) -> None:
     """Answer one sync request; a failure is the caller's error naming this host."""
     try:
         value = serve(wire.loads(body))

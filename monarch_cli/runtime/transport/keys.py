@@ -47,7 +47,7 @@ class Keys:
 
     def write(self, path: Path) -> None:
         """Write to ``path`` with mode 0600 from the start (no window where it is readable)."""
-        from ..sysutil import atomic_write
+        from ...sysutil import atomic_write
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

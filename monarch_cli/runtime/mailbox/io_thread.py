@@ -29,9 +29,9 @@ from typing import Any
 
 import zmq
 
-from . import wire
+from ..transport import wire
+from ..transport.keys import Keys
 from .future import Future
-from .keys import Keys
 
 # Plain ints: `getsockopt(zmq.EVENTS) & zmq.POLLIN` builds enum flags, ~0.6 µs a time on the hot path.
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -44,7 +44,7 @@ class MailboxIO:
     """The sockets and threads under :class:`~.mailbox.Mailbox`; it supplies ``_handle_message``."""
 
     def __init__(self, keys: Keys) -> None:
-        from .transport import Transport
+        from ..transport.sockets import Transport
 
         self.keys = keys
         self.transport = Transport(keys)

@@ -1,4 +1,4 @@
-"""The agent's side of learned warm processes (see :mod:`.preload` for the rank and zygote sides).
+"""The agent's side of learned warm processes (see :mod:`..rank.preload` for the rank and zygote sides).
 
 :class:`WarmRanks` keeps the fork server that runs fork from, warms the next one in the
 background after a run taught it something new, swaps it in when it is ready, starts fresh
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..sysutil import private_tmpdir
+from ...sysutil import private_tmpdir
 
 CACHE_ENV = "MONARCH_CACHE_DIR"
 _MAX_OFFENDER_RETRIES = 5
@@ -107,7 +107,7 @@ def _safe(name: str) -> str:
 
 #: Learning is on unless this is 0/false/no in the environment ``monarch serve`` starts agents
 #: with. (It was opt-in while DDP scripts hung at exit in 1 run of 3 when forked from a learned
-#: warm process: a torch teardown race that rank_start._settle_gloo_teardown now sidesteps.)
+#: warm process: a torch teardown race that rank.start._settle_gloo_teardown now sidesteps.)
 LEARN_ENV = "MONARCH_LEARN_PRELOAD"
 
 

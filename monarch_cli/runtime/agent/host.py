@@ -10,13 +10,13 @@ a free port, writes its address, and then:
   outlives its owner;
 * is a child subreaper: when a fork server (zygote) dies, its ranks and procs, killed with it,
   are re-parented here, reaped and reported with the cause, and a new fork server starts;
-* with ``--state-file``, registers itself (see :mod:`.agent_registry`) and exits on its own
+* with ``--state-file``, registers itself (see :mod:`.registry`) and exits on its own
   once that state file no longer records its reservation.
 
 This module is the core: the poll loop, clients and their heartbeats, the zygotes. What the
-agent answers is a table from message kind (:mod:`.protocol`) to handler, built at start-up
-from what each part registers: :mod:`.agent_procs` (procs), :mod:`.agent_ranks` (SPMD runs),
-:mod:`.agent_debug`, :mod:`.agent_telemetry`, :mod:`.agent_sync`. A request of a kind nobody
+agent answers is a table from message kind (:mod:`..protocol`) to handler, built at start-up
+from what each part registers: :mod:`.procs` (procs), :mod:`.ranks` (SPMD runs),
+:mod:`.debug`, :mod:`.telemetry`, :mod:`.sync`. A request of a kind nobody
 registered is answered with an error naming it.
 """
 
@@ -39,21 +39,24 @@ from typing import Any
 
 import zmq
 
-from .. import __version__
-from ..config import configure
-from ..sysutil import atomic_write
-from . import agent_command, agent_lineage, agent_registry, agent_sync, protocol, wire
-from .agent_debug import DebugHost
-from .agent_procs import ProcHost
-from .agent_ranks import RankHost
-from .agent_telemetry import TelemetryHost
-from .agent_warm import WarmRanks
-from .keys import Keys, keys_from_environment
-from .preload import LEARNED_ENV, READY_ENV
-from .title import set_title
-from .transport import Transport
+from ...config import configure
+from ...sysutil import atomic_write
+from ...version import __version__
+from .. import protocol
+from ..launch import command
+from ..rank.preload import LEARNED_ENV, READY_ENV
+from ..title import set_title
+from ..transport import wire
+from ..transport.keys import Keys, keys_from_environment
+from ..transport.sockets import Transport
+from . import lineage, registry, sync
+from .debug import DebugHost
+from .procs import ProcHost
+from .ranks import RankHost
+from .telemetry import TelemetryHost
+from .warm import WarmRanks
 
-READY_PREFIX = agent_command.READY_PREFIX
+READY_PREFIX = command.READY_PREFIX
 _STATE_FIRST_SEEN = 120.0  # seconds `serve` has to record a new agent in its state file
 
 
@@ -65,7 +68,7 @@ class _Client:
 
 class _Zygote:
     """The agent's handle on a fork server (``preload``: modules it imports up front; ``learned``
-    and ``ready``: a warm-rank zygote's learned modules and report file, see :mod:`.preload`)."""
+    and ``ready``: a warm-rank zygote's learned modules and report file, see :mod:`..rank.preload`)."""
 
     def __init__(
         self,
@@ -78,7 +81,7 @@ class _Zygote:
         env = {**os.environ, "MONARCH_PRELOAD": preload}
         env.update({k: v for k, v in ((READY_ENV, ready), (LEARNED_ENV, learned)) if v})
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "monarch_cli.runtime.zygote", str(child.fileno()), title],
+            [sys.executable, "-m", "monarch_cli.runtime.agent.zygote", str(child.fileno()), title],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,
@@ -90,7 +93,7 @@ class _Zygote:
         socket.send_fds(self.sock, [pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot)))], list(fds))
 
     def receive(self) -> Any | None:
-        """The zygote's next message (:class:`~.protocol.Forked`, ``ChildExited``, ``WarmReady``);
+        """The zygote's next message (:class:`~..protocol.Forked`, ``ChildExited``, ``WarmReady``);
         None once it is gone."""
         try:
             data = self.sock.recv(1 << 16)
@@ -138,7 +141,7 @@ class HostAgent:
         self.inbox.router_handover = True  # a client's reconnection (a restarted tunnel) takes its route over
         self.host = name or socket.gethostname()
         self.label = f"{reservation} host {self.host}" if reservation else f"host {self.host}"
-        agent_lineage.become_subreaper()
+        lineage.become_subreaper()
         self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
@@ -156,7 +159,7 @@ class HostAgent:
             self.ranks.handlers(),
             self.debug.handlers(),
             self.telemetry.handlers(),
-            agent_sync.handlers(self),
+            sync.handlers(self),
         ):
             for cls, handler in part.items():
                 if cls.KIND in self.handlers:
@@ -173,7 +176,7 @@ class HostAgent:
 
     # ------------------------------------------------------------------ sending
     def send(self, address: str, msg: Any, body: list[Any] = ()) -> None:  # type: ignore[assignment]
-        """A :mod:`.protocol` message to ``address``, through the connection it opened to us,
+        """A :mod:`..protocol` message to ``address``, through the connection it opened to us,
         else by connecting to it."""
         self.send_frames(address, wire.frames((msg.KIND, *msg), body))
 
@@ -271,7 +274,7 @@ class HostAgent:
         self.telemetry.close()
         self.procs.kill_all()
         self.ranks.kill_all()
-        agent_lineage.kill_tree()  # whatever else is below us, even in sessions of its own
+        lineage.kill_tree()  # whatever else is below us, even in sessions of its own
         self.zygote.kill()
         self.warm.close()
 
@@ -316,7 +319,7 @@ class HostAgent:
             self.clients[addr] = _Client(time.monotonic(), heartbeat_timeout)
 
     def info(self) -> dict[str, Any]:
-        from ..config import advertised_host
+        from ...config import advertised_host
 
         return {
             "host": self.host,
@@ -379,14 +382,14 @@ class HostAgent:
 
     def _reap_adopted(self) -> None:
         own = {z.process.pid: z.process for z in self._own_zygotes()}
-        for pid, status in agent_lineage.reap_adopted(own):
+        for pid, status in lineage.reap_adopted(own):
             self._child_exited(pid, status)
 
     def _check_state_file(self) -> None:
         interval, next_check, misses = self._state_check
         if self.state_file is None or time.monotonic() < next_check:
             return
-        present = agent_registry.reservation_present(self.state_file, self.reservation)
+        present = registry.reservation_present(self.state_file, self.reservation)
         if present and self._state_seen_by is not None:
             self._state_seen_by = None  # `serve` saves the file once every agent is up
         waiting = self._state_seen_by is not None and time.monotonic() < self._state_seen_by
@@ -442,7 +445,7 @@ def _watch_stdin(agent: HostAgent) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = agent_command.parser()
+    parser = command.parser()
     parser.add_argument("--state-check-interval", type=float, default=2.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.port_range:
@@ -471,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     set_title(f"monarch agent {agent.label}")
     registered: Path | None = None
     if args.state_file and args.reservation:
-        registered = agent_registry.register(args.state_file, args.reservation, agent.host)
+        registered = registry.register(args.state_file, args.reservation, agent.host)
         agent.watch_state_file(args.state_file, args.state_check_interval)
     if args.warm_up:
         agent.rank_zygote()
@@ -491,7 +494,3 @@ def main(argv: list[str] | None = None) -> int:
         if registered is not None:
             registered.unlink(missing_ok=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ Two ways in, one behaviour:
 * warm: a child forked from a zygote that has already imported torch calls
   :func:`become_rank`; environment, cwd, ``sys.argv``, ``sys.path[0]``, ``__main__``,
   stdio and thread settings are reset to what a fresh interpreter would have;
-* cold: a fresh interpreter runs ``python -m monarch_cli.runtime.rank_start`` with the rank
+* cold: a fresh interpreter runs ``python -m monarch_cli.runtime.rank.start`` with the rank
   spec in ``$MONARCH_RANK_SPEC`` (removed before user code runs).
 
 Rank 0 may be handed an already-listening socket for the rendezvous store, so the master
@@ -26,10 +26,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .title import rank_title, set_title
+from ..title import rank_title, set_title
 
 if TYPE_CHECKING:
-    from .protocol import RankSpec
+    from ..protocol import RankSpec
 
 SPEC_ENV = "MONARCH_RANK_SPEC"
 _store: Any = None  # keeps the rendezvous store alive for the whole run
@@ -217,8 +217,8 @@ def run_program(spec: RankSpec) -> int:
         return 128 + signal.SIGINT
     except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: traceback, status 1
         _print_traceback()
-        if spec.get("post_mortem") and "monarch_cli.runtime.rank_debug" in sys.modules:
-            from . import rank_debug
+        if spec.get("post_mortem") and "monarch_cli.runtime.rank.debug" in sys.modules:
+            from . import debug as rank_debug
 
             sys.stderr.flush()
             rank_debug.post_mortem(sys.exc_info()[2])
@@ -311,14 +311,14 @@ def _settle_gloo_teardown() -> None:
 
 def _install_telemetry(spec: dict[str, Any]) -> None:
     if spec.get("telemetry"):
-        from . import rank_telemetry
+        from . import telemetry as rank_telemetry
 
         rank_telemetry.install(spec)
 
 
 def _install_debugger(fd: int | None) -> None:
     if fd is not None:
-        from . import rank_debug
+        from . import debug as rank_debug
 
         rank_debug.install(fd)
 
@@ -327,7 +327,7 @@ def cold_command(spec: RankSpec) -> list[str]:
     """The command line of a cold rank (the spec travels in the environment)."""
     if spec["mode"] == "no_python":
         return list(spec["program"])
-    return [sys.executable, *spec.get("python_args", []), "-m", "monarch_cli.runtime.rank_start"]
+    return [sys.executable, *spec.get("python_args", []), "-m", "monarch_cli.runtime.rank.start"]
 
 
 def _default_signals() -> None:

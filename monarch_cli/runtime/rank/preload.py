@@ -1,6 +1,6 @@
 """Learning what ranks import, so that later runs fork from a process that has it already.
 
-The rank and zygote sides (the agent's is in :mod:`.agent_warm`):
+The rank and zygote sides (the agent's is in :mod:`..agent.warm`):
 
 * **rank**: at exit, :func:`report_imports` writes the installed modules (standard library,
   site-packages, libraries outside the workspace) the rank imported that its zygote did not
@@ -12,7 +12,7 @@ The rank and zygote sides (the agent's is in :mod:`.agent_warm`):
   interpreter); a module that does is reported as an offender and the zygote exits. A
   module that fails to import, or resolves to another file here, is left out quietly.
   :func:`write_ready` records every loaded module file's mtime and size.
-* **agent**: :class:`.agent_warm.WarmRanks` (its own module) decides which zygote runs fork from.
+* **agent**: :class:`..agent.warm.WarmRanks` (its own module) decides which zygote runs fork from.
 """
 
 from __future__ import annotations

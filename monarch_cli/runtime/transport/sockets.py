@@ -16,7 +16,7 @@ import uuid
 import zmq
 from zmq.utils import z85
 
-from ..config import advertised_host, bind_port_candidates, listen_host, settings
+from ...config import advertised_host, bind_port_candidates, listen_host, settings
 from .keys import Keys
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"

@@ -8,11 +8,18 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from ..config import settings
-from .errors import CallTimeout, MonarchError
+from ...config import settings
+from ..errors import CallTimeout, MonarchError
 
 T = TypeVar("T")
 _DEFAULT: Any = object()
+#: The thread that runs a proc's endpoints, set by :func:`..actor.proc.main`; None outside procs.
+_endpoint_thread: threading.Thread | None = None
+
+
+def on_loop_thread() -> bool:
+    """True in a proc's main thread, where endpoints run (and must not block on their own proc)."""
+    return _endpoint_thread is not None and threading.current_thread() is _endpoint_thread
 
 
 class Future(concurrent.futures.Future, Generic[T]):
@@ -33,8 +40,6 @@ class Future(concurrent.futures.Future, Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         mb = self._mailbox
         if self._same_proc and not self.done():
-            from .proc import on_loop_thread
-
             if on_loop_thread():
                 raise MonarchError(
                     "an endpoint cannot block on a call to an actor in its own proc (it would wait "

@@ -5,15 +5,32 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import inspect
+import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from ..errors import ActorError, MonarchError
 from .shape import Point
 
-if TYPE_CHECKING:
-    from .mesh import ProcMesh
-
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ProcHost(Protocol):
+    """What code in a proc may ask of the proc hosting it (:class:`.proc.ProcServer` registers itself).
+
+    Defined here, below the meshes and the proc, so that neither imports the other to find it.
+    """
+
+    inbox_addr: str
+
+    def as_mesh(self) -> Any: ...
+
+    def spawn_local(self, key: str, name: str, point: Point, cls: type, args: Any, kwargs: Any) -> None: ...
+
+
+#: This process's proc bootstrap and server, set by :func:`.proc.main`; None in a controller.
+_boot: dict[str, Any] | None = None
+_server: ProcHost | None = None
 
 
 class Actor:
@@ -47,10 +64,11 @@ class Context:
     _key: str | None = None
 
     @property
-    def proc(self) -> ProcMesh:
-        from .mesh import this_proc
-
-        return this_proc()
+    def proc(self) -> Any:
+        """This proc as a one-proc :class:`~.mesh.ProcMesh` (what ``this_proc()`` returns)."""
+        if _server is None:
+            raise MonarchError(NOT_IN_A_PROC)
+        return _server.as_mesh()
 
 
 _CONTROLLER = Context(actor=None, actor_name=None, point=Point({}, 0, {}), proc_id=None)
@@ -77,3 +95,27 @@ def _enter(ctx: Context) -> contextvars.Token:
 
 def _leave(token: contextvars.Token) -> None:
     _current.reset(token)
+
+
+NOT_IN_A_PROC = (
+    "this_proc() is only available inside an actor; the controller spawns procs with this_host().spawn_procs()"
+)
+
+
+def current_bootstrap() -> dict[str, Any] | None:
+    return _boot
+
+
+def current_inbox() -> str:
+    assert _server is not None
+    return _server.inbox_addr
+
+
+def spawn_here(key: str, name: str, point: Point, cls: type, args: Any, kwargs: Any) -> None:
+    assert _server is not None
+    try:
+        _server.spawn_local(key, name, point, cls, args, kwargs)
+    except BaseException as e:  # noqa: BLE001
+        raise ActorError(
+            f"constructing actor {name!r} at {point} failed {type(e).__name__}: {e}", traceback.format_exc(), e
+        ) from None

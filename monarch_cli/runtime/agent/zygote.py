@@ -21,8 +21,9 @@ import threading
 import traceback
 from typing import Any
 
-from ..sysutil import signal_if_alive
-from . import preload, protocol
+from ...sysutil import signal_if_alive
+from .. import protocol
+from ..rank import preload
 
 _PR_SET_PDEATHSIG = 1
 PRELOAD_ENV = "MONARCH_PRELOAD"
@@ -54,15 +55,15 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: dict[
             os.dup2(fd, target)
             os.close(fd)
         if kind == "proc":
-            from . import proc
+            from ..actor import proc
 
             code = proc.main(boot)
         elif kind == "rank":
-            from . import rank_start
+            from ..rank import start as rank_start
 
             code = rank_start.become_rank(boot, extra)
         elif kind == "cold":
-            from . import rank_start
+            from ..rank import start as rank_start
 
             rank_start.exec_cold(boot, extra)  # only returns by raising
     except SystemExit as e:
@@ -85,7 +86,7 @@ def _exit_if_orphaned(parent: int, done: threading.Event) -> None:
 
 def serve(fd: int, title: str = "monarch fork-server") -> None:
     die_with_parent()
-    from .title import set_title
+    from ..title import set_title
 
     set_title(title)
     sock = socket.socket(fileno=fd)
@@ -96,10 +97,8 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     importing = threading.Event()
     watchdog = threading.Thread(target=_exit_if_orphaned, args=(os.getppid(), importing), daemon=True)
     watchdog.start()
-    from . import (
-        proc,  # noqa: F401 - the point of the zygote: import once, fork many
-        rank_telemetry,  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
-    )
+    from ..actor import proc  # noqa: F401 - the point of the zygote: import once, fork many
+    from ..rank import telemetry  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
 
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
         try:

@@ -27,11 +27,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import agent_lineage, protocol, wire
-from .exit_status import describe_status, from_wait_status
+from .. import protocol
+from ..exit_status import describe_status, from_wait_status
+from ..transport import wire
+from . import lineage
 
 if TYPE_CHECKING:
-    from .agent import HostAgent
+    from .core import AgentCore
 
 _READ = 1 << 16
 #: Bytes of one run's output a host sends ahead of the client's credit.
@@ -88,7 +90,7 @@ class _Rank:
 
 
 class RankHost:
-    def __init__(self, agent: HostAgent) -> None:
+    def __init__(self, agent: AgentCore) -> None:
         self.agent = agent
         self.pending: dict[int, _Rank] = {}  # fork request -> rank
         self.by_pid: dict[int, _Rank] = {}
@@ -100,8 +102,8 @@ class RankHost:
         self.held: dict[str, set[int]] = {}  # run id -> pipes not read until credit comes back
         self.unthrottled: set[str] = set()  # runs whose client is gone: nobody will credit them
         self.port_held_at: dict[str, float] = {}
-        self.tracked: dict[str, set[agent_lineage.Pid]] = {}  # run id -> descendants seen under its ranks
-        self.leftovers: dict[agent_lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
+        self.tracked: dict[str, set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
+        self.leftovers: dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
         self._next_scan = 0.0
 
     # ---------------------------------------------------------------- requests
@@ -126,7 +128,7 @@ class RankHost:
 
     def reserve_port(self, run_id: str) -> int:
         """Bind and listen now, keep it open, hand the socket to rank 0 later: no race."""
-        from ..config import advertised_host, bind_port_candidates
+        from ...config import advertised_host, bind_port_candidates
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -155,7 +157,7 @@ class RankHost:
     def start(self, owner: str, run_id: str, specs: list[protocol.RankSpec]) -> dict[str, list[str]]:
         """Start the ranks; returns ``made_cold``, the start-up variables that made warm ranks
         start cold, and ``notices`` for the user (e.g. a fresh warm process, and why)."""
-        from . import preload  # (the agent's side; controllers import this module too)
+        from ..rank import preload  # (the agent's side; controllers import this module too)
 
         held = self.ports.pop(run_id, None)
         self.port_held_at.pop(run_id, None)
@@ -164,7 +166,7 @@ class RankHost:
         notices: list[str] = []
         warm_zygote: Any = None
         for spec in specs:
-            spec["env"] = {**base, **spec["env"], agent_lineage.RUN_ENV: run_id}  # the controller's view wins
+            spec["env"] = {**base, **spec["env"], lineage.RUN_ENV: run_id}  # the controller's view wins
             differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
             if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings
@@ -232,7 +234,7 @@ class RankHost:
     def announce_stop(self, who: str) -> list[str]:
         """Tell each run with ranks here that ``who`` is releasing the reservation; returns those runs.
 
-        Sent as :class:`~.protocol.ReservationStopped` before the agent is stopped, so the run
+        Sent as :class:`~..protocol.ReservationStopped` before the agent is stopped, so the run
         ends saying why instead of as a lost host.
         """
         runs: dict[tuple[str, str], None] = {}
@@ -268,7 +270,7 @@ class RankHost:
         for pgid in [*self.reaping, *(g for groups in self.groups.values() for g in groups)]:
             _signal_group(pgid, signal.SIGKILL)
         for proc in [*self.leftovers, *(p for seen in self.tracked.values() for p in seen)]:
-            agent_lineage.signal_exact(proc, signal.SIGKILL)
+            lineage.signal_exact(proc, signal.SIGKILL)
 
     def zygote_died(self, zygote_pid: int, cause: str) -> None:
         """The fork server of some ranks died: they die with it (PDEATHSIG) and, re-parented
@@ -342,7 +344,7 @@ class RankHost:
         for proc, kill_at in list(self.leftovers.items()):
             if now >= kill_at:
                 del self.leftovers[proc]
-                agent_lineage.signal_exact(proc, signal.SIGKILL)
+                lineage.signal_exact(proc, signal.SIGKILL)
         if now >= self._next_scan:
             self._next_scan = now + _SCAN_EVERY
             self._track_descendants()
@@ -399,9 +401,9 @@ class RankHost:
         live = [r for r in self.by_pid.values() if r.status is None and r.pid is not None]
         if not live:
             return
-        table = agent_lineage.children_map()
+        table = lineage.children_map()
         for rank in live:
-            self.tracked.setdefault(rank.run_id, set()).update(agent_lineage.descendants([rank.pid], table))  # type: ignore[list-item]
+            self.tracked.setdefault(rank.run_id, set()).update(lineage.descendants([rank.pid], table))  # type: ignore[list-item]
 
     def _end_run(self, run_id: str) -> None:
         """Once every rank of a run here has ended, end what they left running, as torchrun
@@ -417,11 +419,11 @@ class RankHost:
             if _signal_group(pgid, signal.SIGTERM):
                 self.reaping[pgid] = kill_at
         # Those that left the group (setsid): seen under a rank, or carrying the run's id.
-        under_agent = agent_lineage.descendants([os.getpid()])
+        under_agent = lineage.descendants([os.getpid()])
         ours = {p for p in under_agent if p[0] in self.agent.zygote_pids() or p[0] in self.by_pid}
-        left = (self.tracked.pop(run_id, set()) | agent_lineage.carrying(run_id, under_agent - ours)) - ours
+        left = (self.tracked.pop(run_id, set()) | lineage.carrying(run_id, under_agent - ours)) - ours
         for proc in left:
-            if agent_lineage.signal_exact(proc, signal.SIGTERM):
+            if lineage.signal_exact(proc, signal.SIGTERM):
                 self.leftovers[proc] = kill_at
 
     def live_fds(self) -> set[int]:

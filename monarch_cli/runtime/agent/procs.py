@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ..sysutil import signal_if_alive as _signal
-from . import protocol, wire
-from .errors import Failure
+from ...sysutil import signal_if_alive as _signal
+from .. import protocol
+from ..errors import Failure
+from ..transport import wire
 
 if TYPE_CHECKING:
-    from .agent import HostAgent
+    from .core import AgentCore
 
 
 @dataclasses.dataclass
@@ -33,7 +34,7 @@ class _Proc:
 
 
 class ProcHost:
-    def __init__(self, agent: HostAgent) -> None:
+    def __init__(self, agent: AgentCore) -> None:
         self.agent = agent
         self.by_pid: dict[int, _Proc] = {}
         self.forking: dict[int, tuple[str, str]] = {}  # fork request -> (proc_id, owner)

@@ -1,14 +1,14 @@
 """The agent's side of telemetry: samples of its ranks' processes, their step times, their stacks.
 
 * About once a second, for every live rank, the agent sends the rank's owner (the
-  ``run-spmd`` client) an :class:`~.protocol.Telemetry` message:
+  ``run-spmd`` client) an :class:`~..protocol.Telemetry` message:
   process state, CPU, RSS, threads (psutil), the GPU it uses (NVML, when the host has
   GPUs and ``nvidia-ml-py`` is installed; otherwise those fields are None), and the step
-  records the rank's optimizer hook stored since (see :mod:`.rank_telemetry`).
+  records the rank's optimizer hook stored since (see :mod:`..rank.telemetry`).
 * ``telemetry_sample``: the same, now, for any holder of the keys (``monarch top``).
 * ``telemetry_stacks``: every live rank's Python stack, captured in parallel in a thread
   with ``py-spy dump``; a rank py-spy cannot attach to is asked for the interpreter's own
-  dump (faulthandler, on :data:`~.rank_telemetry.STACK_SIGNAL`).
+  dump (faulthandler, on :data:`~..rank.telemetry.STACK_SIGNAL`).
 * when a rank ends, its last step records go to its owner just before its exit is reported
   (:meth:`TelemetryHost.rank_ended`), so the run's ``steps`` are complete when it returns.
 """
@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..sysutil import private_tmpdir
-from . import protocol
-from .rank_telemetry import STACK_SIGNAL, STEP_HEADER, STEP_TIME, paths
+from ...sysutil import private_tmpdir
+from .. import protocol
+from ..rank.telemetry import STACK_SIGNAL, STEP_HEADER, STEP_TIME, paths
 
 if TYPE_CHECKING:
-    from .agent import HostAgent
-    from .agent_ranks import _Rank
+    from .core import AgentCore
+    from .ranks import _Rank
 
 PUSH_INTERVAL = float(os.environ.get("MONARCH_TELEMETRY_INTERVAL", "1.0") or 1.0)
 _PY_SPY_TIMEOUT = 5.0
@@ -46,7 +46,7 @@ Step = tuple[Any, ...]  # a row of the steps table
 
 
 class TelemetryHost:
-    def __init__(self, agent: HostAgent) -> None:
+    def __init__(self, agent: AgentCore) -> None:
         self.agent = agent
         self.dir = private_tmpdir("telemetry")  # 0700: step and stack files of our ranks
         self._wake_r, self._wake_w = os.pipe()
@@ -174,7 +174,7 @@ class TelemetryHost:
             self._read_file(r.run_id, r.rank, paths(self.dir, r.run_id, r.rank)["steps"])
 
     def _read_file(self, run_id: str, rank: int, path: str) -> None:
-        """The steps the rank's hook stored since the last read (the format: :data:`.rank_telemetry.STEP_HEADER`)."""
+        """The steps the rank's hook stored since the last read (the format: :data:`..rank.telemetry.STEP_HEADER`)."""
         done = self._offsets.get(path, 0)  # steps already read
         first = max(done - 1, 0)  # the previous step's time too: dt_ms is the difference
         try:

@@ -16,12 +16,13 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..config import settings
-from . import protocol, wire
-from .actor import context, endpoints_of
-from .errors import ActorError, Failure, MonarchError
-from .future import Future, gather
-from .mailbox import Mailbox
+from ...config import settings
+from .. import protocol
+from ..errors import ActorError, Failure, MonarchError
+from ..mailbox.future import Future, gather
+from ..mailbox.mailbox import Mailbox
+from ..transport import wire
+from .actor import NOT_IN_A_PROC, context, current_bootstrap, current_inbox, endpoints_of, spawn_here
 from .shape import Index, Shape, ValueMesh
 
 
@@ -166,18 +167,16 @@ class ProcMesh(_Mesh):
         """One ``actor_class(*args, **kwargs)`` per proc; raises :class:`ActorError` if any constructor fails."""
         if not isinstance(actor_class, type):
             raise TypeError(f"spawn needs an Actor class, not {actor_class!r}")
-        from . import proc as _proc
-
         mb = Mailbox.get()
         key = f"{name}#{uuid.uuid4().hex[:8]}"
         body = wire.dumps((actor_class, args, kwargs))
-        here = _proc.current_bootstrap()
+        here = current_bootstrap()
         futs = []
         for point, proc in zip(self._shape.points(), self._members):
             if here is not None and proc.proc_id == here["proc_id"]:
                 # Spawning beside ourselves: construct in place (a message to our own
                 # inbox would wait behind the endpoint that is running now).
-                _proc.spawn_here(key, name, point, actor_class, args, kwargs)
+                spawn_here(key, name, point, actor_class, args, kwargs)
                 continue
             futs.append(
                 mb.request(
@@ -372,13 +371,11 @@ def this_host() -> HostMesh:
     """
     global _local_host
     if _local_host is None:
-        from . import proc as _proc
-
-        boot = _proc.current_bootstrap()
+        boot = current_bootstrap()
         if boot is not None:
             _local_host = HostMesh(Shape({}), [HostRef(boot["agent"], boot["host"])])
         else:
-            from .agent_start import start_private_agent
+            from ..launch.start import start_private_agent
 
             mb = Mailbox.get()
             addr = start_private_agent(mb.keys)
@@ -389,17 +386,13 @@ def this_host() -> HostMesh:
 
 def this_proc() -> ProcMesh:
     """The proc this actor runs in, as a one-proc mesh (``this_proc().spawn(...)``)."""
-    from . import proc as _proc
-
-    boot = _proc.current_bootstrap()
+    boot = current_bootstrap()
     if boot is None:
-        raise MonarchError(
-            "this_proc() is only available inside an actor; the controller spawns procs with this_host().spawn_procs()"
-        )
+        raise MonarchError(NOT_IN_A_PROC)
     mesh = ProcMesh.__new__(ProcMesh)
     mesh._name = boot["proc_id"]
     mesh._failures = []
-    ref = ProcRef(boot["proc_id"], _proc.current_inbox(), boot["agent"], boot["host"], boot["pid"])
+    ref = ProcRef(boot["proc_id"], current_inbox(), boot["agent"], boot["host"], boot["pid"])
     _Mesh.__init__(mesh, Shape({}), [ref])
     return mesh
 

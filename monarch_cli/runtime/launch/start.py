@@ -13,8 +13,8 @@ import subprocess
 import time
 from typing import Any
 
-from .agent_command import READY_PREFIX, AgentCommand
-from .keys import Keys
+from ..transport.keys import Keys
+from .command import READY_PREFIX, AgentCommand
 
 _private: list[subprocess.Popen] = []
 

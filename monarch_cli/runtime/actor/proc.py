@@ -20,42 +20,19 @@ from typing import Any
 import cloudpickle
 import zmq
 
-from ..config import configure
-from . import protocol, wire
+from ...config import configure
+from .. import protocol
+from ..errors import Failure
+from ..mailbox import future
+from ..mailbox.io_thread import EVENTS, POLLIN
+from ..mailbox.mailbox import Mailbox
+from ..transport import wire
+from ..transport.keys import Keys
+from . import actor
 from .actor import Context, _enter, _leave
-from .errors import ActorError, Failure
-from .keys import Keys
-from .mailbox import Mailbox
-from .mailbox_io import EVENTS, POLLIN
 from .shape import Point
 
-_boot: dict[str, Any] | None = None
-_server: ProcServer | None = None
 _DRAIN_BATCH = 256
-
-
-def current_bootstrap() -> dict[str, Any] | None:
-    return _boot
-
-
-def current_inbox() -> str:
-    assert _server is not None
-    return _server.inbox_addr
-
-
-def spawn_here(key: str, name: str, point: Point, cls: type, args: Any, kwargs: Any) -> None:
-    assert _server is not None
-    try:
-        _server.spawn_local(key, name, point, cls, args, kwargs)
-    except BaseException as e:  # noqa: BLE001
-        raise ActorError(
-            f"constructing actor {name!r} at {point} failed {type(e).__name__}: {e}", traceback.format_exc(), e
-        ) from None
-
-
-def on_loop_thread() -> bool:
-    """True in a proc's main thread, where endpoints run (and must not block on their own proc)."""
-    return _server is not None and threading.current_thread() is threading.main_thread()
 
 
 class _Slot:
@@ -149,6 +126,12 @@ class ProcServer:
             self.mb.reply(answer[1], answer[0], False, (why, "", None))
         else:
             print(f"monarch: {why}", file=sys.stderr, flush=True)
+
+    def as_mesh(self) -> Any:
+        """This proc as a one-proc mesh (the meshes build on this module's layer, so imported here late)."""
+        from .mesh import this_proc
+
+        return this_proc()
 
     def spawn_local(self, key: str, name: str, point: Point, cls: type, args: Any, kwargs: Any) -> None:
         ctx = Context(actor=None, actor_name=name, point=point, proc_id=self.boot["proc_id"], _key=key)
@@ -276,10 +259,9 @@ def _adopt_import_context(ctx: dict[str, Any]) -> None:
 
 def main(boot: dict[str, Any]) -> int:
     """Run a proc until it is told to stop (called in the child forked by the zygote)."""
-    global _boot, _server
     boot["pid"] = os.getpid()
-    _boot = boot
-    from .title import set_title
+    actor._boot = boot
+    from ..title import set_title
 
     set_title(f"monarch proc {boot['proc_id']}")
     configure(**boot["settings"])
@@ -288,5 +270,6 @@ def main(boot: dict[str, Any]) -> int:
     if boot.get("relay"):  # the owner cannot be reached from here: through our agent, on its link
         mb.relay_through(boot["owner"], boot["agent"])
     Mailbox.install(mb)
-    _server = ProcServer(mb, boot)
-    return _server.run()
+    server = actor._server = ProcServer(mb, boot)
+    future._endpoint_thread = threading.main_thread()
+    return server.run()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from .agent_lineage import kill_tree
+from .lineage import kill_tree
 
 
 @dataclasses.dataclass
