@@ -267,6 +267,10 @@ OWNED = {
         f"monarch_cli/schedulers/kubernetes/{name}.py" for name in ("api", "pods", "port_forward", "scheduler")
     },
     "sky": {"monarch_cli/schedulers/skypilot/sdk.py"},
+    # the `mcp` extra (and what only it brings): `monarch mcp`'s server, nothing else
+    "mcp": {"monarch_cli/cli/mcp_server/server.py"},
+    "anyio": {"monarch_cli/cli/mcp_server/server.py"},
+    "jsonschema": {"monarch_cli/cli/mcp_server/server.py"},
 }
 
 
@@ -322,7 +326,7 @@ def _loaded_by(argv: list[str], cwd: Path, before: str = "") -> dict[str, bool]:
         "from monarch_cli.cli import app\n"
         f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
         "heavy = ['zmq', 'cloudpickle', 'monarch_cli.runtime.agent.host', 'monarch_cli.runtime.mailbox.mailbox', "
-        "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec']\n"
+        "'monarch_cli.jobs.spmd', 'torch', 'paramiko', 'pathspec', 'mcp']\n"
         "print({m: m in sys.modules for m in heavy})\n"
     )
     done = subprocess.run(
@@ -343,7 +347,13 @@ def test_commands_import_only_what_they_need(tmp_path: Path) -> None:
     (run / "rank0.log").write_text("hello\n")
     logs = _loaded_by(["logs", "--rank", "0"], tmp_path)
     assert not any(logs.values()), f"`monarch logs` loaded {[m for m, on in logs.items() if on]}"
-    for argv in (["--help"], ["serve", "--help"], ["debug", "--help"], ["sbatch", "--dry-run", "--", "python", "t.py"]):
+    for argv in (
+        ["--help"],
+        ["serve", "--help"],
+        ["debug", "--help"],
+        ["mcp", "--help"],
+        ["sbatch", "--dry-run", "--", "python", "t.py"],
+    ):
         loaded = _loaded_by(argv, tmp_path)
         assert not any(loaded.values()), f"`monarch {' '.join(argv)}` loaded {[m for m, on in loaded.items() if on]}"
     # the check can tell: the job API does load the runtime

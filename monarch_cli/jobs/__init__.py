@@ -22,6 +22,7 @@ _HOME = {
     "RunResult": "model",
     "StaleReservation": "model",
     "VersionMismatch": "model",
+    "new_run_id": "spmd",
 }
 
 
@@ -43,6 +44,7 @@ __all__ = [
     "clear_unreadable",
     "dryrun",
     "job_load",
+    "new_run_id",
     "reserve_plan",
     "serve",
 ]

@@ -36,6 +36,7 @@ from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, parse_command
 
 Command = str | Sequence[str] | Any  # a command line, an argv list, or a torchx AppDef
+_RUN_ID = re.compile(r"[0-9]{8}-[0-9]{9}-[0-9a-f]{4}")  # new_run_id()'s shape: also a directory name
 
 
 def _command_and_hosts(cmd: Command, hosts: int | None) -> tuple[list[str], int | None]:
@@ -172,11 +173,15 @@ class Job:
         not share this filesystem first get the workspace mirrored, and their ranks run in the
         mirror at the same relative directory. A failed run is restarted up to torchrun's
         ``--max-restarts`` times, unless it was ended from outside.
+        ``run_id`` (from :func:`new_run_id`) lets a caller that starts the run elsewhere (the MCP
+        server's detached runs) know its logs and telemetry before it starts.
         """
         opts = dataclasses.replace(options, **overrides) if options is not None else RunOptions(**overrides)
         argv, cwd, spec = self._spmd_command(command)
+        if opts.run_id is not None and not _RUN_ID.fullmatch(opts.run_id):
+            raise JobError(f"not a run id: {opts.run_id!r} (make one with new_run_id())")
         hostset = self.hostset()
-        run_id = new_run_id()
+        run_id = opts.run_id or new_run_id()
         if opts.ranks is not None:  # refused before anything starts
             _check_ranks(opts.ranks, len(plan_spmd(spec, hostset, run_id, cold=opts.cold, master_port=0, cwd=cwd)))
         log_dir = new_run_dir(self.logs_root, run_id)

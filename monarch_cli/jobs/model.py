@@ -207,6 +207,9 @@ class RunOptions:
     shutdown_timeout: float | None = None
     #: Ranks still running this many seconds after the first one ended are named through ``on_event``.
     straggler_grace: float = DEFAULT_STRAGGLER_GRACE
+    #: The run's id (from ``new_run_id()``), for a caller that must know its logs and telemetry before it
+    #: starts (the MCP server's detached runs); None: a new one.
+    run_id: str | None = None
 
     def say(self, message: str) -> None:
         if self.on_event is not None:
