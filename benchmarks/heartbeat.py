@@ -63,7 +63,7 @@ def main() -> None:
         cwd = Path(tmp)
         job = serve(None, "local", hosts=1, state=cwd / ".monarch" / "job_state.pkl")
         try:
-            hs = job._hostset()
+            hs = job.hostset()
             transport = Transport(job.keys, zap=False)
             sock = transport.dealer(hs.hosts[0].agent)
             idle = beats(sock, hs.mb.address, args.beats)

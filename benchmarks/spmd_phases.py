@@ -62,7 +62,7 @@ def wrap(owner, attr, before=None, after=None):
 
 def job_module(m):
     mark("imported")
-    wrap(m.Job, "_hostset", "connect", "connected")
+    wrap(m.Job, "hostset", "connect", "connected")
     wrap(m.Job, "run_spmd", None, "returned")
 
 def spmd_module(m):

@@ -79,8 +79,8 @@ def main() -> None:
         save_state(JobState("local", "local-bench", hosts, keys.encode(), [], time.time()), path)
         job = job_load(path)
         try:
-            hs = job._hostset()
-            first = job.sync(ws, _hostset=hs)
+            hs = job.hostset()
+            first = job.sync(ws, hostset=hs)
             assert first.files == args.files + 1, first
             ping = timed(
                 lambda: [
@@ -94,7 +94,7 @@ def main() -> None:
             floor = timed(lambda: [os.lstat(f) for f in files], args.repeats)
 
             def unchanged() -> None:
-                r = job.sync(ws, _hostset=hs)
+                r = job.sync(ws, hostset=hs)
                 assert not r.changed and r.synced_hosts == 2, r
 
             counter = [0]
@@ -102,7 +102,7 @@ def main() -> None:
             def one_change() -> None:
                 counter[0] += 1
                 (ws / "pkg00" / "mod000.py").write_text(f"# edit {counter[0]}\n")
-                r = job.sync(ws, _hostset=hs)
+                r = job.sync(ws, hostset=hs)
                 assert r.files == 1 and r.synced_hosts == 2, r
 
             none = timed(unchanged, args.repeats, warmup=2)

@@ -7,7 +7,7 @@ bug and is reported as an internal error, with its traceback kept in a file.
 
 from __future__ import annotations
 
-__all__ = ["MonarchError", "UserError", "JobError", "SchedulerError", "OptionError", "PlanError"]
+__all__ = ["MonarchError", "UserError", "JobError", "SchedulerError", "OptionError", "PlanError", "StoreError"]
 
 
 class MonarchError(Exception):
@@ -53,3 +53,9 @@ class PlanError(UserError):
     """A reservation plan is malformed or does not match the backend that should carry it out."""
 
     kind = "plan"
+
+
+class StoreError(UserError):
+    """A query the telemetry store refuses or cannot answer (``monarch sql``, ``Job.sql``)."""
+
+    kind = "store"

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import StoreError
+
 if TYPE_CHECKING:
     import sqlite3  # imported where used: a run's client loads it in the writer thread, off its path
 
@@ -190,10 +192,6 @@ def _ddl() -> list[str]:
             parts.append(_KEYS[table])
         out.append(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(parts)})")
     return out + _INDEXES
-
-
-class StoreError(Exception):
-    """A query the store refuses or cannot answer (the message is one line for the user)."""
 
 
 def _connect_rw(path: Path) -> sqlite3.Connection:

@@ -29,7 +29,7 @@ _HISTORY = Path(os.environ.get("MONARCH_DEBUG_HISTORY", Path.home() / ".monarch_
 def _client(state: Path | None, run: str | None) -> DebugClient:
     from ..jobs import job_load
 
-    return DebugClient(job_load(state), run)
+    return DebugClient(job_load(state).hostset(), run)
 
 
 def _where(row: PausedRank) -> str:

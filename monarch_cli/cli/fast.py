@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..jobs.argscan import OptionScanner
 from .console import explain
 
 #: option -> (parameter, kind): "flag" (True), "unflag" (False), "value", "path", "many", "seconds"
@@ -67,39 +68,19 @@ def parse(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
     name, options = argv[0], _COMMANDS[argv[0]]
     params = dict(_DEFAULTS[name])
     seen = set()
-    rest = argv[1:]
-    i = 0
-    while i < len(rest):
-        token = rest[i]
-        if token == "--":
-            i += 1
-            break
-        if not token.startswith("-") or token == "-":  # the command starts (options end there, as in Typer)
-            if token == "-":
-                return None
-            break
-        if token[:2] == "-e" and len(token) > 2 and "-e" in options:  # -eNAME=VALUE: the rest is the value
-            flag, eq, value = "-e", "=", token[2:]
-        else:
-            flag, eq, value = token.partition("=")
-        if flag not in options:
+    scan = OptionScanner(argv[1:])  # click's rule: -e=X is the value "=X"
+    for option in scan:
+        if option.flag not in options:
             return None  # -h, --help, an unknown option: Typer's
-        param, kind = options[flag]
+        param, kind = options[option.flag]
         if kind in ("flag", "unflag"):
-            if eq:
+            if option.value is not None:
                 return None  # a flag with a value: Typer's error
             value_given: Any = kind == "flag"
-            i += 1
         else:
-            if not eq:
-                if i + 1 >= len(rest):
-                    return None  # its value is missing
-                value = rest[i + 1]
-                i += 2
-            else:
-                i += 1
+            value = option.value if option.value is not None else scan.take_value()
             if not value or value.startswith("-"):
-                return None
+                return None  # missing, or an option where its value should be
             if kind == "seconds":
                 if not _SECONDS.fullmatch(value):
                     return None
@@ -113,7 +94,9 @@ def parse(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
             return None  # given twice: which one counts is Typer's business
         seen.add(param)
         params[param] = value_given
-    params["command"] = rest[i:] or None
+    if scan.rest[:1] == ["-"] and not scan.dashes:
+        return None
+    params["command"] = scan.rest or None
     return name, params
 
 

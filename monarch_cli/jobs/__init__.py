@@ -16,9 +16,12 @@ _HOME = {
     "job_load": "job",
     "reserve_plan": "job",
     "serve": "job",
-    "RankExit": "spmd",
-    "RunResult": "spmd",
-    "StaleReservation": "spmd",
+    "HostSet": "model",
+    "RankExit": "model",
+    "RunOptions": "model",
+    "RunResult": "model",
+    "StaleReservation": "model",
+    "VersionMismatch": "model",
     "new_run_id": "spmd",
 }
 
@@ -30,11 +33,14 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "HostSet",
     "Job",
     "JobError",
     "RankExit",
+    "RunOptions",
     "RunResult",
     "StaleReservation",
+    "VersionMismatch",
     "clear_unreadable",
     "dryrun",
     "job_load",

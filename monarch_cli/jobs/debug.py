@@ -26,7 +26,7 @@ from .errors import JobError
 from .ranks import parse_rank_list
 
 if TYPE_CHECKING:  # the job (and the runtime) load when a client is made, not when the CLI starts
-    from .job import Job
+    from .model import HostSet
 
 Event = tuple[
     str, int, str, Any
@@ -82,9 +82,9 @@ def _numbers(text: str, size: int) -> set[int]:
 
 
 class DebugClient:
-    def __init__(self, job: Job, run_id: str | None = None) -> None:
-        self.job = job
-        self.hs = job._hostset()
+    def __init__(self, hostset: HostSet, run_id: str | None = None) -> None:
+        """``hostset``: the reservation's agents (``Job.hostset()``); ``run_id``: that run's ranks (default: the newest)."""
+        self.hs = hostset
         self.mb = self.hs.mb
         self.run_id = run_id
         self.name = f"{getpass.getuser()}@{socket.gethostname()} (pid {os.getpid()})"

@@ -25,25 +25,13 @@ from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, ge
 from ..schedulers.agents import controller_host
 from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
-from .lifecycle import DEFAULT_STRAGGLER_GRACE, RunControl, shutdown_timeout_from
+from .lifecycle import RunControl, shutdown_timeout_from
+from .model import HostSet, Launch, RankExit, RunOptions, RunResult, StaleReservation, VersionMismatch
 from .output import OutputSink, list_runs, new_run_dir
-from .spmd import (
-    HostSet,
-    Launch,
-    RankExit,
-    RunResult,
-    SpmdRunner,
-    StaleReservation,
-    VersionMismatch,
-    new_run_id,
-    plan_exec,
-    plan_spmd,
-    remote_environment,
-    user_environment,
-)
+from .spmd import SpmdRunner, new_run_id, plan_exec, plan_spmd, remote_environment, user_environment
 from .state import HostRecord, JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .sync import SyncReport, sync_workspace
-from .telemetry import Diagnosis, Inspector, RankRow, RunTelemetry, StackReport
+from .telemetry import NO_TELEMETRY, Diagnosis, Inspector, RankRow, RunRecorder, RunTelemetry, StackReport
 from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, parse_command
 
@@ -91,6 +79,23 @@ def _unwrap_torchx_shell(argv: list[str]) -> list[str]:
     return argv
 
 
+@dataclasses.dataclass
+class _SpmdRun:
+    """What every attempt of one ``run_spmd`` shares."""
+
+    spec: SpmdSpec
+    argv: list[str]
+    cwd: str | None  # None: here
+    run_id: str
+    log_dir: Path
+    hostset: HostSet
+    runner: SpmdRunner
+    opts: RunOptions  # its consoles resolved
+    node_cwd: dict[int, str]
+    node_environ: dict[int, dict[str, str]]
+    telemetry: RunRecorder
+
+
 class Job:
     """A reservation, reattachable from any process through its state file."""
 
@@ -110,7 +115,9 @@ class Job:
     def scheduler(self) -> Scheduler:
         return get_scheduler(self.state.scheduler)
 
-    def _hostset(self, require_all: bool = True) -> HostSet:
+    def hostset(self, require_all: bool = True) -> HostSet:
+        """Connect to the reservation's agents. Every one must answer unless not ``require_all`` (then a host
+        that does not has None for its info); a reservation its scheduler says is gone is a StaleReservation."""
         probe = self.scheduler.probe(self.state) if require_all else None
         if probe is not None and probe.gone:
             raise StaleReservation(
@@ -148,26 +155,12 @@ class Job:
 
     # ------------------------------------------------------------------ runs
     def run_spmd(
-        self,
-        command: Command | None = None,
-        *,
-        cold: bool = False,
-        ranks: set[int] | None = None,
-        color: bool | None = None,
-        stdout: BinaryIO | None = None,
-        stderr: BinaryIO | None = None,
-        grace: float = 3.0,
-        on_event: Callable[[str], None] | None = None,
-        post_mortem: bool = False,
-        forward_signals: Sequence[int] = (),
-        workspace: str | Path | None = None,
-        sync: bool = True,
-        env: dict[str, str] | None = None,
-        shutdown_timeout: float | None = None,
-        straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
-        run_id: str | None = None,
+        self, command: Command | None = None, options: RunOptions | None = None, **overrides: Any
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
+
+        How it runs is a :class:`RunOptions` (``options``), or its fields as keywords (``overrides``,
+        applied on top of ``options``): ``job.run_spmd(["torchrun", "train.py"], cold=True)``.
 
         The served command runs in the directory it was served from, so its relative paths
         mean what they meant to ``serve``; ``command`` runs in the current directory, as any
@@ -175,116 +168,133 @@ class Job:
 
         Every rank's output streams to ``stdout``/``stderr`` with a ``[rankN]`` prefix and is
         kept in ``logs_root/<run-id>/rank<N>.log``. A rank that calls ``breakpoint()`` pauses
-        and is announced through ``on_event``; ``monarch debug`` attaches to it. With
-        ``post_mortem``, a rank that raises stays paused at the failing frame.
-        ``forward_signals`` (main thread only) are relayed to every rank while it runs, so a
-        batch job's time-limit warning reaches the training script. SIGTERM, SIGHUP and
-        SIGQUIT to the caller are forwarded and end the run as torchrun does: ranks get
-        ``shutdown_timeout`` seconds (default: torchrun's ``--shutdown-timeout``, then
-        ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30) before SIGKILL. Ranks still running
-        ``straggler_grace`` seconds after the first one ended are named through ``on_event``.
-
-        Hosts that do not share this filesystem first get ``workspace`` (default: the run's
-        directory) mirrored, unless ``sync`` is False, and their ranks run in the mirror at the
-        same relative directory. ``env`` is added to every rank's environment (``-e``).
+        and is announced through ``on_event``; ``monarch debug`` attaches to it. SIGTERM, SIGHUP
+        and SIGQUIT to the caller are forwarded and end the run as torchrun does. Hosts that do
+        not share this filesystem first get the workspace mirrored, and their ranks run in the
+        mirror at the same relative directory. A failed run is restarted up to torchrun's
+        ``--max-restarts`` times, unless it was ended from outside.
         ``run_id`` (from :func:`new_run_id`) lets a caller that starts the run elsewhere (the MCP
         server's detached runs) know its logs and telemetry before it starts.
         """
+        opts = dataclasses.replace(options, **overrides) if options is not None else RunOptions(**overrides)
+        argv, cwd, spec = self._spmd_command(command)
+        if opts.run_id is not None and not _RUN_ID.fullmatch(opts.run_id):
+            raise JobError(f"not a run id: {opts.run_id!r} (make one with new_run_id())")
+        hostset = self.hostset()
+        run_id = opts.run_id or new_run_id()
+        if opts.ranks is not None:  # refused before anything starts
+            _check_ranks(opts.ranks, len(plan_spmd(spec, hostset, run_id, cold=opts.cold, master_port=0, cwd=cwd)))
+        log_dir = new_run_dir(self.logs_root, run_id)
+        node_cwd, node_environ = self._prepare_hosts(
+            hostset, cwd or os.getcwd(), opts.workspace, opts.sync, opts.env or {}, opts.say
+        )
+        if spec.moot_flags():
+            opts.say(
+                f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
+                "rendezvous, on rank 0's host"
+            )
+        timeout = opts.shutdown_timeout if opts.shutdown_timeout is not None else spec.shutdown_timeout
+        runner = SpmdRunner(
+            hostset,
+            log_dir,
+            grace=opts.grace,
+            say=opts.say,
+            straggler_grace=opts.straggler_grace,
+            shutdown_timeout=shutdown_timeout_from(timeout),
+        )
+        stdout, stderr = _consoles(opts.stdout, opts.stderr, runner)
+        run = _SpmdRun(
+            spec=spec,
+            argv=argv,
+            cwd=cwd,
+            run_id=run_id,
+            log_dir=log_dir,
+            hostset=hostset,
+            runner=runner,
+            opts=dataclasses.replace(opts, stdout=stdout, stderr=stderr),
+            node_cwd=node_cwd,
+            node_environ=node_environ,
+            telemetry=(
+                RunTelemetry(self.path.parent, run_id, argv, log_dir, self.state.reservation_id)
+                if telemetry_enabled()
+                else NO_TELEMETRY
+            ),
+        )
+        started = time.monotonic()
+        try:
+            exits, attempt = self._run_attempts(run)
+        except BaseException:
+            run.telemetry.finish(None)
+            raise
+        result = _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control)
+        result = _console_verdict(result, stdout, stderr)
+        run.telemetry.finish(result)
+        self._record(result, argv)
+        return result
+
+    def _spmd_command(self, command: Command | None) -> tuple[list[str], str | None, SpmdSpec]:
+        """The command line, the directory it runs in (None: here) and what it asks torchrun for."""
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         cwd = self.state.default_cwd if command is None else None
         if not argv:
             raise JobError("no command to run: give one after `--`, or serve with a default command")
-        spec = parse_command(argv)
-        if run_id is not None and not _RUN_ID.fullmatch(run_id):
-            raise JobError(f"not a run id: {run_id!r} (make one with new_run_id())")
-        hostset = self._hostset()
-        run_id = run_id or new_run_id()
-        if ranks is not None:  # refused before anything starts
-            _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0, cwd=cwd)))
-        log_dir = new_run_dir(self.logs_root, run_id)
-        say = on_event or (lambda _msg: None)
-        node_cwd, node_environ = self._prepare_hosts(hostset, cwd or os.getcwd(), workspace, sync, env or {}, say)
-        if spec.moot_flags():
-            say(
-                f"{', '.join(spec.moot_flags())} not used: the reservation's hosts and agents do torchrun's "
-                "rendezvous, on rank 0's host"
-            )
-        started = time.monotonic()
-        exits: list[RankExit] = []
+        return argv, cwd, parse_command(argv)
+
+    def _run_attempts(self, run: _SpmdRun) -> tuple[list[RankExit], int]:
+        """Run, and run again after a failure while torchrun's ``--max-restarts`` allow; the last
+        attempt's exits and its number."""
         attempt = 0
-        runner = SpmdRunner(
-            hostset,
-            log_dir,
-            grace=grace,
-            say=say,
-            straggler_grace=straggler_grace,
-            shutdown_timeout=shutdown_timeout_from(
-                shutdown_timeout if shutdown_timeout is not None else spec.shutdown_timeout
-            ),
-        )
-        stdout, stderr = _consoles(stdout, stderr, runner)
-        telemetry = (
-            RunTelemetry(self.path.parent, run_id, argv, log_dir, self.state.reservation_id)
-            if telemetry_enabled()
-            else None
-        )
         while True:
-            port = None if spec.master_port is not None else runner.reserve_port(0, run_id)
-            try:
-                launches = plan_spmd(
-                    spec,
-                    hostset,
-                    run_id,
-                    cold=cold,
-                    master_port=port,
-                    restart_count=attempt,
-                    post_mortem=post_mortem,
-                    cwd=cwd,
-                    environ={**user_environment(), **(env or {})},
-                    node_cwd=node_cwd,
-                    node_environ=node_environ,
-                )
-            except BaseException:
-                if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
-                    runner.release_port(0, run_id)
-                if telemetry is not None:
-                    telemetry.finish(None)
-                raise
-            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
-            try:
-                exits = runner.run(
-                    launches,
-                    run_id,
-                    sink,
-                    on_pause=lambda r, h, w: say(_pause_notice(r, h, w)),
-                    on_notice=say if attempt == 0 else None,
-                    forward_signals=forward_signals,
-                    telemetry=telemetry,
-                    attempt=attempt,
-                )
-            except BaseException:
-                if telemetry is not None:
-                    telemetry.finish(None)
-                raise
-            finally:
-                sink.close()
+            exits = self._run_attempt(run, attempt)
             self._explain_losses(exits)
             failed = [e for e in exits if not e.ok]
-            if not failed or runner.ended_from_outside or attempt >= spec.max_restarts:
-                break
+            if not failed or run.runner.ended_from_outside or attempt >= run.spec.max_restarts:
+                return exits, attempt
             attempt += 1
-            say(f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {spec.max_restarts}")
-        result = _console_verdict(
-            _result(run_id, exits, time.monotonic() - started, log_dir, attempt, runner.control), stdout, stderr
-        )
-        if telemetry is not None:
-            telemetry.finish(result)
-        self._record(result, argv)
-        return result
+            run.opts.say(
+                f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {run.spec.max_restarts}"
+            )
 
-    def sync(self, workspace: str | Path | None = None, *, _hostset: HostSet | None = None) -> SyncReport:
-        """Mirror ``workspace`` (default: here) to every host that does not share this filesystem."""
-        hostset = _hostset or self._hostset()
+    def _run_attempt(self, run: _SpmdRun, attempt: int) -> list[RankExit]:
+        opts, runner = run.opts, run.runner
+        port = None if run.spec.master_port is not None else runner.reserve_port(0, run.run_id)
+        try:
+            launches = plan_spmd(
+                run.spec,
+                run.hostset,
+                run.run_id,
+                cold=opts.cold,
+                master_port=port,
+                restart_count=attempt,
+                post_mortem=opts.post_mortem,
+                cwd=run.cwd,
+                environ={**user_environment(), **(opts.env or {})},
+                node_cwd=run.node_cwd,
+                node_environ=run.node_environ,
+            )
+        except BaseException:
+            if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
+                runner.release_port(0, run.run_id)
+            raise
+        sink = self._sink(run, launches, attempt)
+        try:
+            return runner.run(
+                launches,
+                run.run_id,
+                sink,
+                on_pause=lambda r, h, w: opts.say(_pause_notice(r, h, w)),
+                on_notice=opts.say if attempt == 0 else None,
+                forward_signals=opts.forward_signals,
+                telemetry=run.telemetry,
+                attempt=attempt,
+            )
+        finally:
+            sink.close()
+
+    def sync(self, workspace: str | Path | None = None, *, hostset: HostSet | None = None) -> SyncReport:
+        """Mirror ``workspace`` (default: here) to every host that does not share this filesystem
+        (through ``hostset`` when the caller is already connected)."""
+        hostset = hostset or self.hostset()
         return sync_workspace(
             hostset.mb,
             hostset.hosts,
@@ -309,7 +319,7 @@ class Job:
         rel = os.path.relpath(os.path.abspath(cwd), ws)
         if rel == ".." or rel.startswith(".." + os.sep):
             raise JobError(f"the run's directory {cwd} is outside the workspace {ws}; give --workspace a parent of it")
-        report = self.sync(ws, _hostset=hostset)
+        report = self.sync(ws, hostset=hostset)
         if report.changed or report.outside_links:
             say(str(report))
         remote_env = {"PYTHONUNBUFFERED": "1", **remote_environment(), **env}
@@ -332,7 +342,7 @@ class Job:
         argv = [command] if isinstance(command, str) else [str(c) for c in command]  # a string: for sh -c
         if not argv or not "".join(argv).strip():
             raise JobError("no command given to exec")
-        hostset = self._hostset()
+        hostset = self.hostset()
         run_id = "exec-" + new_run_id()
         log_dir = new_run_dir(self.logs_root, run_id)
         node_cwd, node_environ = self._prepare_hosts(hostset, os.getcwd(), None, True, {}, lambda _msg: None)
@@ -375,39 +385,30 @@ class Job:
             else:
                 e.cause = f"{e.cause}; {why}" if e.cause else why
 
-    def _sink(
-        self,
-        spec: SpmdSpec,
-        launches: list[Launch],
-        log_dir: Path,
-        ranks: set[int] | None,
-        color: bool | None,
-        stdout: BinaryIO | None,
-        stderr: BinaryIO | None,
-        run_id: str,
-        attempt: int,
-        cwd: str | None = None,
-    ) -> OutputSink:
+    def _sink(self, run: _SpmdRun, launches: list[Launch], attempt: int) -> OutputSink:
+        """Where an attempt's output goes: the console (the ranks and streams asked for), our logs, and
+        torchrun's ``--log-dir`` layout when it was given."""
+        spec, opts = run.spec, run.opts
         labels = {l.rank: l.label for l in launches}
         nproc = 1 + max(int(l.spec["env"]["LOCAL_RANK"]) for l in launches)
-        shown = set(labels) if ranks is None else set(ranks)
+        shown = set(labels) if opts.ranks is None else set(opts.ranks)
         if spec.local_ranks_filter is not None:
             shown = {r for r in shown if r % nproc in spec.local_ranks_filter}
         hidden = {r: _streams(spec.redirects, r % nproc) for r in labels}
         extra = {}
         if spec.log_dir:  # torchrun's layout, as well as ours
-            base = Path(cwd or ".") / spec.log_dir / run_id / f"attempt_{attempt}"  # relative to the ranks' cwd
+            base = Path(run.cwd or ".") / spec.log_dir / run.run_id / f"attempt_{attempt}"  # relative to the ranks' cwd
             for r in labels:
                 extra[(r, 1)] = base / str(r) / "stdout.log"
                 extra[(r, 2)] = base / str(r) / "stderr.log"
         return OutputSink(
-            log_dir,
+            run.log_dir,
             labels,
             console=shown,
             hidden_streams=hidden,
-            color=color,
-            stdout=stdout,
-            stderr=stderr,
+            color=opts.color,
+            stdout=opts.stdout,
+            stderr=opts.stderr,
             extra_logs=extra,
         )
 
@@ -432,7 +433,7 @@ class Job:
     # --------------------------------------------------------------- control
     def status(self) -> dict[str, Any]:
         """Scheduler, hosts with agent liveness, age and the last run; never raises for a stale job."""
-        hostset = self._hostset(require_all=False)  # each host answers, or not, for itself
+        hostset = self.hostset(require_all=False)  # each host answers, or not, for itself
         dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
         stale = None
         probe = self.scheduler.probe(self.state)  # cheap; the scheduler may know better than a ping
@@ -492,7 +493,7 @@ class Job:
     def forget_preload(self) -> dict[str, int]:
         """Forget the modules each host's warm process learned from past runs (per host: how
         many); runs fork from one holding only the explicit preload until they teach it again."""
-        hs = self._hostset()
+        hs = self.hostset()
         futures = [hs.mb.request(h.agent, lambda cid: protocol.ForgetPreload(cid, hs.mb.address)) for h in hs.hosts]
         return {h.name: f.get(timeout=10) for h, f in zip(hs.hosts, futures)}
 
@@ -534,21 +535,24 @@ class Job:
         return list_runs(self.logs_root)
 
     # ------------------------------------------------------------- telemetry
+    def _inspector(self) -> Inspector:
+        return Inspector(self.path.parent, self.hostset)
+
     def sql(self, statement: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """A read-only query of the reservation's telemetry store (``monarch sql --schema``)."""
-        return Inspector(self).sql(statement, params)
+        return self._inspector().sql(statement, params)
 
     def stacks(self, ranks: set[int] | None = None, native: bool = False) -> StackReport:
         """The Python stacks of the current run's live ranks, grouped by identical stack (and stored)."""
-        return Inspector(self).stacks(ranks, native)
+        return self._inspector().stacks(ranks, native)
 
     def diagnose(self, silence: float = 60.0) -> Diagnosis:
         """Which rank differs from the rest and why; ``exit_code`` 0 healthy, 1 suspect, 2 cannot tell."""
-        return Inspector(self).diagnose(silence)
+        return self._inspector().diagnose(silence)
 
     def top(self) -> tuple[str | None, list[RankRow]]:
         """(run id, one row per rank, most suspicious first)."""
-        return Inspector(self).top()
+        return self._inspector().top()
 
 
 def _stopper(by: str) -> str:
@@ -726,7 +730,7 @@ def serve(
         )
         gone = False
         try:
-            existing._hostset()
+            existing.hostset()
         except StaleReservation:
             why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
         except VersionMismatch as e:
@@ -766,7 +770,7 @@ def reserve_plan(
     existing = _existing(path, replace, say)
     if existing is not None:
         try:
-            existing._hostset()
+            existing.hostset()
             gone = False
         except StaleReservation:
             gone = True

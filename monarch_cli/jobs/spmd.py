@@ -9,7 +9,6 @@ How a run is ended from outside (Ctrl-C, SIGTERM, ``monarch stop``) is decided i
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -17,137 +16,24 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .. import __version__
 from ..config import settings
 from ..runtime import protocol
 from ..runtime.errors import CallTimeout
-from ..runtime.exit_status import describe_status, signal_name
 from ..runtime.mailbox.future import Future, gather
-from ..runtime.mailbox.mailbox import Mailbox
 from ..runtime.transport import wire
-from ..runtime.transport.keys import Keys
 from .errors import JobError
-from .lifecycle import (
-    DEATH_SIGNALS,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    DEFAULT_STRAGGLER_GRACE,
-    EXIT_LOST,
-    EXIT_STOPPED,
-    RunControl,
-    SignalRelay,
-)
+from .lifecycle import DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGLER_GRACE, RunControl, SignalRelay
+from .model import HostSet, Launch, RankExit
 from .output import OutputSink
-from .state import HostRecord
+from .telemetry import NO_TELEMETRY, RunRecorder
 from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
-
-if TYPE_CHECKING:
-    from .telemetry import RunTelemetry
 
 #: Output bytes from one host after which the runner credits them back (see ``ranks.OUTPUT_WINDOW``).
 _CREDIT_EVERY = 1 << 20
 _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MONARCH_KEY_FILE", "TERM_SESSION_ID"}
-
-
-class StaleReservation(JobError):
-    """The reservation's agents are gone (allocation ended, processes killed)."""
-
-
-class VersionMismatch(JobError):
-    """The reservation's agents run another monarch-cli version than this client."""
-
-
-@dataclasses.dataclass
-class RankExit:
-    """How one rank ended."""
-
-    rank: int
-    label: str
-    host: str
-    exitcode: int | None
-    signal: int | None
-    duration: float
-    pid: int | None = None
-    tail: list[str] = dataclasses.field(default_factory=list)
-    lost: str = ""  # set when the rank's host went away instead of reporting
-    cause: str = ""  # what ended it from outside, as its agent saw it (e.g. its warm process died)
-    stopped: str = ""  # set when the reservation was released (monarch stop) while the rank ran
-
-    @property
-    def status(self) -> int:
-        if self.stopped:
-            return EXIT_STOPPED
-        if self.lost:
-            return EXIT_LOST
-        return describe_status(self.exitcode, self.signal)[1]
-
-    @property
-    def how(self) -> str:
-        how = self.stopped or self.lost or describe_status(self.exitcode, self.signal)[0]
-        return f"{how}: {self.cause}" if self.cause and not (self.stopped or self.lost) else how
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 0
-
-
-@dataclasses.dataclass
-class RunResult:
-    run_id: str
-    exit_code: int
-    ranks: list[RankExit]
-    duration: float
-    log_dir: Path
-    first_failure: RankExit | None = None
-    restarts: int = 0
-    interrupted: bool = False
-    #: How the run was ended from outside ("received SIGTERM; forwarded to ranks; ..."), or "".
-    ending: str = ""
-    received_signal: int | None = None  # SIGTERM/SIGHUP/SIGQUIT sent to the caller
-    stopped_by: str | None = None  # who released the reservation during the run
-    stragglers: list[int] = dataclasses.field(default_factory=list)  # named as still running after the grace
-    console_closed: bool = False  # its output's reader went away (`| head`): the run was ended
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "exit_code": self.exit_code,
-            "duration": round(self.duration, 3),
-            "log_dir": str(self.log_dir),
-            "restarts": self.restarts,
-            "interrupted": self.interrupted,
-            "ending": self.ending,
-            "received_signal": signal_name(self.received_signal) if self.received_signal else None,
-            "stopped_by": self.stopped_by,
-            "stragglers": self.stragglers,
-            "console_closed": self.console_closed,
-            "first_failure": self.first_failure.rank if self.first_failure else None,
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "host": r.host,
-                    "exit_code": r.exitcode,
-                    "signal": r.signal,
-                    "status": r.status,
-                    "how": r.how,
-                    "duration": round(r.duration, 3),
-                    "last_lines": r.tail,
-                }
-                for r in self.ranks
-            ],
-        }
-
-
-@dataclasses.dataclass
-class Launch:
-    """One process to start: a rank of the SPMD run, or a host's shell for ``exec``."""
-
-    rank: int
-    label: str
-    node: int
-    spec: protocol.RankSpec
 
 
 def new_run_id() -> str:
@@ -206,57 +92,6 @@ def parse_env_flags(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-class HostSet:
-    """The reservation's agents as this controller talks to them."""
-
-    def __init__(
-        self,
-        hosts: list[HostRecord],
-        keys: Keys,
-        timeout: float = 5.0,
-        *,
-        require_all: bool = True,
-        known_dead: Sequence[str] = (),
-    ) -> None:
-        self.hosts = hosts
-        self.mb = Mailbox.for_keys(keys)
-        for h in hosts:  # one connection per host: everything comes back on it
-            self.mb.link(h.agent)
-        pings = [
-            None if h.name in known_dead else self.mb.request(h.agent, lambda cid: protocol.Ping(cid, self.mb.address))
-            for h in hosts
-        ]
-        self.infos: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
-        for host, fut in zip(hosts, pings):
-            try:
-                if fut is None:
-                    raise LookupError(host.name)  # no need to wait for an answer that cannot come
-                info = fut.get(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - any failure to answer means the same thing here
-                if not require_all:  # `status`: this host is dead, the others may be fine
-                    self.infos.append(None)  # type: ignore[arg-type]
-                    continue
-                raise StaleReservation(
-                    f"host {host.name} (agent {host.agent}) is not answering: the reservation is gone or unreachable; "
-                    "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
-                ) from None
-            _check_version(host, info)
-            self.infos.append(info)
-
-
-def _check_version(host: HostRecord, info: dict[str, Any]) -> None:
-    """Client and agents must run the same monarch-cli: their messages and pickles are not
-    versioned. Checked on every connection, whatever started the agent (an image, a remote
-    install, a SkyPilot setup); an agent too old to say its version is not refused."""
-    theirs = info.get("version")
-    if theirs is not None and theirs != __version__:
-        raise VersionMismatch(
-            f"host {host.name} runs monarch-cli {theirs}, this client {__version__}: "
-            f"install monarch-cli=={__version__} there (or this client's version here), then serve again"
-        )
-
-
 class SpmdRunner:
     """Runs launches on a :class:`HostSet` and reports how each ended.
 
@@ -296,23 +131,15 @@ class SpmdRunner:
         run_id: str,
         sink: OutputSink,
         *,
-        master_node_port: int | None = None,
-        on_interrupt: Callable[[int], None] | None = None,
         on_pause: Callable[[int, str, dict[str, Any]], None] | None = None,
         on_notice: Callable[[str], None] | None = None,
         forward_signals: Sequence[int] = (),
-        telemetry: RunTelemetry | None = None,
+        telemetry: RunRecorder = NO_TELEMETRY,
         attempt: int = 0,
     ) -> list[RankExit]:
-        mb = self.mb
-        by_rank = {l.rank: l for l in launches}
-        exits: dict[int, RankExit] = {}
-        done: Future[None] = Future()  # resolved by agent events, on the mailbox's I/O thread
-        first_failure: list[int] = []
-        started = time.monotonic()
-        lock = threading.Lock()
+        """Start ``launches``, stream their output into ``sink`` (and ``telemetry``), and wait until every rank
+        has ended (or is given up on); how each ended, the first failure first."""
         nodes = sorted({l.node for l in launches})
-        owed: dict[int, int] = {n: 0 for n in nodes}  # node -> output bytes printed, not yet credited
         host_of = {l.rank: self.hs.hosts[l.node].name for l in launches}
         control = self.control = RunControl(
             host_of,
@@ -322,179 +149,83 @@ class SpmdRunner:
             shutdown_timeout=self.shutdown_timeout,
             straggler_grace=self.straggler_grace,
         )
-
-        def running() -> dict[int, str]:
-            return {r: h for r, h in host_of.items() if r not in exits}
-
-        def on_output(event: protocol.Output, body: list[Any]) -> None:
-            rank = event.rank
-            if rank in by_rank:
-                data = bytes(body[0])
-                try:
-                    sink.write(rank, event.stream, data)
-                    if telemetry is not None:
-                        telemetry.output(rank, event.stream, data)
-                finally:  # credited even if the console failed (a closed pipe): never stall the ranks
-                    # Credit once printed: a host sends only a window ahead, so a slow console
-                    # holds the ranks back instead of letting output pile up in memory.
-                    node = by_rank[rank].node
-                    owed[node] += len(data)
-                    if owed[node] >= _CREDIT_EVERY:
-                        mb.send(self.hs.hosts[node].agent, protocol.OutputCredit(run_id, owed[node]))
-                        owed[node] = 0
-
-        def finish(rank: int, exit_: RankExit) -> None:
-            with lock:
-                if rank in exits:
-                    return
-                sink.end_of_rank(rank)
-                exit_.tail = sink.tail(rank)
-                exits[rank] = exit_
-                if telemetry is not None:
-                    telemetry.rank_exit(exit_)
-                control.exited(rank, exit_.ok, time.monotonic())
-                if not exit_.ok and not first_failure:
-                    first_failure.append(rank)
-                if len(exits) == len(launches) and not done.done():
-                    done.set_result(None)
-
-        def on_exit(event: protocol.RankExited, body: list[Any]) -> None:
-            rank = event.rank
-            if rank not in by_rank:
-                return
-            launch = by_rank[rank]
-            # Never started: no status of its own.
-            lost = event.cause if event.exitcode is None and event.signal is None else ""
-            finish(
-                rank,
-                RankExit(
-                    rank,
-                    launch.label,
-                    self.hs.hosts[launch.node].name,
-                    event.exitcode,
-                    event.signal,
-                    event.duration,
-                    event.pid,
-                    lost=lost,
-                    cause=event.cause,
-                ),
-            )
-
-        def on_lost(agent: str, silence: float) -> None:
-            for l in launches:
-                if self.hs.hosts[l.node].agent == agent:
-                    why = f"lost: host {self.hs.hosts[l.node].name} stopped answering ({silence:.1f} s)"
-                    finish(
-                        l.rank,
-                        RankExit(
-                            l.rank,
-                            l.label,
-                            self.hs.hosts[l.node].name,
-                            None,
-                            None,
-                            time.monotonic() - started,
-                            lost=why,
-                        ),
-                    )
-
-        def on_stopped(event: protocol.ReservationStopped, body: list[Any]) -> None:
-            with lock:
-                control.stopped(event.who)
-            here = [l for l in launches if self.hs.hosts[l.node].agent == event.agent]
-            for l in here or launches:  # an agent known by another address: the whole reservation goes
-                finish(
-                    l.rank,
-                    RankExit(
-                        l.rank,
-                        l.label,
-                        self.hs.hosts[l.node].name,
-                        None,
-                        None,
-                        time.monotonic() - started,
-                        stopped="reservation stopped",
-                    ),
-                )
-
-        def on_paused(event: protocol.RankPaused, body: list[Any]) -> None:
-            if on_pause is not None:
-                on_pause(event.rank, event.host, event.where)
-
-        handlers: dict[type, Callable[[Any, list[Any]], None]] = {
-            protocol.Output: on_output,
-            protocol.RankExited: on_exit,
-            protocol.RankPaused: on_paused,
-            protocol.ReservationStopped: on_stopped,
-        }
-        if telemetry is not None:
-            handlers[protocol.Telemetry] = telemetry.on_agent_event
-            telemetry.started(launches, self.hs, attempt)
-        subscription = mb.subscribe(run_id, handlers)  # this run's events only, until it ends
+        state = _RunState(self.hs, launches, run_id, sink, telemetry, control)
+        handlers = state.handlers(on_pause)
+        telemetry.started(launches, self.hs, attempt)
+        subscription = self.mb.subscribe(run_id, handlers)  # this run's events only, until it ends
         for n in nodes:
-            mb.watch_agent(self.hs.hosts[n].agent, on_lost)
+            self.mb.watch_agent(self.hs.hosts[n].agent, state.on_lost)
         # Ctrl-C, torchrun's death signals, plus what the caller forwards (e.g. Slurm's SIGUSR1).
         relay = SignalRelay([signal.SIGINT, *DEATH_SIGNALS, *forward_signals])
         try:
-            acks = []
-            for n in nodes:
-                specs = [l.spec for l in launches if l.node == n]
-                acks.append(
-                    mb.request(
-                        self.hs.hosts[n].agent,
-                        lambda cid: protocol.RunRanks(cid, mb.address, run_id, settings().heartbeat_timeout),
-                        wire.dumps_data(specs),
-                    )
-                )
-            if telemetry is not None:  # its thread opens the store now, not while the launch is on its way
-                telemetry.writer.start()
-            started_all, early = gather(acks), []
-            ack_deadline = time.monotonic() + 30
-            while not early:  # a Ctrl-C while a host is slow to start its ranks is not left waiting
-                try:
-                    made = started_all.get(timeout=0.2)
-                except CallTimeout:
-                    if time.monotonic() > ack_deadline:
-                        raise
-                    early = relay.take()
-                    continue
-                for n, reply in zip(nodes, made):
-                    if on_notice is not None:
-                        if reply["made_cold"]:
-                            on_notice(_cold_notice(self.hs.hosts[n].name, reply["made_cold"]))
-                        for notice in reply["notices"]:
-                            on_notice(f"{self.hs.hosts[n].name}: {notice}")
-                break
-            while not done.done():
-                try:
-                    done.get(timeout=0.2)
-                except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
-                    pass
-                with lock:
-                    if self._console_closed.is_set():
-                        control.console_closed(time.monotonic())
-                    for sig in [*early, *relay.take()]:
-                        control.signal(sig, time.monotonic(), sorted(running()))
-                        if sig == signal.SIGINT and on_interrupt is not None:
-                            on_interrupt(control.interrupts)
-                    early = []
-                    abandon, why = control.tick(time.monotonic(), running())
-                for rank in abandon:  # Ctrl-C always ends the wait, even for ranks whose exits never come
-                    l = by_rank[rank]
-                    finish(
-                        rank,
-                        RankExit(
-                            rank, l.label, host_of[rank], None, None, time.monotonic() - started, lost=f"lost: {why}"
-                        ),
-                    )
+            acks = self._start(launches, nodes, run_id)
+            telemetry.start()  # its thread opens the store now, not while the launch is on its way
+            early = self._await_started(acks, nodes, relay, on_notice)
+            self._wait(state, relay, early)
         finally:
             relay.restore()
             for n in nodes:
-                mb.unwatch_agent(self.hs.hosts[n].agent)
+                self.mb.unwatch_agent(self.hs.hosts[n].agent)
             subscription.close()
-        ordered = [exits[r] for r in sorted(exits)]
-        if first_failure and not control.stopped_by:  # stopped: no rank failed first
-            ordered.sort(key=lambda e: (e.rank != first_failure[0], e.rank))
         self.interrupted = control.interrupts > 0
-        return ordered
+        return state.ordered()
+
+    def _start(self, launches: list[Launch], nodes: list[int], run_id: str) -> Future[list[Any]]:
+        """Hand every host its ranks, at once; the agents' acknowledgements."""
+        mb = self.mb
+        acks = []
+        for n in nodes:
+            specs = [l.spec for l in launches if l.node == n]
+            acks.append(
+                mb.request(
+                    self.hs.hosts[n].agent,
+                    lambda cid: protocol.RunRanks(cid, mb.address, run_id, settings().heartbeat_timeout),
+                    wire.dumps_data(specs),
+                )
+            )
+        return gather(acks)
+
+    def _await_started(
+        self, acks: Future[list[Any]], nodes: list[int], relay: SignalRelay, on_notice: Callable[[str], None] | None
+    ) -> list[int]:
+        """Wait for the hosts to start their ranks and pass on what they noticed; a signal that arrives
+        meanwhile (a Ctrl-C while a host is slow) ends the wait and is returned, to be acted on."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                made = acks.get(timeout=0.2)
+            except CallTimeout:
+                if time.monotonic() > deadline:
+                    raise
+                early = relay.take()
+                if early:
+                    return early
+                continue
+            for n, reply in zip(nodes, made):
+                if on_notice is not None:
+                    if reply["made_cold"]:
+                        on_notice(_cold_notice(self.hs.hosts[n].name, reply["made_cold"]))
+                    for notice in reply["notices"]:
+                        on_notice(f"{self.hs.hosts[n].name}: {notice}")
+            return []
+
+    def _wait(self, state: _RunState, relay: SignalRelay, early: list[int]) -> None:
+        """Until every rank has ended: act on signals, a closed console and the run's deadlines."""
+        control = state.control
+        while not state.done.done():
+            try:
+                state.done.get(timeout=0.2)
+            except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
+                pass
+            with state.lock:
+                if self._console_closed.is_set():
+                    control.console_closed(time.monotonic())
+                for sig in [*early, *relay.take()]:
+                    control.signal(sig, time.monotonic(), sorted(state.running()))
+                early = []
+                abandon, why = control.tick(time.monotonic(), state.running())
+            for rank in abandon:  # Ctrl-C always ends the wait, even for ranks whose exits never come
+                state.finish(rank, state.gone(rank, lost=f"lost: {why}"))
 
     @property
     def ended_from_outside(self) -> bool:
@@ -516,6 +247,132 @@ class SpmdRunner:
         self.mb.request(self.hs.hosts[node].agent, lambda cid: protocol.ReleasePort(cid, self.mb.address, run_id)).get(
             timeout=10
         )
+
+
+class _RunState:
+    """One attempt's ranks as their events arrive (on the mailbox's I/O thread) and the runner waits."""
+
+    def __init__(
+        self,
+        hostset: HostSet,
+        launches: list[Launch],
+        run_id: str,
+        sink: OutputSink,
+        telemetry: RunRecorder,
+        control: RunControl,
+    ) -> None:
+        self.hs = hostset
+        self.launches = launches
+        self.by_rank = {l.rank: l for l in launches}
+        self.run_id = run_id
+        self.sink = sink
+        self.telemetry = telemetry
+        self.control = control
+        self.exits: dict[int, RankExit] = {}
+        self.done: Future[None] = Future()  # resolved once every rank has an exit
+        self.first_failure: int | None = None
+        self.started = time.monotonic()
+        self.lock = threading.Lock()
+        self.owed = {l.node: 0 for l in launches}  # node -> output bytes printed, not yet credited
+
+    def handlers(
+        self, on_pause: Callable[[int, str, dict[str, Any]], None] | None
+    ) -> dict[type, Callable[[Any, list[Any]], None]]:
+        def on_paused(event: protocol.RankPaused, body: list[Any]) -> None:
+            if on_pause is not None:
+                on_pause(event.rank, event.host, event.where)
+
+        return {
+            protocol.Output: self.on_output,
+            protocol.RankExited: self.on_exit,
+            protocol.RankPaused: on_paused,
+            protocol.ReservationStopped: self.on_stopped,
+            protocol.Telemetry: self.telemetry.on_agent_event,
+        }
+
+    def running(self) -> dict[int, str]:
+        return {l.rank: self.hs.hosts[l.node].name for l in self.launches if l.rank not in self.exits}
+
+    def gone(self, rank: int, *, lost: str = "", stopped: str = "") -> RankExit:
+        """The exit of a rank that will not report one itself."""
+        l = self.by_rank[rank]
+        name = self.hs.hosts[l.node].name
+        return RankExit(rank, l.label, name, None, None, time.monotonic() - self.started, lost=lost, stopped=stopped)
+
+    def finish(self, rank: int, exit_: RankExit) -> None:
+        with self.lock:
+            if rank in self.exits:
+                return
+            self.sink.end_of_rank(rank)
+            exit_.tail = self.sink.tail(rank)
+            self.exits[rank] = exit_
+            self.telemetry.rank_exit(exit_)
+            self.control.exited(rank, exit_.ok, time.monotonic())
+            if not exit_.ok and self.first_failure is None:
+                self.first_failure = rank
+            if len(self.exits) == len(self.launches) and not self.done.done():
+                self.done.set_result(None)
+
+    def ordered(self) -> list[RankExit]:
+        """Every exit by rank, the first failure first (stopped: no rank failed first)."""
+        ordered = [self.exits[r] for r in sorted(self.exits)]
+        if self.first_failure is not None and not self.control.stopped_by:
+            ordered.sort(key=lambda e: (e.rank != self.first_failure, e.rank))
+        return ordered
+
+    # ------------------------------------------------------------ agent events
+    def on_output(self, event: protocol.Output, body: list[Any]) -> None:
+        rank = event.rank
+        if rank not in self.by_rank:
+            return
+        data = bytes(body[0])
+        try:
+            self.sink.write(rank, event.stream, data)
+            self.telemetry.output(rank, event.stream, data)
+        finally:  # credited even if the console failed (a closed pipe): never stall the ranks
+            # Credit once printed: a host sends only a window ahead, so a slow console
+            # holds the ranks back instead of letting output pile up in memory.
+            node = self.by_rank[rank].node
+            self.owed[node] += len(data)
+            if self.owed[node] >= _CREDIT_EVERY:
+                self.hs.mb.send(self.hs.hosts[node].agent, protocol.OutputCredit(self.run_id, self.owed[node]))
+                self.owed[node] = 0
+
+    def on_exit(self, event: protocol.RankExited, body: list[Any]) -> None:
+        rank = event.rank
+        if rank not in self.by_rank:
+            return
+        launch = self.by_rank[rank]
+        # Never started: no status of its own.
+        lost = event.cause if event.exitcode is None and event.signal is None else ""
+        host = self.hs.hosts[launch.node].name
+        exit_ = RankExit(
+            rank,
+            launch.label,
+            host,
+            event.exitcode,
+            event.signal,
+            event.duration,
+            event.pid,
+            lost=lost,
+            cause=event.cause,
+        )
+        self.finish(rank, exit_)
+
+    def on_lost(self, agent: str, silence: float) -> None:
+        for l in self.launches:
+            host = self.hs.hosts[l.node]
+            if host.agent == agent:
+                self.finish(
+                    l.rank, self.gone(l.rank, lost=f"lost: host {host.name} stopped answering ({silence:.1f} s)")
+                )
+
+    def on_stopped(self, event: protocol.ReservationStopped, body: list[Any]) -> None:
+        with self.lock:
+            self.control.stopped(event.who)
+        here = [l for l in self.launches if self.hs.hosts[l.node].agent == event.agent]
+        for l in here or self.launches:  # an agent known by another address: the whole reservation goes
+            self.finish(l.rank, self.gone(l.rank, stopped="reservation stopped"))
 
 
 def _cold_notice(host: str, names: list[str]) -> str:

@@ -13,9 +13,9 @@ import os
 import shlex
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..runtime import protocol
 from ..runtime.mailbox.future import gather
@@ -24,8 +24,7 @@ from ..telemetry_store import StoreError, TelemetryWriter, _connect_rw, db_path,
 from .errors import JobError
 
 if TYPE_CHECKING:
-    from .job import Job
-    from .spmd import HostSet, Launch, RankExit, RunResult
+    from .model import HostSet, Launch, RankExit, RunResult
 
 #: Stack frames that mean "waiting for the other ranks".
 _COLLECTIVES = {
@@ -62,6 +61,53 @@ class TelemetryError(JobError):
 
 
 # ---------------------------------------------------------------------------- recording
+class RunRecorder(Protocol):
+    """What a run tells its telemetry; :data:`NO_TELEMETRY` when recording is off."""
+
+    def started(self, launches: list[Launch], hostset: HostSet, attempt: int) -> None:
+        """An attempt's ranks are about to start."""
+
+    def start(self) -> None:
+        """The ranks are on their way: start writing."""
+
+    def output(self, rank: int, stream: int, data: bytes) -> None:
+        """A rank wrote ``data`` to ``stream`` (1 stdout, 2 stderr)."""
+
+    def rank_exit(self, e: RankExit) -> None:
+        """A rank ended."""
+
+    def on_agent_event(self, event: protocol.Telemetry, _body: Any) -> None:
+        """A host agent's samples and step records for the run."""
+
+    def finish(self, result: RunResult | None) -> None:
+        """The run ended (None: it failed to run); nothing is written after."""
+
+
+class NoTelemetry:
+    """The :class:`RunRecorder` of a run that records nothing (``MONARCH_TELEMETRY=0``, ``exec``)."""
+
+    def started(self, launches: list[Launch], hostset: HostSet, attempt: int) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def output(self, rank: int, stream: int, data: bytes) -> None:
+        pass
+
+    def rank_exit(self, e: RankExit) -> None:
+        pass
+
+    def on_agent_event(self, event: protocol.Telemetry, _body: Any) -> None:
+        pass
+
+    def finish(self, result: RunResult | None) -> None:
+        pass
+
+
+NO_TELEMETRY: RunRecorder = NoTelemetry()
+
+
 class RunTelemetry:
     """One run's rows, written in the background by a :class:`TelemetryWriter`."""
 
@@ -128,6 +174,9 @@ class RunTelemetry:
             self.export.ranks_started(
                 [(l.rank, hostset.hosts[l.node].name, int(l.spec["env"].get("LOCAL_RANK", 0))) for l in launches]
             )
+
+    def start(self) -> None:
+        self.writer.start()
 
     def output(self, rank: int, stream: int, data: bytes) -> None:
         self.writer.output(rank, stream, data)
@@ -335,9 +384,10 @@ class RankRow:
 class Inspector:
     """``monarch stack / diagnose / top`` for one reservation."""
 
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.db = db_path(job.path.parent)
+    def __init__(self, state_dir: Path, hostset: Callable[[], HostSet]) -> None:
+        """``state_dir`` holds the reservation's store; ``hostset`` connects to its agents (only when asked)."""
+        self.db = db_path(state_dir)
+        self._hostset = hostset
 
     # ------------------------------------------------------------------- store
     def sql(self, statement: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
@@ -355,7 +405,7 @@ class Inspector:
 
     # ------------------------------------------------------------------- agents
     def _ask(self, make: Any, timeout: float) -> list[Any]:
-        hs = self.job._hostset()
+        hs = self._hostset()
         futs = [hs.mb.request(h.agent, make(hs.mb)) for h in hs.hosts]
         return gather(futs).get(timeout=timeout)
 

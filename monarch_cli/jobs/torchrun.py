@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .argscan import OptionScanner
 from .errors import JobError
 
 __all__ = ["SpmdSpec", "parse_command", "resolve_nproc", "rank_environment"]
@@ -187,17 +188,6 @@ _UNSUPPORTED = {
 _KNOWN = sorted({*_VALUE_FLAGS, *_BOOL_FLAGS, *_UNSUPPORTED})
 
 
-def _split_flag(token: str) -> tuple[str, str, str | None]:
-    """Return (flag as written, canonical flag, attached value) for one option token."""
-    if token.startswith("--"):
-        written, eq, attached = token.partition("=")
-        canonical = "--" + written[2:].replace("_", "-")
-        return written, canonical, attached if eq else None
-    written, rest = token[:2], token[2:]
-    attached = rest[1:] if rest.startswith("=") else rest
-    return written, _SHORT.get(written, written), attached or None
-
-
 def _unknown_flag(written: str) -> JobError:
     probe = written.replace("_", "-")
     # torchrun's argparse accepts unique prefixes (--nnode); we do not, but we suggest the flag.
@@ -213,15 +203,11 @@ def _parse_torchrun(args: list[str]) -> SpmdSpec:
     """Parse the arguments after ``torchrun`` (or ``python -m torch.distributed.run``)."""
     values: dict[str, Any] = {}
     flags: dict[str, bool] = {}
-    i = 0
-    while i < len(args):
-        token = args[i]
-        if token == "--":
-            i += 1
-            break
-        if not token.startswith("-") or token == "-":
-            break
-        written, canonical, attached = _split_flag(token)
+    scan = OptionScanner(args, short_equals=True)  # argparse's rule: -r=3 is -r 3
+    for option in scan:
+        written = option.flag
+        canonical = "--" + written[2:].replace("_", "-") if written.startswith("--") else _SHORT.get(written, written)
+        attached = option.value
         if canonical in _UNSUPPORTED:
             raise JobError(f"torchrun flag {written} is not supported by {_TOOL}: {_UNSUPPORTED[canonical]}; remove it")
         if canonical in _BOOL_FLAGS:
@@ -230,20 +216,19 @@ def _parse_torchrun(args: list[str]) -> SpmdSpec:
             flags[_BOOL_FLAGS[canonical]] = True
         elif canonical in _VALUE_FLAGS:
             if attached is None:
-                i += 1
-                if i >= len(args):
+                attached = scan.take_value()
+                if attached is None:
                     raise JobError(f"torchrun flag {written} needs a value, e.g. {written}=VALUE")
-                attached = args[i]
             attr, convert = _VALUE_FLAGS[canonical]
             converted = convert(attached, written)
             if attr is not None:
                 values[attr] = converted
         else:
-            raise _unknown_flag(token.partition("=")[0])
-        i += 1
-    if i >= len(args) or not args[i]:
+            raise _unknown_flag(option.token.partition("=")[0])
+    rest = scan.rest
+    if not rest or not rest[0]:
         raise JobError("torchrun command names no script; add e.g. `train.py` after the flags")
-    return _build_torchrun_spec(values, flags, args[i], args[i + 1 :])
+    return _build_torchrun_spec(values, flags, rest[0], rest[1:])
 
 
 def _build_torchrun_spec(values: dict[str, Any], flags: dict[str, bool], target: str, rest: list[str]) -> SpmdSpec:

@@ -1,4 +1,5 @@
-"""Scheduler backends: one module (or subpackage) each, all behind :class:`~.base.Scheduler`.
+"""Scheduler backends: one subpackage each (ssh, skypilot, slurm, kubernetes, local), all behind
+:class:`~.base.Scheduler`.
 
 The registry below is lazy: a backend's module is imported only when it is used. A new
 backend in this package is one line in ``_BUILTIN``; a third-party package registers

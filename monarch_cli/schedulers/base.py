@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..errors import OptionError, PlanError
+from ..runtime.launch.command import AgentCommand
 
 if TYPE_CHECKING:  # Keys pulls in zmq: planning and the CLI's help do not need it
     from ..runtime.transport.keys import Keys
@@ -107,6 +108,20 @@ class ReserveRequest:
     #: The hosts by name (``--hosts h1,h2``), for a backend that reaches hosts by name
     #: (:attr:`Scheduler.takes_host_names`); then ``hosts`` is their number.
     host_names: list[str] = dataclasses.field(default_factory=list)
+
+    def agent_command(self, reservation_id: str, **fields: Any) -> AgentCommand:
+        """The command line of this reservation's host agents, built from the request in one place for every
+        backend: its preload, fixed port and port range, the warm process started at once, the reservation
+        in ``ps``. ``fields`` are what only the backend knows (the interpreter, a host's name or address, how
+        keys and the ready line travel, a port it must fix) and win over the request's."""
+        common: dict[str, Any] = {
+            "preload": self.preload,
+            "port": self.agent_port,
+            "port_range": self.port_range,
+            "warm_up": True,
+            "reservation": reservation_id,
+        }
+        return AgentCommand(**{**common, **fields})
 
 
 @dataclasses.dataclass

@@ -134,7 +134,7 @@ class Run:
 def wait_paused(
     state: Path, ranks: int = 4, timeout: float = 60, reason: str | None = None, line: int | None = None
 ) -> list[Any]:
-    client = DebugClient(job_load(state))
+    client = DebugClient(job_load(state).hostset())
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

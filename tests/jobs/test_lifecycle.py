@@ -182,7 +182,7 @@ def test_status_tells_a_dead_host_from_a_live_one(tmp_path: Path):
 def test_a_killed_agents_private_files_are_removed_by_the_next_agent(tmp_path: Path):
     """SIGKILL leaves an agent no chance to clean up: the next agent of this user does it."""
     job = serve(None, hosts=1, state=tmp_path / "a" / ".monarch" / "job_state.pkl", preload="")
-    private = job._hostset().infos[0]["telemetry_dir"]
+    private = job.hostset().infos[0]["telemetry_dir"]
     assert os.path.isdir(private) and os.stat(private).st_mode & 0o077 == 0
     os.kill(job.state.hosts[0].pid, signal.SIGKILL)
     assert wait_until(lambda: not alive(job.state.hosts[0].pid), 5)
@@ -191,7 +191,7 @@ def test_a_killed_agents_private_files_are_removed_by_the_next_agent(tmp_path: P
     again = serve(None, hosts=1, state=tmp_path / "b" / ".monarch" / "job_state.pkl", preload="")
     try:
         assert not os.path.exists(private)
-        assert os.path.isdir(again._hostset().infos[0]["telemetry_dir"])  # its own is left alone
+        assert os.path.isdir(again.hostset().infos[0]["telemetry_dir"])  # its own is left alone
     finally:
         again.stop()
 

@@ -283,7 +283,7 @@ def test_a_console_that_fails_does_not_stall_the_ranks(job: Job, tmp_path: Path,
 def test_heartbeats_go_on_while_a_handler_holds_the_io_thread(job: Job) -> None:
     """A handler busy for longer than the heartbeat timeout (say, output to a terminal the
     user paused) must not make a live agent look lost: heartbeats have their own thread."""
-    from monarch_cli.jobs.spmd import HostSet
+    from monarch_cli.jobs.model import HostSet
 
     hs = HostSet(job.state.hosts, job.keys)
     mb, host = hs.mb, job.state.hosts[0]

@@ -5,6 +5,7 @@ and user code edits being picked up by every warm run.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pprint
@@ -16,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from monarch_cli.jobs import Job, JobError, serve
+from monarch_cli.jobs import Job, JobError, RunOptions, serve
 
 from ..conftest import write_script
 from .conftest import Run, spmd, wait_warm
@@ -149,6 +150,20 @@ def test_nnodes_1_uses_only_the_first_host(job: Job, tmp_path: Path) -> None:
     assert run.result.exit_code == 0, run.text()
     assert [(r.rank, r.host) for r in run.result.ranks] == [(0, "local0"), (1, "local0")]
     assert sorted(run.lines()) == [b"[rank0] sum=3 world=2 rank=0", b"[rank1] sum=3 world=2 rank=1"]
+
+
+def test_run_options_as_an_object_with_keywords_on_top(job: Job, tmp_path: Path) -> None:
+    """``RunOptions`` is what ``run_spmd``'s keywords build: an options object runs as asked, a keyword given
+    beside it wins, and a misspelt option is refused before anything starts."""
+    script = write_script(tmp_path, "who.py", "import os\nprint('I am', os.environ['RANK'])\n")
+    unused, out = io.BytesIO(), io.BytesIO()
+    options = RunOptions(ranks={1}, stdout=unused, stderr=io.BytesIO())
+    result = job.run_spmd(["torchrun", "--nproc-per-node=2", str(script)], options, stdout=out)
+    assert result.exit_code == 0
+    assert out.getvalue().splitlines() == [b"[rank1] I am 1"] and unused.getvalue() == b""
+    assert (result.log_dir / "rank0.log").read_bytes() == b"I am 0\n"  # hidden from the console, still logged
+    with pytest.raises(TypeError, match="colour"):
+        job.run_spmd(["torchrun", "--nproc-per-node=2", str(script)], colour=True)
 
 
 def test_nnodes_above_the_reservation_is_a_clear_error(job: Job, tmp_path: Path) -> None:

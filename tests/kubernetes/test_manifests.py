@@ -160,7 +160,7 @@ def test_dry_run_from_the_cli_redacts_the_keys(tmp_path: Path) -> None:
         block_client=True,
     )  # a dry run needs no client and no cluster
     assert done.returncode == 0, done.stderr
-    assert "# manifests" in done.stdout and f'keys: "{REDACTED}"' in done.stdout
+    assert "# manifests" in done.stdout and f"keys: {REDACTED}" in done.stdout
     assert not (tmp_path / ".monarch" / "job_state.pkl").exists()
     done = _cli("serve", "-s", "kubernetes", "--hosts", "2", "--image", "img:1", "--dry-run", "--json", cwd=tmp_path)
     plan = json.loads(done.stdout)

@@ -91,7 +91,7 @@ def test_a_client_outside_the_cluster_drives_the_pods_through_port_forwards(
     assert ran.stdout.count("sum 3") == 2 and ran.stdout.count("data from the laptop") == 2, ran.stdout
     assert "synced 2 files" in ran.stderr, ran.stderr
 
-    hs = job._hostset()  # this process's own forwards: every connection into an agent comes from its pod's localhost
+    hs = job.hostset()  # this process's own forwards: every connection into an agent comes from its pod's localhost
     try:
         assert all(h.agent.startswith("tcp://127.0.0.1:") for h in hs.hosts), hs.hosts
         for netns, _ in pod_network:

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from monarch_cli.errors import SchedulerError
-from monarch_cli.schedulers.skypilot import Cluster, Shape
-from monarch_cli.schedulers.skypilot_ssh import SshAccess
+from monarch_cli.schedulers.skypilot import Cluster, ClusterStatus
+from monarch_cli.schedulers.skypilot.ssh_access import SshAccess
 from monarch_cli.sysutil import signal_if_alive
 
 # $0 is the setup script, $1 the run script, $2 the node's disk; both run in the node's /tmp ($HOME).
@@ -168,9 +168,9 @@ class NamespaceProvisioner:
             ssh = SshAccess(ips[0], 22, user, key_file)
         return Cluster(ips, internal, ssh)
 
-    def existing(self, cluster: str) -> Shape | None:
+    def existing(self, cluster: str) -> ClusterStatus | None:
         record = self._record(cluster)
-        return Shape(record["state"], len(record["nodes"]), record.get("accelerators")) if record else None
+        return ClusterStatus(record["state"], len(record["nodes"]), record.get("accelerators")) if record else None
 
     def keep(self, cluster: str, idle_minutes: int, down: bool) -> None:
         """What ``sky cancel`` then ``sky autostop`` do: the job's processes end, the nodes stay up."""

@@ -20,8 +20,8 @@ import sky  # noqa: E402 - the test extra installs SkyPilot
 from monarch_cli.errors import OptionError, SchedulerError
 from monarch_cli.jobs import dryrun
 from monarch_cli.schedulers import Reservation
-from monarch_cli.schedulers.skypilot import KEYS_SECRET, Shape, SkyPilotScheduler
-from monarch_cli.schedulers.skypilot_sdk import SkyProvisioner
+from monarch_cli.schedulers.skypilot import KEYS_SECRET, ClusterStatus, SkyPilotScheduler
+from monarch_cli.schedulers.skypilot.sdk import SkyProvisioner
 
 
 def _checked(real: Callable[..., Any], answer: Callable[..., Any], calls: list[dict[str, Any]]) -> Callable[..., Any]:
@@ -169,7 +169,7 @@ def test_a_cluster_behind_a_proxy_command_is_reached_directly_only(sdk: dict[str
 def test_an_existing_cluster_is_described_from_its_handle(sdk: dict[str, Any]) -> None:
     assert SkyProvisioner().existing("mesh") is None
     sdk["clusters"]["mesh"] = "STOPPED"
-    assert SkyProvisioner().existing("mesh") == Shape("STOPPED", 2, "L4:1", "aws")
+    assert SkyProvisioner().existing("mesh") == ClusterStatus("STOPPED", 2, "L4:1", "aws")
 
 
 def test_stop_keep_cluster_cancels_the_job_and_sets_autostop_without_down(sdk: dict[str, Any], tmp_path: Path) -> None:

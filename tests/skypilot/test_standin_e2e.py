@@ -262,7 +262,7 @@ def test_agents_behind_a_firewall_are_reached_through_ssh_tunnels_to_the_head(
 
 def test_the_heads_host_key_is_recorded_then_required(sky_ssh: SkySsh, tmp_path: Path) -> None:
     from monarch_cli.errors import SchedulerError
-    from monarch_cli.schedulers.skypilot_ssh import SshAccess, connect
+    from monarch_cli.schedulers.skypilot.ssh_access import SshAccess, connect
 
     access = SshAccess(sky_ssh.address, 22, sky_ssh.user, str(sky_ssh.key_file))
     connect(access).close()  # a node SkyPilot just made: its key is recorded

@@ -141,9 +141,9 @@ def test_dry_run_from_the_cli_prints_yaml_and_the_sky_launch_line(tmp_path: Path
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "# task.yaml (secrets redacted)" in out and 'accelerators: "H100:8"' in out and "num_nodes: 2" in out
+    assert "# task.yaml (secrets redacted)" in out and "accelerators: H100:8" in out and "num_nodes: 2" in out
     assert f"sky launch -c mesh --secret {KEYS_SECRET} --detach-run -y task.yaml" in out
-    assert f'{KEYS_SECRET}: "<redacted>"' in out
+    assert f"{KEYS_SECRET}: <redacted>" in out
     assert not (tmp_path / ".monarch").exists() or not any((tmp_path / ".monarch").iterdir())  # nothing reserved
     done = _monarch("serve", "--scheduler", "skypilot", "--hosts", "2", "--dry-run", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -61,7 +61,7 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
     configure(host="127.0.0.1", heartbeat_timeout=3.0, heartbeat_interval=0.25)
     job = serve(None, "ssh", state=state, hosts="h1,h2", ssh_config=str(config), python=PYTHON, tunnel=True)
     try:
-        hs = job._hostset()
+        hs = job.hostset()
         assert all(h.agent.startswith("tcp://127.0.0.1:") for h in hs.hosts), hs.hosts  # the forwards
         client_port = hs.mb.address.rpartition(":")[2]
         reach = subprocess.run(
@@ -110,7 +110,7 @@ def test_hosts_that_cannot_reach_the_client_are_driven_through_one_forwarded_por
             daemon=True,
         )
         runner.start()
-        client = DebugClient(job)
+        client = DebugClient(job.hostset())
         try:
             deadline = time.monotonic() + 60
             while not [r for r in client.list() if r.state == "paused"] and time.monotonic() < deadline:

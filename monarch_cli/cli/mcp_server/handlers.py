@@ -301,7 +301,7 @@ def diagnose(s: Session, a: dict[str, Any]) -> Reply:
 def _debugger(s: Session, a: dict[str, Any]) -> Any:
     from ...jobs.debug import DebugClient
 
-    return DebugClient(s.job(), a.get("run_id"))
+    return DebugClient(s.job().hostset(), a.get("run_id"))
 
 
 def debug_list(s: Session, a: dict[str, Any]) -> Reply:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ...errors import OptionError
 from ...runtime.launch.command import AgentCommand
+from .. import yaml_text
 
 #: Label on every object of a reservation (the selector ``stop`` and the pod watch use).
 RESERVATION_LABEL = "monarch-cli/reservation"
@@ -90,13 +91,8 @@ def load_pod_template(path: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except ValueError:
-        try:
-            import yaml  # comes with the kubernetes extra
-        except ImportError:
-            raise OptionError(
-                f"--pod-template {path} is not JSON, and reading YAML needs PyYAML: "
-                "pip install 'monarch-cli[kubernetes]'"
-            ) from None
+        import yaml
+
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -133,18 +129,16 @@ def build(
     rid: str,
     hosts: int,
     opts: dict[str, Any],
-    *,
-    agent_port: int | None,
-    port_range: tuple[int, int] | None,
-    preload: str | None,
+    agent: AgentCommand,
 ) -> dict[str, Any]:
-    """The reservation's manifests (Secret data is a placeholder) and the facts ``reserve`` needs."""
+    """The reservation's manifests (Secret data is a placeholder) and the facts ``reserve`` needs; every pod
+    runs ``agent`` (its port fixed: the Service and the client find the agents there)."""
     if not opts.get("image"):
         raise OptionError("the kubernetes scheduler needs --image IMAGE (an image with this monarch-cli installed)")
     namespace = opts.get("namespace") or "default"
     if not _DNS_LABEL.match(namespace):
         raise OptionError(f"--namespace {namespace!r} is not a valid namespace name")
-    port = agent_port or DEFAULT_AGENT_PORT
+    port = agent.port or DEFAULT_AGENT_PORT
     user_labels = parse_pairs(opts.get("label") or [], "--label", label_values=True)
     annotations = parse_pairs(opts.get("annotation") or [], "--annotation", label_values=False)
     labels = {**user_labels, **MANAGED_BY, RESERVATION_LABEL: rid}
@@ -163,15 +157,6 @@ def build(
         if int(opts["gpus_per_node"]) < 0:
             raise OptionError("--gpus-per-node must be at least 0")
         resources["nvidia.com/gpu"] = str(int(opts["gpus_per_node"]))
-    agent = AgentCommand(
-        python="python3",
-        name=f"{rid}-$(JOB_COMPLETION_INDEX)",
-        port=port,
-        port_range=port_range,
-        preload=preload,
-        warm_up=True,
-        reservation=rid,
-    )
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": opts["image"],
@@ -263,7 +248,7 @@ def build(
 
 def _version_check() -> str:
     """A one-line Python check that the image holds this client's monarch-cli (an init container runs it)."""
-    from ... import __version__
+    from ...version import __version__
 
     return (
         "import sys\ntry:\n    import monarch_cli\n    v = monarch_cli.__version__\nexcept ImportError:\n"
@@ -280,35 +265,14 @@ def with_keys(secret: dict[str, Any], encoded_keys: str) -> dict[str, Any]:
     return filled
 
 
-def to_yaml(value: Any, indent: int = 0) -> str:
-    """Block YAML for plain JSON data (strings as JSON strings, valid YAML); no PyYAML needed."""
-    pad = "  " * indent
-    if isinstance(value, dict) and value:
-        lines = []
-        for key, item in value.items():
-            k = key if re.fullmatch(r"[A-Za-z0-9_./-]+", key) and not key[0].isdigit() else json.dumps(key)
-            if isinstance(item, (dict, list)) and item:
-                lines.append(f"{pad}{k}:\n{to_yaml(item, indent + 1)}")
-            else:
-                lines.append(f"{pad}{k}: {to_yaml(item).strip()}")
-        return "\n".join(lines)
-    if isinstance(value, list) and value:
-        lines = []
-        for item in value:
-            text = to_yaml(item, indent + 1) if isinstance(item, (dict, list)) and item else to_yaml(item).strip()
-            lines.append(f"{pad}- {text.lstrip()}")
-        return "\n".join(lines)
-    if isinstance(value, str) and _PLAIN.match(value) and value.lower() not in _KEYWORDS:
-        return pad + value
-    return pad + json.dumps(value)
-
-
-_PLAIN = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]*$")
-_KEYWORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "none"}
+def to_yaml(value: Any) -> str:
+    """One object as YAML (PyYAML's safe dumper)."""
+    return yaml_text.dump(value)
 
 
 def render(manifests: list[dict[str, Any]]) -> str:
-    return "".join(f"---\n{to_yaml(m)}\n" for m in manifests)
+    """The manifests as one multi-document YAML stream, as ``kubectl apply -f`` takes it."""
+    return yaml_text.dump_all(manifests)
 
 
 __all__ = [

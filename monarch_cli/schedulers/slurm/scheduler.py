@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ...errors import OptionError, PlanError, UserError
-from ...runtime.launch.command import format_port_range
+from ...runtime.launch.command import AgentCommand, format_port_range
 from ...sysutil import signal_if_alive
 from ..agents import read_address_files, wait_for_agents
 from ..base import (
@@ -104,7 +104,7 @@ class SlurmScheduler(Scheduler):
         options = self.check_options(request.options)
         rid = _new_id()
         job_dir = _job_dir(workdir, rid)
-        node_args = _node_args(request)
+        node_args = _node_args(request.agent_command(rid))
         data: dict[str, Any] = {"job_dir": str(job_dir)}
         keys = f"write a fresh key pair to {job_dir / 'keys'} (0600; the nodes read it from the shared filesystem)"
         if allocation_id():
@@ -430,15 +430,15 @@ def _allocation_nodes(count: int) -> list[str]:
     return nodes[:count]
 
 
-def _node_args(request: ReserveRequest) -> list[str]:
+def _node_args(agent: AgentCommand) -> list[str]:
     """The node entry point's agent options (the node adds its own name, address and address file)."""
     args: list[str] = []
-    if request.preload is not None:
-        args += ["--preload", request.preload]
-    if request.agent_port is not None:
-        args += ["--port", str(request.agent_port)]
-    if request.port_range is not None:
-        args += ["--port-range", format_port_range(request.port_range)]
+    if agent.preload is not None:
+        args += ["--preload", agent.preload]
+    if agent.port is not None:
+        args += ["--port", str(agent.port)]
+    if agent.port_range is not None:
+        args += ["--port-range", format_port_range(agent.port_range)]
     return args
 
 

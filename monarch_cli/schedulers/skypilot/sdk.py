@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import SchedulerError
-from .base import Progress
-from .skypilot import INSTALL_HINT, Cluster, Shape
-from .skypilot_ssh import SshAccess
+from ...errors import SchedulerError
+from ..base import Progress
+from .provisioner import INSTALL_HINT, Cluster, ClusterStatus
+from .ssh_access import SshAccess
 
 
 def _first_line(error: BaseException) -> str:
@@ -70,7 +70,7 @@ class SkyProvisioner:
         sky = _sky()
         return list(sky.get(sky.status([cluster], refresh=sky.StatusRefreshMode.AUTO)) or [])
 
-    def existing(self, cluster: str) -> Shape | None:
+    def existing(self, cluster: str) -> ClusterStatus | None:
         try:
             records = self._records(cluster)
         except SchedulerError:
@@ -83,7 +83,7 @@ class SkyProvisioner:
         resources = getattr(handle, "launched_resources", None)
         accelerators = getattr(resources, "accelerators", None) or {}
         cloud = getattr(resources, "cloud", None)
-        return Shape(
+        return ClusterStatus(
             _status_name(records[0]),
             int(getattr(handle, "launched_nodes", 0) or 0),
             ",".join(f"{k}:{v}" for k, v in accelerators.items()) or None,

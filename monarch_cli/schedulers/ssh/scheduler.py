@@ -24,11 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
-from ..errors import OptionError, PlanError, SchedulerError
-from ..runtime.launch.command import READY_PREFIX, AgentCommand
-from .agents import wait_for_agents
-from .base import (
+from ...errors import OptionError, PlanError, SchedulerError
+from ...runtime.launch.command import READY_PREFIX, AgentCommand
+from ...version import __version__
+from ..agents import wait_for_agents
+from ..base import (
     HostRecord,
     Liveness,
     Option,
@@ -42,7 +42,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..runtime.transport.keys import Keys
+    from ...runtime.transport.keys import Keys
 
 #: How long an agent may take to listen (it imports torch to warm up).
 AGENT_START_TIMEOUT = 60.0
@@ -285,16 +285,8 @@ class SshScheduler(Scheduler):
         hosts, steps = [], []
         for alias in names:
             target = resolve(alias, opts)
-            agent = AgentCommand(
-                python=python,
-                name=alias,
-                host=target.hostname,
-                port=request.agent_port,
-                port_range=request.port_range,
-                preload=request.preload,
-                warm_up=True,
-                address_file="agent.addr",
-                reservation=rid,
+            agent = request.agent_command(
+                rid, python=python, name=alias, host=target.hostname, address_file="agent.addr"
             )
             command = _start_command(python, directory, root, target, agent)
             hosts.append(
@@ -506,7 +498,7 @@ class SshScheduler(Scheduler):
         """With ``tunnel``: a loopback port of this process per host, forwarded over SSH to its agent."""
         if not reservation.scheduler_data.get("tunnel"):
             return super().agent_addresses(reservation)
-        from .ssh_forward import forward
+        from .forward import forward
 
         accept_new = bool(reservation.scheduler_data.get("accept_new_host_keys"))
 

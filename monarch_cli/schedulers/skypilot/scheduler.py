@@ -14,97 +14,54 @@ it) has no copy in its environment. What SkyPilot's own processes keep is docume
 docs/skypilot.md.
 
 The client reaches the agents directly on that port, or, when it is closed to the client,
-through SSH tunnels over the cluster's SSH access (:mod:`.skypilot_ssh`); ``--reach`` picks
+through SSH tunnels over the cluster's SSH access (:mod:`.ssh_access`); ``--reach`` picks
 (``auto``: direct if every agent answers there within a second, else tunnels).
 
-SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`~.skypilot_sdk.SkyProvisioner`.
+SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`~.sdk.SkyProvisioner`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import re
 import shlex
 import socket
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from .. import __version__
-from ..errors import OptionError, PlanError, SchedulerError
-from ..runtime.launch.command import AgentCommand, format_port_range
-from .agents import wait_for_agents
-from .base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
-from .skypilot_ssh import SshAccess
+from ...errors import OptionError, PlanError, SchedulerError
+from ...runtime.launch.command import AgentCommand, format_port_range
+from ...version import __version__
+from .. import yaml_text
+from ..agents import wait_for_agents
+from ..base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
+from .provisioner import PROVISIONER_ENV, Provisioner
+from .ssh_access import SshAccess
 
 if TYPE_CHECKING:
-    from ..runtime.transport.keys import Keys
+    from ...runtime.transport.keys import Keys
 
 #: The SkyPilot secret that carries the reservation's keys to every node.
 KEYS_SECRET = "MONARCH_RESERVATION_KEYS"
 #: The port every agent listens on unless ``--agent-port`` says otherwise (Monarch's default).
 DEFAULT_AGENT_PORT = 26600
-#: ``module:attr`` of a provisioner factory to use instead of SkyPilot (the test seam).
-PROVISIONER_ENV = "MONARCH_SKYPILOT_PROVISIONER"
 #: How long the agents may take to answer once SkyPilot says the task runs.
 AGENT_START_TIMEOUT = 120.0
 DEFAULT_PYTHON = "python3"
 REDACTED = "<redacted>"
-INSTALL_HINT = "pip install 'monarch-cli[skypilot]'"
 #: How long ``--keep-cluster`` leaves an idle cluster up when neither stop nor serve said (minutes).
 DEFAULT_KEEP_MINUTES = 10
 REACH_MODES = ("auto", "direct", "tunnel")
-
-
-@dataclasses.dataclass
-class Cluster:
-    """What a launch tells the client about the nodes (from SkyPilot's cluster handle)."""
-
-    #: The addresses the client uses, node rank order (the handle's external IPs).
-    ips: list[str]
-    #: The addresses the nodes have among themselves (``SKYPILOT_NODE_IPS``; the agents listen there).
-    internal_ips: list[str] = dataclasses.field(default_factory=list)
-    #: SSH access to the head, when SkyPilot gives it (None: the agents can be reached only directly).
-    ssh: SshAccess | None = None
-
-
-@dataclasses.dataclass
-class Shape:
-    """An existing cluster as SkyPilot reports it: enough to tell whether it can serve a task."""
-
-    state: str
-    nodes: int
-    accelerators: str | None = None  # "A100:8"
-    cloud: str | None = None  # "aws"
-
-
-class Provisioner(Protocol):
-    """What the backend needs from SkyPilot; tests replace it through :data:`PROVISIONER_ENV`."""
-
-    def launch(self, cluster: str, task: dict[str, Any], secrets: dict[str, str], progress: Progress) -> Cluster:
-        """Launch ``cluster`` with ``task`` (on an existing cluster: run it there); where its nodes are."""
-
-    def existing(self, cluster: str) -> Shape | None:
-        """``cluster`` as it is now, or None when there is none; changes nothing."""
-
-    def state(self, cluster: str) -> tuple[str, str]:
-        """``("UP" | "INIT" | "STOPPED" | "GONE", reason)`` without changing anything."""
-
-    def down(self, cluster: str) -> None:
-        """Tear ``cluster`` down; nothing of it may be left."""
-
-    def keep(self, cluster: str, idle_minutes: int, down: bool) -> None:
-        """End the task's job (the agents) and leave ``cluster`` up, to stop (or go down) after ``idle_minutes``."""
 
 
 def provisioner() -> Provisioner:
     """SkyPilot's SDK, or the factory named by ``$MONARCH_SKYPILOT_PROVISIONER`` (``module:attr``)."""
     target = os.environ.get(PROVISIONER_ENV)
     if not target:
-        from .skypilot_sdk import SkyProvisioner
+        from .sdk import SkyProvisioner
 
         return SkyProvisioner()
     module, _, attr = target.partition(":")
@@ -165,20 +122,9 @@ def run_script(agent: AgentCommand, python: str, time_minutes: int | None) -> st
     )
 
 
-def to_yaml(data: Any, indent: int = 0) -> str:
-    """A small, deterministic YAML writer for the task (block literals for scripts); no PyYAML needed."""
-    pad = " " * indent
-    lines: list[str] = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            lines.append(f"{pad}{key}:")
-            lines.append(to_yaml(value, indent + 2).rstrip("\n"))
-        elif isinstance(value, str) and "\n" in value:
-            lines.append(f"{pad}{key}: |")
-            lines += [f"{pad}  {line}" if line else "" for line in value.rstrip("\n").split("\n")]
-        else:
-            lines.append(f"{pad}{key}: {json.dumps(value)}")
-    return "\n".join(lines) + "\n"
+def to_yaml(data: Any) -> str:
+    """The task as ``sky launch task.yaml`` reads it (PyYAML's safe dumper; scripts as block literals)."""
+    return yaml_text.dump(data)
 
 
 def launch_line(cluster: str) -> str:
@@ -256,15 +202,7 @@ class SkyPilotScheduler(Scheduler):
         rid = f"sky-{uuid.uuid4().hex[:8]}"
         cluster = cluster or f"monarch-{rid[4:]}"
         port = request.agent_port or DEFAULT_AGENT_PORT
-        agent = AgentCommand(
-            python=python,
-            port=port,
-            port_range=request.port_range,
-            preload=request.preload,
-            warm_up=True,
-            keys_stdin=True,
-            reservation=rid,
-        )
+        agent = request.agent_command(rid, python=python, port=port, keys_stdin=True)
         task = self.task_config(request.hosts, opts, agent, python, time_minutes, cluster)
         shown = {**task, "secrets": {KEYS_SECRET: REDACTED}}
         yaml_text = to_yaml(shown)
@@ -374,7 +312,7 @@ class SkyPilotScheduler(Scheduler):
             check = lambda: _check_up(prov, cluster)  # noqa: E731
             head = None
             if nodes.ssh is not None and reach != "direct":  # the head sees every agent, whatever is open to us
-                from .skypilot_ssh import connect, listening
+                from .ssh_access import connect, listening
 
                 try:
                     head = connect(nodes.ssh)
@@ -500,7 +438,7 @@ class SkyPilotScheduler(Scheduler):
         names = [f"node{i}" for i in range(len(ips))]
         answering: dict[str, str] = {}
         if ips and port and data.get("reach") == "tunnel":
-            from .skypilot_ssh import listening, shared_client
+            from .ssh_access import listening, shared_client
 
             try:
                 head = shared_client(reservation.reservation_id, SshAccess.from_json(data["ssh"]))
@@ -522,7 +460,7 @@ class SkyPilotScheduler(Scheduler):
         data = reservation.scheduler_data
         if data.get("reach") != "tunnel":
             return super().agent_addresses(reservation)
-        from .skypilot_ssh import forwards
+        from .ssh_access import forwards
 
         targets = [(ip, int(data["port"])) for ip in data.get("internal_ips") or data.get("node_ips", [])]
         try:
@@ -585,13 +523,8 @@ def _check_up(prov: Provisioner, cluster: str) -> None:
 
 __all__ = [
     "SkyPilotScheduler",
-    "Provisioner",
-    "Cluster",
-    "Shape",
-    "provisioner",
     "parse_minutes",
     "to_yaml",
     "KEYS_SECRET",
-    "PROVISIONER_ENV",
     "DEFAULT_AGENT_PORT",
 ]

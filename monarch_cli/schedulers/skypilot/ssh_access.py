@@ -3,7 +3,7 @@
 SkyPilot gives every cluster SSH access (the head's address and port, a user, a private key).
 When the agents' fixed port is not open to the client (a cloud firewall, nodes without public
 addresses), the client keeps one paramiko connection to the head and forwards one loopback
-port per node over it (:mod:`.ssh_forward`, as the ssh backend's ``--tunnel``) to the node's
+port per node over it (:mod:`..ssh.forward`, as the ssh backend's ``--tunnel``) to the node's
 internal address, where its agent listens; each agent answers on the connection made to it.
 The head's host key is recorded when the reservation is made and required afterwards.
 """
@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from ..errors import SchedulerError
+from ...errors import SchedulerError
 
 
 @dataclasses.dataclass
@@ -105,7 +105,7 @@ def shared_client(key: str, access: SshAccess) -> Any:
 
 def forwards(key: str, access: SshAccess, targets: list[tuple[str, int]]) -> list[str]:
     """A loopback address per target, forwarded over the head's connection."""
-    from .ssh_forward import forward
+    from ..ssh.forward import forward
 
     return [forward((key, f"{ip}:{port}"), lambda: shared_client(key, access), (ip, port)) for ip, port in targets]
 

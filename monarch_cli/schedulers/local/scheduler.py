@@ -20,14 +20,24 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import SchedulerError
-from ..runtime.launch.command import AGENT_MODULE, AgentCommand
-from ..sysutil import signal_if_alive
-from .agents import read_address_files, wait_for_agents
-from .base import HostRecord, Liveness, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
+from ...errors import SchedulerError
+from ...runtime.launch.command import AGENT_MODULE, AgentCommand
+from ...sysutil import signal_if_alive
+from ..agents import read_address_files, wait_for_agents
+from ..base import (
+    HostRecord,
+    Liveness,
+    Plan,
+    Probe,
+    Progress,
+    Reservation,
+    ReservationRecord,
+    ReserveRequest,
+    Scheduler,
+)
 
 if TYPE_CHECKING:
-    from ..runtime.transport.keys import Keys
+    from ...runtime.transport.keys import Keys
 
 #: How long agents may take to listen (they import torch to warm up, on a busy laptop).
 AGENT_START_TIMEOUT = 60.0
@@ -42,15 +52,12 @@ class LocalScheduler(Scheduler):
         rid = f"local-{uuid.uuid4().hex[:8]}"
         root = workdir.resolve() / "agents"
         agents = [
-            AgentCommand(
+            request.agent_command(
+                rid,
                 name=f"local{i}",
-                warm_up=True,
                 keys_stdin=True,
-                preload=request.preload,
-                port=None if request.agent_port is None else request.agent_port + i,
-                port_range=request.port_range,
+                port=None if request.agent_port is None else request.agent_port + i,  # one machine: one port each
                 address_file=str(root / rid / f"local{i}.addr"),
-                reservation=rid,
                 state_file=request.state_file,
             )
             for i in range(request.hosts)
@@ -122,7 +129,7 @@ class LocalScheduler(Scheduler):
 
     def release(self, reservation: ReservationRecord) -> None:
         _kill_agents([h.pid for h in reservation.hosts if h.pid])
-        from ..runtime.agent import registry as agent_registry  # psutil: only for stopping, not on every run's probe
+        from ...runtime.agent import registry as agent_registry  # psutil: only for stopping, not on every run's probe
 
         agent_registry.stop_agents(agent_registry.agents_of(reservation=reservation.reservation_id))
         if reservation.scheduler_data.get("addresses"):
@@ -130,7 +137,7 @@ class LocalScheduler(Scheduler):
 
     def release_unreadable(self, state_file: Path) -> list[int]:
         """Stop the agents registered for a state file that cannot be read; their pids."""
-        from ..runtime.agent import registry as agent_registry
+        from ...runtime.agent import registry as agent_registry
 
         found = agent_registry.agents_of(state_file=str(state_file.resolve()))
         agent_registry.stop_agents(found)

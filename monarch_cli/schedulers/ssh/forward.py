@@ -14,7 +14,7 @@ import socket
 import threading
 from typing import Any
 
-from .forwarding import LoopbackListener, pipe
+from ..forwarding import LoopbackListener, pipe
 
 # A forward refused once its agent has gone (ZeroMQ reconnecting) is expected, not news for the
 # console: without this, logging's last-resort handler prints paramiko's "channel open FAILED".

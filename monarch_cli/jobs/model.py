@@ -1,0 +1,216 @@
+"""The jobs layer's shared types: the reservation's agents as a controller talks to them (:class:`HostSet`),
+what a run starts (:class:`Launch`) and how it ended (:class:`RankExit`, :class:`RunResult`), how a run is asked
+for (:class:`RunOptions`), and the errors that say the reservation cannot be used (:class:`StaleReservation`,
+:class:`VersionMismatch`). :mod:`.job`, :mod:`.spmd`, :mod:`.telemetry` and :mod:`.debug` all import these, so
+none of them needs another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..runtime import protocol
+from ..runtime.exit_status import describe_status, signal_name
+from ..runtime.mailbox.mailbox import Mailbox
+from ..runtime.transport.keys import Keys
+from ..version import __version__
+from .errors import JobError
+from .lifecycle import DEFAULT_STRAGGLER_GRACE, EXIT_LOST, EXIT_STOPPED
+from .state import HostRecord
+
+
+class StaleReservation(JobError):
+    """The reservation's agents are gone (allocation ended, processes killed)."""
+
+
+class VersionMismatch(JobError):
+    """The reservation's agents run another monarch-cli version than this client."""
+
+
+@dataclasses.dataclass
+class RankExit:
+    """How one rank ended."""
+
+    rank: int
+    label: str
+    host: str
+    exitcode: int | None
+    signal: int | None
+    duration: float
+    pid: int | None = None
+    tail: list[str] = dataclasses.field(default_factory=list)
+    lost: str = ""  # set when the rank's host went away instead of reporting
+    cause: str = ""  # what ended it from outside, as its agent saw it (e.g. its warm process died)
+    stopped: str = ""  # set when the reservation was released (monarch stop) while the rank ran
+
+    @property
+    def status(self) -> int:
+        if self.stopped:
+            return EXIT_STOPPED
+        if self.lost:
+            return EXIT_LOST
+        return describe_status(self.exitcode, self.signal)[1]
+
+    @property
+    def how(self) -> str:
+        how = self.stopped or self.lost or describe_status(self.exitcode, self.signal)[0]
+        return f"{how}: {self.cause}" if self.cause and not (self.stopped or self.lost) else how
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_id: str
+    exit_code: int
+    ranks: list[RankExit]
+    duration: float
+    log_dir: Path
+    first_failure: RankExit | None = None
+    restarts: int = 0
+    interrupted: bool = False
+    #: How the run was ended from outside ("received SIGTERM; forwarded to ranks; ..."), or "".
+    ending: str = ""
+    received_signal: int | None = None  # SIGTERM/SIGHUP/SIGQUIT sent to the caller
+    stopped_by: str | None = None  # who released the reservation during the run
+    stragglers: list[int] = dataclasses.field(default_factory=list)  # named as still running after the grace
+    console_closed: bool = False  # its output's reader went away (`| head`): the run was ended
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "exit_code": self.exit_code,
+            "duration": round(self.duration, 3),
+            "log_dir": str(self.log_dir),
+            "restarts": self.restarts,
+            "interrupted": self.interrupted,
+            "ending": self.ending,
+            "received_signal": signal_name(self.received_signal) if self.received_signal else None,
+            "stopped_by": self.stopped_by,
+            "stragglers": self.stragglers,
+            "console_closed": self.console_closed,
+            "first_failure": self.first_failure.rank if self.first_failure else None,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "host": r.host,
+                    "exit_code": r.exitcode,
+                    "signal": r.signal,
+                    "status": r.status,
+                    "how": r.how,
+                    "duration": round(r.duration, 3),
+                    "last_lines": r.tail,
+                }
+                for r in self.ranks
+            ],
+        }
+
+
+@dataclasses.dataclass
+class Launch:
+    """One process to start: a rank of the SPMD run, or a host's shell for ``exec``."""
+
+    rank: int
+    label: str
+    node: int
+    spec: protocol.RankSpec
+
+
+class HostSet:
+    """The reservation's agents as this controller talks to them."""
+
+    def __init__(
+        self,
+        hosts: list[HostRecord],
+        keys: Keys,
+        timeout: float = 5.0,
+        *,
+        require_all: bool = True,
+        known_dead: Sequence[str] = (),
+    ) -> None:
+        self.hosts = hosts
+        self.mb = Mailbox.for_keys(keys)
+        for h in hosts:  # one connection per host: everything comes back on it
+            self.mb.link(h.agent)
+        pings = [
+            None if h.name in known_dead else self.mb.request(h.agent, lambda cid: protocol.Ping(cid, self.mb.address))
+            for h in hosts
+        ]
+        self.infos: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
+        for host, fut in zip(hosts, pings):
+            try:
+                if fut is None:
+                    raise LookupError(host.name)  # no need to wait for an answer that cannot come
+                info = fut.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - any failure to answer means the same thing here
+                if not require_all:  # `status`: this host is dead, the others may be fine
+                    self.infos.append(None)  # type: ignore[arg-type]
+                    continue
+                raise StaleReservation(
+                    f"host {host.name} (agent {host.agent}) is not answering: the reservation is gone or unreachable; "
+                    "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
+                ) from None
+            _check_version(host, info)
+            self.infos.append(info)
+
+
+def _check_version(host: HostRecord, info: dict[str, Any]) -> None:
+    """Client and agents must run the same monarch-cli: their messages and pickles are not
+    versioned. Checked on every connection, whatever started the agent (an image, a remote
+    install, a SkyPilot setup); an agent too old to say its version is not refused."""
+    theirs = info.get("version")
+    if theirs is not None and theirs != __version__:
+        raise VersionMismatch(
+            f"host {host.name} runs monarch-cli {theirs}, this client {__version__}: "
+            f"install monarch-cli=={__version__} there (or this client's version here), then serve again"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How :meth:`Job.run_spmd <monarch_cli.jobs.job.Job.run_spmd>` runs a command; the defaults are a plain
+    ``monarch run-spmd``'s. ``job.run_spmd(cmd, cold=True)`` and ``job.run_spmd(cmd, RunOptions(cold=True))``
+    are the same call."""
+
+    #: Start every rank as a fresh interpreter instead of forking its host's warm process.
+    cold: bool = False
+    #: The ranks whose output reaches the console (every rank is logged); None: all of them.
+    ranks: set[int] | None = None
+    #: Colour the ``[rankN]`` prefixes; None: when the console is a terminal.
+    color: bool | None = None
+    #: Where the ranks' stdout and stderr go (prefixed); None: this process's.
+    stdout: BinaryIO | None = None
+    stderr: BinaryIO | None = None
+    #: After a rank fails, the others get SIGTERM, and SIGKILL this many seconds later.
+    grace: float = 3.0
+    #: Told what a user watching should know: paused ranks, restarts, stragglers, sync reports.
+    on_event: Callable[[str], None] | None = None
+    #: A rank that raises stays paused at the failing frame, for ``monarch debug``.
+    post_mortem: bool = False
+    #: Signals relayed to every rank while it runs (main thread only), e.g. a batch job's time-limit warning.
+    forward_signals: Sequence[int] = ()
+    #: What is mirrored to hosts that do not share this filesystem; None: the run's directory.
+    workspace: str | Path | None = None
+    #: Mirror the workspace first (False: the hosts already have it).
+    sync: bool = True
+    #: Added to every rank's environment (``-e``).
+    env: dict[str, str] | None = None
+    #: Seconds ranks get after SIGTERM/SIGHUP/SIGQUIT to the caller, before SIGKILL; None: torchrun's
+    #: ``--shutdown-timeout``, then ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30.
+    shutdown_timeout: float | None = None
+    #: Ranks still running this many seconds after the first one ended are named through ``on_event``.
+    straggler_grace: float = DEFAULT_STRAGGLER_GRACE
+    #: The run's id (from ``new_run_id()``), for a caller that must know its logs and telemetry before it
+    #: starts (the MCP server's detached runs); None: a new one.
+    run_id: str | None = None
+
+    def say(self, message: str) -> None:
+        if self.on_event is not None:
+            self.on_event(message)
