@@ -76,19 +76,16 @@ class TorchxScheduler(Scheduler):
             options["job_dir"] = str(job_dir / "slurm")  # torchx's default is the cwd: keep its files with ours
         cfg = run_config(sched, options, [Path.cwd(), Path.home()])
         port_base = request.agent_port or (_free_port_run(request.hosts) if local else DEFAULT_PORT_BASE)
-        agent_args = ["-m", "monarch_cli.runtime.agent", "--reservation", rid]
-        if request.preload is not None:
-            agent_args += ["--preload", request.preload]
-        if request.port_range is not None:
-            agent_args += ["--port-range", f"{request.port_range[0]}-{request.port_range[1]}"]
+        # The port is each replica's own (port_base + replica id, in the role's shell line), not the request's.
+        agent = request.agent_command(rid, python=options.get("agent_python") or sys.executable, port=None).argv()
         env = {"MONARCH_KEY_FILE": str(job_dir / "keys"), "PYTHONUNBUFFERED": "1"}
         if local:
             env["MONARCH_HOST"] = "127.0.0.1"
         role = AgentRole(
             app_name=rid,
             replicas=request.hosts,
-            python=options.get("agent_python") or sys.executable,
-            agent_args=agent_args,
+            python=agent[0],
+            agent_args=agent[1:],
             port_base=port_base,
             env=env,
             image=options.get("agent_image"),
