@@ -11,8 +11,14 @@ import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .views import DashboardError, Views
+
+if TYPE_CHECKING:  # the 'dashboard' extra: imported only when serving
+    import uvicorn
+
+    from .app import ASGIApp  # starlette's type: only app.py imports starlette (tests/test_layers.py)
 
 __all__ = ["DashboardError", "Dashboard", "Views"]
 
@@ -51,9 +57,9 @@ class Dashboard:
         shown = f"[{host}]" if ":" in host else host
         self.base = f"http://{shown}:{self.port}/"
         self.url = f"{self.base}?token={self.token}"
-        self._server = None
+        self._server: uvicorn.Server | None = None
 
-    def app(self):  # type: ignore[no-untyped-def]
+    def app(self) -> ASGIApp:
         from .app import create_app
 
         names = {f"{h}:{self.port}" for h in ("127.0.0.1", "localhost", "[::1]")}

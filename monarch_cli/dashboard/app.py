@@ -14,7 +14,7 @@ import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -29,6 +29,8 @@ STATIC = Path(__file__).parent / "static"
 POLL_S = 0.5
 #: A keep-alive comment this often, so proxies and the browser keep the stream open.
 KEEPALIVE_S = 15.0
+
+_T = TypeVar("_T")
 
 
 class TokenGuard:
@@ -62,14 +64,14 @@ class TokenGuard:
         await self.app(scope, receive, send)
 
 
-def _answer(call: Callable[[], Any]) -> Any:
+def _answer(call: Callable[[], _T]) -> _T:
     try:
         return call()
     except DashboardError as e:
         raise HTTPException(404, str(e)) from None
 
 
-def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
+def create_app(views: Views, token: str, hosts: set[str] | None = None) -> ASGIApp:
     """The ASGI app for one reservation; ``hosts``: the Host header values accepted (empty: any)."""
     app = FastAPI(
         title="monarch dashboard",
@@ -92,19 +94,33 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
             raise HTTPException(404, "no such file")
         return FileResponse(path)
 
-    @app.get("/api/hosts", summary="Hosts: agent liveness, warm state, CPUs/GPUs, their ranks' CPU/RSS/GPU")
-    def hosts_api() -> m.Hosts:
+    # The views answer plain dicts: each API route names its model as response_model, which FastAPI
+    # validates the dict against and documents in /openapi.json.
+    @app.get(
+        "/api/hosts",
+        response_model=m.Hosts,
+        summary="Hosts: agent liveness, warm state, CPUs/GPUs, their ranks' CPU/RSS/GPU",
+    )
+    def hosts_api() -> dict[str, Any]:
         return _answer(views.hosts)
 
-    @app.get("/api/runs", summary="Run history, newest first")
-    def runs_api(limit: int = Query(50, ge=1, le=1000)) -> list[m.Run]:
+    @app.get("/api/runs", response_model=list[m.Run], summary="Run history, newest first")
+    def runs_api(limit: int = Query(50, ge=1, le=1000)) -> list[dict[str, Any]]:
         return _answer(lambda: views.runs(limit))
 
-    @app.get("/api/runs/{run_id}", summary="One run ('latest' for the newest): its row, exit table, events, hosts")
-    def run_api(run_id: str) -> m.RunDetail:
+    @app.get(
+        "/api/runs/{run_id}",
+        response_model=m.RunDetail,
+        summary="One run ('latest' for the newest): its row, exit table, events, hosts",
+    )
+    def run_api(run_id: str) -> dict[str, Any]:
         return _answer(lambda: views.run(run_id))
 
-    @app.get("/api/runs/{run_id}/logs", summary="Output lines, oldest first, filtered by rank and text")
+    @app.get(
+        "/api/runs/{run_id}/logs",
+        response_model=m.LogPage,
+        summary="Output lines, oldest first, filtered by rank and text",
+    )
     def logs_api(
         run_id: str,
         after: int | None = Query(None, description="lines after this id (for following)"),
@@ -112,21 +128,31 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
         ranks: str | None = Query(None, description="ranks, e.g. 0,2-3"),
         q: str | None = Query(None, description="only lines containing this text (case-insensitive)"),
         limit: int = Query(1000, ge=1, le=MAX_LINES),
-    ) -> m.LogPage:
+    ) -> dict[str, Any]:
         return _answer(lambda: views.logs(run_id, after=after, before=before, ranks=_ranks(ranks), text=q, limit=limit))
 
     @app.get(
-        "/api/runs/{run_id}/series", summary="Plot points after the cursors: samples, step times, key=value numbers"
+        "/api/runs/{run_id}/series",
+        response_model=m.Series,
+        summary="Plot points after the cursors: samples, step times, key=value numbers",
     )
-    def series_api(run_id: str, samples: int = 0, steps: int = 0, logs: int = 0) -> m.Series:
+    def series_api(run_id: str, samples: int = 0, steps: int = 0, logs: int = 0) -> dict[str, Any]:
         return _answer(lambda: views.series(run_id, samples, steps, logs))
 
-    @app.get("/api/runs/{run_id}/stacks", summary="The newest stored stack capture of a run, grouped")
-    def stored_stacks_api(run_id: str) -> m.Stacks:
+    @app.get(
+        "/api/runs/{run_id}/stacks",
+        response_model=m.Stacks,
+        summary="The newest stored stack capture of a run, grouped",
+    )
+    def stored_stacks_api(run_id: str) -> dict[str, Any]:
         return _answer(lambda: views.stored_stacks(run_id))
 
-    @app.post("/api/stacks", summary="Capture every live rank's stack now (like `monarch stack`), grouped")
-    def capture_api(ranks: str | None = None) -> m.Stacks:
+    @app.post(
+        "/api/stacks",
+        response_model=m.Stacks,
+        summary="Capture every live rank's stack now (like `monarch stack`), grouped",
+    )
+    def capture_api(ranks: str | None = None) -> dict[str, Any]:
         try:
             return views.capture_stacks(set(_ranks(ranks) or []) or None)
         except DashboardError as e:
@@ -134,19 +160,23 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> Any:
         except Exception as e:  # noqa: BLE001 - JobError from the agents: one line for the page
             raise HTTPException(409, f"cannot capture stacks: {e}") from None
 
-    @app.get("/api/diagnose", summary="The `monarch diagnose` verdict")
-    def diagnose_api(silence: float = Query(60.0, gt=0)) -> m.Diagnosis:
+    @app.get("/api/diagnose", response_model=m.Diagnosis, summary="The `monarch diagnose` verdict")
+    def diagnose_api(silence: float = Query(60.0, gt=0)) -> dict[str, Any]:
         return views.diagnose(silence)
 
-    @app.get("/api/top", summary="The `monarch top` rows of the newest run")
-    def top_api() -> m.Top:
+    @app.get("/api/top", response_model=m.Top, summary="The `monarch top` rows of the newest run")
+    def top_api() -> dict[str, Any]:
         try:
             return views.top()
         except Exception as e:  # noqa: BLE001 - no reservation or agents gone: one line
             raise HTTPException(409, str(e)) from None
 
-    @app.get("/api/queries", summary="The SQL behind each view (run it yourself with `monarch sql`)")
-    def queries_api() -> dict[str, m.Query]:
+    @app.get(
+        "/api/queries",
+        response_model=dict[str, m.Query],
+        summary="The SQL behind each view (run it yourself with `monarch sql`)",
+    )
+    def queries_api() -> dict[str, dict[str, str]]:
         from ..telemetry_queries import QUERIES
 
         return {name: {"description": what, "sql": sql} for name, (what, sql) in QUERIES.items()}

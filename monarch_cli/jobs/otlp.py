@@ -162,7 +162,8 @@ class RunExport:
                                 sdk.log(ranks.get(rank), rank, hosts.get(rank), stream, ts, rest)
                         sdk.end_rank(ranks.pop(rank, None), how, status, ts)
                     elif kind == "metrics":
-                        sdk.record(*item, hosts)
+                        samples, steps = item
+                        sdk.record(samples, steps, hosts)
                     elif kind == "end":
                         ts, exit_code = item
                         for span in ranks.values():
@@ -324,8 +325,8 @@ class _Sdk:
 
     def shutdown(self) -> None:
         ms = int(EXPORT_TIMEOUT_S * 1000)
-        for provider in (self.traces, self.logs):
-            provider.force_flush(ms)
+        for batching in (self.traces, self.logs):
+            batching.force_flush(ms)
         self.reader.force_flush(ms)
         for provider in (self.traces, self.logs, self.metrics):
             provider.shutdown()

@@ -154,7 +154,7 @@ def submit_batch(
     return submit_and_wait(path, on_submitted or (lambda _id: None))
 
 
-def batch_dir(job_id: str, state: Path | None = None) -> Path:
+def batch_dir(job_id: str, state: Path | str | None = None) -> Path:
     """Where a batch job keeps its state, result and logs (by the submitting directory's state path)."""
     if not job_id.isdigit():
         raise JobError(f"--job takes a Slurm job id (a number), not {job_id!r}")
@@ -193,7 +193,7 @@ def batch_status(job_id: str, state: Path | None = None) -> dict[str, Any]:
     if record.get("phase") == "finished":
         status["alive"] = False
     else:
-        status["alive"] = bool(info) and info.get("state") in ("PENDING", "CONFIGURING", "RUNNING")
+        status["alive"] = info is not None and info.get("state") in ("PENDING", "CONFIGURING", "RUNNING")
     return status
 
 

@@ -16,7 +16,7 @@ import pickletools
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..schedulers.base import HostRecord
 from ..sysutil import atomic_write
@@ -95,14 +95,15 @@ def _scan(data: bytes) -> None:
     bytes can make the C unpickler allocate gigabytes before it notices the damage.
     """
     end = 0
+    # typeshed's genops is for any stream: for bytes every position is known, and the memo and FRAME args are ints
     for count, (opcode, arg, pos) in enumerate(pickletools.genops(data)):
         if opcode.name not in _SAFE_OPS:
             raise _ForeignObject(f"opcode {opcode.name}")
-        if opcode.name in _MEMO_OPS and not 0 <= int(arg) <= count:
+        if opcode.name in _MEMO_OPS and not 0 <= cast(int, arg) <= count:
             raise ValueError(f"memo index {arg} out of range")
-        if opcode.name == "FRAME" and int(arg) > len(data):
+        if opcode.name == "FRAME" and cast(int, arg) > len(data):
             raise ValueError("frame longer than the file")
-        end = pos + 1  # genops stops after STOP, a one-byte opcode
+        end = cast(int, pos) + 1  # genops stops after STOP, a one-byte opcode
     if end != len(data):
         raise ValueError("trailing bytes after the pickle")
 

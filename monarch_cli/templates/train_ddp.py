@@ -37,7 +37,7 @@ def main() -> None:
     x = torch.randn(4096, 16)
     y = x @ torch.randn(16, 1) + 0.1 * torch.randn(4096, 1)
     data = TensorDataset(x, y)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True)
+    sampler: DistributedSampler[int] = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
 
     model = DDP(

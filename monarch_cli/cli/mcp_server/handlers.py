@@ -202,7 +202,8 @@ def logs(s: Session, a: dict[str, Any]) -> Reply:
     tail = a.get("tail", 100)
     per_rank = max(1, min(tail, MAX_LOG_LINES // max(1, len(files))))
     shown = files[: MAX_LOG_LINES // per_rank]
-    ranks, text = [], []
+    ranks: list[dict[str, Any]] = []
+    text: list[str] = []
     for f in shown:
         lines, matched, total = scan(f, pattern, per_rank)
         ranks.append(

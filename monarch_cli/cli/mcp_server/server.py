@@ -127,11 +127,11 @@ class MonarchMcp:
         return await self._wait(s, run_id, a.get("wait_s", 60), a.get("tail", 20), None, progress)
 
     async def _wait_run(self, s: Session, a: dict[str, Any], progress: _Progress) -> Reply:
-        run_id = a.get("run_id") or await anyio.to_thread.run_sync(s.runs.latest)
+        run_id = await self._run_id(s, a)
         return await self._wait(s, run_id, a.get("wait_s", 60), a.get("tail", 20), a.get("rank"), progress)
 
     async def _cancel_run(self, s: Session, a: dict[str, Any], progress: _Progress) -> Reply:
-        run_id = a.get("run_id") or await anyio.to_thread.run_sync(s.runs.latest)
+        run_id = await self._run_id(s, a)
         how = await anyio.to_thread.run_sync(s.runs.cancel, run_id, a.get("force", False))
         await progress.say(f"run {run_id}: sent {how}")
         reply = await self._wait(s, run_id, a.get("wait_s", 40), a.get("tail", 20), None, progress)
@@ -139,6 +139,13 @@ class MonarchMcp:
         if reply.data.get("kind") == "interrupted":  # it ended before it began: what was asked
             reply.error = False
         return reply
+
+    async def _run_id(self, s: Session, a: dict[str, Any]) -> str:
+        """The run the call names, else the newest."""
+        named: str | None = a.get("run_id")
+        if named:
+            return named
+        return await anyio.to_thread.run_sync(s.runs.latest)
 
     async def _wait(
         self, s: Session, run_id: str, wait_s: float, tail: int, rank: int | None, progress: _Progress
