@@ -1,7 +1,6 @@
 """A torchtitan-style trainer: a small transformer, FSDP2 (``fully_shard`` per block, then the
 root) over a DeviceMesh, DTensor parameters, AdamW; CPU and gloo."""
 
-
 import fwcommon
 import torch
 import torch.distributed as dist

@@ -211,6 +211,8 @@ _PER_RANK = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMP_NUM_THREADS",
     "PYTHONUNBUFFERED", "PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES",
+    # read at import, and their readers set again in each rank (rank_fresh)
+    "TRANSFORMERS_VERBOSITY", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "CUDA_VISIBLE_DEVICES",
 }  # fmt: skip
 
 
@@ -218,11 +220,12 @@ def env_conflict(env: dict[str, str]) -> str | None:
     """Why a rank with environment ``env`` must not run in this warm process: a variable that one
     of its imports read at import time has another value for the rank (the first one found)."""
     for key, (seen, reader) in env_reads.items():
-        if key in _PER_RANK or key.startswith(("MONARCH_", "TORCHELASTIC_")) or env.get(key) == seen:
+        if key in _PER_RANK or key.startswith(("MONARCH_", "TORCHELASTIC_")):
             continue
-        if seen is None and key in env_added and env.get(key, env_added[key]) == env_added[key]:
-            continue  # the module set its default then; the rank gets the same default (apply_environment)
-        now = "unset" if env.get(key) is None else repr(env[key])
+        value = env.get(key, env_added.get(key))  # the rank gets the imports' additions as defaults
+        if value == seen or (seen is None and key in env_added and value == env_added[key]):
+            continue  # (the second: the module read it unset and set its default, as it will in a fresh one)
+        now = "unset" if value is None else repr(value)
         then = "unset" if seen is None else repr(seen)
         return f"{key} is {now} for this run, but {reader} read it as {then} when the warm process imported it"
     return None
