@@ -174,18 +174,23 @@ def watch_env_reads() -> Callable[[], None]:
     returns the function that stops it (before the first fork)."""
     cls = type(os.environ)
     original = cls.__getitem__
+    seen: dict[str, tuple[str | None, list[str]]] = {}  # key -> (value, the modules that read it)
+
+    def note(key: str, value: str | None) -> None:
+        readers = seen.setdefault(key, (value, []))[1]
+        reader = _reader()
+        if reader not in readers:
+            readers.append(reader)
 
     def getitem(self: Any, key: str) -> str:
-        if sys._getframe(1).f_code.co_name in ("__iter__", "copy"):  # items(), values(), copy(): not a read of key
-            return original(self, key)
+        if self is not os.environ or sys._getframe(1).f_code.co_name in ("__iter__", "copy"):
+            return original(self, key)  # items(), values(), copy(): not a read of one variable
         try:
             value = original(self, key)
         except KeyError:
-            if self is os.environ and key not in env_reads:
-                env_reads[key] = (None, _reader())
+            note(key, None)
             raise
-        if self is os.environ and key not in env_reads:
-            env_reads[key] = (value, _reader())
+        note(key, value)
         return value
 
     cls.__getitem__ = getitem  # type: ignore[method-assign]
@@ -194,13 +199,15 @@ def watch_env_reads() -> Callable[[], None]:
         cls.__getitem__ = original  # type: ignore[method-assign]
         # A module that read (nearly) every variable was copying the environment, not asking
         # for one of them (fsspec.config collects FSSPEC_*): its reads say nothing.
-        present: dict[str, set[str]] = {}
-        for key, (value, reader) in env_reads.items():
-            if value is not None:
-                present.setdefault(reader, set()).add(key)
-        copiers = {r for r, keys in present.items() if len(keys) >= 0.9 * len(os.environ) and len(keys) > 8}
-        for key in [k for k, (_, reader) in env_reads.items() if reader in copiers]:
-            del env_reads[key]
+        present: dict[str, int] = {}
+        for value, readers in seen.values():
+            for reader in readers if value is not None else ():
+                present[reader] = present.get(reader, 0) + 1
+        copiers = {r for r, n in present.items() if n > 8 and n >= 0.9 * len(os.environ)}
+        for key, (value, readers) in seen.items():
+            meant = [r for r in readers if r not in copiers]
+            if meant:
+                env_reads[key] = (value, meant[0])
 
     return stop
 

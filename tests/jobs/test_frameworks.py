@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -53,28 +54,34 @@ def checksum(text: str) -> str:
     return found[0]
 
 
+def cold_torchrun(script: str, layout: str) -> str:
+    """The script under plain cold torchrun in this layout: ``--standalone --nproc-per-node=2``
+    on 1 host; two ``--nnodes=2 --node-rank=i`` torchruns, one per host, on 2 hosts (the
+    Trainer's data order depends on the layout, so each layout has its own reference)."""
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if layout == "1x2":
+        commands = [[*run, "--standalone", "--nproc-per-node=2", script]]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        rdzv = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        commands = [[*run, *rdzv, f"--node-rank={i}", script] for i in range(2)]
+    procs = [
+        subprocess.Popen(c, cwd=FRAMEWORKS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands
+    ]
+    text = ""
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-3000:] + err[-3000:]
+        text += out
+    return checksum(text)
+
+
 @pytest.fixture(scope="module")
-def cold_checksums(fw_env: Path) -> dict[str, str]:
-    """Each script under plain cold torchrun, 2 ranks: the reference."""
-    sums = {}
-    for script in SCRIPTS:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=2",
-                str(FRAMEWORKS / script),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=FRAMEWORKS,
-        )
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        sums[script] = checksum(done.stdout)
-    return sums
+def cold_checksums(fw_env: Path) -> dict[tuple[str, str], str]:
+    """Filled as the tests ask: (script, layout) -> cold torchrun's checksum."""
+    return {}
 
 
 @pytest.fixture(scope="module")
@@ -91,20 +98,23 @@ def jobs(fw_env: Path) -> Iterator[dict[str, Job]]:
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("layout", ["1x2", "2x1"])
 def test_frameworks_train_what_cold_torchrun_trains(
-    script: str, layout: str, jobs: dict[str, Job], cold_checksums: dict[str, str]
+    script: str, layout: str, jobs: dict[str, Job], cold_checksums: dict[tuple[str, str], str]
 ) -> None:
     job = jobs[layout]
+    if (script, layout) not in cold_checksums:
+        cold_checksums[script, layout] = cold_torchrun(str(FRAMEWORKS / script), layout)
+    reference = cold_checksums[script, layout]
     nproc = 2 if layout == "1x2" else 1
     first = spmd(job, FRAMEWORKS / script, nproc=nproc)
     assert first.result.exit_code == 0, first.text()[-3000:]
-    assert checksum(first.text()) == cold_checksums[script], "first run"
+    assert checksum(first.text()) == reference, "first run"
     warm = wait_warm(job, timeout=300)
     for host in warm:  # the framework's modules were learned, torch's are never blamed for a thread
         assert not [n for n, why in host["excluded"].items() if n.startswith("torch") and "thread" in why], host
     again = spmd(job, FRAMEWORKS / script, nproc=nproc)
     assert again.result.exit_code == 0, again.text()[-3000:]
     assert "starts cold" not in again.text(), again.text()[-3000:]
-    assert checksum(again.text()) == cold_checksums[script], "warm re-run"
+    assert checksum(again.text()) == reference, "warm re-run"
 
 
 PROBE = """
