@@ -29,7 +29,8 @@ FLOOD = (
 
 
 def beats(sock: object, address: str, n: int, stop: threading.Event | None = None) -> list[float]:
-    from monarch_cli.runtime import protocol, wire
+    from monarch_cli.runtime import protocol
+    from monarch_cli.runtime.transport import wire
 
     beat = wire.frames(protocol.header(protocol.Heartbeat(address)))[0]
     out = []
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=50)
     args = parser.parse_args()
     from monarch_cli.jobs import serve
-    from monarch_cli.runtime.transport import Transport
+    from monarch_cli.runtime.transport.sockets import Transport
 
     with tempfile.TemporaryDirectory(prefix="monarch-bench-hb-") as tmp:
         cwd = Path(tmp)

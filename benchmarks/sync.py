@@ -24,7 +24,7 @@ from _common import print_table, timed
 
 
 def start_hidden_agent(keys: object, name: str, hide: Path, remote: Path, log: Path) -> tuple[int, str]:
-    from monarch_cli.runtime.agent_command import READY_PREFIX, AgentCommand
+    from monarch_cli.runtime.launch.command import READY_PREFIX, AgentCommand
 
     addr = log.with_suffix(".addr")
     agent = AgentCommand(keys_stdin=True, name=name, address_file=str(addr), reservation="bench-sync")
@@ -59,7 +59,7 @@ def main() -> None:
     from monarch_cli.jobs.job import job_load
     from monarch_cli.jobs.state import HostRecord, JobState, save_state
     from monarch_cli.runtime import protocol
-    from monarch_cli.runtime.keys import Keys
+    from monarch_cli.runtime.transport.keys import Keys
     from monarch_cli.runtime.workspace import Scanner
 
     with tempfile.TemporaryDirectory(prefix="monarch-bench-sync-") as tmp:

@@ -140,7 +140,7 @@ def hook_us() -> float:
     """µs per call of the step hook itself, in a tight loop (what it costs apart from its effect on the step)."""
     import torch
 
-    from monarch_cli.runtime.rank_telemetry import _StepTimer
+    from monarch_cli.runtime.rank.telemetry import _StepTimer
 
     opt = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.01)
     timer = _StepTimer(os.path.join(tempfile.mkdtemp(prefix="monarch-bench-hook-"), "steps"))
@@ -162,7 +162,7 @@ def hook_in_context(pairs: int) -> dict[str, tuple[float, float, float, float]]:
     import torch
     import torch.optim.optimizer as optimizer
 
-    from monarch_cli.runtime.rank_telemetry import _StepTimer
+    from monarch_cli.runtime.rank.telemetry import _StepTimer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -195,13 +195,13 @@ def hook_in_context(pairs: int) -> dict[str, tuple[float, float, float, float]]:
 
 INSTALL = """
 import os, sys, tempfile, time, torch  # as a warm zygote: torch and the rank's telemetry module imported
-from monarch_cli.runtime import rank_telemetry
+from monarch_cli.runtime.rank import telemetry as rank_telemetry
 d = tempfile.mkdtemp(prefix="monarch-bench-install-")
 for i in range(int(sys.argv[1])):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # a rank: rank_start is imported with or without telemetry; time only what telemetry adds
-        from monarch_cli.runtime import rank_start
+        from monarch_cli.runtime.rank import start as rank_start
         t, c = time.perf_counter(), time.process_time()
         rank_start._install_telemetry({"rank": 0, "telemetry": {"run_id": f"r{i}", "agent_pid": os.getppid(), "dir": d}})
         os.write(w, f"{(time.perf_counter() - t) * 1e6:.1f} {(time.process_time() - c) * 1e6:.1f}\\n".encode())

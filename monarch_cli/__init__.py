@@ -10,8 +10,8 @@ from typing import Any
 
 from .config import configure
 from .runtime import __all__ as _RUNTIME  # the runtime package itself loads lazily
+from .version import __version__ as __version__
 
-__version__ = "0.1.0"
 __all__: list[str] = ["configure", *_RUNTIME]
 
 

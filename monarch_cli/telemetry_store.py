@@ -295,6 +295,14 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
 
 def query(path: Path, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run one read-only statement; returns (column names, rows). Errors are :class:`StoreError`."""
+    cols, rows, _ = query_bounded(path, sql, params)
+    return cols, rows
+
+
+def query_bounded(
+    path: Path, sql: str, params: Sequence[Any] = (), max_rows: int | None = None
+) -> tuple[list[str], list[tuple[Any, ...]], int]:
+    """:func:`query` keeping at most ``max_rows`` rows in memory; the third value counts them all."""
     import sqlite3
 
     conn = connect_readonly(path)
@@ -303,7 +311,11 @@ def query(path: Path, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], 
     try:
         cur = conn.execute(sql, params)
         cols = [d[0] for d in cur.description or ()]
-        return cols, cur.fetchall()
+        if max_rows is None:
+            rows = cur.fetchall()
+            return cols, rows, len(rows)
+        rows = cur.fetchmany(max_rows)
+        return cols, rows, len(rows) + sum(1 for _ in cur)
     except sqlite3.Error as e:
         msg = str(e)
         if guard.refused:

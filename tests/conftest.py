@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from monarch_cli.runtime.agent_start import launch_agent
-from monarch_cli.runtime.keys import Keys
-from monarch_cli.runtime.mailbox import Mailbox
+from monarch_cli.runtime.launch.start import launch_agent
+from monarch_cli.runtime.mailbox.mailbox import Mailbox
+from monarch_cli.runtime.transport.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -53,9 +53,10 @@ COMMAND_MODULES = {
     "debug": "debug",
     "sbatch": "slurm",
     "version": "version",
+    "mcp": "mcp_server",
     **dict.fromkeys(["sql", "stack", "diagnose", "top"], "telemetry"),
 }
-_ALL = ("debug", "jobs", "slurm", "telemetry", "version")
+_ALL = ("debug", "jobs", "mcp_server", "slurm", "telemetry", "version")
 
 
 def _only_module(argv: "list[str]") -> "str | None":

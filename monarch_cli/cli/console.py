@@ -133,14 +133,12 @@ def explain(e: BaseException, as_json: bool) -> int:
         silence(sys.stdout)
         silence(sys.stderr)
         return CLOSED_PIPE_EXIT
-    if isinstance(e, MonarchError):
-        if _debug["on"] and not isinstance(e, UserError):
+    known = describe_error(e)
+    if known is not None:
+        if _debug["on"] and isinstance(e, MonarchError) and not isinstance(e, UserError):
             traceback.print_exception(type(e), e, e.__traceback__)
-        report(" ".join(str(e).split()) if isinstance(e, UserError) else str(e), e.kind, as_json)
-        return 2 if isinstance(e, UserError) else 1
-    if isinstance(e, OSError):  # the machine said no (permissions, a missing file): not a bug
-        report(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), "os", as_json)
-        return 2
+        report(*known[:2], as_json)
+        return known[2]
     if isinstance(e, KeyboardInterrupt):
         if as_json:
             emit_json({"error": "interrupted", "kind": "interrupted"})
@@ -152,16 +150,34 @@ def explain(e: BaseException, as_json: bool) -> int:
     raise e
 
 
+def describe_error(e: BaseException) -> tuple[str, str, int] | None:
+    """(one-line message, kind, exit status) of one of our errors or the machine's (OSError); None for
+    anything else. The CLI prints it; the MCP server returns it as an error result."""
+    if isinstance(e, MonarchError):
+        return (
+            (" ".join(str(e).split()) if isinstance(e, UserError) else str(e)),
+            e.kind,
+            (2 if isinstance(e, UserError) else 1),
+        )
+    if isinstance(e, OSError):  # the machine said no (permissions, a missing file): not a bug
+        return (f"{e.strerror or e}: {e.filename}" if e.filename else str(e)), "os", 2
+    return None
+
+
 def internal_error(e: BaseException, as_json: bool = False) -> int:
     """A bug, not a user mistake: say so, keep the traceback in a file, show it with --debug."""
+    report(internal_message(e), "internal", as_json)
+    return INTERNAL_ERROR
+
+
+def internal_message(e: BaseException, hint: str = "rerun with --debug to see it") -> str:
+    """The one line for a bug; its traceback is saved in a private file (and shown with --debug)."""
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     where = _save_traceback(text)
     saved = f"traceback in {where}" if where else "the traceback could not be saved"
-    message = f"internal error: {type(e).__name__}: {e} (a bug in monarch-cli; {saved}; rerun with --debug to see it)"
     if _debug["on"]:
         sys.stderr.write(text)
-    report(" ".join(message.split()), "internal", as_json)
-    return INTERNAL_ERROR
+    return " ".join(f"internal error: {type(e).__name__}: {e} (a bug in monarch-cli; {saved}; {hint})".split())
 
 
 def _save_traceback(text: str) -> str | None:

@@ -17,6 +17,7 @@ from ..jobs.debug import DebugClient, PausedRank, select_ranks, vscode_config
 from ..jobs.errors import JobError
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out
 from .interrupts import reliable_ctrl_c
+from .results import cast_json, paused_json
 
 debug_app = typer.Typer(help="Inspect ranks paused in breakpoint() / pdb, from any terminal.", no_args_is_help=False)
 app.add_typer(debug_app, name="debug")
@@ -280,7 +281,7 @@ def list_cmd(
     """The paused ranks."""
     rows = _client(state, run).list()
     if as_json:
-        emit_json([r.to_json() for r in rows])
+        emit_json(paused_json(rows))
     elif rows:
         out.print(_table(rows))
     else:
@@ -315,7 +316,7 @@ def cast_cmd(
     line = shlex.join(command) if len(command) > 1 else command[0]
     results = client.cast(select_ranks(ranks, client.list()), line)
     if as_json:
-        emit_json({str(r): ({"error": str(v)} if isinstance(v, Exception) else v) for r, v in results.items()})
+        emit_json(cast_json(results))
     else:
         print_cast(results)
     if any(isinstance(v, Exception) for v in results.values()):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 import tempfile
@@ -13,11 +12,10 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from ..jobs.output import list_runs
 from ..jobs.state import NoReservation, StateError, state_path
-from . import runs
+from . import results, runs
 from .backend_options import BackendOptionsCommand, BackendStopOptionsCommand, backend_options
-from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out
+from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, friendly, out
 from .runs import render_result as _render_result
 
 
@@ -123,7 +121,7 @@ def _port_range(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     from ..errors import UserError
-    from ..runtime.agent_command import parse_port_range
+    from ..runtime.launch.command import parse_port_range
 
     try:
         return parse_port_range(text)
@@ -238,7 +236,7 @@ def status_cmd(
         job = job_load(state)
     except NoReservation as e:
         if as_json:
-            emit_json({"reservation": None, "message": str(e)})
+            emit_json(results.no_reservation_json(str(e)))
             raise typer.Exit(1) from None
         raise
     info = job.status()
@@ -300,11 +298,10 @@ def warm_cmd(
             "forgot " + ", ".join(f"{n} module(s) on {h}" for h, n in forgotten.items()),
         )
         return
-    hosts = job.status()["hosts"]
     if as_json:
-        emit_json({"hosts": [{"name": h["name"], "alive": h["alive"], "warm": h["warm"]} for h in hosts]})
+        emit_json(results.warm_json(job))
         return
-    for h in hosts:
+    for h in job.status()["hosts"]:
         out.print(f"[bold]{h['name']}[/]: {_warm_cell(h['warm'])}")
         warm = h["warm"] or {}
         for name, why in sorted(warm.get("excluded", {}).items()):
@@ -336,7 +333,7 @@ def stop_cmd(
     except NoReservation:
         _done_msg(
             as_json,
-            {"stopped": None, "message": "nothing to stop"},
+            results.NOTHING_TO_STOP,
             f"nothing to stop: no reservation at {state_path(state)}",
         )
         return
@@ -354,7 +351,7 @@ def stop_cmd(
     rid = job.state.reservation_id
     ended = job.stop(**backend_options(ctx, job.state.scheduler, option, "stop_options"))
     told = f" (run {', '.join(ended)} in progress was told and ends with exit status 254)" if ended else ""
-    _done_msg(as_json, {"stopped": rid, "runs_ended": ended}, f"released reservation {rid}{told}")
+    _done_msg(as_json, results.stopped_json(rid, ended), f"released reservation {rid}{told}")
 
 
 @app.command("logs")
@@ -368,32 +365,9 @@ def logs_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Print a run's per-rank logs (kept under .monarch/logs/<run-id>/)."""
-    if job_id is not None:
-        from ..jobs.slurm_batch import batch_dir
-
-        root = batch_dir(job_id, state) / "logs"
-    else:
-        root = state_path(state).parent / "logs"
-    runs = list_runs(root)
-    if not runs:
-        fail(f"no runs logged under {root}")
-    run_dir = (root / run) if run else runs[-1]
-    if not run_dir.is_dir():
-        fail(f"no run {run!r} under {root}; latest runs: {', '.join(p.name for p in runs[-5:])}")
-    files = sorted(run_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
-    if rank is not None:
-        files = [f for f in files if f.stem == f"rank{rank}"]
-        if not files:
-            fail(f"run {run_dir.name} has no rank {rank}")
+    run_dir, files = results.run_logs(results.logs_root(state, job_id), run, rank)
     if as_json:
-        result = run_dir / "result.json"
-        emit_json(
-            {
-                "run_id": run_dir.name,
-                "logs": {f.stem: str(f) for f in files},
-                "result": json.loads(result.read_text()) if result.exists() else None,
-            }
-        )
+        emit_json(results.logs_json(run_dir, files))
         return
     _print_logs(run_dir, files, raw=rank is not None, follow=follow)
 

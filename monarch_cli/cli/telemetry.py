@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out, parse_ranks
+from .results import top_json
 from .sql import run_sql
 
 if TYPE_CHECKING:  # the job API loads the runtime: only the commands that run import it
@@ -92,7 +93,7 @@ def top_cmd(
     if once or as_json:
         run_id, rows = job.top()
         if as_json:
-            emit_json({"run_id": run_id, "ranks": [r.__dict__ for r in rows]})
+            emit_json(top_json(run_id, rows))
         else:
             out.print(_top_view(run_id, rows))
         return

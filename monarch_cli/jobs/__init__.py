@@ -19,6 +19,7 @@ _HOME = {
     "RankExit": "spmd",
     "RunResult": "spmd",
     "StaleReservation": "spmd",
+    "new_run_id": "spmd",
 }
 
 
@@ -37,6 +38,7 @@ __all__ = [
     "clear_unreadable",
     "dryrun",
     "job_load",
+    "new_run_id",
     "reserve_plan",
     "serve",
 ]

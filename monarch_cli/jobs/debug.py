@@ -20,8 +20,8 @@ from ..config import settings
 from ..runtime import protocol
 from ..runtime.dap_link import GOODBYE, LOOPBACK, DapFrames, accept_same_user, is_goodbye, listen_loopback
 from ..runtime.errors import ActorError
-from ..runtime.future import Future
-from ..runtime.mailbox_events import Subscription
+from ..runtime.mailbox.events import Subscription
+from ..runtime.mailbox.future import Future
 from .errors import JobError
 from .ranks import parse_rank_list
 

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from ..runtime import protocol
-from ..runtime.keys import Keys
-from ..runtime.mailbox import Mailbox
+from ..runtime.mailbox.mailbox import Mailbox
+from ..runtime.transport.keys import Keys
 
 if TYPE_CHECKING:
-    from ..runtime.mesh import HostMesh
+    from ..runtime.actor.mesh import HostMesh
 from ..config import configure
 from ..errors import OptionError, PlanError
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
@@ -48,6 +48,7 @@ from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, parse_command
 
 Command = str | Sequence[str] | Any  # a command line, an argv list, or a torchx AppDef
+_RUN_ID = re.compile(r"[0-9]{8}-[0-9]{9}-[0-9a-f]{4}")  # new_run_id()'s shape: also a directory name
 
 
 def _command_and_hosts(cmd: Command, hosts: int | None) -> tuple[list[str], int | None]:
@@ -131,11 +132,11 @@ class Job:
         return hosts
 
     def host_mesh(self) -> HostMesh:
-        """The reservation's hosts as an actor-API :class:`~monarch_cli.runtime.mesh.HostMesh`
+        """The reservation's hosts as an actor-API :class:`~monarch_cli.runtime.actor.mesh.HostMesh`
         (``job.host_mesh().spawn_procs({"gpus": 8})``). A host this process reaches through a
         backend's forward (ssh ``--tunnel``) cannot reach this process either: its procs are
         driven through its agent, on the one connection to it; the others talk directly."""
-        from ..runtime.mesh import HostMesh
+        from ..runtime.actor.mesh import HostMesh
 
         hosts = self._reachable_hosts()
         try:
@@ -164,6 +165,7 @@ class Job:
         env: dict[str, str] | None = None,
         shutdown_timeout: float | None = None,
         straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
+        run_id: str | None = None,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
@@ -185,14 +187,18 @@ class Job:
         Hosts that do not share this filesystem first get ``workspace`` (default: the run's
         directory) mirrored, unless ``sync`` is False, and their ranks run in the mirror at the
         same relative directory. ``env`` is added to every rank's environment (``-e``).
+        ``run_id`` (from :func:`new_run_id`) lets a caller that starts the run elsewhere (the MCP
+        server's detached runs) know its logs and telemetry before it starts.
         """
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         cwd = self.state.default_cwd if command is None else None
         if not argv:
             raise JobError("no command to run: give one after `--`, or serve with a default command")
         spec = parse_command(argv)
+        if run_id is not None and not _RUN_ID.fullmatch(run_id):
+            raise JobError(f"not a run id: {run_id!r} (make one with new_run_id())")
         hostset = self._hostset()
-        run_id = new_run_id()
+        run_id = run_id or new_run_id()
         if ranks is not None:  # refused before anything starts
             _check_ranks(ranks, len(plan_spmd(spec, hostset, run_id, cold=cold, master_port=0, cwd=cwd)))
         log_dir = new_run_dir(self.logs_root, run_id)

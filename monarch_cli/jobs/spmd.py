@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..config import settings
-from ..runtime import protocol, wire
+from ..runtime import protocol
 from ..runtime.errors import CallTimeout
 from ..runtime.exit_status import describe_status, signal_name
-from ..runtime.future import Future, gather
-from ..runtime.keys import Keys
-from ..runtime.mailbox import Mailbox
+from ..runtime.mailbox.future import Future, gather
+from ..runtime.mailbox.mailbox import Mailbox
+from ..runtime.transport import wire
+from ..runtime.transport.keys import Keys
 from .errors import JobError
 from .lifecycle import (
     DEATH_SIGNALS,

@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..runtime import protocol, wire
-from ..runtime.future import gather
-from ..runtime.mailbox import Mailbox
+from ..runtime import protocol
+from ..runtime.mailbox.future import gather
+from ..runtime.mailbox.mailbox import Mailbox
 from ..runtime.protocol.sync import SyncApply, SyncCheck, SyncStatus
+from ..runtime.transport import wire
 from .errors import JobError
 from .state import HostRecord
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..runtime import protocol
-from ..runtime.future import gather
+from ..runtime.mailbox.future import gather
 from ..telemetry_store import StoreError, TelemetryWriter, _connect_rw, db_path, query
 from .errors import JobError
 

@@ -1,30 +1,44 @@
-"""The actor runtime: host agents, procs, actors and meshes over authenticated ZeroMQ."""
+"""The actor runtime: host agents, procs, actors and meshes over authenticated ZeroMQ.
+
+One subpackage per place code runs, each importing only those below it (tests/test_layers.py):
+
+* :mod:`.transport`: encoding, keys, authenticated sockets (every process);
+* :mod:`.protocol`: every message between processes, typed and defined once;
+* :mod:`.mailbox`: the per-process endpoint and its futures (client, procs);
+* :mod:`.launch`: the agent's command line and starting agents (client);
+* :mod:`.actor`: the actor API and the proc process (client, procs);
+* :mod:`.rank`: inside a rank of an SPMD run (rank, warm process);
+* :mod:`.agent`: the host agent, its handlers and warm processes (each host).
+
+Modules directly here (errors, exit statuses, process titles, workspace manifests, the DAP link's
+pieces) are leaves that several of those processes share.
+"""
 
 import importlib
 from typing import Any
 
 _HOME = {
-    "Actor": "actor",
-    "Context": "actor",
-    "context": "actor",
-    "current_rank": "actor",
-    "current_size": "actor",
-    "endpoint": "actor",
+    "Actor": "actor.actor",
+    "Context": "actor.actor",
+    "context": "actor.actor",
+    "current_rank": "actor.actor",
+    "current_size": "actor.actor",
+    "endpoint": "actor.actor",
     "ActorError": "errors",
     "CallTimeout": "errors",
     "Failure": "errors",
     "MonarchError": "errors",
     "SupervisionError": "errors",
-    "Future": "future",
-    "Keys": "keys",
-    "ActorMesh": "mesh",
-    "HostMesh": "mesh",
-    "ProcMesh": "mesh",
-    "this_host": "mesh",
-    "this_proc": "mesh",
-    "Point": "shape",
-    "Shape": "shape",
-    "ValueMesh": "shape",
+    "Future": "mailbox.future",
+    "Keys": "transport.keys",
+    "ActorMesh": "actor.mesh",
+    "HostMesh": "actor.mesh",
+    "ProcMesh": "actor.mesh",
+    "this_host": "actor.mesh",
+    "this_proc": "actor.mesh",
+    "Point": "actor.shape",
+    "Shape": "actor.shape",
+    "ValueMesh": "actor.shape",
 }
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..errors import SchedulerError
-from ..runtime.agent_command import READY_PREFIX
+from ..runtime.launch.command import READY_PREFIX
 from ..sysutil import source_address_towards
 from .base import HostRecord, Progress
 

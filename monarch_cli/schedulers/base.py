@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from ..errors import OptionError, PlanError
 
 if TYPE_CHECKING:  # Keys pulls in zmq: planning and the CLI's help do not need it
-    from ..runtime.keys import Keys
+    from ..runtime.transport.keys import Keys
 
 Progress = Callable[[str], None]
 PLAN_VERSION = 1

@@ -4,7 +4,7 @@ Each agent has its own name (``local0``, ``local1``...), so it gets its own GROU
 and rank range, which makes multi-node logic testable on a laptop. Agents run in their
 own sessions and outlive the CLI that started them, named after their reservation in
 ``ps``; they are found through the address files they write, like agents on a cluster.
-Each registers itself (:mod:`..runtime.agent_registry`), so ``stop --force`` finds it
+Each registers itself (:mod:`..runtime.agent.registry`), so ``stop --force`` finds it
 even when the state file is unreadable, and exits on its own once the state file no
 longer records its reservation (deleted, or replaced by another).
 """
@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SchedulerError
-from ..runtime.agent_command import AGENT_MODULE, AgentCommand
+from ..runtime.launch.command import AGENT_MODULE, AgentCommand
 from ..sysutil import signal_if_alive
 from .agents import read_address_files, wait_for_agents
 from .base import HostRecord, Liveness, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
 
 if TYPE_CHECKING:
-    from ..runtime.keys import Keys
+    from ..runtime.transport.keys import Keys
 
 #: How long agents may take to listen (they import torch to warm up, on a busy laptop).
 AGENT_START_TIMEOUT = 60.0
@@ -122,7 +122,7 @@ class LocalScheduler(Scheduler):
 
     def release(self, reservation: ReservationRecord) -> None:
         _kill_agents([h.pid for h in reservation.hosts if h.pid])
-        from ..runtime import agent_registry  # psutil: only for stopping, not on every run's probe
+        from ..runtime.agent import registry as agent_registry  # psutil: only for stopping, not on every run's probe
 
         agent_registry.stop_agents(agent_registry.agents_of(reservation=reservation.reservation_id))
         if reservation.scheduler_data.get("addresses"):
@@ -130,7 +130,7 @@ class LocalScheduler(Scheduler):
 
     def release_unreadable(self, state_file: Path) -> list[int]:
         """Stop the agents registered for a state file that cannot be read; their pids."""
-        from ..runtime import agent_registry
+        from ..runtime.agent import registry as agent_registry
 
         found = agent_registry.agents_of(state_file=str(state_file.resolve()))
         agent_registry.stop_agents(found)

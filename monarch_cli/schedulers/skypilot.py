@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import __version__
 from ..errors import OptionError, PlanError, SchedulerError
-from ..runtime.agent_command import AgentCommand, format_port_range
+from ..runtime.launch.command import AgentCommand, format_port_range
 from .agents import wait_for_agents
 from .base import Liveness, Option, Plan, Probe, Progress, Reservation, ReservationRecord, ReserveRequest, Scheduler
 from .skypilot_ssh import SshAccess
 
 if TYPE_CHECKING:
-    from ..runtime.keys import Keys
+    from ..runtime.transport.keys import Keys
 
 #: The SkyPilot secret that carries the reservation's keys to every node.
 KEYS_SECRET = "MONARCH_RESERVATION_KEYS"

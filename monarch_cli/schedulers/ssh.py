@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import OptionError, PlanError, SchedulerError
-from ..runtime.agent_command import READY_PREFIX, AgentCommand
+from ..runtime.launch.command import READY_PREFIX, AgentCommand
 from .agents import wait_for_agents
 from .base import (
     HostRecord,
@@ -42,7 +42,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..runtime.keys import Keys
+    from ..runtime.transport.keys import Keys
 
 #: How long an agent may take to listen (it imports torch to warm up).
 AGENT_START_TIMEOUT = 60.0

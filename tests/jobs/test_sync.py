@@ -21,8 +21,8 @@ import pytest
 
 from monarch_cli.jobs import Job, JobError, job_load
 from monarch_cli.jobs.state import HostRecord, JobState, save_state
-from monarch_cli.runtime.agent import READY_PREFIX
-from monarch_cli.runtime.keys import Keys
+from monarch_cli.runtime.agent.host import READY_PREFIX
+from monarch_cli.runtime.transport.keys import Keys
 
 pytestmark = [
     pytest.mark.slow,

@@ -22,7 +22,7 @@ import pytest
 
 from monarch_cli.jobs import Job, serve
 from monarch_cli.jobs.telemetry import RankRow, _suspicions, compress
-from monarch_cli.runtime.agent_telemetry import py_spy_path
+from monarch_cli.runtime.agent.telemetry import py_spy_path
 from monarch_cli.telemetry_store import TelemetryWriter, db_path, query, schema_json, schema_text
 
 from ..conftest import one_line_error

@@ -232,7 +232,7 @@ def test_ddp_scripts_that_destroy_the_group_before_the_model_exit_warm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The common DDP ending (destroy the group, return, the model goes) hung in gloo's teardown
-    in ~1 of 3 runs forked from a learned warm process (a torch race; see runtime/rank_start.py)."""
+    in ~1 of 3 runs forked from a learned warm process (a torch race; see runtime/rank/start.py)."""
     monkeypatch.setenv("MONARCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("MONARCH_LEARN_PRELOAD", "1")
     script = write_script(tmp_path, "ddp_end.py", DDP_TEARDOWN)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from monarch_cli.jobs import job_load
-from monarch_cli.runtime.mailbox import Mailbox
+from monarch_cli.runtime.mailbox.mailbox import Mailbox
 
 from ..netns import add_hosts, remove_hosts, sh
 from .apiserver import ApiServer

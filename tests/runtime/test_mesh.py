@@ -23,7 +23,7 @@ from monarch_cli import (
     this_host,
     this_proc,
 )
-from monarch_cli.runtime.mailbox import Mailbox
+from monarch_cli.runtime.mailbox.mailbox import Mailbox
 
 
 class Counter(Actor):
@@ -245,6 +245,12 @@ class Spawner(Actor):
         return child, await child.incr.call_one(1)
 
     @endpoint
+    async def make_child_through_context(self):
+        """``context().proc`` is this proc too (the proc registers itself with the actor module)."""
+        child = context().proc.spawn("ctx_child", Counter, 7)
+        return await child.incr.call_one(1)
+
+    @endpoint
     async def use(self, mesh):
         return (await mesh.incr.call(1)).values()
 
@@ -266,6 +272,7 @@ def test_actor_spawns_actors_and_passes_mesh_refs(procs, counters):
     spawner = procs.slice(gpus=0).spawn("spawner", Spawner)
     child, first = spawner.make_child.call_one().get(timeout=20)
     assert first == 101
+    assert spawner.make_child_through_context.call_one().get(timeout=20) == 8
     # The child mesh reference, created inside an actor, is usable from the controller...
     assert child.incr.call_one(1).get(timeout=10) == 102
     # ...and a mesh passed in a message is usable by the actor that receives it.
@@ -340,6 +347,8 @@ def test_procs_relayed_through_their_agent_beside_direct_ones(agents, tmp_path):
 def test_this_proc_outside_an_actor_is_a_clear_error():
     with pytest.raises(MonarchError, match="only available inside an actor"):
         this_proc()
+    with pytest.raises(MonarchError, match="only available inside an actor"):
+        context().proc
 
 
 def test_connect_to_a_dead_address_fails_clearly():

@@ -11,7 +11,7 @@ import pytest
 
 from monarch_cli.runtime import protocol
 from monarch_cli.runtime.errors import ActorError
-from monarch_cli.runtime.mailbox import Mailbox
+from monarch_cli.runtime.mailbox.mailbox import Mailbox
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 

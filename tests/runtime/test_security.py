@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from monarch_cli import Actor, HostMesh, endpoint, this_host
-from monarch_cli.runtime.keys import Keys
-from monarch_cli.runtime.mailbox import Mailbox
+from monarch_cli.runtime.mailbox.mailbox import Mailbox
+from monarch_cli.runtime.transport.keys import Keys
 
 
 class _Evil:

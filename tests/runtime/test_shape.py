@@ -1,6 +1,6 @@
 import pytest
 
-from monarch_cli.runtime.shape import Shape, ValueMesh
+from monarch_cli.runtime.actor.shape import Shape, ValueMesh
 
 
 def test_row_major_points_and_ranks():

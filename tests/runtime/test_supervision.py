@@ -12,8 +12,8 @@ import pytest
 
 from monarch_cli import Actor, HostMesh, SupervisionError, configure, endpoint, this_host
 from monarch_cli.config import settings
-from monarch_cli.runtime.agent_start import launch_agent
-from monarch_cli.runtime.mailbox import Mailbox
+from monarch_cli.runtime.launch.start import launch_agent
+from monarch_cli.runtime.mailbox.mailbox import Mailbox
 
 from ..conftest import alive, all_gone, spawn_python, wait_until
 

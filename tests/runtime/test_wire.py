@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from monarch_cli import Actor, endpoint, this_host
-from monarch_cli.runtime import wire
+from monarch_cli.runtime.transport import wire
 
 
 class Store(Actor):

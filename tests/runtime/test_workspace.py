@@ -8,15 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_cli.runtime.workspace import (
-    Mirror,
-    Scanner,
-    WorkspaceError,
-    check_size,
-    diff,
-    load_scanner,
-    save_scanner,
-)
+from monarch_cli.runtime.workspace import Mirror, Scanner, WorkspaceError, check_size, diff, load_scanner, save_scanner
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from monarch_cli.jobs import serve
-from monarch_cli.runtime.agent_command import AgentCommand
+from monarch_cli.runtime.launch.command import AgentCommand
 from monarch_cli.schedulers import Liveness, get_scheduler
 
 from ..conftest import REPO, one_line_error, write_script
@@ -203,7 +203,7 @@ def test_user_errors_with_json_are_json(tmp_path: Path, third_party: Path) -> No
 
 
 def test_agent_command_round_trips_and_matches_the_agents_parser() -> None:
-    from monarch_cli.runtime.agent_command import parser
+    from monarch_cli.runtime.launch.command import parser
 
     cmd = AgentCommand(
         name="n0",

@@ -144,10 +144,11 @@ def test_agents_of_another_monarch_cli_version_are_refused_in_one_line(
     shutil.copytree(
         Path(monarch_cli.__file__).parent, other / "monarch_cli", ignore=shutil.ignore_patterns("__pycache__")
     )
-    init = other / "monarch_cli" / "__init__.py"
-    init.write_text(
-        init.read_text().replace(f'__version__ = "{monarch_cli.__version__}"', '__version__ = "0.0.1-other"')
+    version = other / "monarch_cli" / "version.py"
+    version.write_text(
+        version.read_text().replace(f'__version__ = "{monarch_cli.__version__}"', '__version__ = "0.0.1-other"')
     )
+    assert "0.0.1-other" in version.read_text()
     state = tmp_path / "job_state.pkl"
     script = write_script(tmp_path, "train.py", "print('ran')\n")
     with monkeypatch.context() as mp:  # the agents start with the other copy first on their path

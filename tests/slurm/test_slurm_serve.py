@@ -14,7 +14,7 @@ import pytest
 
 from monarch_cli.config import settings
 from monarch_cli.jobs import serve
-from monarch_cli.runtime.keys import Keys
+from monarch_cli.runtime.transport.keys import Keys
 
 from ..conftest import one_line_error, write_script
 from .conftest import ALLREDUCE, Served, clean_env, job_state, slurm, wait_for

@@ -11,14 +11,14 @@ few bytes more than its fields, while a NamedTuple would pickle its class by ref
 cost a global lookup on every receipt. The receiver rebuilds the typed message with
 :func:`decode` (one tuple allocation) and reads fields by name. A message's large
 payload (rank output, a pickled request body) travels as the body frames beside the header
-(see :mod:`..wire`), never in it.
+(see :mod:`..transport.wire`), never in it.
 
 Conventions, which the agent relies on to answer a message it does not know:
 
 * a **request** has ``cid`` and ``reply_to`` as its first two fields, and is answered with
   one :class:`Result` (``cid`` 0: no answer is awaited);
 * an **event** is sent unasked; events of one run carry its ``run_id``, by which the client
-  routes them to that run's subscription (:mod:`..mailbox_events`).
+  routes them to that run's subscription (:mod:`..mailbox.events`).
 
 The zygote's socketpair carries the same header tuples, pickled whole. The rank's debugger
 channel carries JSON objects (``{"type": ...}``); they are typed here as :class:`TypedDict`.

@@ -25,7 +25,7 @@ __all__ = [
 class RankSpec(TypedDict, total=False):
     """One rank, as the client plans it (:mod:`monarch_cli.jobs.spmd`); the agent completes
     it (``env``, ``warm``, ``cwd``, ``fd_roles``, ``module_report``) and the zygote hands it
-    to :mod:`..rank_start`."""
+    to :mod:`..rank.start`."""
 
     rank: int
     env: dict[str, str]
@@ -42,7 +42,7 @@ class RankSpec(TypedDict, total=False):
     _zygote_pid: int  # (zygote)
 
 
-#: What a forked proc needs to start (built by the agent, read by :mod:`..proc`); ``import`` is
+#: What a forked proc needs to start (built by the agent, read by :mod:`..actor.proc`); ``import`` is
 #: the spawner's import context (sys.path, cwd), ``pid`` and ``_zygote_pid`` are added on the way.
 ProcBoot = TypedDict(
     "ProcBoot",

@@ -165,7 +165,7 @@ class Shutdown(NamedTuple):
 
 @_message("sync_manifest", CLIENT_AGENT)
 class SyncManifest(NamedTuple):
-    """Body: a ``SyncCheck`` (:mod:`.agent_sync`); answered with a ``SyncStatus``."""
+    """Body: a ``SyncCheck`` (:mod:`..agent.sync`); answered with a ``SyncStatus``."""
 
     cid: int
     reply_to: str
@@ -173,7 +173,7 @@ class SyncManifest(NamedTuple):
 
 @_message("sync_apply", CLIENT_AGENT)
 class SyncApplyRequest(NamedTuple):
-    """Body: a ``SyncApply`` (:mod:`.agent_sync`); answered with a ``SyncApplied``."""
+    """Body: a ``SyncApply`` (:mod:`..agent.sync`); answered with a ``SyncApplied``."""
 
     cid: int
     reply_to: str

@@ -39,7 +39,7 @@ from .manifests import RESERVATION_LABEL
 from .pods import PodWatch, exit_reason, job_ended, pending_reason
 
 if TYPE_CHECKING:
-    from ...runtime.keys import Keys
+    from ...runtime.transport.keys import Keys
 
 #: How long pods may take to run and their agents to listen (image pulls, torch import).
 AGENT_START_TIMEOUT = 600.0

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import OptionError
-from ...runtime.agent_command import AgentCommand
+from ...runtime.launch.command import AgentCommand
 
 #: Label on every object of a reservation (the selector ``stop`` and the pod watch use).
 RESERVATION_LABEL = "monarch-cli/reservation"

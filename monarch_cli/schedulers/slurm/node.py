@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ...runtime.agent_command import AgentCommand, parse_port_range
+from ...runtime.launch.command import AgentCommand, parse_port_range
 from ...sysutil import source_address_towards
 
 

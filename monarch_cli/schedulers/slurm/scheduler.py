@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ...errors import OptionError, PlanError, UserError
-from ...runtime.agent_command import format_port_range
+from ...runtime.launch.command import format_port_range
 from ...sysutil import signal_if_alive
 from ..agents import read_address_files, wait_for_agents
 from ..base import (
@@ -46,7 +46,7 @@ from ..base import (
 from .commands import SlurmError, allocation_id, find_step, hostnames, job_info, run, steps, submit
 
 if TYPE_CHECKING:
-    from ...runtime.keys import Keys
+    from ...runtime.transport.keys import Keys
 
 #: The node-side entry point that every srun task runs (it becomes the node's host agent).
 NODE_MODULE = "monarch_cli.schedulers.slurm.node"

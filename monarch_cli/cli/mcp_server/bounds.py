@@ -1,0 +1,93 @@
+"""Keeping an agent's context small: every result is bounded and says what it left out.
+
+A training run can print millions of lines on thousands of ranks; an agent's context holds a
+few hundred thousand tokens, all told. So lines are clipped, lists capped, and each result
+that left something out says how much and how to get it (``logs`` with ``tail``/``grep``,
+``sql`` with ``LIMIT``/``OFFSET``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+#: One line of output, at most (the rest is counted).
+MAX_LINE = 400
+#: Rank entries in a run's result (failures first), rank groups cover every rank anyway.
+MAX_RANKS = 64
+#: Lines a ``logs`` call returns at most, over all its ranks.
+MAX_LOG_LINES = 1000
+#: Rows a ``sql`` call returns at most, and characters per cell.
+MAX_ROWS = 500
+MAX_CELL = 2000
+#: Stack groups (and frames per group) in ``stack``.
+MAX_GROUPS = 20
+MAX_FRAMES = 40
+#: The text rendering of any result, at most.
+MAX_TEXT = 16000
+
+
+def clip_line(line: str, limit: int = MAX_LINE) -> str:
+    if len(line) <= limit:
+        return line
+    return f"{line[:limit]}… [{len(line) - limit} more characters]"
+
+
+def clip_text(text: str, limit: int = MAX_TEXT) -> str:
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n… [{len(text) - limit} more characters; the structured result has the data]"
+
+
+def tail_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
+    """The last ``n`` lines of a file, read from its end (a log may be gigabytes), clipped."""
+    if n <= 0:
+        return []
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = f.tell()
+        data = b""
+        while end > 0 and data.count(b"\n") <= n:
+            start = max(0, end - block)
+            f.seek(start)
+            data = f.read(end - start) + data
+            end = start
+    lines = data.decode("utf-8", "backslashreplace").splitlines()
+    return [clip_line(l) for l in lines[-n:]]
+
+
+def scan(path: Path, pattern: re.Pattern[str] | None, tail: int) -> tuple[list[dict[str, Any]], int, int]:
+    """(the last ``tail`` lines that match, with their line numbers; how many matched; lines in the file)."""
+    kept: deque[dict[str, Any]] = deque(maxlen=max(tail, 0))
+    matched = total = 0
+    with open(path, "rb") as f:
+        for total, raw in enumerate(f, 1):  # noqa: B007 - total is the count after the loop
+            line = raw.decode("utf-8", "backslashreplace").rstrip("\r\n")
+            if pattern is None or pattern.search(line):
+                matched += 1
+                kept.append({"n": total, "line": clip_line(line)})
+    return list(kept), matched, total
+
+
+def cell(value: Any) -> Any:
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "backslashreplace")
+    if isinstance(value, str) and len(value) > MAX_CELL:
+        return f"{value[:MAX_CELL]}… [{len(value) - MAX_CELL} more characters]"
+    return value
+
+
+#: Hosts listed in a result (status, warm, exec), at most.
+MAX_HOSTS = 256
+
+
+def cap(data: dict[str, Any], key: str, limit: int, hint: str) -> None:
+    """Keep the first ``limit`` entries of ``data[key]``; say how many were left out and where they are."""
+    items = data.get(key)
+    if isinstance(items, list) and len(items) > limit:
+        data[key] = items[:limit]
+        data[f"{key}_left_out"] = len(items) - limit
+        data[f"{key}_hint"] = hint

@@ -1,0 +1,380 @@
+"""The agent's side of learned warm processes (see :mod:`..rank.preload` for the rank and zygote sides).
+
+:class:`WarmRanks` keeps the fork server that runs fork from, warms the next one in the
+background after a run taught it something new, swaps it in when it is ready, starts fresh
+when a file it loaded changed, and persists what was learned per host and interpreter
+(:class:`LearnedStore`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ...sysutil import private_tmpdir
+
+CACHE_ENV = "MONARCH_CACHE_DIR"
+_MAX_OFFENDER_RETRIES = 5
+
+
+@dataclasses.dataclass
+class _Warm:
+    """One warm-rank fork server as the agent sees it."""
+
+    zygote: Any
+    learned: int  # how many learned modules it was asked to import
+    started: float
+    ready_file: str
+    ready: dict[str, Any] | None = None
+    children: int = 0
+    retired: bool = False
+
+
+class LearnedStore:
+    """The learned modules of one host and interpreter, kept across agent restarts.
+
+    ``$MONARCH_CACHE_DIR`` (default ``$XDG_CACHE_HOME/monarch-cli`` or ``~/.cache/monarch-cli``)
+    holds one JSON file per host and interpreter, private to the user.
+    """
+
+    def __init__(self, host: str) -> None:
+        key = hashlib.sha256(f"{sys.executable}\0{sys.version}\0{os.environ.get('PYTHONPATH', '')}".encode())
+        self.path = os.path.join(cache_dir(), "warm", f"{_safe(host)}-{key.hexdigest()[:12]}.json")
+        self.learned: dict[str, str] = {}  # name -> file, in import order
+        self.excluded: dict[str, str] = {}  # name -> why
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+            self.learned = {str(n): str(p) for n, p in data.get("learned", [])}
+            self.excluded = {str(n): str(w) for n, w in data.get("excluded", {}).items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+
+    def add(self, found: Iterable[tuple[str, str]]) -> int:
+        new = 0
+        for name, file in found:
+            if name not in self.learned and name not in self.excluded:
+                self.learned[name] = file
+                new += 1
+        return new
+
+    def exclude(self, name: str, why: str) -> None:
+        self.excluded[name] = why
+        self.learned.pop(name, None)
+
+    def wanted(self) -> list[tuple[str, str]]:
+        return [(n, p) for n, p in self.learned.items() if n not in self.excluded]
+
+    def save(self) -> None:
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"learned": list(self.learned.items()), "excluded": self.excluded}, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+    def forget(self) -> int:
+        n = len(self.learned)
+        self.learned, self.excluded = {}, {}
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        return n
+
+
+def cache_dir() -> str:
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "monarch-cli")
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "host"
+
+
+#: Learning is on unless this is 0/false/no in the environment ``monarch serve`` starts agents
+#: with. (It was opt-in while DDP scripts hung at exit in 1 run of 3 when forked from a learned
+#: warm process: a torch teardown race that rank.start._settle_gloo_teardown now sidesteps.)
+LEARN_ENV = "MONARCH_LEARN_PRELOAD"
+
+
+def learning_enabled() -> bool:
+    return os.environ.get(LEARN_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+
+
+class WarmRanks:
+    """The agent's warm-rank fork servers: the one runs fork from, and the next one warming.
+
+    ``start(preload, learned_file, ready_file)`` starts a zygote process; ``watch``/``unwatch``
+    register its socket with the agent's poller. Runs are never held up by learning: a new
+    zygote gets no fork request before it says it is ready.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        preload: str,
+        start: Callable[[str, str | None, str], Any],
+        watch: Callable[[Any], None],
+        unwatch: Callable[[Any], None],
+    ) -> None:
+        self.preload = preload
+        self._start, self._watch, self._unwatch = start, watch, unwatch
+        self.store = LearnedStore(host)
+        self.current: _Warm | None = None
+        self.next: _Warm | None = None
+        self.retired: list[_Warm] = []
+        self._dir: str | None = None
+        self._serial = 0
+        self.learning = learning_enabled()
+        # warm the learned set once the first zygote is ready
+        self._again = self.learning and bool(self.store.wanted())
+        self._retries = 0
+
+    # ------------------------------------------------------------------ files
+    @property
+    def dir(self) -> str:
+        if self._dir is None:
+            self._dir = private_tmpdir("warm")
+        return self._dir
+
+    def report_path(self, run_id: str, rank: int) -> str:
+        return os.path.join(self.dir, f"run-{_safe(run_id)}-{rank}.json")
+
+    def close(self) -> None:
+        for w in self._all():
+            w.zygote.kill()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _all(self) -> list[_Warm]:
+        return [w for w in (self.current, self.next, *self.retired) if w is not None]
+
+    # ------------------------------------------------------------------- zygotes
+    def _spawn(self, learned: list[tuple[str, str]]) -> _Warm:
+        self._serial += 1
+        learned_file = None
+        if learned:
+            learned_file = os.path.join(self.dir, f"learned-{self._serial}.json")
+            with open(learned_file, "w") as f:
+                json.dump(learned, f)
+        ready_file = os.path.join(self.dir, f"ready-{self._serial}.json")
+        zygote = self._start(self.preload, learned_file, ready_file)
+        self._watch(zygote)
+        return _Warm(zygote, len(learned), time.time(), ready_file)
+
+    def for_run(self) -> tuple[Any, list[str]]:
+        """The zygote this run's warm ranks fork from, and notices for the user (a changed file)."""
+        notices: list[str] = []
+        cur = self.current
+        if cur is not None and cur.zygote.process.poll() is not None:
+            self._drop(cur)
+            cur = None
+        if cur is not None and cur.ready is not None:
+            changed = _changed_file(cur.ready.get("files", {}))
+            if changed is not None:
+                notices.append(f"{changed} changed since the warm process loaded it; starting from a fresh one")
+                self._retire(cur)
+                if self.next is not None:  # it may have loaded the old file too
+                    self._drop(self.next, kill=True)
+                cur = None
+        if cur is None:
+            cur = self.current = self._spawn([])  # the explicit preload only: it may take forks at once
+            self._again = bool(self.store.wanted())  # the learned set follows once it is ready
+        return cur.zygote, notices
+
+    def warm_up(self) -> None:
+        if self.current is None:
+            self.current = self._spawn([])
+            self._again = bool(self.store.wanted())  # the learned set follows once it is ready
+
+    def zygotes(self) -> list[Any]:
+        """Every warm-rank fork server alive now (the one runs fork from, the next, retired ones)."""
+        return [w.zygote for w in self._all()]
+
+    def learn(self, run_id: str) -> None:
+        """A run ended here: merge what its ranks imported; warm a new zygote if that is new."""
+        if self._dir is None or not self.learning:
+            return
+        prefix = f"run-{_safe(run_id)}-"
+        found: list[tuple[str, str]] = []
+        for name in os.listdir(self._dir):
+            if name.startswith(prefix) and name.endswith(".json"):
+                path = os.path.join(self._dir, name)
+                try:
+                    with open(path) as f:
+                        found.extend((str(n), str(p)) for n, p in json.load(f))
+                except (OSError, ValueError, TypeError):
+                    pass
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        if self.store.add(found):
+            self.store.save()
+            self._retries = 0
+        self._maybe_warm()
+
+    def _maybe_warm(self) -> None:
+        """Start the next zygote if the store has modules the current one lacks (one at a time:
+        a zygote importing competes with the runs for the host's CPUs)."""
+        if not self.learning or self._retries > _MAX_OFFENDER_RETRIES:
+            return  # (until a run teaches something new: each try costs a whole warm-up)
+        cur = self.current
+        if self.next is not None or (cur is not None and cur.ready is None):
+            self._again = True
+            return
+        wanted = self.store.wanted()
+        if not wanted:
+            return
+        if cur is not None:
+            ready = cur.ready or {}
+            have = set(ready.get("held", ())) | set(ready.get("left_out", {}))
+            if all(n in have for n, _ in wanted):
+                return
+        self.next = self._spawn(wanted)
+
+    def on_message(self, zygote: Any, msg: Any) -> bool:
+        """A message from one of our zygotes; True if it was ours to handle (not a fork/exit)."""
+        warm = next((w for w in self._all() if w.zygote is zygote), None)
+        if warm is None:
+            return False
+        kind = msg.KIND
+        if kind == "forked":
+            warm.children += 1
+        elif kind == "exit":
+            warm.children -= 1
+            if warm.retired and warm.children <= 0:
+                self._drop(warm, kill=True)
+        elif kind == "ready":
+            self._ready(warm)
+            return True
+        return False
+
+    def _ready(self, warm: _Warm) -> None:
+        try:
+            with open(warm.ready_file) as f:
+                warm.ready = json.load(f)
+        except (OSError, ValueError):
+            warm.ready = {"modules": 0, "held": [], "left_out": {}, "files": {}, "at": time.time()}
+        for name, why in warm.ready.get("left_out", {}).items():
+            self.store.exclude(name, why)
+        offender = warm.ready.get("offender")
+        if offender:
+            self.store.exclude(offender[0], offender[1])
+        if warm.ready.get("left_out") or offender:
+            self.store.save()
+        if offender:  # it exits by itself; it never forked
+            self._drop(warm, kill=True)
+            self._retries += 1
+            self._maybe_warm()
+            return
+        if warm is self.next:
+            if self.current is not None:
+                self._retire(self.current)
+            self.current, self.next = warm, None
+        if self._again:
+            self._again = False
+            self._maybe_warm()
+
+    def gone(self, zygote: Any) -> bool:
+        """A zygote's socket closed; True if runs were forking from it (it wants replacing)."""
+        warm = next((w for w in self._all() if w.zygote is zygote), None)
+        if warm is None:
+            return False
+        was_current = warm is self.current
+        self._drop(warm)
+        return was_current
+
+    def _retire(self, warm: _Warm) -> None:
+        """No more runs fork from it; it goes when its last rank has exited."""
+        if warm is self.current:
+            self.current = None
+        warm.retired = True
+        if warm.children <= 0:
+            self._drop(warm, kill=True)
+        elif warm not in self.retired:
+            self.retired.append(warm)
+
+    def _drop(self, warm: _Warm, kill: bool = False) -> None:
+        if kill:
+            warm.zygote.kill()
+        try:
+            self._unwatch(warm.zygote)
+        except (KeyError, ValueError):
+            pass
+        if warm is self.current:
+            self.current = None
+        if warm is self.next:
+            self.next = None
+        if warm in self.retired:
+            self.retired.remove(warm)
+        for path in (warm.ready_file,):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def forget(self) -> int:
+        """Forget what was learned; runs fork from a zygote with the explicit preload only."""
+        n = self.store.forget()
+        if self.next is not None:
+            self._drop(self.next, kill=True)
+        if self.current is not None and self.current.learned:
+            self._retire(self.current)
+            self.current = self._spawn([])
+        self._again = False
+        return n
+
+    def info(self) -> dict[str, Any]:
+        """What ``monarch status`` shows of this host's warm process."""
+        cur = self.current
+        ready = cur.ready if cur is not None else None
+        return {
+            "pid": cur.zygote.process.pid if cur is not None else None,
+            "ready": ready is not None,
+            "modules": ready.get("modules") if ready else None,
+            "learned_held": len(ready.get("held", ())) if ready else 0,
+            "since": ready.get("at") if ready else None,
+            "rss_bytes": _rss(cur.zygote.process.pid) if cur is not None else None,
+            "learned": len(self.store.learned),
+            "excluded": dict(self.store.excluded),
+            "warming": self.next is not None,
+            "learning": self.learning,
+            "store": self.store.path,
+        }
+
+
+def _changed_file(files: dict[str, Any]) -> str | None:
+    for path, (mtime, size) in files.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if st.st_mtime_ns != mtime or st.st_size != size:
+            return path
+    return None
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

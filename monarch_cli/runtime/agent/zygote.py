@@ -1,0 +1,183 @@
+"""A fork server: a single-threaded process that has already imported what procs need.
+
+Forking it makes a ready proc in a few milliseconds instead of paying interpreter start
+and imports each time. It never creates a ZeroMQ context (not fork-safe) or a thread.
+Children get SIGKILL when the zygote dies (PR_SET_PDEATHSIG), and the zygote gets it when
+its agent dies, so a killed agent leaves no procs behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import importlib
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+from ...sysutil import signal_if_alive
+from .. import protocol
+from ..rank import preload
+
+_PR_SET_PDEATHSIG = 1
+PRELOAD_ENV = "MONARCH_PRELOAD"
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: dict[str, Any], fds: list[int]) -> None:
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        parent = boot.pop("_zygote_pid")
+        die_with_parent()
+        if os.getppid() != parent:
+            os._exit(1)
+        sock.close()
+        os.close(wake_r)
+        os.close(wake_w)
+        extra = {role: fds[i] for role, i in boot.pop("_fd_roles", {}).items()}  # listen, debug
+        for target, fd in zip((0, 1, 2), fds[:3]):
+            os.dup2(fd, target)
+            os.close(fd)
+        if kind == "proc":
+            from ..actor import proc
+
+            code = proc.main(boot)
+        elif kind == "rank":
+            from ..rank import start as rank_start
+
+            code = rank_start.become_rank(boot, extra)
+        elif kind == "cold":
+            from ..rank import start as rank_start
+
+            rank_start.exec_cold(boot, extra)  # only returns by raising
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _exit_if_orphaned(parent: int, done: threading.Event) -> None:
+    while not done.wait(0.2):
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def serve(fd: int, title: str = "monarch fork-server") -> None:
+    die_with_parent()
+    from ..title import set_title
+
+    set_title(title)
+    sock = socket.socket(fileno=fd)
+    preload.note_environment()
+    # Importing torch takes seconds, during which the zygote cannot see its agent's socket
+    # close; where PR_SET_PDEATHSIG is not delivered (some sandboxes), watch the parent
+    # meanwhile. The thread ends before the first fork: forks still happen single-threaded.
+    importing = threading.Event()
+    watchdog = threading.Thread(target=_exit_if_orphaned, args=(os.getppid(), importing), daemon=True)
+    watchdog.start()
+    from ..actor import proc  # noqa: F401 - the point of the zygote: import once, fork many
+    from ..rank import (
+        fresh,  # noqa: F401 - every warm rank runs it
+        telemetry,  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
+    )
+
+    stop_env_reads = preload.watch_env_reads()
+    for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001
+            print(f"monarch zygote: could not preload {name}: {e}", file=sys.stderr)
+    _load_learned(sock, stop_env_reads)  # (the watchdog counts in its thread baseline: it lives until now)
+    stop_env_reads()
+    preload.finish_environment()
+    importing.set()
+    watchdog.join()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set = set()
+    while True:
+        try:
+            ready, _, _ = select.select([sock, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            while children:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                children.discard(pid)
+                sock.send(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
+        if sock in ready:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
+            except OSError as e:
+                if e.errno == errno.EINTR:
+                    continue
+                data = b""
+            if not data:  # the agent is gone
+                for pid in children:
+                    signal_if_alive(pid, signal.SIGKILL)
+                os._exit(0)
+            fork = protocol.decode(pickle.loads(data))
+            req_id, kind, boot = fork.req_id, fork.kind, fork.boot
+            boot["_zygote_pid"] = os.getpid()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(sock, wake_r, wake_w, kind, boot, fds)
+            for f in fds:
+                os.close(f)
+            children.add(pid)
+            sock.send(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
+
+
+def _load_learned(sock: socket.socket, stop_env_reads: Any) -> None:
+    """A warm-rank zygote: import what ranks were seen to import, then say it is ready."""
+    ready = os.environ.get(preload.READY_ENV)
+    if not ready:
+        return
+    learned = os.environ.get(preload.LEARNED_ENV)
+    held, left_out, offender = preload.import_learned(learned) if learned else ([], {}, None)
+    stop_env_reads()
+    preload.write_ready(ready, held, left_out, offender)
+    sock.send(pickle.dumps(protocol.header(protocol.WarmReady())))
+    if offender is not None:  # not safe to fork any more: the agent starts another without it
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), *sys.argv[2:3])

@@ -1,0 +1,222 @@
+"""The mailbox's I/O thread and the links to host agents (runs in every runtime process).
+
+Messages to procs leave on a DEALER socket owned by the sending thread, so a send never
+waits for another thread; their replies arrive on the mailbox's ROUTER.
+
+Host agents are different: this process needs no inbound port for them. Each agent address
+that is linked gets one DEALER (its link), owned by the I/O thread and named by this
+mailbox's address; the agent answers everything (results, rank output and exits, debugger
+and telemetry traffic) through its ROUTER on that connection. Other threads hand their
+sends to the I/O thread over an inproc queue, and the I/O thread reads the links, so a
+future for an agent request is resolved by the I/O thread (its waiter does not ``pump``).
+One TCP port per host is enough, reached directly or through a forward.
+
+Who reads that ROUTER: a thread blocked in ``Future.get()`` reads it itself (``pump``), so a
+round trip costs no hand-off between threads; whenever nobody is waiting that way, the I/O
+thread reads it. A lock decides who may touch the socket; the I/O thread only ever tries
+it, backing off for a couple of milliseconds when a waiter holds it, so it never blocks
+ZAP handshakes behind a long wait. A reader handles at most :data:`_DRAIN_BATCH` messages at
+a time, so a waiter under a flood of output gets back to its own deadlines.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..transport import wire
+from ..transport.keys import Keys
+from .future import Future
+
+# Plain ints: `getsockopt(zmq.EVENTS) & zmq.POLLIN` builds enum flags, ~0.6 µs a time on the hot path.
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+#: Messages one reader handles before others get their turn.
+_DRAIN_BATCH = 64
+
+
+class MailboxIO:
+    """The sockets and threads under :class:`~.mailbox.Mailbox`; it supplies ``_handle_message``."""
+
+    def __init__(self, keys: Keys) -> None:
+        from ..transport.sockets import Transport
+
+        self.keys = keys
+        self.transport = Transport(keys)
+        self._reply, self.address = self.transport.bind_router()
+        self._tls = threading.local()
+        self._closing = False
+        self._reader = threading.Lock()  # held by whoever is reading self._reply
+        self._backoff_until = 0.0
+        self._more = False  # a reader stopped with replies still queued: the I/O thread goes on
+        self._wake_addr = f"inproc://mailbox-wake-{id(self)}"
+        self._wake_rx = self.transport.ctx.socket(zmq.PULL)
+        self._wake_rx.bind(self._wake_addr)
+        #: Agent addresses reached through a link; the links themselves belong to the I/O thread.
+        self._linked: set[str] = set()
+        self._links: dict[str, zmq.Socket] = {}
+        self._out_addr = f"inproc://mailbox-out-{id(self)}"
+        self._out_rx = self.transport.ctx.socket(zmq.PULL)
+        self._out_rx.rcvhwm = 0
+        self._out_rx.bind(self._out_addr)
+        self._watching = zmq.Poller()
+        self._backing_off = zmq.Poller()
+        self._thread = threading.Thread(target=self._io_loop, name="monarch-mailbox", daemon=True)
+        self._thread.start()
+
+    def _handle_message(self, frames: list[zmq.Frame]) -> None:
+        raise NotImplementedError
+
+    def link(self, address: str) -> None:
+        """Reach the host agent at ``address`` through one connection of ours: it answers on it."""
+        self._linked.add(address)
+
+    def _send_wake(self) -> None:
+        sock = getattr(self._tls, "wake", None)
+        if sock is None:
+            sock = self._tls.wake = self.transport.ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.connect(self._wake_addr)
+        sock.send(b"")
+
+    def _send_link(self, address: str, frames: list[Any]) -> None:
+        if threading.current_thread() is self._thread:
+            self._link_socket(address).send_multipart(frames, copy=False)
+            return
+        out = getattr(self._tls, "out", None)
+        if out is None:
+            out = self._tls.out = self.transport.ctx.socket(zmq.PUSH)
+            out.sndhwm = 0
+            out.linger = 2000
+            out.connect(self._out_addr)
+        out.send_multipart([address.encode(), *frames], copy=False)
+
+    def _link_socket(self, address: str) -> zmq.Socket:
+        """The link to ``address`` (I/O thread only), made on first use."""
+        sock = self._links.get(address)
+        if sock is None:
+            sock = self.transport.dealer(address, identity=self.address.encode())
+            self._links[address] = sock
+            self._watching.register(sock, zmq.POLLIN)
+            self._backing_off.register(sock, zmq.POLLIN)
+        return sock
+
+    def pump(self, fut: Future[Any], timeout: float | None) -> bool:
+        """Read replies in the calling thread until ``fut`` is done or ``timeout`` passes.
+
+        Returns False at once if another thread is reading; the caller then waits on the
+        future itself and that reader (or the I/O thread) resolves it.
+        """
+        if not self._reader.acquire(blocking=False):
+            return False
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            watch = [(self._reply, POLLIN)]
+            while not fut.done():
+                wait_ms = 100
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    wait_ms = min(wait_ms, max(1, int(left * 1000)))
+                # The reply to a request just sent is never there yet: wait first, then read.
+                # zmq_poll, not Socket.poll, which builds a Poller on every call.
+                if zmq.zmq_poll(watch, wait_ms):
+                    self._drain_reply(one=True)
+        finally:
+            # The I/O thread's edge-triggered fd will not fire for what is left queued: read
+            # a batch, and if more is left, tell the I/O thread to go on (never an unbounded
+            # drain here: under a flood of output the caller must get back to its deadlines).
+            more = self._drain_reply()
+            self._reader.release()
+            if more:
+                self._more = True
+                self._send_wake()
+        return True
+
+    def _drain_reply(self, one: bool = False) -> bool:
+        """Handle messages queued on the ROUTER, at most a batch; True when more may be queued."""
+        return _drain(self._reply, self._handle, one)
+
+    def _io_loop(self) -> None:
+        reply_fd = self._reply.getsockopt(zmq.FD)
+        watching = self._watching
+        backing_off = self._backing_off
+        for p in (watching, backing_off):
+            p.register(self.transport.zap, zmq.POLLIN)
+            p.register(self._wake_rx, zmq.POLLIN)
+            p.register(self._out_rx, zmq.POLLIN)
+        watching.register(reply_fd, zmq.POLLIN)
+        links_more = False
+        while not self._closing:
+            now = time.monotonic()
+            timeout = 0.0 if self._more or links_more else 1.0  # more queued: read it now
+            if now < self._backoff_until:
+                poller = backing_off
+                timeout = self._backoff_until - now
+            else:
+                poller = watching
+            events = dict(poller.poll(max(0.0, timeout) * 1000))
+            if self.transport.zap in events:
+                while self.transport.zap.poll(0):
+                    self.transport.serve_zap()
+            if self._wake_rx in events:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+            if self._out_rx in events:
+                self._forward_out()
+            links_more = self._drain_links()
+            if poller is watching and (reply_fd in events or not events or self._more):
+                if self._reader.acquire(blocking=False):
+                    try:
+                        self._more = False
+                        self._more = self._drain_reply()
+                    finally:
+                        self._reader.release()
+                else:  # a waiter is reading; look again shortly
+                    self._backoff_until = time.monotonic() + 0.002
+        self._forward_out()  # a last `client_exit` queued by close()
+        for sock in self._links.values():
+            sock.close(linger=500)
+
+    def _forward_out(self) -> None:
+        """Send what other threads queued for the links."""
+        out = self._out_rx
+        while out.getsockopt(EVENTS) & POLLIN:
+            frames = out.recv_multipart(copy=False)
+            try:
+                self._link_socket(frames[0].bytes.decode()).send_multipart(frames[1:], copy=False)
+            except zmq.ZMQError:
+                traceback.print_exc()
+
+    def _drain_links(self) -> bool:
+        """Handle what agents sent on the links, at most a batch each; True when more may be queued."""
+        more = False
+        for sock in list(self._links.values()):
+            more = _drain(sock, self._handle_message) or more
+        return more
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        self._handle_message(frames[1:])
+
+
+def _drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], one: bool = False) -> bool:
+    """Handle what is queued on ``sock``, at most a batch (``one``: read at least one, even if
+    the socket does not say so yet); True when more may be queued."""
+    handled = 0
+    while one or sock.getsockopt(EVENTS) & POLLIN:  # ints: cheaper than zmq.Again, or enum flags
+        if handled >= _DRAIN_BATCH:
+            return True
+        one = False
+        frames = wire.recv_frames(sock)
+        handled += 1
+        try:
+            handle(frames)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+            traceback.print_exc()
+    return False

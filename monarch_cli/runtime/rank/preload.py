@@ -1,0 +1,393 @@
+"""Learning what ranks import, so that later runs fork from a process that has it already.
+
+The rank and zygote sides (the agent's is in :mod:`..agent.warm`):
+
+* **rank**: at exit, :func:`report_imports` writes the installed modules (standard library,
+  site-packages, libraries outside the workspace) the rank imported that its zygote did not
+  hold. Modules of the user's workspace (the run's cwd, the script's directory, the
+  ``PYTHONPATH`` entries inside them) are never reported, so edits keep taking effect.
+* **zygote**: :func:`import_learned` imports the learned modules one by one and checks after
+  each that no thread was started, no signal handler or environment variable changed and
+  CUDA was not initialised (forking such a process is unsafe or would differ from a fresh
+  interpreter); a module that does is reported as an offender and the zygote exits. A
+  module that fails to import, or resolves to another file here, is left out quietly.
+  :func:`write_ready` records every loaded module file's mtime and size.
+* **agent**: :class:`..agent.warm.WarmRanks` (its own module) decides which zygote runs fork from.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .import_watch import ImportWatch
+
+REPORT_KEY = "module_report"  # a rank spec's entry: the file it writes its imports to
+LEARNED_ENV = "MONARCH_LEARNED_PRELOAD"  # a zygote's: the JSON list of modules to import
+READY_ENV = "MONARCH_WARM_READY"  # a zygote's: where it writes what it loaded
+_NEVER = {"__main__", "__mp_main__", "this", "antigravity"}  # antigravity opens a browser
+_OWN = "monarch_cli"  # the zygote holds what it needs of monarch_cli itself
+
+# ------------------------------------------------------------------------ rank side
+_at_start: frozenset[str] = frozenset()
+
+
+def mark_start() -> None:
+    """Remember what the rank holds before user code runs (the zygote's modules)."""
+    global _at_start
+    _at_start = frozenset(sys.modules)
+
+
+def _norm(path: str) -> str:
+    return os.path.normpath(os.path.abspath(path))
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def workspace_roots(spec: dict[str, Any]) -> list[str]:
+    """The user's own code: the run's cwd, the script's directory, PYTHONPATH entries inside them."""
+    cwd = _norm(spec["cwd"])
+    roots = [cwd]
+    if spec.get("mode") == "script" and spec.get("program"):
+        roots.append(os.path.dirname(_norm(os.path.join(cwd, spec["program"][0]))))
+    for entry in spec.get("env", {}).get("PYTHONPATH", "").split(os.pathsep):
+        if entry and any(_under(_norm(os.path.join(cwd, entry)), r) for r in roots[:2]):
+            roots.append(_norm(os.path.join(cwd, entry)))
+    return roots
+
+
+def installed_roots(env: dict[str, str], cwd: str) -> list[str]:
+    """Where installed code lives: the standard library, site-packages, PYTHONPATH entries."""
+    import site
+    import sysconfig
+
+    roots = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        roots.update(site.getsitepackages())
+        roots.add(site.getusersitepackages())
+    except AttributeError:  # a virtualenv's old site module
+        pass
+    roots.update(_norm(os.path.join(cwd, e)) for e in env.get("PYTHONPATH", "").split(os.pathsep) if e)
+    return [_norm(r) for r in roots if r]
+
+
+def is_installed(path: str, installed: Iterable[str], workspace: Iterable[str]) -> bool:
+    """Not the user's code: the most specific root that holds ``path`` is not a workspace one
+    (a virtualenv inside the project is installed code; a project under ``sys.prefix`` is not)."""
+    best_installed = max((len(r) for r in installed if _under(path, r)), default=-1)
+    best_workspace = max((len(r) for r in workspace if _under(path, r)), default=-1)
+    return best_workspace < 0 or best_installed > best_workspace
+
+
+def module_file(module: Any) -> str | None:
+    """The file a module was loaded from, if it is a plain file and the module is what it says."""
+    spec = getattr(module, "__spec__", None)
+    file = getattr(module, "__file__", None)
+    if spec is None or not isinstance(file, str) or spec.name != getattr(module, "__name__", None):
+        return None
+    return file if os.path.isfile(file) else None
+
+
+def candidates(modules: dict[str, Any], spec: dict[str, Any], skip: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """The (name, file) pairs among ``modules`` that a warm process may import for this run."""
+    skip = set(skip)
+    workspace = workspace_roots(spec)
+    installed = installed_roots(spec.get("env", {}), spec["cwd"])
+    found = []
+    for name, module in list(modules.items()):
+        if name in skip or name in _NEVER or name.endswith(".__main__") or name.split(".")[0] == _OWN:
+            continue
+        file = module_file(module)
+        if file is not None and is_installed(_norm(file), installed, workspace):
+            found.append((name, _norm(file)))
+    return found
+
+
+def report_imports(spec: dict[str, Any]) -> None:
+    """At a rank's exit: write the installed modules it imported for its agent to learn."""
+    path = spec.get(REPORT_KEY)
+    if not path:
+        return
+    try:
+        found = candidates(sys.modules, spec, skip=_at_start)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(found, f)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - learning is an optimisation; never fail a rank over it
+        pass
+
+
+# ---------------------------------------------------------------------- zygote side
+_env_at_start: dict[str, str] = {}
+#: Variables that preloaded modules added to the environment as they were imported (e.g.
+#: torch._dynamo's TORCHINDUCTOR_CACHE_DIR): a warm rank gets them as defaults, as a fresh
+#: interpreter importing those modules would.
+env_added: dict[str, str] = {}
+
+
+def note_environment() -> None:
+    """In a zygote, before anything is preloaded."""
+    global _env_at_start
+    _env_at_start = dict(os.environ)
+
+
+def finish_environment() -> None:
+    """In a zygote, once everything is preloaded: what the imports added."""
+    global env_added
+    env_added = {k: v for k, v in os.environ.items() if k not in _env_at_start}
+
+
+def apply_environment() -> None:
+    """In a warm rank, after its environment was set: the preloaded modules' defaults."""
+    for key, value in env_added.items():
+        os.environ.setdefault(key, value)
+
+
+#: Variables the warm process's imports read, with the value they saw and the module that read
+#: it: a rank whose environment says otherwise would not get what a fresh interpreter gets.
+env_reads: dict[str, tuple[str | None, str]] = {}
+_OS_FILES = {os.__file__, getattr(sys.modules.get("_collections_abc"), "__file__", ""), "<frozen os>", __file__}
+
+
+def _reader() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and (
+        frame.f_code.co_filename in _OS_FILES or frame.f_code.co_filename.startswith("<frozen")
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+    return str(frame.f_globals.get("__name__", "?")) if frame is not None else "?"
+
+
+def watch_env_reads() -> Callable[[], None]:
+    """In a zygote, while it imports: note every ``os.environ`` read (``os.getenv`` included);
+    returns the function that stops it (before the first fork)."""
+    cls = type(os.environ)
+    original = cls.__getitem__
+    seen: dict[str, tuple[str | None, list[str]]] = {}  # key -> (value, the modules that read it)
+
+    def note(key: str, value: str | None) -> None:
+        readers = seen.setdefault(key, (value, []))[1]
+        reader = _reader()
+        if reader not in readers:
+            readers.append(reader)
+
+    def getitem(self: Any, key: str) -> str:
+        if self is not os.environ or sys._getframe(1).f_code.co_name in ("__iter__", "copy"):
+            return original(self, key)  # items(), values(), copy(): not a read of one variable
+        try:
+            value = original(self, key)
+        except KeyError:
+            note(key, None)
+            raise
+        note(key, value)
+        return value
+
+    cls.__getitem__ = getitem  # type: ignore[method-assign]
+
+    def stop() -> None:
+        cls.__getitem__ = original  # type: ignore[method-assign]
+        # A module that read (nearly) every variable was copying the environment, not asking
+        # for one of them (fsspec.config collects FSSPEC_*): its reads say nothing.
+        present: dict[str, int] = {}
+        for value, readers in seen.values():
+            for reader in readers if value is not None else ():
+                present[reader] = present.get(reader, 0) + 1
+        copiers = {r for r, n in present.items() if n > 8 and n >= 0.9 * len(os.environ)}
+        for key, (value, readers) in seen.items():
+            meant = [r for r in readers if r not in copiers]
+            if meant:
+                env_reads[key] = (value, meant[0])
+
+    return stop
+
+
+#: Set for each rank by the launcher (those read at import are reset for the rank, see
+#: rank/fresh.py), or by the shell; a difference in them never makes a rank start cold.
+_PER_RANK = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMP_NUM_THREADS",
+    "PYTHONUNBUFFERED", "PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES",
+    # read at import, and their readers set again in each rank (rank/fresh.py)
+    "TRANSFORMERS_VERBOSITY", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "CUDA_VISIBLE_DEVICES",
+}  # fmt: skip
+
+
+def env_conflict(env: dict[str, str]) -> str | None:
+    """Why a rank with environment ``env`` must not run in this warm process: a variable that one
+    of its imports read at import time has another value for the rank (the first one found)."""
+    for key, (seen, reader) in env_reads.items():
+        if key in _PER_RANK or key.startswith(("MONARCH_", "TORCHELASTIC_")):
+            continue
+        value = env.get(key, env_added.get(key))  # the rank gets the imports' additions as defaults
+        if value == seen or (seen is None and key in env_added and value == env_added[key]):
+            continue  # (the second: the module read it unset and set its default, as it will in a fresh one)
+        now = "unset" if value is None else repr(value)
+        then = "unset" if seen is None else repr(seen)
+        return f"{key} is {now} for this run, but {reader} read it as {then} when the warm process imported it"
+    return None
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _signal_handlers() -> dict[int, Any]:
+    found = {}
+    for sig in signal.valid_signals():
+        try:
+            found[int(sig)] = signal.getsignal(sig)
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _cuda_initialized() -> bool:
+    cuda = sys.modules.get("torch.cuda")
+    try:
+        return bool(cuda is not None and cuda.is_initialized())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _what_changed(threads: int, handlers: dict[int, Any], env: dict[str, str]) -> str | None:
+    """Why this process can no longer be forked as a fresh interpreter, if it cannot."""
+    if _cuda_initialized():
+        return "it initialises CUDA"
+    if _thread_count() > threads:
+        time.sleep(0.02)  # a short-lived helper thread may be finishing
+        if _thread_count() > threads:
+            return _THREAD
+    if _signal_handlers() != handlers:
+        return "it installs a signal handler"
+    if any(os.environ.get(k) != v for k, v in env.items()):
+        return "it changes or removes an environment variable"  # an addition is replayed in ranks
+    return None
+
+
+_THREAD = "it starts a thread"
+#: Shared libraries whose threads are safe across fork(): OpenBLAS (bundled by numpy and scipy)
+#: starts its thread pool when loaded, stops it in a ``pthread_atfork`` handler and starts it
+#: again on demand in the child. ``import torch`` loads numpy's: every default warm process,
+#: which preloads torch, already holds such a pool.
+FORK_SAFE_LIBRARIES = ("openblas",)
+
+
+def _mapped_libraries() -> set[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and ".so" in line}
+    except (OSError, IndexError):
+        return set()
+
+
+def _fork_safe_threads(libraries_before: set[str]) -> bool:
+    """Whether the threads just started belong to a library known to handle fork()."""
+    new = _mapped_libraries() - libraries_before
+    return any(lib in os.path.basename(path).lower() for path in new for lib in FORK_SAFE_LIBRARIES)
+
+
+def _blame(wanted: str, culprit: tuple[str, str], left_out: dict[str, str]) -> tuple[str, str]:
+    """The learned module to leave out, and why: itself, or the module it imports that did it
+    (which is left out too, so that its own entry says what it does)."""
+    name, why = culprit
+    if name == wanted:
+        return wanted, why
+    left_out.setdefault(name, why)
+    return wanted, f"it imports {name}, which {why.removeprefix('it ')}"
+
+
+def import_learned(path: str) -> tuple[list[str], dict[str, str], tuple[str, str] | None]:
+    """Import the modules listed in ``path``; returns (held, left out, offender): the listed
+    modules now loaded, those left out and why, and the module that tainted this process.
+
+    On an offender (name, why) the caller must not fork: the process is no longer clean.
+    """
+    with open(path) as f:
+        wanted: list[tuple[str, str]] = [tuple(x) for x in json.load(f)]  # type: ignore[misc]
+    left_out: dict[str, str] = {}
+    threads, handlers, env = _thread_count(), _signal_handlers(), dict(os.environ)
+
+    libraries = _mapped_libraries()
+
+    def check(_loaded: str) -> str | None:
+        """Run after each module (nested imports first): the first to change anything is blamed."""
+        nonlocal threads, libraries
+        why = _what_changed(threads, handlers, env)
+        if why == _THREAD and _fork_safe_threads(libraries):
+            threads, libraries = _thread_count(), _mapped_libraries()  # the new baseline
+            return None
+        return why
+
+    # ``python -m`` put the agent's cwd first on sys.path: a workspace module there must not
+    # shadow an installed one while we import (ranks replace sys.path[0] anyway).
+    path0 = sys.path.pop(0) if sys.path and sys.path[0] in ("", os.getcwd()) else None
+    try:
+        for name, file in wanted:
+            if name in sys.modules:
+                continue
+            out, err = sys.stdout, sys.stderr
+            with ImportWatch(check) as watch:  # find_spec imports the parent packages
+                try:
+                    found = importlib.util.find_spec(name)
+                    if found is None or not found.origin or _norm(found.origin) != file:
+                        left_out[name] = "resolves to another file here"
+                    else:
+                        importlib.import_module(name)
+                except BaseException as e:  # noqa: BLE001 - SystemExit and friends included
+                    left_out[name] = f"fails to import: {type(e).__name__}: {e}"[:200]
+                finally:
+                    sys.stdout, sys.stderr = out, err
+            culprit = watch.culprit or (None if (why := check(name)) is None else (name, why))
+            if culprit is not None:
+                return [], left_out, _blame(name, culprit, left_out)
+    finally:
+        if path0 is not None:
+            sys.path.insert(0, path0)
+    return [n for n, _ in wanted if n in sys.modules and n not in left_out], left_out, None
+
+
+def loaded_files() -> dict[str, tuple[int, int]]:
+    """Every loaded module file with its (mtime_ns, size), to tell later whether it changed."""
+    files: dict[str, tuple[int, int]] = {}
+    for module in list(sys.modules.values()):
+        file = module_file(module)
+        if file is None or file in files:
+            continue
+        try:
+            st = os.stat(file)
+        except OSError:
+            continue
+        files[file] = (st.st_mtime_ns, st.st_size)
+    return files
+
+
+def write_ready(path: str, held: list[str], left_out: dict[str, str], offender: tuple[str, str] | None) -> None:
+    """What a zygote tells its agent once it has loaded what it was asked to."""
+    report = {
+        "pid": os.getpid(),
+        "modules": len(sys.modules),
+        "held": held,
+        "left_out": left_out,
+        "offender": offender,
+        "files": loaded_files() if offender is None else {},
+        "env_reads": env_reads,
+        "at": time.time(),
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)

@@ -1,0 +1,106 @@
+"""ZeroMQ sockets with CURVE authentication for every TCP (and IPC) endpoint.
+
+Every process of a reservation holds one CURVE key pair (:class:`~.keys.Keys`). Servers
+(ROUTER sockets) accept a connection only when a ZAP check proves the client holds that
+same pair, so a process without the keys cannot deliver a single frame, let alone a
+pickle. The ZAP check runs in a thread the caller already has (``serve_zap``), so it costs
+no extra thread per process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import zmq
+from zmq.utils import z85
+
+from ...config import advertised_host, bind_port_candidates, listen_host, settings
+from .keys import Keys
+
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_DOMAIN = b"monarch"
+
+
+class Transport:
+    """Socket factory bound to one ZeroMQ context and one set of reservation keys."""
+
+    def __init__(self, keys: Keys, zap: bool = True) -> None:
+        self.keys = keys
+        self.ctx = zmq.Context()
+        self._client_key = z85.decode(keys.public)
+        # The ZAP handler must exist before any server socket binds, or libzmq lets
+        # CURVE clients in without asking. A client-only context needs none.
+        self.zap: zmq.Socket | None = None
+        if zap:
+            self.zap = self.ctx.socket(zmq.REP)
+            self.zap.linger = 0
+            self.zap.bind(_ZAP_ENDPOINT)
+
+    def serve_zap(self) -> None:
+        """Answer one pending ZAP request (call when ``self.zap`` is readable)."""
+        assert self.zap is not None
+        import hmac  # here: a client that only connects never loads it (and hashlib, ~4 ms per command)
+
+        msg = self.zap.recv_multipart()
+        version, request_id, _domain, _address, _identity, mechanism = msg[:6]
+        creds = msg[6:]
+        ok = mechanism == b"CURVE" and len(creds) == 1 and hmac.compare_digest(creds[0], self._client_key)
+        status = (b"200", b"OK") if ok else (b"400", b"unknown key")
+        self.zap.send_multipart([version, request_id, *status, b"", b""])
+
+    def bind_router(self, port: int | None = None) -> tuple[zmq.Socket, str]:
+        """A CURVE ROUTER on ``port``, else on a port of ``settings().port_range``, else any free one."""
+        if self.zap is None:
+            raise RuntimeError("a client-only transport cannot bind a server socket")
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.rcvhwm = 0
+        sock.sndhwm = 0
+        sock.curve_server = True
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.zap_domain = _DOMAIN
+        if settings().transport == "ipc":
+            sock.bind(f"ipc://{_ipc_dir()}/{uuid.uuid4().hex[:16]}")
+            return sock, sock.last_endpoint.decode()
+        host = listen_host()
+        candidates = [port] if port is not None else bind_port_candidates()
+        for i, candidate in enumerate(candidates):
+            try:
+                sock.bind(f"tcp://{host}:{candidate or '*'}")
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or i == len(candidates) - 1:
+                    sock.close(0)
+                    raise OSError(e.errno, f"cannot listen on {host}:{candidate or '*'}: {e}") from None
+        endpoint = sock.last_endpoint.decode()
+        if host != advertised_host():  # listening on a wildcard ($MONARCH_LISTEN_HOST): peers use the advertised one
+            endpoint = f"tcp://{advertised_host()}:{endpoint.rpartition(':')[2]}"
+        return sock, endpoint
+
+    def dealer(self, address: str, identity: bytes | None = None) -> zmq.Socket:
+        """A CURVE DEALER to ``address``; ``identity`` names it to the server's ROUTER (a link: see mailbox)."""
+        sock = self.ctx.socket(zmq.DEALER)
+        if identity is not None:
+            sock.routing_id = identity
+        sock.linger = 2000  # flush what is queued when the socket closes
+        sock.sndhwm = 0
+        sock.rcvhwm = 0
+        sock.curve_serverkey = self.keys.public
+        sock.curve_publickey = self.keys.public
+        sock.curve_secretkey = self.keys.secret
+        sock.connect(address)
+        return sock
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def _ipc_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"monarch-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path

@@ -1,0 +1,41 @@
+"""What keeps an agent's context small (cli/mcp_server/bounds.py): clipped lines, tails read from the
+end of big logs, greps that count what they left out, capped lists that say so."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from monarch_cli.cli.mcp_server.bounds import MAX_LINE, cap, clip_line, scan, tail_lines
+
+
+def test_a_tail_is_read_from_the_end_and_long_lines_are_clipped(tmp_path: Path) -> None:
+    log = tmp_path / "rank0.log"
+    with open(log, "w") as f:
+        for i in range(200_000):  # ~3 MB: more than one block from the end
+            f.write(f"line {i}\n")
+        f.write("x" * 5000 + "\n")
+        f.write("caf\xe9 last\n")
+    lines = tail_lines(log, 3)
+    assert lines[0] == "line 199999"
+    assert lines[1].startswith("x" * MAX_LINE) and lines[1].endswith(f"[{5000 - MAX_LINE} more characters]")
+    assert lines[2] == "café last"
+    assert len(tail_lines(log, 70_000)) == 70_000 and tail_lines(log, 0) == []
+    assert clip_line("short") == "short"
+
+
+def test_grep_keeps_the_last_matches_with_their_line_numbers_and_counts(tmp_path: Path) -> None:
+    log = tmp_path / "rank1.log"
+    log.write_bytes(b"".join(b"step %d loss %d\n" % (i, i % 3) for i in range(100)) + b"\xff bad utf-8\n")
+    kept, matched, total = scan(log, re.compile(r"loss 0$"), 2)
+    assert matched == 34 and total == 101
+    assert kept == [{"n": 97, "line": "step 96 loss 0"}, {"n": 100, "line": "step 99 loss 0"}]
+    kept, matched, total = scan(log, None, 1)
+    assert kept == [{"n": 101, "line": "\\xff bad utf-8"}] and matched == total == 101
+
+
+def test_a_capped_list_says_how_many_were_left_out_and_where_they_are() -> None:
+    data = {"ranks": list(range(10)), "other": [1]}
+    cap(data, "ranks", 4, "sql over ranks")
+    cap(data, "other", 4, "never")
+    assert data == {"ranks": [0, 1, 2, 3], "ranks_left_out": 6, "ranks_hint": "sql over ranks", "other": [1]}
