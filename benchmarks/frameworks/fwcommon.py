@@ -36,8 +36,9 @@ def checksum(named: Iterable[tuple[str, object]]) -> str:
 
 
 def report(named: Iterable[tuple[str, object]], rank: int) -> None:
-    """Rank 0 prints the checksum and the script's own time (from its first line, imports included)."""
+    """Rank 0 prints the checksum; every rank its own time (from its first line, imports
+    included; the rank that started last waited for no other: its time is the script's work)."""
     value = checksum(named)
     if rank == 0:
         print(f"param-checksum {value}", flush=True)
-        print(f"script-seconds {time.perf_counter() - _STARTED:.3f}", flush=True)
+    print(f"script-seconds {time.perf_counter() - _STARTED:.3f}", flush=True)
