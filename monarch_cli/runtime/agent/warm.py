@@ -231,8 +231,8 @@ class WarmRanks:
     def _maybe_warm(self) -> None:
         """Start the next zygote if the store has modules the current one lacks (one at a time:
         a zygote importing competes with the runs for the host's CPUs)."""
-        if not self.learning:
-            return
+        if not self.learning or self._retries > _MAX_OFFENDER_RETRIES:
+            return  # (until a run teaches something new: each try costs a whole warm-up)
         cur = self.current
         if self.next is not None or (cur is not None and cur.ready is None):
             self._again = True
@@ -280,8 +280,7 @@ class WarmRanks:
         if offender:  # it exits by itself; it never forked
             self._drop(warm, kill=True)
             self._retries += 1
-            if self._retries <= _MAX_OFFENDER_RETRIES:
-                self._maybe_warm()
+            self._maybe_warm()
             return
         if warm is self.next:
             if self.current is not None:

@@ -98,14 +98,19 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     watchdog = threading.Thread(target=_exit_if_orphaned, args=(os.getppid(), importing), daemon=True)
     watchdog.start()
     from ..actor import proc  # noqa: F401 - the point of the zygote: import once, fork many
-    from ..rank import telemetry  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
+    from ..rank import (
+        fresh,  # noqa: F401 - every warm rank runs it
+        telemetry,  # noqa: F401 - every rank installs it; ~0.15 ms each when imported there
+    )
 
+    stop_env_reads = preload.watch_env_reads()
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001
             print(f"monarch zygote: could not preload {name}: {e}", file=sys.stderr)
-    _load_learned(sock)  # (the watchdog counts in its thread baseline: it lives until now)
+    _load_learned(sock, stop_env_reads)  # (the watchdog counts in its thread baseline: it lives until now)
+    stop_env_reads()
     preload.finish_environment()
     importing.set()
     watchdog.join()
@@ -160,13 +165,14 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
             sock.send(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
 
 
-def _load_learned(sock: socket.socket) -> None:
+def _load_learned(sock: socket.socket, stop_env_reads: Any) -> None:
     """A warm-rank zygote: import what ranks were seen to import, then say it is ready."""
     ready = os.environ.get(preload.READY_ENV)
     if not ready:
         return
     learned = os.environ.get(preload.LEARNED_ENV)
     held, left_out, offender = preload.import_learned(learned) if learned else ([], {}, None)
+    stop_env_reads()
     preload.write_ready(ready, held, left_out, offender)
     sock.send(pickle.dumps(protocol.header(protocol.WarmReady())))
     if offender is not None:  # not safe to fork any more: the agent starts another without it

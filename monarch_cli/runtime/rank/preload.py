@@ -25,8 +25,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from .import_watch import ImportWatch
 
 REPORT_KEY = "module_report"  # a rank spec's entry: the file it writes its imports to
 LEARNED_ENV = "MONARCH_LEARNED_PRELOAD"  # a zygote's: the JSON list of modules to import
@@ -152,6 +154,90 @@ def apply_environment() -> None:
         os.environ.setdefault(key, value)
 
 
+#: Variables the warm process's imports read, with the value they saw and the module that read
+#: it: a rank whose environment says otherwise would not get what a fresh interpreter gets.
+env_reads: dict[str, tuple[str | None, str]] = {}
+_OS_FILES = {os.__file__, getattr(sys.modules.get("_collections_abc"), "__file__", ""), "<frozen os>", __file__}
+
+
+def _reader() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and (
+        frame.f_code.co_filename in _OS_FILES or frame.f_code.co_filename.startswith("<frozen")
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+    return str(frame.f_globals.get("__name__", "?")) if frame is not None else "?"
+
+
+def watch_env_reads() -> Callable[[], None]:
+    """In a zygote, while it imports: note every ``os.environ`` read (``os.getenv`` included);
+    returns the function that stops it (before the first fork)."""
+    cls = type(os.environ)
+    original = cls.__getitem__
+    seen: dict[str, tuple[str | None, list[str]]] = {}  # key -> (value, the modules that read it)
+
+    def note(key: str, value: str | None) -> None:
+        readers = seen.setdefault(key, (value, []))[1]
+        reader = _reader()
+        if reader not in readers:
+            readers.append(reader)
+
+    def getitem(self: Any, key: str) -> str:
+        if self is not os.environ or sys._getframe(1).f_code.co_name in ("__iter__", "copy"):
+            return original(self, key)  # items(), values(), copy(): not a read of one variable
+        try:
+            value = original(self, key)
+        except KeyError:
+            note(key, None)
+            raise
+        note(key, value)
+        return value
+
+    cls.__getitem__ = getitem  # type: ignore[method-assign]
+
+    def stop() -> None:
+        cls.__getitem__ = original  # type: ignore[method-assign]
+        # A module that read (nearly) every variable was copying the environment, not asking
+        # for one of them (fsspec.config collects FSSPEC_*): its reads say nothing.
+        present: dict[str, int] = {}
+        for value, readers in seen.values():
+            for reader in readers if value is not None else ():
+                present[reader] = present.get(reader, 0) + 1
+        copiers = {r for r, n in present.items() if n > 8 and n >= 0.9 * len(os.environ)}
+        for key, (value, readers) in seen.items():
+            meant = [r for r in readers if r not in copiers]
+            if meant:
+                env_reads[key] = (value, meant[0])
+
+    return stop
+
+
+#: Set for each rank by the launcher (those read at import are reset for the rank, see
+#: rank/fresh.py), or by the shell; a difference in them never makes a rank start cold.
+_PER_RANK = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMP_NUM_THREADS",
+    "PYTHONUNBUFFERED", "PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES",
+    # read at import, and their readers set again in each rank (rank/fresh.py)
+    "TRANSFORMERS_VERBOSITY", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "CUDA_VISIBLE_DEVICES",
+}  # fmt: skip
+
+
+def env_conflict(env: dict[str, str]) -> str | None:
+    """Why a rank with environment ``env`` must not run in this warm process: a variable that one
+    of its imports read at import time has another value for the rank (the first one found)."""
+    for key, (seen, reader) in env_reads.items():
+        if key in _PER_RANK or key.startswith(("MONARCH_", "TORCHELASTIC_")):
+            continue
+        value = env.get(key, env_added.get(key))  # the rank gets the imports' additions as defaults
+        if value == seen or (seen is None and key in env_added and value == env_added[key]):
+            continue  # (the second: the module read it unset and set its default, as it will in a fresh one)
+        now = "unset" if value is None else repr(value)
+        then = "unset" if seen is None else repr(seen)
+        return f"{key} is {now} for this run, but {reader} read it as {then} when the warm process imported it"
+    return None
+
+
 def _thread_count() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -184,12 +270,44 @@ def _what_changed(threads: int, handlers: dict[int, Any], env: dict[str, str]) -
     if _thread_count() > threads:
         time.sleep(0.02)  # a short-lived helper thread may be finishing
         if _thread_count() > threads:
-            return "it starts a thread"
+            return _THREAD
     if _signal_handlers() != handlers:
         return "it installs a signal handler"
     if any(os.environ.get(k) != v for k, v in env.items()):
         return "it changes or removes an environment variable"  # an addition is replayed in ranks
     return None
+
+
+_THREAD = "it starts a thread"
+#: Shared libraries whose threads are safe across fork(): OpenBLAS (bundled by numpy and scipy)
+#: starts its thread pool when loaded, stops it in a ``pthread_atfork`` handler and starts it
+#: again on demand in the child. ``import torch`` loads numpy's: every default warm process,
+#: which preloads torch, already holds such a pool.
+FORK_SAFE_LIBRARIES = ("openblas",)
+
+
+def _mapped_libraries() -> set[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and ".so" in line}
+    except (OSError, IndexError):
+        return set()
+
+
+def _fork_safe_threads(libraries_before: set[str]) -> bool:
+    """Whether the threads just started belong to a library known to handle fork()."""
+    new = _mapped_libraries() - libraries_before
+    return any(lib in os.path.basename(path).lower() for path in new for lib in FORK_SAFE_LIBRARIES)
+
+
+def _blame(wanted: str, culprit: tuple[str, str], left_out: dict[str, str]) -> tuple[str, str]:
+    """The learned module to leave out, and why: itself, or the module it imports that did it
+    (which is left out too, so that its own entry says what it does)."""
+    name, why = culprit
+    if name == wanted:
+        return wanted, why
+    left_out.setdefault(name, why)
+    return wanted, f"it imports {name}, which {why.removeprefix('it ')}"
 
 
 def import_learned(path: str) -> tuple[list[str], dict[str, str], tuple[str, str] | None]:
@@ -202,6 +320,18 @@ def import_learned(path: str) -> tuple[list[str], dict[str, str], tuple[str, str
         wanted: list[tuple[str, str]] = [tuple(x) for x in json.load(f)]  # type: ignore[misc]
     left_out: dict[str, str] = {}
     threads, handlers, env = _thread_count(), _signal_handlers(), dict(os.environ)
+
+    libraries = _mapped_libraries()
+
+    def check(_loaded: str) -> str | None:
+        """Run after each module (nested imports first): the first to change anything is blamed."""
+        nonlocal threads, libraries
+        why = _what_changed(threads, handlers, env)
+        if why == _THREAD and _fork_safe_threads(libraries):
+            threads, libraries = _thread_count(), _mapped_libraries()  # the new baseline
+            return None
+        return why
+
     # ``python -m`` put the agent's cwd first on sys.path: a workspace module there must not
     # shadow an installed one while we import (ranks replace sys.path[0] anyway).
     path0 = sys.path.pop(0) if sys.path and sys.path[0] in ("", os.getcwd()) else None
@@ -209,24 +339,21 @@ def import_learned(path: str) -> tuple[list[str], dict[str, str], tuple[str, str
         for name, file in wanted:
             if name in sys.modules:
                 continue
-            try:
-                found = importlib.util.find_spec(name)
-            except BaseException as e:  # noqa: BLE001 - a parent that fails to import
-                left_out[name] = f"cannot be found: {type(e).__name__}"
-                continue
-            if found is None or not found.origin or _norm(found.origin) != file:
-                left_out[name] = "resolves to another file here"
-                continue
             out, err = sys.stdout, sys.stderr
-            try:
-                importlib.import_module(name)
-            except BaseException as e:  # noqa: BLE001 - SystemExit and friends included
-                left_out[name] = f"fails to import: {type(e).__name__}: {e}"[:200]
-            finally:
-                sys.stdout, sys.stderr = out, err
-            why = _what_changed(threads, handlers, env)
-            if why is not None:
-                return [], left_out, (name, why)
+            with ImportWatch(check) as watch:  # find_spec imports the parent packages
+                try:
+                    found = importlib.util.find_spec(name)
+                    if found is None or not found.origin or _norm(found.origin) != file:
+                        left_out[name] = "resolves to another file here"
+                    else:
+                        importlib.import_module(name)
+                except BaseException as e:  # noqa: BLE001 - SystemExit and friends included
+                    left_out[name] = f"fails to import: {type(e).__name__}: {e}"[:200]
+                finally:
+                    sys.stdout, sys.stderr = out, err
+            culprit = watch.culprit or (None if (why := check(name)) is None else (name, why))
+            if culprit is not None:
+                return [], left_out, _blame(name, culprit, left_out)
     finally:
         if path0 is not None:
             sys.path.insert(0, path0)
@@ -257,6 +384,7 @@ def write_ready(path: str, held: list[str], left_out: dict[str, str], offender: 
         "left_out": left_out,
         "offender": offender,
         "files": loaded_files() if offender is None else {},
+        "env_reads": env_reads,
         "at": time.time(),
     }
     tmp = f"{path}.tmp"

@@ -75,13 +75,21 @@ def _reset_stdio(unbuffered: bool, env: dict[str, str]) -> None:
 
 
 def _host_store(listen_fd: int, env: dict[str, str]) -> None:
-    """Serve the rendezvous store on the socket the agent already bound (rank 0 only)."""
+    """Serve the rendezvous store on the socket the agent already bound (rank 0 only), once the
+    script imports ``torch.distributed``: a script that never does never loads torch for it
+    (the other ranks' connections wait in the socket's backlog until then)."""
+    from .import_watch import after_import
+
+    after_import("torch.distributed", lambda: _start_store(listen_fd, env))
+
+
+def _start_store(listen_fd: int, env: dict[str, str]) -> None:
     global _store
     try:
         from datetime import timedelta
 
         from torch.distributed import TCPStore
-    except Exception:  # noqa: BLE001 - no torch: the port was only reserved, free it
+    except Exception:  # noqa: BLE001 - a torch without distributed: the port was only reserved, free it
         os.close(listen_fd)
         return
     _store = TCPStore(
@@ -103,13 +111,6 @@ def _apply_threads(env: dict[str, str]) -> None:
     value = env.get("OMP_NUM_THREADS")
     if torch is not None and value and value.isdigit() and int(value) > 0:
         torch.set_num_threads(int(value))
-
-
-def _reseed() -> None:
-    """A fresh interpreter seeds torch's default generator at random; the zygote did it once."""
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "default_generator"):
-        torch.default_generator.seed()
 
 
 def _finish(code: int) -> int:
@@ -239,9 +240,13 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
 
     ``extra`` holds inherited fds by role: ``listen`` (rank 0's store socket), ``debug``.
     """
-    from . import preload
+    from . import fresh, preload
 
     preload.mark_start()
+    conflict = preload.env_conflict(spec["env"])
+    if conflict is not None:  # a fresh interpreter is the only way to give the rank what it asks for
+        os.write(2, f"monarch: rank {spec['rank']} starts cold: {conflict}\n".encode())
+        exec_cold(spec, extra)
     _leave_warm_finalizers()
     listen_fd = extra.get("listen")
     os.setsid()  # own process group: signals reach the rank and its children together
@@ -252,9 +257,10 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
     os.chdir(spec["cwd"])
     _default_signals()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    old_streams = (sys.stdout, sys.stderr)
     _reset_stdio(bool(env.get("PYTHONUNBUFFERED")) or "-u" in spec.get("python_args", ()), env)
     _apply_threads(env)
-    _reseed()
+    fresh.reset(old_streams)  # seeds, loggers, frameworks' import-time state (docs/spmd.md)
     if spec["mode"] == "no_python":
         _exec(spec, extra)
     set_title(rank_title(spec["rank"], spec["mode"], spec["program"]))

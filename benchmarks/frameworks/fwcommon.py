@@ -1,0 +1,44 @@
+"""What the four framework scripts share: a deterministic set-up and the checksum they print.
+
+Each script prints ``param-checksum <sha256>`` on rank 0: the SHA-256 of its final parameters
+(name order, float32 bytes), which must be bit for bit the same however the ranks were started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny models are built from configs: never the hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+_STARTED = time.perf_counter()
+STEPS = int(os.environ.get("FW_STEPS", "8"))
+
+
+def deterministic() -> None:
+    """One thread and deterministic kernels: 1 host x 2 ranks and 2 hosts x 1 rank must agree
+    (torchrun sets OMP_NUM_THREADS=1 only when ranks share a host)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
+def checksum(named: Iterable[tuple[str, object]]) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().contiguous().cpu().numpy().tobytes())  # type: ignore[attr-defined]
+    return digest.hexdigest()
+
+
+def report(named: Iterable[tuple[str, object]], rank: int) -> None:
+    """Rank 0 prints the checksum; every rank its own time (from its first line, imports
+    included; the rank that started last waited for no other: its time is the script's work)."""
+    value = checksum(named)
+    if rank == 0:
+        print(f"param-checksum {value}", flush=True)
+    print(f"script-seconds {time.perf_counter() - _STARTED:.3f}", flush=True)
