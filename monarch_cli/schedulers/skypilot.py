@@ -17,7 +17,7 @@ The client reaches the agents directly on that port, or, when it is closed to th
 through SSH tunnels over the cluster's SSH access (:mod:`.skypilot_ssh`); ``--reach`` picks
 (``auto``: direct if every agent answers there within a second, else tunnels).
 
-SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`~.skypilot_sdk.SkyProvisioner`.
+SkyPilot (the optional extra ``skypilot``) is imported only inside :class:`~.skypilot_sdk.SkyProvisioner`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ PROVISIONER_ENV = "MONARCH_SKYPILOT_PROVISIONER"
 AGENT_START_TIMEOUT = 120.0
 DEFAULT_PYTHON = "python3"
 REDACTED = "<redacted>"
-INSTALL_HINT = "pip install 'monarch-cli[skypilot]'"
+INSTALL_HINT = "pip install 'skypilot>=0.10'"
 #: How long ``--keep-cluster`` leaves an idle cluster up when neither stop nor serve said (minutes).
 DEFAULT_KEEP_MINUTES = 10
 REACH_MODES = ("auto", "direct", "tunnel")

@@ -95,7 +95,7 @@ def load_pod_template(path: str) -> dict[str, Any]:
         except ImportError:
             raise OptionError(
                 f"--pod-template {path} is not JSON, and reading YAML needs PyYAML: "
-                "pip install 'monarch-cli[kubernetes]'"
+                "pip install 'kubernetes>=30,<38'"
             ) from None
         try:
             data = yaml.safe_load(text)
