@@ -10,6 +10,9 @@ from typing import Any
 
 from .config import configure
 from .runtime import __all__ as _RUNTIME  # the runtime package itself loads lazily
+from .runtime import bundle_site as _bundle_site
+
+_bundle_site.add_dependencies()  # on a host that got our code from the client: its wheels, after site-packages
 
 __version__ = "0.1.0"
 __all__: list[str] = ["configure", *_RUNTIME]

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import agent_lineage, protocol, wire
+from . import agent_lineage, bundle_site, protocol, rank_network, wire
 from .exit_status import describe_status, from_wait_status
 
 if TYPE_CHECKING:
@@ -165,6 +165,8 @@ class RankHost:
         warm_zygote: Any = None
         for spec in specs:
             spec["env"] = {**base, **spec["env"], agent_lineage.RUN_ENV: run_id}  # the controller's view wins
+            rank_network.set_socket_ifname(spec["env"])  # unless the user set them
+            bundle_site.keep_importable(spec["env"])  # a user's PYTHONPATH still finds shipped code
             differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
             if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings

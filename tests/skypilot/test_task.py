@@ -164,9 +164,7 @@ def test_without_skypilot_installed_serve_says_what_to_install(tmp_path: Path) -
         cwd=tmp_path,
         pythonpath=_without_skypilot(tmp_path),
     )
-    one_line_error(
-        done, "the skypilot scheduler needs SkyPilot, which is not installed: pip install 'skypilot>=0.10'"
-    )
+    one_line_error(done, "the skypilot scheduler needs SkyPilot, which is not installed: pip install 'skypilot>=0.10'")
 
 
 @pytest.mark.parametrize(

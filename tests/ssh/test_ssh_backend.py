@@ -262,7 +262,8 @@ def test_wrong_python_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp_path:
         text=True,
     )
     assert proc.returncode != 0
-    assert "host h1: /usr/bin/python3-nope has no monarch-cli" in proc.stderr and "pip install" in proc.stderr
+    assert "host h1 (10.214.0.11:22): --python /usr/bin/python3-nope does not run there" in proc.stderr
+    assert "pip install" not in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -94,8 +94,7 @@ def load_pod_template(path: str) -> dict[str, Any]:
             import yaml  # comes with the kubernetes extra
         except ImportError:
             raise OptionError(
-                f"--pod-template {path} is not JSON, and reading YAML needs PyYAML: "
-                "pip install 'kubernetes>=30,<38'"
+                f"--pod-template {path} is not JSON, and reading YAML needs PyYAML: pip install 'kubernetes>=30,<38'"
             ) from None
         try:
             data = yaml.safe_load(text)
