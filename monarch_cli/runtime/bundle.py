@@ -67,9 +67,10 @@ print(json.dumps({"python": list(sys.version_info[:3]), "implementation": sys.im
     "ssh_connection": os.environ.get("SSH_CONNECTION", "")}))
 """
 
-#: ``python -c UNPACK_SCRIPT BUNDLES_DIR PART.ZIP...``: each zip becomes the directory of its part
-#: (atomically: a temporary directory renamed), file modes as the zip records them; then the
-#: oldest parts beyond KEEP_PARTS of each kind are removed. Stdlib only.
+#: ``python -c UNPACK_SCRIPT BUNDLES_DIR KEEP PART.ZIP...``: each zip becomes the directory of its
+#: part (atomically: a temporary directory renamed; a part already there is kept), file modes as
+#: the zip records them; zips uploaded into BUNDLES_DIR are removed; then the oldest parts beyond
+#: KEEP of each kind. Stdlib only.
 UNPACK_SCRIPT = r"""
 import os, shutil, sys, time, zipfile
 d, keep = os.path.expanduser(sys.argv[1]), int(sys.argv[2])
@@ -89,7 +90,8 @@ for z in sys.argv[3:]:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     os.utime(final)
-    os.unlink(z)
+    if os.path.dirname(os.path.abspath(z)) == os.path.abspath(d):
+        os.unlink(z)
 for kind in ("code-", "deps-"):
     parts = [os.path.join(d, n) for n in os.listdir(d) if n.startswith(kind) and "." not in n]
     parts.sort(key=os.path.getmtime, reverse=True)

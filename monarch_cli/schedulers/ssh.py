@@ -443,6 +443,9 @@ class SshScheduler(Scheduler):
                     )
                 except SchedulerError as e:
                     errors.append(str(e))
+            if not errors and len(found) > 1:
+                progress("checking that the hosts reach each other")
+                errors += _cross_check(started, found, python)
             if errors:
                 raise SchedulerError(
                     errors[0] + (f" (and {len(errors) - 1} more host(s) failed)" if len(errors) > 1 else "")
@@ -655,6 +658,40 @@ def _ship(
         if code != 0:
             raise _host_error(target, f"cannot unpack the bundle in {bundles}: {text.strip()[-300:]}")
     return {"code": built.code.name, "deps": built.deps.name, "shipped": shipped}
+
+
+#: ``python -c CHECK ADDRESS:PORT...``: one line per address this host cannot open a TCP connection to.
+_CROSS_CHECK = r"""
+import socket, sys
+for target in sys.argv[1:]:
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        print(target, e.strerror or e)
+"""
+
+
+def _cross_check(started: dict[int, dict[str, Any]], found: list[HostRecord], python: str) -> list[str]:
+    """Every host opens a TCP connection to every other host's agent, from the host itself: a
+    firewall or a wrong address between hosts is one line naming both, not a gloo timeout later."""
+    where = {h.name: h.agent.rpartition("//")[2] for h in found}
+
+    def one(i: int) -> list[str]:
+        entry = started[i]
+        me = entry["target"].alias
+        others = {name: address for name, address in where.items() if name != me}
+        code, text = _run(entry["client"], f"{python} -c {shlex.quote(_CROSS_CHECK)} {shlex.join(others.values())}", 30)
+        failed = dict(line.split(" ", 1) for line in text.strip().splitlines() if " " in line) if code == 0 else {}
+        return [
+            f"host {me} cannot reach host {name} at {address} ({failed[address]}): the ranks' rendezvous "
+            "between them would fail; let TCP through between the hosts (their agents' ports and --port-range)"
+            for name, address in others.items()
+            if address in failed
+        ]
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(started)))) as pool:
+        return [line for lines in pool.map(one, sorted(started)) for line in lines]
 
 
 def _each_host(

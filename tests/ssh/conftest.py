@@ -187,7 +187,7 @@ def _wait_for_port(host: SshHost, base: Path) -> None:
 # one interpreter: a venv made from Debian's /usr/bin/python3 holding torch and numpy only
 # (BARE_VENV, outside the client's environment; built once, then reused across runs).
 BARE_PREFIX = "mbare"
-BARE_SUBNET = "10.215.0"
+BARE_SUBNET = "10.218.0"  # apart from ssh (10.214), skypilot (10.215, 10.216) and kubernetes (10.216)
 BARE_VENV = "/var/cache/monarch-tests/bare-venv"
 
 _BARE_HOST_SCRIPT = """\

@@ -137,9 +137,9 @@ def _monarch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("host", "python", "expected"),
     [
-        ("b1", "/nope/python3", "host b1 (10.215.0.11:22): --python /nope/python3 does not run there"),
-        ("gone", None, "host gone (10.215.0.99:22) is unreachable"),
-        ("refused", None, "host refused (10.215.0.11:2222) is unreachable"),
+        ("b1", "/nope/python3", "host b1 (10.218.0.11:22): --python /nope/python3 does not run there"),
+        ("gone", None, "host gone (10.218.0.99:22) is unreachable"),
+        ("refused", None, "host refused (10.218.0.11:2222) is unreachable"),
     ],
 )
 def test_bad_python_and_unreachable_hosts_are_one_short_line(
@@ -156,3 +156,25 @@ def test_bad_python_and_unreachable_hosts_are_one_short_line(
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and expected in errors[0] and len(errors[0]) < 300, proc.stderr
     assert "Traceback" not in proc.stderr and "paramiko" not in proc.stderr.lower()
+
+
+def test_hosts_that_cannot_reach_each_other_are_named_at_serve(bare_hosts: SshHosts, tmp_path: Path) -> None:
+    """The client reaches both hosts, but b1 has no route to b2: serve says so in one line, before any run."""
+    config = _config(bare_hosts, tmp_path / "ssh_config")
+    b1, b2 = bare_hosts.hosts
+    route = ["ip", "netns", "exec", b1.name, "ip", "route", "add", "unreachable", f"{b2.address}/32"]
+    subprocess.run(route, check=True)
+    try:
+        args = ["serve", "--scheduler", "ssh", "--hosts", "b1,b2", "--ssh-config", str(config)]
+        proc = _monarch(*args, "--python", bare_hosts.python, "--state", str(tmp_path / "s.pkl"), cwd=tmp_path)
+    finally:
+        subprocess.run([*route[:5], "del", *route[6:]], check=True)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and f"host b1 cannot reach host b2 at {b2.address}:" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    for i in range(2):  # nothing is left running on either host
+        code, text = _on_host(
+            bare_hosts, i, "ps -eo args | grep -E '^monarch agent|monarch_cli[.]runtime[.]agent' || true"
+        )
+        assert text.strip() == "", text

@@ -205,7 +205,8 @@ def test_reserve_from_a_printed_plan_and_stop_leaves_nothing(ssh_hosts: SshHosts
     assert stopped.returncode == 0, stopped.stderr
     assert not set(_netns_processes(ssh_hosts)) - before  # the agents and everything they started
     for i in range(2):
-        assert _on_host(ssh_hosts, i, "ls -A /root/stoptest")[1].strip() == ""
+        # only the shipped code and wheels stay, content-addressed, for the next serve to reuse
+        assert _on_host(ssh_hosts, i, "ls -A /root/stoptest")[1].split() == ["bundles"]
 
 
 def test_unknown_and_changed_host_keys_are_refused(ssh_hosts: SshHosts, tmp_path: Path) -> None:
