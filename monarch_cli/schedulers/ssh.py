@@ -361,6 +361,11 @@ class SshScheduler(Scheduler):
             f"wait until {len(names)} agent(s) have written agent.addr; a host that fails is reported by "
             "name and the others are cleaned up"
         )
+        if len(names) > 1:
+            steps.append(
+                "every host opens a TCP connection to every other host's agent; a pair that cannot is named "
+                "and nothing is left running"
+            )
         if opts.get("tunnel"):
             steps.append("every client process reaches each agent's port through a forward over its SSH connection")
         summary = (
