@@ -177,3 +177,23 @@ def test_hosts_that_cannot_reach_each_other_are_named_at_serve(bare_hosts: SshHo
         pids = subprocess.run(["ip", "netns", "pids", h.name], capture_output=True, text=True).stdout.split()
         left = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids if Path(f"/proc/{pid}").exists()]
         assert not [c for c in left if b"sshd" not in c], left
+
+
+def test_a_port_that_never_sends_an_ssh_banner_is_one_line(bare_hosts: SshHosts, tmp_path: Path) -> None:
+    """A TCP port that accepts but never speaks SSH (a wrong port, a hung sshd): paramiko's banner
+    timeout and its logged traceback stay out of the terminal."""
+    import socket
+
+    client_side = bare_hosts.hosts[0].address.rpartition(".")[0] + ".1"
+    silent = socket.create_server((client_side, 0))
+    port = silent.getsockname()[1]
+    config = _config(bare_hosts, tmp_path / "ssh_config", f"Host mute\n  HostName {client_side}\n  Port {port}\n")
+    try:
+        args = ["serve", "--scheduler", "ssh", "--hosts", "mute", "--ssh-config", str(config)]
+        proc = _monarch(*args, "--state", str(tmp_path / "s.pkl"), cwd=tmp_path)
+    finally:
+        silent.close()
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr
+    assert f"host mute ({client_side}:{port}) is unreachable" in errors[0] and "banner" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "paramiko" not in proc.stderr.lower()
