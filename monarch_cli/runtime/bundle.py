@@ -61,7 +61,11 @@ try:
 except OSError:
     held = []
 libc, libc_version = platform.libc_ver()
-print(json.dumps({"python": list(sys.version_info[:3]), "implementation": sys.implementation.name,
+p = d
+while not os.path.exists(p):
+    p = os.path.dirname(p) or "/"
+s = os.statvfs(p)
+print(json.dumps({"free": s.f_bavail * s.f_frsize, "python": list(sys.version_info[:3]), "implementation": sys.implementation.name,
     "machine": platform.machine(), "system": platform.system(), "libc": libc, "libc_version": libc_version,
     "platform": sysconfig.get_platform(), "executable": sys.executable, "held": held,
     "ssh_connection": os.environ.get("SSH_CONNECTION", "")}))
@@ -183,6 +187,12 @@ class Part:
     path: Path  # the zip, in the client's cache
     size: int
     contents: list[str]  # what it holds, for plans and messages
+
+    @property
+    def unpacked(self) -> int:
+        """Bytes its files take once unzipped (what a host needs besides the zip itself)."""
+        with zipfile.ZipFile(self.path) as z:
+            return sum(i.file_size for i in z.infolist())
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "contents": self.contents}

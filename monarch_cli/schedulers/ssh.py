@@ -640,6 +640,13 @@ def _ship(
         raise _host_error(target, str(e)) from None
     missing = built.missing(data.get("held") or [])
     shipped = 0
+    need = sum(p.size + p.unpacked for p in missing)
+    if missing and isinstance(data.get("free"), int) and data["free"] < need:
+        raise _host_error(
+            target,
+            f"not enough space for our code and wheels in {bundles}: {data['free'] / 1e6:.1f} MB free, "
+            f"{need / 1e6:.1f} MB needed",
+        )
     if missing:
         progress(
             f"{target.alias}: shipping {', '.join(p.name for p in missing)} "
