@@ -221,9 +221,10 @@ def connect(target: SshTarget, accept_new: bool, timeout: float = 15.0) -> Any:
     except paramiko.AuthenticationException as e:
         raise SchedulerError(f"host {target.alias}: authentication as {target.user} failed ({e})") from None
     except (OSError, EOFError, paramiko.SSHException) as e:
-        raise SchedulerError(
-            f"host {target.alias} ({target.hostname}:{target.port}) is unreachable: {e or type(e).__name__}"
-        ) from None
+        why = str(e) or type(e).__name__
+        if isinstance(e, paramiko.SSHException) and ("banner" in why or "No existing session" in why):
+            why = f"no SSH server answered there (no SSH banner within {timeout:.0f} s)"  # paramiko's words vary
+        raise SchedulerError(f"host {target.alias} ({target.hostname}:{target.port}) is unreachable: {why}") from None
     if sock is not None:
         client._monarch_jump = jump  # type: ignore[attr-defined]  # lives as long as the connection through it
     return client
