@@ -10,7 +10,10 @@ from typing import Any
 
 from .config import configure
 from .runtime import __all__ as _RUNTIME  # the runtime package itself loads lazily
+from .runtime import bundle_site as _bundle_site
 from .version import __version__ as __version__
+
+_bundle_site.add_dependencies()  # on a host that got our code from the client: its wheels, after site-packages
 
 __all__: list[str] = ["configure", *_RUNTIME]
 

@@ -9,7 +9,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write", "private_tmpdir", "signal_if_alive", "source_address_towards"]
+__all__ = ["CACHE_ENV", "atomic_write", "cache_dir", "private_tmpdir", "signal_if_alive", "source_address_towards"]
 
 
 def atomic_write(path: str | Path, data: str | bytes, mode: int = 0o600, *, durable: bool = False) -> Path:
@@ -103,3 +103,16 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
         return False
+
+
+#: Where monarch-cli keeps what it learns or builds on a machine (warm-process learning, bundles).
+CACHE_ENV = "MONARCH_CACHE_DIR"
+
+
+def cache_dir() -> str:
+    """``$MONARCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/monarch-cli``, else ``~/.cache/monarch-cli``."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "monarch-cli")

@@ -169,7 +169,7 @@ def _check_version(host: HostRecord, info: dict[str, Any]) -> None:
     if theirs is not None and theirs != __version__:
         raise VersionMismatch(
             f"host {host.name} runs monarch-cli {theirs}, this client {__version__}: "
-            f"install monarch-cli=={__version__} there (or this client's version here), then serve again"
+            "serve again with --replace: it ships this client's code to the hosts"
         )
 
 

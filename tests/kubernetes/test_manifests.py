@@ -172,7 +172,7 @@ def test_without_the_client_one_line_says_what_to_install(tmp_path: Path) -> Non
     done = _cli("serve", "-s", "kubernetes", "--hosts", "1", "--image", "img:1", cwd=tmp_path, block_client=True)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [
-        "monarch: error: the kubernetes scheduler needs the kubernetes client: pip install 'monarch-cli[kubernetes]'"
+        "monarch: error: the kubernetes scheduler needs the kubernetes client: pip install 'kubernetes>=30,<38'"
     ]
 
 

@@ -11,7 +11,8 @@ a network the client has no route to) the nodes know each other by those address
 (``SKYPILOT_NODE_IPS``; the agents listen there), and with ``$MSKY_SSH`` (``user:key_file``)
 the launch gives SSH access to the head as SkyPilot's handle and credentials do (its external
 address, port 22, the user, the private key). They get SkyPilot's environment (``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``,
-``SKYPILOT_NUM_NODES``, the task's secrets), run ``setup``, then ``exec`` the ``run`` script as
+``SKYPILOT_NUM_NODES``, the task's secrets), get the task's ``file_mounts`` copied to their
+home, run ``setup``, then ``exec`` the ``run`` script as
 SkyPilot's job. ``down`` ends every process of the node as terminating a VM would. State
 lives in ``$MSKY_STATE`` (one JSON file per cluster), so serve, status and stop may run in
 different processes.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -42,6 +44,20 @@ bash -c "$0" || { echo "MSKY_SETUP_FAILED $?"; exit 98; }
 echo MSKY_SETUP_DONE
 exec bash -c "$1"
 """
+
+
+def _file_mounts(mounts: dict[str, str], disk: Path) -> None:
+    """What SkyPilot does with ``file_mounts`` before ``setup``: the local source, synced to the node
+    (``~`` is the node's home, its disk here)."""
+    for dest, source in mounts.items():
+        if not dest.startswith("~/"):
+            raise SchedulerError(f"the stand-in mounts only under ~, not {dest}")
+        target = disk / dest[2:]
+        if Path(source).is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
 
 
 def _nodes(variable: str = "MSKY_NODES") -> list[tuple[str, str]]:
@@ -127,6 +143,7 @@ class NamespaceProvisioner:
             log = self.state_dir / f"{cluster}.node{rank}.log"
             disk = self.state_dir / f"{cluster}.node{rank}.disk"
             disk.mkdir(mode=0o700, exist_ok=True)
+            _file_mounts(task.get("file_mounts") or {}, disk)
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     [

@@ -77,7 +77,9 @@ def test_serve_sync_gloo_run_status_and_stop_on_standin_nodes(
         assert [h.agent for h in job.state.hosts] == [f"tcp://{a}:26600" for _, a in sky_nodes]
         assert data["reach"] == "direct"  # --reach auto: every agent answered on its port
         log = Path(os.environ["MSKY_STATE"], "msky-e2e.node0.log").read_text()
-        assert "monarch-cli" in log and "already installed" in log  # the real setup ran, and skipped pip
+        assert "pip" not in log  # the real setup ran: it unzipped the mounted bundle, installed nothing
+        disk = Path(os.environ["MSKY_STATE"], "msky-e2e.node0.disk")
+        assert sorted(p.name.split("-")[0] for p in (disk / ".monarch-cli" / "bundles").iterdir()) == ["code", "deps"]
         secret = job.state.keys.split()[-1]
         for ns, _ in sky_nodes:  # the agent and all it started: no key in any environment or command line
             pids = netns_pids(ns)
@@ -274,3 +276,31 @@ def test_the_heads_host_key_is_recorded_then_required(sky_ssh: SkySsh, tmp_path:
         connect(SshAccess(sky_ssh.address, 22, sky_ssh.user, str(sky_ssh.key_file), f"{other[0]} {other[1]}"))
     with pytest.raises(SchedulerError, match=r"10.215.0.99:22 is unreachable"):
         connect(SshAccess("10.215.0.99", 22, "root", str(sky_ssh.key_file)), timeout=1)
+
+
+def test_nodes_whose_interpreter_has_nothing_of_ours_run_the_shipped_bundle(
+    standin: NamespaceProvisioner, sky_nodes: list[tuple[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stock image's Python (Debian's, with torch and numpy only): setup unzips the bundle the task
+    mounts, the agents and ranks run from it, a two-node gloo run needs no -e."""
+    from tests.ssh.conftest import _bare_venv
+
+    python = _bare_venv()
+    monkeypatch.delenv("PYTHONPATH")  # the nodes see nothing of this checkout
+    probe = subprocess.run([python, "-c", "import zmq"], capture_output=True, text=True)
+    assert "No module named 'zmq'" in probe.stderr
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(ALLREDUCE)
+    (ws / "data.txt").write_text("bare")
+    monkeypatch.chdir(ws)
+    job = serve(None, "skypilot", state=ws / ".monarch" / "s.pkl", hosts=2, cluster="msky-bare", python=python)
+    try:
+        envs = [_environ_of(pid) for pid in netns_pids(sky_nodes[0][0])]  # the agent and what it started
+        assert any("PYTHONPATH=/tmp/.monarch-cli/bundles/code-" in env for env in envs), envs
+        out = io.BytesIO()
+        result = job.run_spmd(["torchrun", "--nproc-per-node=1", "train.py"], stdout=out, stderr=out)
+        text = out.getvalue().decode()
+        assert result.exit_code == 0 and text.count("sum 3 ") == 2 and text.count("data bare") == 2, text
+    finally:
+        job.stop()

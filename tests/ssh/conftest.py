@@ -178,3 +178,110 @@ def _wait_for_port(host: SshHost, base: Path) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"sshd in {host.name} is not answering on {host.address}:22")
         time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- bare hosts
+# A second set of hosts that have nothing of ours: what a user's cluster looks like. Each is a
+# network namespace with no route beyond its bridge (no package index), its own UTS namespace
+# whose hostname /etc/hosts maps to 127.0.1.1 (Debian's default), a private /root and /tmp, and
+# one interpreter: a venv made from Debian's /usr/bin/python3 holding torch and numpy only
+# (BARE_VENV, outside the client's environment; built once, then reused across runs).
+BARE_PREFIX = "mbare"
+BARE_SUBNET = "10.218.0"  # apart from ssh (10.214), skypilot (10.215, 10.216) and kubernetes (10.216)
+BARE_VENV = "/var/cache/monarch-tests/bare-venv"
+
+_BARE_HOST_SCRIPT = """\
+set -e
+INFRA="$0"
+hostname {hostname}
+mkdir -p /run/sshd
+mount --bind "$INFRA/hosts" /etc/hosts
+mount -t tmpfs -o mode=700 tmpfs /root
+mkdir -p /root/.ssh /root/.sshd
+cp "$INFRA/sshd_config" "$INFRA/host_key" /root/.sshd/
+cp "$INFRA/authorized_keys" /root/.ssh/authorized_keys
+chmod 700 /root/.ssh /root/.sshd
+chmod 600 /root/.sshd/host_key /root/.ssh/authorized_keys
+mount -t tmpfs tmpfs /tmp
+exec /usr/sbin/sshd -D -e -f /root/.sshd/sshd_config
+"""
+
+
+def _bare_venv() -> str:
+    """Debian's Python 3 with torch and numpy only (torch pinned: the CPU build this machine has)."""
+    python = f"{BARE_VENV}/bin/python"
+    if os.path.exists(f"{BARE_VENV}/.complete"):
+        return python
+    if not os.path.exists("/usr/bin/python3"):
+        _apt_install("python3", "python3-venv")
+    tmp = f"{BARE_VENV}.building"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(BARE_VENV), exist_ok=True)
+    proc = subprocess.run(["/usr/bin/python3", "-m", "venv", tmp], capture_output=True, text=True)
+    if proc.returncode != 0:
+        _apt_install("python3-venv")
+        _sh("/usr/bin/python3", "-m", "venv", tmp)
+    proc = subprocess.run([f"{tmp}/bin/pip", "install", "-q", "torch==2.13.0", "numpy"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"cannot make the bare hosts' venv: {proc.stderr[-2000:]}")
+    shutil.rmtree(BARE_VENV, ignore_errors=True)
+    os.rename(tmp, BARE_VENV)  # venv scripts name their directory: fixed up below
+    for script in Path(BARE_VENV, "bin").iterdir():
+        if script.is_file() and not script.is_symlink():
+            try:
+                text = script.read_text()
+            except UnicodeDecodeError:
+                continue
+            script.write_text(text.replace(tmp, BARE_VENV))
+    Path(BARE_VENV, "pyvenv.cfg").write_text(Path(BARE_VENV, "pyvenv.cfg").read_text().replace(tmp, BARE_VENV))
+    Path(BARE_VENV, ".complete").write_text("")
+    return python
+
+
+def _apt_install(*packages: str) -> None:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *packages]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+
+
+@pytest.fixture(scope="session")
+def bare_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
+    """Two hosts with nothing of ours (see above); ``python`` is their venv's interpreter."""
+    if os.geteuid() != 0:
+        pytest.fail("the ssh tests need root (network namespaces, sshd); run them as root or deselect -m 'not ssh'")
+    _install_sshd()
+    python = _bare_venv()
+    n = 2
+    remove_hosts(BARE_PREFIX, n)
+    base = tmp_path_factory.mktemp("bare")
+    key = base / "client_key"
+    _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "monarch-test-client", "-f", str(key))
+    hosts: list[SshHost] = []
+    try:
+        for ns, address in add_hosts(BARE_PREFIX, BARE_SUBNET, n):
+            _sh("ip", "netns", "exec", ns, "ip", "route", "del", "default")  # the bridge's subnet only
+            infra = base / ns
+            infra.mkdir()
+            _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", ns, "-f", str(infra / "host_key"))
+            (infra / "sshd_config").write_text(_SSHD_CONFIG.format(address=address))
+            (infra / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {ns}\n")
+            shutil.copy(f"{key}.pub", infra / "authorized_keys")
+            log = open(base / f"{ns}.sshd.log", "wb")
+            sshd = subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "--propagation", "private"]
+                + ["sh", "-c", _BARE_HOST_SCRIPT.format(hostname=ns), str(infra)],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+            )
+            pub = (infra / "host_key.pub").read_text().split()
+            hosts.append(SshHost(ns, address, f"{address} {pub[0]} {pub[1]}", sshd))
+        known = base / "known_hosts"
+        known.write_text("".join(h.host_key_line + "\n" for h in hosts))
+        for h in hosts:
+            _wait_for_port(h, base)
+        yield SshHosts(hosts, key, known, python)
+    finally:
+        remove_hosts(BARE_PREFIX, n)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from monarch_cli.errors import MonarchError
 from monarch_cli.jobs import serve
 
 from .conftest import SshHosts
@@ -57,6 +58,11 @@ def test_a_full_remote_disk_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp
     config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
     ws = tmp_path / "ws"
     ws.mkdir()
+    # too small for our code and wheels: serve says so, naming the host, before uploading anything
+    with pytest.raises(MonarchError, match=r"host h2 \(10\.214\.0\.12:22\): not enough space for our code and wheels"):
+        serve(None, "ssh", state=ws / "s.pkl", hosts="h1,h2", ssh_config=str(config), python=PYTHON, remote_dir=small)
+    # room for the bundle, then only 256 KiB left for the workspace
+    _on_host(ssh_hosts, 1, f"umount {small} && mount -t tmpfs -o size=128m tmpfs {small}")
     job = serve(
         None,
         "ssh",
@@ -66,6 +72,8 @@ def test_a_full_remote_disk_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp
         python=PYTHON,
         remote_dir=small,
     )
+    fill = f"head -c $(( $(df --output=avail -B1 {small} | tail -1) - 262144 )) /dev/zero > {small}/filler"
+    assert _on_host(ssh_hosts, 1, fill)[0] == 0
     try:
         (ws / "data.bin").write_bytes(os.urandom(1 << 20))  # 1 MiB: more than h2's 256 KiB
         (ws / "run.py").write_text("print('ran')\n")

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import protocol
+from .. import bundle_site, protocol
 from ..exit_status import describe_status, from_wait_status
 from ..transport import wire
-from . import lineage
+from . import lineage, network
 
 if TYPE_CHECKING:
     from .core import AgentCore
@@ -167,6 +167,8 @@ class RankHost:
         warm_zygote: Any = None
         for spec in specs:
             spec["env"] = {**base, **spec["env"], lineage.RUN_ENV: run_id}  # the controller's view wins
+            network.set_socket_ifname(spec["env"])  # unless the user set them
+            bundle_site.keep_importable(spec["env"])  # a user's PYTHONPATH still finds shipped code
             differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
             if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ...sysutil import cache_dir as _cache_dir
 from ...sysutil import private_tmpdir
 
-CACHE_ENV = "MONARCH_CACHE_DIR"
 _MAX_OFFENDER_RETRIES = 5
 
 
@@ -94,11 +94,7 @@ class LearnedStore:
 
 
 def cache_dir() -> str:
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "monarch-cli")
+    return _cache_dir()
 
 
 def _safe(name: str) -> str:

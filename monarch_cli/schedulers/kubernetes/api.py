@@ -13,7 +13,7 @@ from typing import Any
 
 from ...errors import SchedulerError
 
-INSTALL_HINT = "the kubernetes scheduler needs the kubernetes client: pip install 'monarch-cli[kubernetes]'"
+INSTALL_HINT = "the kubernetes scheduler needs the kubernetes client: pip install 'kubernetes>=30,<38'"
 
 
 def client_modules() -> Any:

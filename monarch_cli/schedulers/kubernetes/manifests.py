@@ -134,7 +134,9 @@ def build(
     """The reservation's manifests (Secret data is a placeholder) and the facts ``reserve`` needs; every pod
     runs ``agent`` (its port fixed: the Service and the client find the agents there)."""
     if not opts.get("image"):
-        raise OptionError("the kubernetes scheduler needs --image IMAGE (an image with this monarch-cli installed)")
+        raise OptionError(
+            "the kubernetes scheduler needs --image IMAGE (an image with python3 and this client's monarch_cli)"
+        )
     namespace = opts.get("namespace") or "default"
     if not _DNS_LABEL.match(namespace):
         raise OptionError(f"--namespace {namespace!r} is not a valid namespace name")
@@ -254,7 +256,7 @@ def _version_check() -> str:
         "import sys\ntry:\n    import monarch_cli\n    v = monarch_cli.__version__\nexcept ImportError:\n"
         "    v = None\n"
         f"sys.exit(0 if v == {__version__!r} else f'this image has monarch-cli {{v}}, the client {__version__}: "
-        f"install monarch-cli=={__version__} in the image')"
+        "build the image with the client code (docs/kubernetes.md): this backend does not ship it yet')"
     )
 
 

@@ -14,7 +14,7 @@ from .ssh_access import SshAccess
 
 #: ``module:attr`` of a provisioner factory to use instead of SkyPilot (the test seam).
 PROVISIONER_ENV = "MONARCH_SKYPILOT_PROVISIONER"
-INSTALL_HINT = "pip install 'monarch-cli[skypilot]'"
+INSTALL_HINT = "pip install 'skypilot>=0.10'"
 
 
 @dataclasses.dataclass

@@ -1,8 +1,9 @@
 """The skypilot backend: a SkyPilot cluster whose task runs one host agent per node.
 
-``plan()`` builds the SkyPilot task as data (``num_nodes`` = hosts, resources, a ``setup``
-that installs this exact monarch-cli version, a ``run`` that starts the agent on a fixed
-port on every node) and prints it as YAML with the equivalent ``sky launch`` line; it
+``plan()`` builds the SkyPilot task as data (``num_nodes`` = hosts, resources, a file mount of
+this client's bundle (its code and runtime dependencies' wheels for CPython 3.10-3.13:
+:mod:`...runtime.launch.bundle_staged`), a ``setup`` that unzips the node's Python's part of it with
+the standard library, a ``run`` that starts the agent on a fixed port on every node) and prints it as YAML with the equivalent ``sky launch`` line; it
 needs neither SkyPilot nor its API server. ``reserve(plan)`` hands the task to a
 *provisioner* (:func:`provisioner`: SkyPilot's SDK, or a stand-in that tests inject), which
 returns the nodes' addresses; the agents are found by their fixed port there.
@@ -17,7 +18,7 @@ The client reaches the agents directly on that port, or, when it is closed to th
 through SSH tunnels over the cluster's SSH access (:mod:`.ssh_access`); ``--reach`` picks
 (``auto``: direct if every agent answers there within a second, else tunnels).
 
-SkyPilot (``monarch-cli[skypilot]``) is imported only inside :class:`~.sdk.SkyProvisioner`.
+SkyPilot (the optional extra ``skypilot``) is imported only inside :class:`~.sdk.SkyProvisioner`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import OptionError, PlanError, SchedulerError
+from ...runtime.launch import bundle_staged
 from ...runtime.launch.command import AgentCommand, format_port_range
 from ...version import __version__
 from .. import yaml_text
@@ -90,17 +92,14 @@ def parse_minutes(text: str) -> int:
     return int(-(-seconds // 60))
 
 
+#: Where the task's file mount puts the bundle on every node (SkyPilot syncs it before ``setup``).
+BUNDLE_MOUNT = "~/.monarch-bundle"
+_MOUNT_SHELL = '"$HOME/.monarch-bundle"'
+
+
 def setup_script(python: str) -> str:
-    """Install exactly this monarch-cli unless the node already has it (a reused cluster, a prepared image)."""
-    have = f"{python} -c 'import monarch_cli; print(monarch_cli.__version__)' 2>/dev/null || true"
-    return (
-        f"set -e\n"
-        f'if [ "$({have})" = {shlex.quote(__version__)} ]; then\n'
-        f"  echo 'monarch-cli {__version__} is already installed'\n"
-        f"else\n"
-        f"  {python} -m pip install --quiet {shlex.quote('monarch-cli==' + __version__)}\n"
-        f"fi\n"
-    )
+    """Unzip the node's Python's part of the mounted bundle (stdlib only; no pip, no package index)."""
+    return bundle_staged.setup_script(python, _MOUNT_SHELL)
 
 
 def run_script(agent: AgentCommand, python: str, time_minutes: int | None) -> str:
@@ -114,7 +113,8 @@ def run_script(agent: AgentCommand, python: str, time_minutes: int | None) -> st
     limit = f"timeout --signal=TERM --kill-after=30s {time_minutes * 60}s " if time_minutes else ""
     return (
         "set -e\n"
-        'MONARCH_HOST="$(printf \'%s\\n\' "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\n'
+        + bundle_staged.environment_lines(python, _MOUNT_SHELL)
+        + 'MONARCH_HOST="$(printf \'%s\\n\' "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\n'
         'export MONARCH_HOST MONARCH_REMOTE_DIR="$HOME/.monarch-cli"\n'
         f'exec 3<<<"${KEYS_SECRET}"\n'
         f"unset {KEYS_SECRET}\n"
@@ -158,7 +158,18 @@ class SkyPilotScheduler(Scheduler):
             help="End the agents after this long (45m, 2h, H:MM:SS) and tear the cluster down "
             "a minute later (autodown).",
         ),
-        Option("python", str, default=DEFAULT_PYTHON, help=f"The nodes' interpreter (default {DEFAULT_PYTHON})."),
+        Option(
+            "python",
+            str,
+            default=DEFAULT_PYTHON,
+            help=f"The nodes' interpreter (default {DEFAULT_PYTHON}); CPython 3.10-3.13, nothing of ours needed.",
+        ),
+        Option(
+            "wheelhouse",
+            str,
+            help="A directory of wheels of our runtime dependencies for the nodes (default: this client's "
+            "package index, downloaded once into a cache).",
+        ),
         Option(
             "reach",
             str,
@@ -203,13 +214,17 @@ class SkyPilotScheduler(Scheduler):
         cluster = cluster or f"monarch-{rid[4:]}"
         port = request.agent_port or DEFAULT_AGENT_PORT
         agent = request.agent_command(rid, python=python, port=port, keys_stdin=True)
+        staged = bundle_staged.stage(opts.get("wheelhouse"))
         task = self.task_config(request.hosts, opts, agent, python, time_minutes, cluster)
+        task["file_mounts"] = {BUNDLE_MOUNT: str(staged.directory)}
         shown = {**task, "secrets": {KEYS_SECRET: REDACTED}}
         yaml_text = to_yaml(shown)
         steps = [
             f"sky launch -c {cluster}: {request.hosts} node(s), {self._shape(opts)}; the reservation's keys "
             f"as the SkyPilot secret {KEYS_SECRET} (<redacted>)",
-            f"setup on every node: install monarch-cli=={__version__} unless it is there",
+            f"file mount {BUNDLE_MOUNT} on every node: {staged.describe()}",
+            f"setup on every node: unzip the parts for {python}'s version into ~/.monarch-cli/bundles with the "
+            "standard library (no pip, no package index; nothing installed into the interpreter)",
             f"run on every node: the host agent on port {port}, keys handed over on stdin"
             + (f", ended after {time_minutes} min" if time_minutes else ""),
             f"find the agents on port {port} of the nodes' addresses from the cluster handle"
@@ -241,6 +256,7 @@ class SkyPilotScheduler(Scheduler):
                 "task": task,
                 "port": port,
                 "version": __version__,
+                "bundle": staged.to_json(),
                 "reach": opts.get("reach", "auto"),
                 "keep": {"idle_minutes": opts.get("autostop") or DEFAULT_KEEP_MINUTES, "down": bool(opts.get("down"))},
             },
@@ -295,6 +311,9 @@ class SkyPilotScheduler(Scheduler):
             ) from None
         if plan.data.get("version") != __version__:
             raise PlanError(f"this plan was made by monarch-cli {plan.data.get('version')}, not {__version__}")
+        mounted = (task.get("file_mounts") or {}).get(BUNDLE_MOUNT)
+        if mounted and not Path(mounted).is_dir():
+            raise PlanError(f"this plan's bundle {mounted} is no longer in this client's cache; make a new plan")
         reach = plan.data.get("reach", "auto")
         prov = provisioner()
         reused = self._reusable(prov, cluster, task, progress)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import getpass
+import logging
 import os
 import shlex
 import uuid
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import OptionError, PlanError, SchedulerError
+from ...runtime.launch import bundle
 from ...runtime.launch.command import READY_PREFIX, AgentCommand
 from ...version import __version__
 from ..agents import wait_for_agents
@@ -151,9 +153,33 @@ class _KeyPolicy:
             f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
 
 
+def _paramiko_to_log_file() -> None:
+    """paramiko's own log lines (a banner timeout's traceback, a refused channel) go to
+    ``<cache>/ssh.log``, never the terminal: our error says what happened in one line."""
+    log = logging.getLogger("paramiko")
+    if getattr(log, "_monarch_file", False):
+        return
+    log._monarch_file = True  # type: ignore[attr-defined]
+    log.propagate = False
+    from ...sysutil import cache_dir
+
+    handler: logging.Handler
+    try:
+        os.makedirs(cache_dir(), mode=0o700, exist_ok=True)
+        path = os.path.join(cache_dir(), "ssh.log")
+        os.close(os.open(path, os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600))
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+    except OSError:
+        handler = logging.NullHandler()
+    log.addHandler(handler)
+
+
 def connect(target: SshTarget, accept_new: bool, timeout: float = 15.0) -> Any:
     """An authenticated paramiko client for ``target`` (through its ProxyJump, if any)."""
     import paramiko
+
+    _paramiko_to_log_file()
 
     sock = None
     if target.proxy_jump:
@@ -195,9 +221,10 @@ def connect(target: SshTarget, accept_new: bool, timeout: float = 15.0) -> Any:
     except paramiko.AuthenticationException as e:
         raise SchedulerError(f"host {target.alias}: authentication as {target.user} failed ({e})") from None
     except (OSError, EOFError, paramiko.SSHException) as e:
-        raise SchedulerError(
-            f"host {target.alias} ({target.hostname}:{target.port}) is unreachable: {e or type(e).__name__}"
-        ) from None
+        why = str(e) or type(e).__name__
+        if isinstance(e, paramiko.SSHException) and ("banner" in why or "No existing session" in why):
+            why = f"no SSH server answered there (no SSH banner within {timeout:.0f} s)"  # paramiko's words vary
+        raise SchedulerError(f"host {target.alias} ({target.hostname}:{target.port}) is unreachable: {why}") from None
     if sock is not None:
         client._monarch_jump = jump  # type: ignore[attr-defined]  # lives as long as the connection through it
     return client
@@ -217,21 +244,31 @@ def _shell_path(path: str) -> str:
     return shlex.quote(path)
 
 
-def _version_check(python: str) -> str:
-    return f"{python} -c 'import monarch_cli; print(monarch_cli.__version__)'"
+def _bundles_dir(root: str) -> str:
+    return f"{root.rstrip('/')}/bundles"
 
 
 def _start_command(python: str, directory: str, root: str, target: SshTarget, agent: AgentCommand) -> str:
-    """The one shell line that starts ``agent`` detached in ``directory`` (which holds its keys)."""
+    """The one shell line that starts ``agent`` detached in ``directory`` (which holds its keys).
+
+    ``$CODE`` and ``$DEPS`` name the bundle's parts (found when the host is probed; serve sets
+    them in front of this line). The agent advertises the address the client reached the host
+    at (``SSH_CONNECTION``'s third field), not what the host's own name resolves to (often
+    ``127.0.1.1``); the resolved ``HostName`` only if sshd does not say.
+    """
     argv = [*shlex.split(python), *agent.argv()[1:]]
+    bundles = _shell_path(_bundles_dir(root))
     env = (
-        f'MONARCH_KEY_FILE="$PWD/keys" MONARCH_HOST={shlex.quote(target.hostname)} '
-        f"MONARCH_REMOTE_DIR={_shell_path(root)}"
+        f'MONARCH_KEY_FILE="$PWD/keys" MONARCH_HOST="${{3:-$H}}" '
+        f"MONARCH_REMOTE_DIR={_shell_path(root)} "
+        f'PYTHONPATH="$B/$CODE${{PYTHONPATH:+:$PYTHONPATH}}" MONARCH_PY_SPY="$B/$DEPS/bin/py-spy"'
     )
     # Not `cd && agent &`: that backgrounds a subshell, whose pid $! would be, and which keeps
     # the SSH channel open. setsid does not fork here (a background job is no group leader).
     return (
-        f"cd {_shell_path(directory)} || exit 1; {env} nohup setsid {shlex.join(argv)} > agent.log 2>&1 "
+        f"cd {_shell_path(directory)} || exit 1; B={bundles}; H={shlex.quote(target.hostname)}; "
+        'touch -c "$B/$CODE" "$B/$DEPS"; set -- $SSH_CONNECTION; '
+        f"{env} nohup setsid {shlex.join(argv)} > agent.log 2>&1 "
         "< /dev/null & echo $! > agent.pid"
     )
 
@@ -249,7 +286,14 @@ class SshScheduler(Scheduler):
             "python",
             str,
             default=DEFAULT_PYTHON,
-            help=f"The remote interpreter command; it must have this monarch-cli (default {DEFAULT_PYTHON}).",
+            help=f"The remote interpreter command (default {DEFAULT_PYTHON}); Python >= "
+            f"{'.'.join(map(str, bundle.MIN_PYTHON))}; it needs nothing of ours: the client ships its code.",
+        ),
+        Option(
+            "wheelhouse",
+            str,
+            help="A directory of wheels of our runtime dependencies for the hosts' platform and Python "
+            "(default: this client's package index, downloaded once into a cache).",
         ),
         Option(
             "remote_dir",
@@ -283,11 +327,10 @@ class SshScheduler(Scheduler):
         rid = f"ssh-{uuid.uuid4().hex[:8]}"
         directory = f"{root}/{rid}"
         hosts, steps = [], []
+        ship = bundle.plan_lines(python, _bundles_dir(root), opts.get("wheelhouse"))
         for alias in names:
             target = resolve(alias, opts)
-            agent = request.agent_command(
-                rid, python=python, name=alias, host=target.hostname, address_file="agent.addr"
-            )
+            agent = request.agent_command(rid, python=python, name=alias, address_file="agent.addr")
             command = _start_command(python, directory, root, target, agent)
             hosts.append(
                 {
@@ -301,15 +344,20 @@ class SshScheduler(Scheduler):
             steps += [
                 f"{alias}: connect to {target.describe()} (keys: {keys}; known hosts: {target.known_hosts}, "
                 f"{'record unknown keys' if opts.get('accept_new_host_keys') else 'unknown keys refused'})",
-                f"{alias}: check: {_version_check(python)}  (must print {__version__})",
+                *(f"{alias}: {line}" for line in ship),
                 f"{alias}: upload over SFTP: {directory}/keys  (0600 in a 0700 directory; the reservation's "
                 "keys: <redacted>)",
-                f"{alias}: run: {command}",
+                f"{alias}: run: CODE=code-<hash> DEPS=deps-<hash>; {command}",
             ]
         steps.append(
             f"wait until {len(names)} agent(s) have written agent.addr; a host that fails is reported by "
             "name and the others are cleaned up"
         )
+        if len(names) > 1:
+            steps.append(
+                "every host opens a TCP connection to every other host's agent; a pair that cannot is named "
+                "and nothing is left running"
+            )
         if opts.get("tunnel"):
             steps.append("every client process reaches each agent's port through a forward over its SSH connection")
         summary = (
@@ -321,6 +369,7 @@ class SshScheduler(Scheduler):
             "python": python,
             "remote_dir": root,
             "version": __version__,
+            "wheelhouse": opts.get("wheelhouse"),
             "accept_new_host_keys": bool(opts.get("accept_new_host_keys")),
             "tunnel": bool(opts.get("tunnel")),
         }
@@ -363,6 +412,8 @@ class SshScheduler(Scheduler):
                     progress,
                     started,
                     i,
+                    root,
+                    plan.data.get("wheelhouse"),
                 ): i
                 for i, h in enumerate(hosts)
             }
@@ -389,6 +440,9 @@ class SshScheduler(Scheduler):
                     )
                 except SchedulerError as e:
                     errors.append(str(e))
+            if not errors and len(found) > 1:
+                progress("checking that the hosts reach each other")
+                errors += _cross_check(started, found, python)
             if errors:
                 raise SchedulerError(
                     errors[0] + (f" (and {len(errors) - 1} more host(s) failed)" if len(errors) > 1 else "")
@@ -424,22 +478,19 @@ class SshScheduler(Scheduler):
         progress: Progress,
         started: dict[int, dict[str, Any]],
         index: int,
+        root: str = DEFAULT_REMOTE_DIR,
+        wheelhouse: str | None = None,
     ) -> None:
-        """Connect, check the version, upload the keys, start the agent; leaves the connection in ``started``."""
+        """Connect, probe, ship what the host lacks, upload the keys, start the agent; leaves the
+        connection in ``started``."""
         progress(f"{target.alias}: connecting to {target.describe()}")
         client = connect(target, accept_new)
         record: dict[str, Any] = {**dataclasses.asdict(target), "directory": directory, "pid": None, "address": ""}
         made = False
         try:
-            code, text = _run(client, _version_check(python))
-            version = text.strip().splitlines()[-1] if code == 0 and text.strip() else None
-            if version != __version__:
-                found = f"has monarch-cli {version}" if version else "has no monarch-cli (or no such interpreter)"
-                raise SchedulerError(
-                    f"host {target.alias}: {python} {found}, this client is {__version__}; install "
-                    f"it there with: {python} -m pip install 'monarch-cli=={__version__}' "
-                    "(or pass --python)"
-                )
+            parts = _ship(client, target, python, root, wheelhouse, progress)
+            record["bundle"] = parts
+            command = f"CODE={parts['code']} DEPS={parts['deps']}; {command}"
             sftp = client.open_sftp()
             try:
                 path = _remote_path(sftp, directory)
@@ -561,6 +612,90 @@ class SshScheduler(Scheduler):
             f"{r['directory']}"
             for r in reservation.scheduler_data.get("ssh_hosts", [])
         ]
+
+
+def _ship(
+    client: Any, target: SshTarget, python: str, root: str, wheelhouse: str | None, progress: Progress
+) -> dict[str, Any]:
+    """Probe the host's interpreter and the bundle parts it holds (one round trip), send and unpack
+    the parts it lacks; ``{"code", "deps", "shipped"}`` (part names, bytes sent)."""
+    bundles = _bundles_dir(root)
+    code, text = _run(client, bundle.probe_command(python, _shell_path(bundles)))
+    data = bundle.parse_probe(text) if code == 0 else None
+    if data is None:
+        last = (text.strip().splitlines() or [f"status {code}"])[-1][-200:]
+        raise _host_error(target, f"--python {python} does not run there ({last})")
+    try:
+        host = bundle.HostPlatform.from_probe(data)
+        built = bundle.build(host, wheelhouse)
+    except SchedulerError as e:
+        raise _host_error(target, str(e)) from None
+    missing = built.missing(data.get("held") or [])
+    shipped = 0
+    need = sum(p.size + p.unpacked for p in missing)
+    if missing and isinstance(data.get("free"), int) and data["free"] < need:
+        raise _host_error(
+            target,
+            f"not enough space for our code and wheels in {bundles}: {data['free'] / 1e6:.1f} MB free, "
+            f"{need / 1e6:.1f} MB needed",
+        )
+    if missing:
+        progress(
+            f"{target.alias}: shipping {', '.join(p.name for p in missing)} "
+            f"({sum(p.size for p in missing) / 1e6:.1f} MB)"
+        )
+        sftp = client.open_sftp()
+        try:
+            where = _remote_path(sftp, bundles)
+            _sftp_makedirs(sftp, where)
+            names = []
+            for part in missing:
+                name = f"{part.name}.{uuid.uuid4().hex[:8]}.zip"  # hosts that share a home each send their own
+                sftp.put(str(part.path), f"{where}/{name}")
+                names.append(name)
+                shipped += part.size
+        except OSError as e:
+            raise _host_error(target, f"cannot upload the bundle to {bundles}: {e.strerror or e}") from None
+        finally:
+            sftp.close()
+        code, text = _run(client, bundle.unpack_command(python, _shell_path(bundles), names), timeout=300)
+        if code != 0:
+            raise _host_error(target, f"cannot unpack the bundle in {bundles}: {text.strip()[-300:]}")
+    return {"code": built.code.name, "deps": built.deps.name, "shipped": shipped}
+
+
+#: ``python -c CHECK ADDRESS:PORT...``: one line per address this host cannot open a TCP connection to.
+_CROSS_CHECK = r"""
+import socket, sys
+for target in sys.argv[1:]:
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        print(target, e.strerror or e)
+"""
+
+
+def _cross_check(started: dict[int, dict[str, Any]], found: list[HostRecord], python: str) -> list[str]:
+    """Every host opens a TCP connection to every other host's agent, from the host itself: a
+    firewall or a wrong address between hosts is one line naming both, not a gloo timeout later."""
+    where = {h.name: h.agent.rpartition("//")[2] for h in found}
+
+    def one(i: int) -> list[str]:
+        entry = started[i]
+        me = entry["target"].alias
+        others = {name: address for name, address in where.items() if name != me}
+        code, text = _run(entry["client"], f"{python} -c {shlex.quote(_CROSS_CHECK)} {shlex.join(others.values())}", 30)
+        failed = dict(line.split(" ", 1) for line in text.strip().splitlines() if " " in line) if code == 0 else {}
+        return [
+            f"host {me} cannot reach host {name} at {address} ({failed[address]}): the ranks' rendezvous "
+            "between them would fail; let TCP through between the hosts (their agents' ports and --port-range)"
+            for name, address in others.items()
+            if address in failed
+        ]
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(started)))) as pool:
+        return [line for lines in pool.map(one, sorted(started)) for line in lines]
 
 
 def _each_host(
