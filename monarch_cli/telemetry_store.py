@@ -196,6 +196,14 @@ class StoreError(Exception):
     """A query the store refuses or cannot answer (the message is one line for the user)."""
 
 
+def _check_ours(path: Path) -> None:
+    """A store (or its -wal/-shm) someone else made or can write is refused: they would read every rank's output."""
+    from .sysutil import check_private
+
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        check_private(p)
+
+
 def _connect_rw(path: Path) -> sqlite3.Connection:
     import sqlite3
 
@@ -208,6 +216,7 @@ def _connect_rw(path: Path) -> sqlite3.Connection:
             os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         except FileExistsError:
             pass
+    _check_ours(path)
     conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-consistent
@@ -287,6 +296,10 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
     path = Path(path)
     if not path.exists():
         raise StoreError(f"no telemetry store at {path}: nothing has run on this reservation yet")
+    try:
+        _check_ours(path)
+    except PermissionError as e:
+        raise StoreError(str(e)) from None
     conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=10.0)
     conn.execute("PRAGMA query_only=1")
     conn.set_authorizer(_ReadOnly())

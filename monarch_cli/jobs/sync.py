@@ -120,8 +120,8 @@ def sync_workspace(
 
     limit = max_bytes if max_bytes is not None else int(os.environ.get("MONARCH_SYNC_MAX_BYTES", DEFAULT_MAX_BYTES))
     cache_file = cache_dir / "sync" / f"{name}.pkl"
-    scanner = load_scanner(cache_file, workspace)
     try:
+        scanner = load_scanner(cache_file, workspace)
         scan, client_digest = scanner.manifest_and_digest()
         check_size(scan.manifest, limit, workspace)
     except WorkspaceError as e:

@@ -31,8 +31,9 @@ import stat
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from ..sysutil import UnsafePath, atomic_write, check_private, loads_plain, private_dirs
 from .errors import MonarchError
 
 SKIPPED_NAMES = frozenset({".git", ".monarch", "__pycache__"})
@@ -129,6 +130,33 @@ class Scanner:
         self.last_digest: str | None = None  # the digest of the last scan's manifest
         self.dirty = True  # something worth saving changed since the last save
         self.synced: tuple[str, Manifest] | None = None  # the digest and manifest last pushed to hosts
+
+    def to_data(self) -> dict[str, object]:
+        """Builtins only: what :func:`save_scanner` writes (read back with no globals)."""
+        return {
+            "version": self.version,
+            "root": self.root,
+            "dirs": {rel: tuple(listing) for rel, listing in self.dirs.items()},
+            "entries": self.entries,
+            "unchanged": self._unchanged,
+            "hashes": self.hashes,
+            "last_digest": self.last_digest,
+            "synced": self.synced,
+        }
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Scanner:
+        if not isinstance(data, dict) or data.get("version") != cls.version:
+            raise ValueError("not a scan cache of this version")
+        scanner = cls(str(data["root"]))
+        scanner.dirs = {str(rel): _DirListing(*listing) for rel, listing in data["dirs"].items()}
+        scanner.entries = dict(data["entries"])
+        scanner._unchanged = bool(data["unchanged"])
+        scanner.hashes = dict(data["hashes"])
+        scanner.last_digest = data["last_digest"]
+        scanner.synced = tuple(data["synced"]) if data["synced"] is not None else None  # type: ignore[assignment]
+        scanner.dirty = False
+        return scanner
 
     def scan(self) -> ScanResult:
         manifest: Manifest = {}
@@ -348,20 +376,31 @@ class Mirror:
     so an agent that restarts still knows what it mirrored.
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, root: str | None = None) -> None:
+        """``root``: the directory below which every directory of the mirror must be ours (made 0700)."""
         self.dir = os.path.abspath(directory)
         self._state_file = self.dir.rstrip("/") + ".manifest"
         self.files: dict[str, tuple[Entry, str]] = {}
         self.digest = digest({})
-        try:
+        try:  # a directory or manifest someone else made or can write is refused: it could plant files
+            private_dirs(os.path.dirname(self.dir), root if root is not None else os.path.dirname(self.dir))
+            check_private(self.dir, directory=True)
+            has_manifest = check_private(self._state_file)
+        except UnsafePath as e:
+            raise WorkspaceError(f"workspace mirror: {e}") from None
+        if not has_manifest:
+            return
+        try:  # plain data read with no globals: nothing in it can run code
             with open(self._state_file, "rb") as f:
-                self.files, self.digest = pickle.load(f)
-        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+                files, mirror_digest = loads_plain(f.read())
+            if isinstance(files, dict) and isinstance(mirror_digest, str):
+                self.files, self.digest = files, mirror_digest
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError):
             pass
 
     def apply(self, updates: Sequence[FileUpdate], deleted: Iterable[str]) -> tuple[int, int]:
         """Delete, then write each update atomically; returns (files written, bytes written)."""
-        os.makedirs(self.dir, exist_ok=True)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
         dirs_touched = set()
         for rel in sorted(deleted, reverse=True):
             path = self._path(rel)
@@ -410,10 +449,7 @@ class Mirror:
         for d in sorted(dirs_touched, key=len, reverse=True):
             _prune_empty(d, self.dir)
         self.digest = digest({p: e for p, (e, _) in self.files.items()})
-        tmp_state = self._state_file + ".tmp"
-        with open(tmp_state, "wb") as f:
-            pickle.dump((self.files, self.digest), f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp_state, self._state_file)
+        atomic_write(self._state_file, pickle.dumps((self.files, self.digest), protocol=pickle.HIGHEST_PROTOCOL))
         return written, nbytes
 
     def _path(self, rel: str) -> str:
@@ -455,25 +491,28 @@ def _unlink_quietly(path: str) -> None:
 
 
 def load_scanner(cache_file: Path, root: str) -> Scanner:
-    """The scanner saved for ``root`` in ``cache_file``, or a fresh one."""
+    """The scanner saved for ``root`` in ``cache_file``, or a fresh one.
+
+    The cache is plain data read with no globals (nothing in it can run code), and a cache
+    file or directory another user created or can write is refused (:class:`WorkspaceError`).
+    """
     try:
+        check_private(cache_file.parent, directory=True)
+        if not check_private(cache_file):
+            return Scanner(root)
         with open(cache_file, "rb") as f:
-            scanner = pickle.load(f)
-        if (
-            isinstance(scanner, Scanner)
-            and scanner.root == os.path.abspath(root)
-            and scanner.version == Scanner.version
-        ):
+            data = loads_plain(f.read())
+        scanner = Scanner.from_data(data)
+        if scanner.root == os.path.abspath(root):
             return scanner
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError):
+    except UnsafePath as e:
+        raise WorkspaceError(f"workspace scan cache: {e}") from None
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError, KeyError, IndexError):
         pass
     return Scanner(root)
 
 
 def save_scanner(scanner: Scanner, cache_file: Path) -> None:
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp")
+    cache_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     scanner.dirty = False
-    with open(tmp, "wb") as f:
-        pickle.dump(scanner, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, cache_file)
+    atomic_write(cache_file, pickle.dumps(scanner.to_data(), protocol=4))
