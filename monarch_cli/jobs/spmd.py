@@ -452,7 +452,11 @@ class SpmdRunner:
                     made = started_all.get(timeout=0.2)
                 except CallTimeout:
                     if time.monotonic() > ack_deadline:
-                        raise
+                        slow = [self.hs.hosts[n].name for n, a in zip(nodes, acks) if not a.done()]
+                        raise JobError(
+                            f"{', '.join(slow) or 'a host'} did not start the run's ranks within 30 s; "
+                            "`monarch status` says whether its agent still answers"
+                        ) from None
                     early = relay.take()
                     continue
                 for n, reply in zip(nodes, made):
