@@ -13,7 +13,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -308,18 +308,72 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
 
 def query(path: Path, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run one read-only statement; returns (column names, rows). Errors are :class:`StoreError`."""
+    cols, rows, _ = query_bounded(path, sql, params)
+    return cols, rows
+
+
+#: ``monarch sql``'s defaults (``--max-rows``, ``--timeout``): a runaway query (a recursive CTE)
+#: stops there instead of growing until the machine runs out of memory.
+DEFAULT_MAX_ROWS = 10_000
+DEFAULT_TIMEOUT = 30.0
+_HEAP_LIMIT = 1 << 30  # SQLite's own memory (sorts, CTE queues) in this process, whatever the rows
+
+
+def query_bounded(
+    path: Path,
+    sql: str,
+    params: Sequence[Any] = (),
+    *,
+    max_rows: int | None = None,
+    timeout: float | None = None,
+    interrupted: Callable[[], bool] | None = None,
+) -> tuple[list[str], list[tuple[Any, ...]], bool]:
+    """:func:`query` with bounds: (columns, at most ``max_rows`` rows, whether more were left out).
+
+    The statement is abandoned (:class:`StoreError`) past ``timeout`` seconds or once
+    ``interrupted()`` says so (Ctrl-C): SQLite's progress handler asks every few thousand steps.
+    """
     import sqlite3
 
     conn = connect_readonly(path)
     guard = _ReadOnly()
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    why: list[str] = []
+
+    def progress() -> int:
+        if interrupted is not None and interrupted():
+            why.append("interrupted (Ctrl-C)")
+            return 1
+        if deadline is not None and time.monotonic() > deadline:
+            why.append(f"stopped after {timeout:g} s; --timeout raises the limit")
+            return 1
+        return 0
+
+    if timeout is not None or interrupted is not None:
+        conn.set_progress_handler(progress, 20_000)
+    if timeout is not None:  # process-wide: `monarch sql` runs in its own process
+        conn.set_authorizer(None)
+        conn.execute(f"PRAGMA hard_heap_limit={_HEAP_LIMIT}")
     conn.set_authorizer(guard)
     try:
         cur = conn.execute(sql, params)
         cols = [d[0] for d in cur.description or ()]
-        return cols, cur.fetchall()
+        if max_rows is None:
+            return cols, cur.fetchall(), False
+        rows: list[tuple[Any, ...]] = []
+        while len(rows) <= max_rows:
+            batch = cur.fetchmany(min(1000, max_rows + 1 - len(rows)))
+            if not batch:
+                break
+            rows.extend(batch)
+        return cols, rows[:max_rows], len(rows) > max_rows
     except sqlite3.Error as e:
         msg = str(e)
-        if guard.refused:
+        if why:
+            msg = why[0]
+        elif "out of memory" in msg and timeout is not None:
+            msg = f"stopped: the query needs more than {_HEAP_LIMIT >> 20} MiB; narrow it (LIMIT, WHERE)"
+        elif guard.refused:
             msg = f"the telemetry store is read-only here: {guard.refused}; use SELECT"
         elif "readonly" in msg:
             msg = f"the telemetry store is read-only here ({msg}); use SELECT"
