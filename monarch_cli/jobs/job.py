@@ -669,6 +669,10 @@ def _request(
     nhosts = nhosts or backend.default_hosts() or 1
     if nhosts < 1:
         raise JobError(f"--hosts must be at least 1, not {nhosts}")
+    if nhosts > backend.max_hosts():
+        raise JobError(
+            f"--hosts {nhosts} is more than the {backend.name} scheduler takes (at most {backend.max_hosts()})"
+        )
     if argv:
         parse_command(argv)  # a bad default command is an error now, not at the first run
     return ReserveRequest(

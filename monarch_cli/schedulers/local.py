@@ -37,6 +37,10 @@ class LocalScheduler(Scheduler):
     name = "local"
     options = ()
 
+    def max_hosts(self) -> int:
+        """Local "hosts" are agents on this machine: a few per core is already more than useful."""
+        return max(16, 8 * (os.cpu_count() or 1))
+
     def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
         self.check_options(request.options)
         rid = f"local-{uuid.uuid4().hex[:8]}"
