@@ -11,7 +11,8 @@ Decisions a user can notice (docs/sync.md):
   ``pyvenv.cfg`` (a virtualenv), sockets, fifos and devices. ``.gitignore`` files (nested,
   git's precedence: the deepest file with a matching pattern decides) and ``.monarchignore``
   files (same syntax, same places) are honoured.
-* A symlink whose target stays inside the workspace is mirrored as that symlink. One that
+* A symlink whose target stays inside the workspace is mirrored as that symlink (an absolute
+  one as the relative link to the same file, so it leads into the mirror on the host). One that
   points outside (or dangles outside) is not mirrored and is reported: following it could
   copy unbounded data or secrets (``~/.ssh``), and recreating it would point at whatever that
   path is on the host.
@@ -119,7 +120,7 @@ class Scanner:
     (see :func:`load_scanner`) to keep that across processes.
     """
 
-    version = 5
+    version = 6  # 6: absolute links inside the workspace are kept relative
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -220,6 +221,8 @@ class Scanner:
                             if not _inside(root, absdir, target):
                                 outside.append(f"{r} -> {target}")
                                 continue
+                            if os.path.isabs(target):  # the mirror is elsewhere: lead to the same file there
+                                target = os.path.relpath(os.path.normpath(target), absdir)
                             entry = (0, st.st_mtime_ns, 0, target)
                         elif S_ISREG(st.st_mode):
                             entry = (st.st_size, st.st_mtime_ns, S_IMODE(st.st_mode), "")

@@ -194,3 +194,19 @@ def test_a_reader_never_sees_a_half_written_file(tmp_path: Path) -> None:
         for t in threads:
             t.join()
     assert not bad and len(seen) > 1
+
+
+def test_absolute_links_into_the_workspace_lead_into_the_mirror(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    _write(ws, {"pkg/mod.py": "x = 1\n", "data/train.txt": "rows\n"})
+    os.symlink(ws / "pkg" / "mod.py", ws / "mod.py")  # absolute, into the workspace
+    os.symlink(ws / "data", ws / "pkg" / "data")  # absolute, to a directory, from a subdirectory
+    os.symlink("/etc/passwd", ws / "outside")
+    mirror = Mirror(str(tmp_path / "remote" / "ws"))
+    _sync(Scanner(str(ws)), mirror)
+    tree = _tree(tmp_path / "remote" / "ws")
+    assert tree["mod.py"] == "-> pkg/mod.py" and tree["pkg/data"] == "-> ../data"
+    assert "outside" not in tree
+    assert (tmp_path / "remote" / "ws" / "mod.py").read_text() == "x = 1\n"
+    assert (tmp_path / "remote" / "ws" / "pkg" / "data" / "train.txt").read_text() == "rows\n"
+    assert _sync(Scanner(str(ws)), mirror) == 0  # nothing new the next time
