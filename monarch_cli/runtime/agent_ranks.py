@@ -67,6 +67,12 @@ _START_UP_ENV = (
     "PYTHONNODEBUGRANGES",
     "PYTHONPROFILEIMPORTTIME",
 )
+#: Of those, the ones a warm rank sets for itself as it starts (``rank_start._apply_start_up_env``):
+#: they never make a run cold (many images export PYTHONDONTWRITEBYTECODE=1, and an SSH host's
+#: agent does not get the client's shell environment, so every run would be cold).
+_SET_IN_A_WARM_RANK = frozenset(
+    {"PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX", "PYTHONINTMAXSTRDIGITS", "PYTHONFAULTHANDLER"}
+)
 
 
 @dataclasses.dataclass
@@ -165,7 +171,9 @@ class RankHost:
         warm_zygote: Any = None
         for spec in specs:
             spec["env"] = {**base, **spec["env"], agent_lineage.RUN_ENV: run_id}  # the controller's view wins
-            differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
+            differ = [
+                k for k in _START_UP_ENV if k not in _SET_IN_A_WARM_RANK and spec["env"].get(k) != os.environ.get(k)
+            ]
             if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings
                 made_cold.update(differ)
