@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -186,6 +187,8 @@ class Job:
         directory) mirrored, unless ``sync`` is False, and their ranks run in the mirror at the
         same relative directory. ``env`` is added to every rank's environment (``-e``).
         """
+        if not math.isfinite(straggler_grace) or straggler_grace < 0:
+            raise JobError(f"--straggler-grace takes seconds (0 or more), not {straggler_grace}")
         argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         cwd = self.state.default_cwd if command is None else None
         if not argv:

@@ -584,12 +584,15 @@ def plan_spmd(
     """
     hosts = hostset.hosts
     nnodes = spec.nnodes or len(hosts)
+    if spec.nnodes_min is not None:  # elastic MIN:MAX, as torchrun: as many of the reserved hosts as MAX allows
+        if spec.nnodes_min > len(hosts):
+            raise JobError(
+                f"--nnodes {spec.nnodes_min}:{spec.nnodes} needs at least {spec.nnodes_min} hosts; "
+                f"{len(hosts)} are reserved"
+            )
+        nnodes = min(nnodes, len(hosts))
     if nnodes > len(hosts):
         raise JobError(f"--nnodes {nnodes} asks for more hosts than the {len(hosts)} reserved; serve more hosts first")
-    if spec.nnodes_min is not None and spec.nnodes_min > len(hosts):
-        raise JobError(
-            f"--nnodes {spec.nnodes_min}:{spec.nnodes} needs at least {spec.nnodes_min} hosts; {len(hosts)} are reserved"
-        )
     per_node = [resolve_nproc(spec.nproc_per_node, i["gpus"], i["cpus"]) for i in hostset.infos[:nnodes]]
     if len(set(per_node)) != 1:
         raise JobError(
