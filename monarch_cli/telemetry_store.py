@@ -24,6 +24,10 @@ DB_NAME = "telemetry.db"
 SCHEMA_VERSION = 1
 #: Runs kept per reservation ($MONARCH_TELEMETRY_RUNS overrides).
 KEEP_RUNS = int(os.environ.get("MONARCH_TELEMETRY_RUNS", "50") or 50)
+#: Output lines the store keeps per run: the first half and the last half of that many (the rank
+#: logs keep everything). ``$MONARCH_TELEMETRY_LINES`` changes it.
+MAX_LINES = 20_000
+MAX_LINE_CHARS = 4096  # a longer line is stored cut, with "…" (a rank printing without newlines)
 
 #: table -> (what it holds, [(column, type, meaning)]). The DDL and `monarch sql --schema` both come from here.
 TABLES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
@@ -62,7 +66,7 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ],
     ),
     "logs": (
-        "every output line of every rank",
+        "output lines of every rank: per run the first and the last MONARCH_TELEMETRY_LINES/2 (default 10000 each); the rank logs keep all",
         [
             ("run_id", "TEXT", "run id"),
             ("rank", "INTEGER", "rank"),
@@ -415,6 +419,11 @@ def schema_json() -> dict[str, Any]:
     }
 
 
+def _line_text(raw: bytes) -> str:
+    text = raw[: MAX_LINE_CHARS + 1].rstrip(b"\r").decode("utf-8", "backslashreplace")
+    return text if len(raw) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + "…"
+
+
 class TelemetryWriter:
     """Writes one run's rows from a background thread, a batch (one transaction) at a time.
 
@@ -423,11 +432,31 @@ class TelemetryWriter:
     it never fails the run.
     """
 
-    def __init__(self, path: Path, run_id: str, *, keep_runs: int = KEEP_RUNS, start: bool = True) -> None:
-        """``start=False``: rows queue up until :meth:`start` (or :meth:`close`) starts the thread."""
+    def __init__(
+        self,
+        path: Path,
+        run_id: str,
+        *,
+        keep_runs: int = KEEP_RUNS,
+        start: bool = True,
+        max_lines: int | None = None,
+    ) -> None:
+        """``start=False``: rows queue up until :meth:`start` (or :meth:`close`) starts the thread.
+        ``max_lines``: lines kept for the run (default ``$MONARCH_TELEMETRY_LINES``, else
+        :data:`MAX_LINES`): the first half as they come, the last half when the run ends."""
         self.path = Path(path)
         self.run_id = run_id
         self.keep_runs = keep_runs
+        if max_lines is None:
+            try:
+                max_lines = int(os.environ.get("MONARCH_TELEMETRY_LINES") or MAX_LINES)
+            except ValueError:
+                max_lines = MAX_LINES
+        self._head_left = max(0, max_lines) - max(0, max_lines) // 2
+        self._tail_budget = max(0, max_lines) // 2  # shared by the ranks: each keeps its own last lines
+        self._tails: dict[int, collections.deque[tuple[Any, ...]]] = {}
+        self._rank_count = 1
+        self.lines_left_out = 0
         self._queue: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._closing = False
@@ -502,7 +531,7 @@ class TelemetryWriter:
             self._wake.wait(0.25)
             self._wake.clear()
             closing = self._closing  # read after the wake: close() sets it, then wakes us
-            if self._queue:
+            if self._queue or (closing and self._tails):
                 try:
                     self._write(conn)
                 except (sqlite3.Error, OSError, ValueError) as e:
@@ -522,11 +551,11 @@ class TelemetryWriter:
                 rank, stream, ts, data = item
                 buf = self._partial.pop((rank, stream), b"") + data
                 *lines, rest = buf.split(b"\n")
-                if rest:
-                    self._partial[(rank, stream)] = rest
+                if rest:  # no newline yet: keep only what a stored line can hold (and one more byte)
+                    self._partial[(rank, stream)] = rest[: MAX_LINE_CHARS + 1]
                 name = "stdout" if stream == 1 else "stderr"
                 for raw in lines:
-                    logs.append((self.run_id, rank, ts, name, raw.rstrip(b"\r").decode("utf-8", "backslashreplace")))
+                    self._keep(logs, (self.run_id, rank, ts, name, _line_text(raw)))
                 if lines:
                     n = last.get(rank, (0.0, 0))[1]
                     last[rank] = (ts, n + len(lines))
@@ -535,14 +564,8 @@ class TelemetryWriter:
                 for stream in (1, 2):
                     rest = self._partial.pop((rank, stream), b"")
                     if rest:
-                        logs.append(
-                            (
-                                self.run_id,
-                                rank,
-                                ts,
-                                "stdout" if stream == 1 else "stderr",
-                                rest.decode("utf-8", "backslashreplace"),
-                            )
+                        self._keep(
+                            logs, (self.run_id, rank, ts, "stdout" if stream == 1 else "stderr", _line_text(rest))
                         )
                         last[rank] = (ts, last.get(rank, (0.0, 0))[1] + 1)
             elif kind == "sql":
@@ -553,6 +576,20 @@ class TelemetryWriter:
                 conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
             elif kind == "flush":
                 waiters.append(item)
+        if self._closing and not self._queue and self._tails:  # the ranks' last lines, once the run is over
+            logs.extend(sorted((row for tail in self._tails.values() for row in tail), key=lambda row: row[2]))
+            self._tails.clear()
+            if self.lines_left_out:
+                conn.execute(
+                    "INSERT INTO events VALUES (?,?,?,?,?)",
+                    (
+                        self.run_id,
+                        time.time(),
+                        None,
+                        "lines_left_out",
+                        f"{self.lines_left_out} lines in the rank logs only",
+                    ),
+                )
         if logs:
             conn.executemany("INSERT INTO logs VALUES (?,?,?,?,?)", logs)
         for rank, (ts, n) in last.items():
@@ -563,6 +600,27 @@ class TelemetryWriter:
         conn.execute("COMMIT")
         for w in waiters:
             w.set()
+
+    def set_rank_count(self, n: int) -> None:
+        """How many ranks share the tail budget (before their output arrives)."""
+        self._rank_count = max(1, n)
+
+    def _keep(self, logs: list[tuple[Any, ...]], row: tuple[Any, ...]) -> None:
+        """The run's first lines go in now; later ones wait in their rank's bounded tail (the oldest dropped)."""
+        if self._head_left > 0:
+            self._head_left -= 1
+            logs.append(row)
+            return
+        tail = self._tails.get(row[1])
+        if tail is None:
+            size = self._tail_budget // self._rank_count
+            tail = self._tails[row[1]] = collections.deque(maxlen=size)
+        if not tail.maxlen:
+            self.lines_left_out += 1
+            return
+        if len(tail) == tail.maxlen:
+            self.lines_left_out += 1  # the oldest of the tail drops out
+        tail.append(row)
 
     def end_of_rank(self, rank: int) -> None:
         """The rank's output is complete: store an unterminated last line."""

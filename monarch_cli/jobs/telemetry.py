@@ -78,6 +78,7 @@ class RunTelemetry:
         now = time.time()
         nodes = sorted({l.node for l in launches})
         w = self.writer
+        w.set_rank_count(len(launches))
         w.sql("UPDATE runs SET world_size = ?, hosts = ? WHERE run_id = ?", (len(launches), len(nodes), self.run_id))
         if attempt == 0:
             w.rows(
