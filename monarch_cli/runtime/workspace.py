@@ -30,7 +30,7 @@ import pickle
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -56,12 +56,17 @@ Manifest = dict[str, Entry]
 
 
 class FileUpdate(NamedTuple):
-    """A path to (re)write on a host: ``data`` None means only mode/mtime changed (content equal)."""
+    """A path to (re)write on a host: ``data`` None means only mode/mtime changed (content equal).
+
+    A big file travels as several updates: ``data`` is the part at ``offset`` and ``more`` says
+    that parts follow (the file takes its place with the last one, which carries the hash)."""
 
     path: str
     entry: Entry
     sha256: str
     data: bytes | None
+    offset: int = 0
+    more: bool = False
 
 
 def digest(manifest: Manifest) -> str:
@@ -285,7 +290,7 @@ class Scanner:
         if entry[3]:
             h = hashlib.sha256(entry[3].encode("utf-8", "surrogateescape")).hexdigest()
         else:
-            h = hashlib.sha256(self.read(rel, entry)).hexdigest()
+            h = self._hash_file(rel, entry)
         self.hashes[rel] = (entry, h)
         self.dirty = True
         return h
@@ -301,6 +306,52 @@ class Scanner:
                 return data
             entry = (st.st_size, st.st_mtime_ns, entry[2], "")
         raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
+
+    def _hash_file(self, rel: str, entry: Entry) -> str:
+        """The file's sha256, read in blocks (a big file is never held whole)."""
+        path = os.path.join(self.root, rel)
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+            st = os.fstat(f.fileno())
+        if (st.st_size, st.st_mtime_ns) != (entry[0], entry[1]):
+            raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
+        return h.hexdigest()
+
+    def updates_for(
+        self, rel: str, entry: Entry, host_sha: str | None, host_entry: Entry | None, chunk: int
+    ) -> Iterator[FileUpdate]:
+        """:meth:`update_for`, with a file over ``chunk`` bytes sent in parts read one at a time."""
+        if entry[3] or entry[0] <= chunk:
+            yield self.update_for(rel, entry, host_sha, host_entry)
+            return
+        if host_sha is not None and host_entry is not None and host_entry[0] == entry[0] and not host_entry[3]:
+            sha = self.sha256(rel, entry)
+            if sha == host_sha:
+                yield FileUpdate(rel, entry, sha, None)
+                return
+        path = os.path.join(self.root, rel)
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)) != entry[:3]:
+                raise WorkspaceError(f"{path} changed since the scan; sync again when it is written")
+            offset = 0
+            while True:
+                data = f.read(chunk)
+                h.update(data)
+                last = offset + len(data) >= entry[0]
+                if last:
+                    now = os.fstat(f.fileno())
+                    if (now.st_size, now.st_mtime_ns) != (entry[0], entry[1]) or f.read(1):
+                        raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
+                    yield FileUpdate(rel, entry, h.hexdigest(), data, offset, False)
+                    return
+                if not data:
+                    raise WorkspaceError(f"{path} shrank while it was read; sync again when it is written")
+                yield FileUpdate(rel, entry, "", data, offset, True)
+                offset += len(data)
 
     def update_for(self, rel: str, entry: Entry, host_sha: str | None, host_entry: Entry | None) -> FileUpdate:
         """What to send for one changed path: metadata only when the host has the same content."""
@@ -385,6 +436,7 @@ class Mirror:
         self._state_file = self.dir.rstrip("/") + ".manifest"
         self.files: dict[str, tuple[Entry, str]] = {}
         self.digest = digest({})
+        self._partial: dict[str, tuple[str, int]] = {}  # a big file's parts so far: (temporary file, size)
         try:  # a directory or manifest someone else made or can write is refused: it could plant files
             private_dirs(os.path.dirname(self.dir), root if root is not None else os.path.dirname(self.dir))
             check_private(self.dir, directory=True)
@@ -436,17 +488,32 @@ class Mirror:
                     self.files.pop(u.path, None)
                     continue
             else:
-                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".monarch", dir=parent)
+                if u.offset == 0:
+                    self._drop_partial(u.path)
+                    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".monarch", dir=parent)
+                    os.close(fd)
+                else:  # a later part of a big file: it goes on where the last part ended
+                    tmp = self._partial.pop(u.path, ("", -1))[0]
+                    if not tmp or os.path.getsize(tmp) != u.offset:
+                        if tmp:
+                            _unlink_quietly(tmp)
+                        raise WorkspaceError(
+                            f"part of {u.path} at {u.offset} came without what precedes it; sync again"
+                        )
                 try:
-                    with os.fdopen(fd, "wb") as f:
+                    with open(tmp, "r+b") as f:
+                        f.seek(u.offset)
                         f.write(u.data)
+                    nbytes += len(u.data)
+                    if u.more:
+                        self._partial[u.path] = (tmp, u.offset + len(u.data))
+                        continue
                     os.chmod(tmp, u.entry[2])
                     os.utime(tmp, ns=(u.entry[1], u.entry[1]))
                     os.replace(tmp, path)
                 except BaseException:
                     _unlink_quietly(tmp)
                     raise
-                nbytes += len(u.data)
             written += 1
             self.files[u.path] = (u.entry, u.sha256)
         for d in sorted(dirs_touched, key=len, reverse=True):
@@ -454,6 +521,11 @@ class Mirror:
         self.digest = digest({p: e for p, (e, _) in self.files.items()})
         atomic_write(self._state_file, pickle.dumps((self.files, self.digest), protocol=pickle.HIGHEST_PROTOCOL))
         return written, nbytes
+
+    def _drop_partial(self, rel: str) -> None:
+        tmp = self._partial.pop(rel, None)
+        if tmp is not None:
+            _unlink_quietly(tmp[0])
 
     def _path(self, rel: str) -> str:
         path = os.path.normpath(os.path.join(self.dir, rel))
