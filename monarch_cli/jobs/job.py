@@ -119,7 +119,10 @@ class Job:
             )
         hosts = self._reachable_hosts()
         dead = [] if require_all else self.scheduler.dead_hosts(self.state)
-        return HostSet(hosts, self.keys, require_all=require_all, known_dead=dead)
+        hs = HostSet(hosts, self.keys, require_all=require_all, known_dead=dead)
+        # Agents reached at their own addresses can probe each other there (a partition between hosts).
+        hs.peers_reachable = all(h.agent == rec.agent for h, rec in zip(hosts, self.state.hosts))
+        return hs
 
     def _reachable_hosts(self) -> list[HostRecord]:
         """The hosts with the agent addresses this process reaches them at (a backend's forward, or

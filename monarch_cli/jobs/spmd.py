@@ -38,6 +38,7 @@ from .lifecycle import (
     SignalRelay,
 )
 from .output import OutputSink
+from .partition import PartitionWatch
 from .state import HostRecord
 from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
@@ -218,6 +219,7 @@ class HostSet:
         known_dead: Sequence[str] = (),
     ) -> None:
         self.hosts = hosts
+        self.peers_reachable = False  # the agents can reach each other at the addresses in ``hosts``
         self.mb = Mailbox.for_keys(keys)
         for h in hosts:  # one connection per host: everything comes back on it
             self.mb.link(h.agent)
@@ -466,11 +468,19 @@ class SpmdRunner:
                         for notice in reply["notices"]:
                             on_notice(f"{self.hs.hosts[n].name}: {notice}")
                 break
+            watched = [self.hs.hosts[n] for n in nodes] if self.hs.peers_reachable else []
+            watch = PartitionWatch(mb, watched, [h.agent for h in watched])
             while not done.done():
                 try:
                     done.get(timeout=0.2)
                 except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
                     pass
+                partition = watch.tick(time.monotonic())
+                if partition is not None:
+                    with lock:
+                        control.partitioned(partition, time.monotonic())
+                    if telemetry is not None:
+                        telemetry.writer.event("partition", None, partition)
                 with lock:
                     if self._console_closed.is_set():
                         control.console_closed(time.monotonic())

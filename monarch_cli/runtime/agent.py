@@ -47,6 +47,7 @@ from ..config import configure
 from ..sysutil import atomic_write
 from . import agent_command, agent_lineage, agent_registry, agent_sync, protocol, wire
 from .agent_debug import DebugHost
+from .agent_peers import PeerProbes
 from .agent_procs import ProcHost
 from .agent_ranks import RankHost
 from .agent_telemetry import TelemetryHost
@@ -193,6 +194,7 @@ class HostAgent:
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
         self.telemetry = TelemetryHost(self)
+        self.peers = PeerProbes(self)
         #: What this agent answers, by message kind: the core's own, then each part's.
         self.handlers: dict[str, Callable[[Any, list[Any]], None]] = {}
         for part in (
@@ -201,6 +203,7 @@ class HostAgent:
             self.ranks.handlers(),
             self.debug.handlers(),
             self.telemetry.handlers(),
+            self.peers.handlers(),
             agent_sync.handlers(self),
         ):
             for cls, handler in part.items():
@@ -313,6 +316,7 @@ class HostAgent:
             self.ranks.tick()
             self._check_state_file()
             self.telemetry.tick(events)
+            self.peers.tick()
         self.telemetry.close()
         self.procs.kill_all()
         self.ranks.kill_all()
