@@ -146,14 +146,14 @@ class RunControl:
     def partitioned(self, why: str, now: float) -> None:
         """Hosts of the run cannot reach each other: its collectives can never finish. End it now:
         SIGTERM to every rank, SIGKILL to what still runs 5 s later (a rank stuck in a collective
-        does not run Python signal handlers)."""
+        does not run Python signal handlers), 2 s after a Ctrl-C (the user is waiting)."""
         if self.partition is not None:
             return
         self.partition = why
         self.say(f"{why}; ending the run")
         self.send(signal.SIGTERM)
         self._term_at = math.inf
-        self._kill_at = min(self._kill_at, now + 5.0)
+        self._kill_at = min(self._kill_at, now + (2.0 if self.interrupts else 5.0))
 
     def console_closed(self, now: float) -> None:
         """The output's reader went away (`| head`): as a Unix tool under SIGPIPE, end now, quietly:

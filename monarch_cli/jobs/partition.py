@@ -8,6 +8,7 @@ every other agent; a pair that fails twice in a row is a partition, named with b
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +30,13 @@ class PartitionWatch:
         timeout: float = 3.0,
         confirm: int = 2,
     ) -> None:
-        """``hosts``: the run's hosts; ``reach``: where this client reaches each one's agent."""
+        """``hosts``: the run's hosts; ``reach``: where this client reaches each one's agent.
+        ``$MONARCH_PARTITION_PROBE_INTERVAL`` overrides ``interval`` (seconds between rounds)."""
         self.mb, self.hosts, self.reach = mb, list(hosts), list(reach)
+        try:
+            interval = float(os.environ.get("MONARCH_PARTITION_PROBE_INTERVAL") or interval)
+        except ValueError:
+            pass
         self.interval, self.timeout, self.confirm = interval, timeout, confirm
         self._next: float | None = None
         self._asked: list[tuple[int, Any]] = []  # (host index, future) of the probe round in flight
@@ -52,6 +58,16 @@ class PartitionWatch:
             self._next = now + self.interval
             self._ask()
         return None
+
+    def urgent(self, now: float) -> None:
+        """Ctrl-C: probe now, with a short timeout, and believe the first failure (the user is
+        waiting: a run hung on a partition must end within seconds)."""
+        if len(self.hosts) < 2 or self.found is not None:
+            return
+        self.confirm, self.timeout = 1, min(self.timeout, 2.0)
+        if not self._asked:
+            self._next = now + self.interval
+            self._ask()
 
     def _ask(self) -> None:
         for i in range(len(self.hosts)):

@@ -486,8 +486,10 @@ class SpmdRunner:
                         control.console_closed(time.monotonic())
                     for sig in [*early, *relay.take()]:
                         control.signal(sig, time.monotonic(), sorted(running()))
-                        if sig == signal.SIGINT and on_interrupt is not None:
-                            on_interrupt(control.interrupts)
+                        if sig == signal.SIGINT:
+                            watch.urgent(time.monotonic())  # a hang on a partition: end it within seconds
+                            if on_interrupt is not None:
+                                on_interrupt(control.interrupts)
                     early = []
                     abandon, why = control.tick(time.monotonic(), running())
                 for rank in abandon:  # Ctrl-C always ends the wait, even for ranks whose exits never come

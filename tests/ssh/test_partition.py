@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -114,3 +115,49 @@ def test_a_partition_between_hosts_ends_the_run_naming_the_pair(
     assert took < 120, f"the partition took {took:.0f} s to end the run"
     diagnosis = job.diagnose()
     assert diagnosis.verdict == "suspect" and diagnosis.exit_code == 1 and "network partition" in diagnosis.summary
+
+
+def test_one_ctrl_c_during_a_partition_stops_every_rank(
+    ssh_job: tuple[Job, Path], ssh_hosts: SshHosts, iptables: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No probe round comes on its own here (a long interval): the Ctrl-C asks at once, and the
+    ranks, stuck in a collective where SIGINT does nothing, are ended within seconds."""
+    job, ws = ssh_job
+    (ws / "steps.py").write_text(STEPS)
+    monkeypatch.chdir(ws)
+    monkeypatch.setenv("MONARCH_PARTITION_PROBE_INTERVAL", "3600")
+    pressed: list[float] = []
+
+    def ctrl_c() -> None:
+        pressed.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    class CutWhenStepping(io.BytesIO):
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            n = super().write(data)
+            if self.getvalue().count(b"step 3\n") >= 2 and not pressed and not timers:
+                _rules(iptables, ssh_hosts, "-I")
+                timers.append(threading.Timer(3.0, ctrl_c))  # the collectives are stuck by then
+                timers[0].start()
+            return n
+
+    timers: list[threading.Timer] = []
+    out, notices = CutWhenStepping(), []
+    try:
+        result = job.run_spmd(
+            ["torchrun", "--nproc-per-node=1", "steps.py"],
+            stdout=out,
+            stderr=out,
+            on_event=notices.append,
+            env={"GLOO_SOCKET_IFNAME": "eth0"},
+        )
+        ended = time.monotonic()
+    finally:
+        _rules(iptables, ssh_hosts, "-D")
+        for t in timers:
+            t.cancel()
+    assert pressed, out.getvalue()[-2000:]
+    assert any(n.startswith("network partition: ") for n in notices), notices
+    assert result.exit_code != 0 and result.interrupted
+    assert ended - pressed[0] < 15, f"one Ctrl-C took {ended - pressed[0]:.1f} s to stop the ranks"
+    print(f"one Ctrl-C stopped the ranks in {ended - pressed[0]:.1f} s")
