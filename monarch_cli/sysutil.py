@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import glob
+import io
 import os
+import pickle
 import shutil
 import socket
+import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CACHE_ENV", "atomic_write", "cache_dir", "private_tmpdir", "signal_if_alive", "source_address_towards"]
+__all__ = [
+    "CACHE_ENV",
+    "UnsafePath",
+    "atomic_write",
+    "cache_dir",
+    "check_private",
+    "loads_plain",
+    "private_dirs",
+    "private_tmpdir",
+    "signal_if_alive",
+    "source_address_towards",
+]
 
 
 def atomic_write(path: str | Path, data: str | bytes, mode: int = 0o600, *, durable: bool = False) -> Path:
@@ -116,3 +131,83 @@ def cache_dir() -> str:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "monarch-cli")
+
+
+class UnsafePath(PermissionError):
+    """A file or directory another user created or can write: using it would hand them our data or code."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unsafe path"
+
+
+def _who(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
+def check_private(path: str | Path, *, directory: bool = False) -> bool:
+    """Refuse ``path`` unless it is ours and nobody else can write it; False if it does not exist.
+
+    A symlink is refused too (it could lead anywhere). The message is one line naming the path,
+    its owner or who can write it, and what to do.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    kind = "directory" if directory else "file"
+    wanted = stat.S_ISDIR if directory else stat.S_ISREG
+    if not wanted(st.st_mode):
+        raise UnsafePath(f"refusing {path}: not a regular {kind} (a link or something else); remove it")
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(
+            f"refusing {path}: it was created by {_who(st.st_uid)}, not by you ({_who(os.geteuid())}); "
+            f"remove it or use another directory"
+        )
+    if st.st_mode & 0o022:
+        raise UnsafePath(f"refusing {path}: other users can write it (mode {stat.S_IMODE(st.st_mode):o}); remove it")
+    return True
+
+
+def private_dirs(path: str | Path, root: str | Path) -> None:
+    """Make ``path`` and its missing parents below ``root`` (mode 0700), refusing any that is not ours.
+
+    ``root`` itself may be shared only the way ``/tmp`` is: owned by us or by root, and sticky
+    if others can write it (nobody else can then rename what we put there).
+    """
+    root_s, path_s = os.path.abspath(root), os.path.abspath(path)
+    if path_s != root_s and not path_s.startswith(root_s.rstrip(os.sep) + os.sep):
+        raise ValueError(f"{path} is not below {root}")
+    os.makedirs(root_s, mode=0o700, exist_ok=True)
+    st = os.stat(root_s)
+    if st.st_uid not in (os.geteuid(), 0) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        raise UnsafePath(
+            f"refusing {root_s}: {_who(st.st_uid)} owns it and others can change what is in it; use a private directory"
+        )
+    current = root_s
+    for part in os.path.relpath(path_s, root_s).split(os.sep):
+        if part in ("", "."):
+            continue
+        current = os.path.join(current, part)
+        try:
+            os.mkdir(current, 0o700)
+        except FileExistsError:
+            pass
+        check_private(current, directory=True)
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only plain data is read back from disk")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refusing a persistent id: only plain data is read back from disk")
+
+
+def loads_plain(data: bytes) -> Any:
+    """Unpickle builtin data only (no globals, so no code can run), for caches we read back from disk."""
+    return _NoGlobals(io.BytesIO(data)).load()

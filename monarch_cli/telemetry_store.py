@@ -13,7 +13,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,10 @@ DB_NAME = "telemetry.db"
 SCHEMA_VERSION = 1
 #: Runs kept per reservation ($MONARCH_TELEMETRY_RUNS overrides).
 KEEP_RUNS = int(os.environ.get("MONARCH_TELEMETRY_RUNS", "50") or 50)
+#: Output lines the store keeps per run: the first half and the last half of that many (the rank
+#: logs keep everything). ``$MONARCH_TELEMETRY_LINES`` changes it.
+MAX_LINES = 20_000
+MAX_LINE_CHARS = 4096  # a longer line is stored cut, with "…" (a rank printing without newlines)
 
 #: table -> (what it holds, [(column, type, meaning)]). The DDL and `monarch sql --schema` both come from here.
 TABLES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
@@ -64,7 +68,7 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ],
     ),
     "logs": (
-        "every output line of every rank",
+        "output lines of every rank: per run the first and the last MONARCH_TELEMETRY_LINES/2 (default 10000 each); the rank logs keep all",
         [
             ("run_id", "TEXT", "run id"),
             ("rank", "INTEGER", "rank"),
@@ -194,6 +198,14 @@ def _ddl() -> list[str]:
     return out + _INDEXES
 
 
+def _check_ours(path: Path) -> None:
+    """A store (or its -wal/-shm) someone else made or can write is refused: they would read every rank's output."""
+    from .sysutil import check_private
+
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        check_private(p)
+
+
 def _connect_rw(path: Path) -> sqlite3.Connection:
     import sqlite3
 
@@ -206,6 +218,7 @@ def _connect_rw(path: Path) -> sqlite3.Connection:
             os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         except FileExistsError:
             pass
+    _check_ours(path)
     conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-consistent
@@ -285,6 +298,10 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
     path = Path(path)
     if not path.exists():
         raise StoreError(f"no telemetry store at {path}: nothing has run on this reservation yet")
+    try:
+        _check_ours(path)
+    except PermissionError as e:
+        raise StoreError(str(e)) from None
     conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=10.0)
     conn.execute("PRAGMA query_only=1")
     conn.set_authorizer(_ReadOnly())
@@ -297,26 +314,68 @@ def query(path: Path, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], 
     return cols, rows
 
 
+#: ``monarch sql``'s defaults (``--max-rows``, ``--timeout``): a runaway query (a recursive CTE)
+#: stops there instead of growing until the machine runs out of memory.
+DEFAULT_MAX_ROWS = 10_000
+DEFAULT_TIMEOUT = 30.0
+_HEAP_LIMIT = 1 << 30  # SQLite's own memory (sorts, CTE queues) in this process, whatever the rows
+
+
 def query_bounded(
-    path: Path, sql: str, params: Sequence[Any] = (), max_rows: int | None = None
-) -> tuple[list[str], list[tuple[Any, ...]], int]:
-    """:func:`query` keeping at most ``max_rows`` rows in memory; the third value counts them all."""
+    path: Path,
+    sql: str,
+    params: Sequence[Any] = (),
+    *,
+    max_rows: int | None = None,
+    timeout: float | None = None,
+    interrupted: Callable[[], bool] | None = None,
+) -> tuple[list[str], list[tuple[Any, ...]], bool]:
+    """:func:`query` with bounds: (columns, at most ``max_rows`` rows, whether more were left out).
+
+    The statement is abandoned (:class:`StoreError`) past ``timeout`` seconds or once
+    ``interrupted()`` says so (Ctrl-C): SQLite's progress handler asks every few thousand steps.
+    """
     import sqlite3
 
     conn = connect_readonly(path)
     guard = _ReadOnly()
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    why: list[str] = []
+
+    def progress() -> int:
+        if interrupted is not None and interrupted():
+            why.append("interrupted (Ctrl-C)")
+            return 1
+        if deadline is not None and time.monotonic() > deadline:
+            why.append(f"stopped after {timeout:g} s; --timeout raises the limit")
+            return 1
+        return 0
+
+    if timeout is not None or interrupted is not None:
+        conn.set_progress_handler(progress, 20_000)
+    if timeout is not None:  # process-wide: `monarch sql` runs in its own process
+        conn.set_authorizer(None)
+        conn.execute(f"PRAGMA hard_heap_limit={_HEAP_LIMIT}")
     conn.set_authorizer(guard)
     try:
         cur = conn.execute(sql, params)
         cols = [d[0] for d in cur.description or ()]
         if max_rows is None:
-            rows = cur.fetchall()
-            return cols, rows, len(rows)
-        rows = cur.fetchmany(max_rows)
-        return cols, rows, len(rows) + sum(1 for _ in cur)
+            return cols, cur.fetchall(), False
+        rows: list[tuple[Any, ...]] = []
+        while len(rows) <= max_rows:
+            batch = cur.fetchmany(min(1000, max_rows + 1 - len(rows)))
+            if not batch:
+                break
+            rows.extend(batch)
+        return cols, rows[:max_rows], len(rows) > max_rows
     except sqlite3.Error as e:
         msg = str(e)
-        if guard.refused:
+        if why:
+            msg = why[0]
+        elif "out of memory" in msg and timeout is not None:
+            msg = f"stopped: the query needs more than {_HEAP_LIMIT >> 20} MiB; narrow it (LIMIT, WHERE)"
+        elif guard.refused:
             msg = f"the telemetry store is read-only here: {guard.refused}; use SELECT"
         elif "readonly" in msg:
             msg = f"the telemetry store is read-only here ({msg}); use SELECT"
@@ -358,6 +417,11 @@ def schema_json() -> dict[str, Any]:
     }
 
 
+def _line_text(raw: bytes) -> str:
+    text = raw[: MAX_LINE_CHARS + 1].rstrip(b"\r").decode("utf-8", "backslashreplace")
+    return text if len(raw) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + "…"
+
+
 class TelemetryWriter:
     """Writes one run's rows from a background thread, a batch (one transaction) at a time.
 
@@ -366,11 +430,31 @@ class TelemetryWriter:
     it never fails the run.
     """
 
-    def __init__(self, path: Path, run_id: str, *, keep_runs: int = KEEP_RUNS, start: bool = True) -> None:
-        """``start=False``: rows queue up until :meth:`start` (or :meth:`close`) starts the thread."""
+    def __init__(
+        self,
+        path: Path,
+        run_id: str,
+        *,
+        keep_runs: int = KEEP_RUNS,
+        start: bool = True,
+        max_lines: int | None = None,
+    ) -> None:
+        """``start=False``: rows queue up until :meth:`start` (or :meth:`close`) starts the thread.
+        ``max_lines``: lines kept for the run (default ``$MONARCH_TELEMETRY_LINES``, else
+        :data:`MAX_LINES`): the first half as they come, the last half when the run ends."""
         self.path = Path(path)
         self.run_id = run_id
         self.keep_runs = keep_runs
+        if max_lines is None:
+            try:
+                max_lines = int(os.environ.get("MONARCH_TELEMETRY_LINES") or MAX_LINES)
+            except ValueError:
+                max_lines = MAX_LINES
+        self._head_left = max(0, max_lines) - max(0, max_lines) // 2
+        self._tail_budget = max(0, max_lines) // 2  # shared by the ranks: each keeps its own last lines
+        self._tails: dict[int, collections.deque[tuple[Any, ...]]] = {}
+        self._rank_count = 1
+        self.lines_left_out = 0
         self._queue: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._closing = False
@@ -445,7 +529,7 @@ class TelemetryWriter:
             self._wake.wait(0.25)
             self._wake.clear()
             closing = self._closing  # read after the wake: close() sets it, then wakes us
-            if self._queue:
+            if self._queue or (closing and self._tails):
                 try:
                     self._write(conn)
                 except (sqlite3.Error, OSError, ValueError) as e:
@@ -465,11 +549,11 @@ class TelemetryWriter:
                 rank, stream, ts, data = item
                 buf = self._partial.pop((rank, stream), b"") + data
                 *lines, rest = buf.split(b"\n")
-                if rest:
-                    self._partial[(rank, stream)] = rest
+                if rest:  # no newline yet: keep only what a stored line can hold (and one more byte)
+                    self._partial[(rank, stream)] = rest[: MAX_LINE_CHARS + 1]
                 name = "stdout" if stream == 1 else "stderr"
                 for raw in lines:
-                    logs.append((self.run_id, rank, ts, name, raw.rstrip(b"\r").decode("utf-8", "backslashreplace")))
+                    self._keep(logs, (self.run_id, rank, ts, name, _line_text(raw)))
                 if lines:
                     n = last.get(rank, (0.0, 0))[1]
                     last[rank] = (ts, n + len(lines))
@@ -478,14 +562,8 @@ class TelemetryWriter:
                 for stream in (1, 2):
                     rest = self._partial.pop((rank, stream), b"")
                     if rest:
-                        logs.append(
-                            (
-                                self.run_id,
-                                rank,
-                                ts,
-                                "stdout" if stream == 1 else "stderr",
-                                rest.decode("utf-8", "backslashreplace"),
-                            )
+                        self._keep(
+                            logs, (self.run_id, rank, ts, "stdout" if stream == 1 else "stderr", _line_text(rest))
                         )
                         last[rank] = (ts, last.get(rank, (0.0, 0))[1] + 1)
             elif kind == "sql":
@@ -496,6 +574,20 @@ class TelemetryWriter:
                 conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
             elif kind == "flush":
                 waiters.append(item)
+        if self._closing and not self._queue and self._tails:  # the ranks' last lines, once the run is over
+            logs.extend(sorted((row for tail in self._tails.values() for row in tail), key=lambda row: row[2]))
+            self._tails.clear()
+            if self.lines_left_out:
+                conn.execute(
+                    "INSERT INTO events VALUES (?,?,?,?,?)",
+                    (
+                        self.run_id,
+                        time.time(),
+                        None,
+                        "lines_left_out",
+                        f"{self.lines_left_out} lines in the rank logs only",
+                    ),
+                )
         if logs:
             conn.executemany("INSERT INTO logs VALUES (?,?,?,?,?)", logs)
         for rank, (ts, n) in last.items():
@@ -506,6 +598,27 @@ class TelemetryWriter:
         conn.execute("COMMIT")
         for w in waiters:
             w.set()
+
+    def set_rank_count(self, n: int) -> None:
+        """How many ranks share the tail budget (before their output arrives)."""
+        self._rank_count = max(1, n)
+
+    def _keep(self, logs: list[tuple[Any, ...]], row: tuple[Any, ...]) -> None:
+        """The run's first lines go in now; later ones wait in their rank's bounded tail (the oldest dropped)."""
+        if self._head_left > 0:
+            self._head_left -= 1
+            logs.append(row)
+            return
+        tail = self._tails.get(row[1])
+        if tail is None:
+            size = self._tail_budget // self._rank_count
+            tail = self._tails[row[1]] = collections.deque(maxlen=size)
+        if not tail.maxlen:
+            self.lines_left_out += 1
+            return
+        if len(tail) == tail.maxlen:
+            self.lines_left_out += 1  # the oldest of the tail drops out
+        tail.append(row)
 
     def end_of_rank(self, rank: int) -> None:
         """The rank's output is complete: store an unterminated last line."""

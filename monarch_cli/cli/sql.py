@@ -12,13 +12,24 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..telemetry_store import StoreError, db_path, query, schema_json, schema_text
+from ..telemetry_store import (
+    DEFAULT_MAX_ROWS,
+    DEFAULT_TIMEOUT,
+    StoreError,
+    db_path,
+    query_bounded,
+    schema_json,
+    schema_text,
+)
 
 _MAX_CELL = 120
 
@@ -58,8 +69,15 @@ def _cell(v: Any) -> str:
     return text if len(text) <= _MAX_CELL else text[: _MAX_CELL - 1] + "…"
 
 
-def run_sql(statement: str | None, state: str | None, fmt: str, schema: bool) -> tuple[int, str, str]:
-    """(exit code, stdout text, stderr text) for ``monarch sql``."""
+def run_sql(
+    statement: str | None,
+    state: str | None,
+    fmt: str,
+    schema: bool,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> tuple[int, str, str]:
+    """(exit code, stdout text, stderr text) for ``monarch sql``; Ctrl-C abandons the query (exit 130)."""
     if schema:
         return 0, (json.dumps(schema_json(), indent=1) + "\n") if fmt == "json" else schema_text() + "\n", ""
     if not statement or not statement.strip():
@@ -68,11 +86,36 @@ def run_sql(statement: str | None, state: str | None, fmt: str, schema: bool) ->
             "",
             'monarch: error: give a query, e.g. monarch sql "SELECT * FROM runs" (monarch sql --schema lists the tables)\n',
         )
+    if max_rows < 1 or not math.isfinite(timeout) or timeout <= 0:
+        return 2, "", "monarch: error: --max-rows and --timeout take positive numbers\n"
+    pressed: list[int] = []
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGINT, lambda *_: pressed.append(1))
     try:
-        cols, rows = query(store_path(state), statement)
+        cols, rows, more = query_bounded(
+            store_path(state), statement, max_rows=max_rows, timeout=timeout, interrupted=lambda: bool(pressed)
+        )
     except StoreError as e:
-        return 2, "", f"monarch: error: {e}\n"
-    return 0, render(cols, rows, fmt), ""
+        return 130 if pressed else 2, "", f"monarch: error: {e}\n"
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+    note = f"monarch: showing the first {max_rows} rows; --max-rows raises the limit\n" if more else ""
+    return 0, render(cols, rows, fmt), note
+
+
+def _number(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}")
+        return value
+
+    return parse
 
 
 def fast_main(argv: list[str]) -> int:
@@ -82,7 +125,12 @@ def fast_main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--csv", action="store_true")
     parser.add_argument("--schema", action="store_true")
-    args, extra = parser.parse_known_args(argv)
+    parser.add_argument("--max-rows", type=_number(int), default=DEFAULT_MAX_ROWS)
+    parser.add_argument("--timeout", type=_number(float), default=DEFAULT_TIMEOUT)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit:  # argparse has printed its line
+        return 2
     if extra:
         sys.stderr.write(f"monarch: error: unknown option(s) for sql: {' '.join(extra)}\n")
         return 2
@@ -90,7 +138,12 @@ def fast_main(argv: list[str]) -> int:
         sys.stderr.write("monarch: error: --json and --csv together: pick one\n")
         return 2
     code, out, err = run_sql(
-        args.statement, args.state, "json" if args.json else "csv" if args.csv else "text", args.schema
+        args.statement,
+        args.state,
+        "json" if args.json else "csv" if args.csv else "text",
+        args.schema,
+        args.max_rows,
+        args.timeout,
     )
     sys.stdout.write(out)
     sys.stderr.write(err)

@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ..telemetry_store import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out, parse_ranks
 from .results import top_json
 from .sql import run_sql
@@ -34,13 +35,24 @@ def sql_cmd(
     as_json: bool = typer.Option(False, "--json", help="Rows as a JSON list of objects."),
     as_csv: bool = typer.Option(False, "--csv", help="Rows as CSV with a header line."),
     schema: bool = typer.Option(False, "--schema", help="The tables, their columns, what they mean, example queries."),
+    max_rows: int = typer.Option(
+        DEFAULT_MAX_ROWS, "--max-rows", min=1, help="Rows shown at most (the rest is left out, with a note)."
+    ),
+    timeout: float = typer.Option(
+        DEFAULT_TIMEOUT, "--timeout", min=0.001, help="Seconds a query may run before it is stopped."
+    ),
 ) -> None:
     """Query the reservation's telemetry store (read-only SQLite: runs, ranks, logs, samples, steps, stacks...)."""
     if as_json and as_csv:
         err.print("[bold red]monarch: error:[/] --json and --csv together: pick one")
         raise typer.Exit(2)
     code, text, problem = run_sql(
-        statement, str(state) if state else None, "json" if as_json else "csv" if as_csv else "text", schema
+        statement,
+        str(state) if state else None,
+        "json" if as_json else "csv" if as_csv else "text",
+        schema,
+        max_rows,
+        timeout,
     )
     sys.stdout.write(text)
     sys.stderr.write(problem)

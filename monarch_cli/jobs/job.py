@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -126,7 +127,10 @@ class Job:
             )
         hosts = self._reachable_hosts()
         dead = [] if require_all else self.scheduler.dead_hosts(self.state)
-        return HostSet(hosts, self.keys, require_all=require_all, known_dead=dead)
+        hs = HostSet(hosts, self.keys, require_all=require_all, known_dead=dead)
+        # Agents reached at their own addresses can probe each other there (a partition between hosts).
+        hs.peers_reachable = all(h.agent == rec.agent for h, rec in zip(hosts, self.state.hosts))
+        return hs
 
     def _reachable_hosts(self) -> list[HostRecord]:
         """The hosts with the agent addresses this process reaches them at (a backend's forward, or
@@ -177,6 +181,8 @@ class Job:
         server's detached runs) know its logs and telemetry before it starts.
         """
         opts = dataclasses.replace(options, **overrides) if options is not None else RunOptions(**overrides)
+        if math.isnan(opts.straggler_grace) or opts.straggler_grace < 0:
+            raise JobError(f"--straggler-grace takes seconds (0 or more), not {opts.straggler_grace}")
         argv, cwd, spec = self._spmd_command(command)
         if opts.run_id is not None and not _RUN_ID.fullmatch(opts.run_id):
             raise JobError(f"not a run id: {opts.run_id!r} (make one with new_run_id())")
@@ -683,6 +689,10 @@ def _request(
     nhosts = nhosts or backend.default_hosts() or 1
     if nhosts < 1:
         raise JobError(f"--hosts must be at least 1, not {nhosts}")
+    if nhosts > backend.max_hosts():
+        raise JobError(
+            f"--hosts {nhosts} is more than the {backend.name} scheduler takes (at most {backend.max_hosts()})"
+        )
     if argv:
         parse_command(argv)  # a bad default command is an error now, not at the first run
     return ReserveRequest(

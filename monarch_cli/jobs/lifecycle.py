@@ -98,6 +98,7 @@ class RunControl:
         self.stopped_by: str | None = None  # who released the reservation meanwhile
         self.stragglers: list[int] = []
         self.console_gone = False  # the output's reader went away (`| head`)
+        self.partition: str | None = None  # hosts of the run that cannot reach each other, in words
         self.killed: list[int] = []  # ranks still running when SIGKILL was sent
         self.gave_up: list[int] = []
         self._received_at: float | None = None
@@ -141,6 +142,18 @@ class RunControl:
 
     def stopped(self, who: str) -> None:
         self.stopped_by = self.stopped_by or who
+
+    def partitioned(self, why: str, now: float) -> None:
+        """Hosts of the run cannot reach each other: its collectives can never finish. End it now:
+        SIGTERM to every rank, SIGKILL to what still runs 5 s later (a rank stuck in a collective
+        does not run Python signal handlers), 2 s after a Ctrl-C (the user is waiting)."""
+        if self.partition is not None:
+            return
+        self.partition = why
+        self.say(f"{why}; ending the run")
+        self.send(signal.SIGTERM)
+        self._term_at = math.inf
+        self._kill_at = min(self._kill_at, now + (2.0 if self.interrupts else 5.0))
 
     def console_closed(self, now: float) -> None:
         """The output's reader went away (`| head`): as a Unix tool under SIGPIPE, end now, quietly:
@@ -205,6 +218,8 @@ class RunControl:
             else:
                 left = "ranks exited"
             return f"received {name}; forwarded to ranks; {left}"
+        if self.partition is not None:
+            return f"{self.partition}; ranks stopped"
         if self.console_gone:
             return "its output's reader went away (e.g. `| head`); ranks stopped"
         if self.interrupts:

@@ -135,6 +135,7 @@ class HostSet:
         known_dead: Sequence[str] = (),
     ) -> None:
         self.hosts = hosts
+        self.peers_reachable = False  # the agents can reach each other at the addresses in ``hosts``
         self.mb = Mailbox.for_keys(keys)
         for h in hosts:  # one connection per host: everything comes back on it
             self.mb.link(h.agent)

@@ -27,6 +27,7 @@ from .errors import JobError
 from .lifecycle import DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGLER_GRACE, RunControl, SignalRelay
 from .model import HostSet, Launch, RankExit
 from .output import OutputSink
+from .partition import PartitionWatch
 from .telemetry import NO_TELEMETRY, RunRecorder
 from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
@@ -161,7 +162,7 @@ class SpmdRunner:
             acks = self._start(launches, nodes, run_id)
             telemetry.start()  # its thread opens the store now, not while the launch is on its way
             early = self._await_started(acks, nodes, relay, on_notice)
-            self._wait(state, relay, early)
+            self._wait(state, relay, early, nodes)
         finally:
             relay.restore()
             for n in nodes:
@@ -170,8 +171,8 @@ class SpmdRunner:
         self.interrupted = control.interrupts > 0
         return state.ordered()
 
-    def _start(self, launches: list[Launch], nodes: list[int], run_id: str) -> Future[list[Any]]:
-        """Hand every host its ranks, at once; the agents' acknowledgements."""
+    def _start(self, launches: list[Launch], nodes: list[int], run_id: str) -> list[Future[Any]]:
+        """Hand every host its ranks, at once; each agent's acknowledgement, in ``nodes`` order."""
         mb = self.mb
         acks = []
         for n in nodes:
@@ -183,20 +184,25 @@ class SpmdRunner:
                     wire.dumps_data(specs),
                 )
             )
-        return gather(acks)
+        return acks
 
     def _await_started(
-        self, acks: Future[list[Any]], nodes: list[int], relay: SignalRelay, on_notice: Callable[[str], None] | None
+        self, parts: list[Future[Any]], nodes: list[int], relay: SignalRelay, on_notice: Callable[[str], None] | None
     ) -> list[int]:
         """Wait for the hosts to start their ranks and pass on what they noticed; a signal that arrives
         meanwhile (a Ctrl-C while a host is slow) ends the wait and is returned, to be acted on."""
         deadline = time.monotonic() + 30
+        acks = gather(parts)
         while True:
             try:
                 made = acks.get(timeout=0.2)
             except CallTimeout:
                 if time.monotonic() > deadline:
-                    raise
+                    slow = [self.hs.hosts[n].name for n, a in zip(nodes, parts) if not a.done()]
+                    raise JobError(
+                        f"{', '.join(slow) or 'a host'} did not start the run's ranks within 30 s; "
+                        "`monarch status` says whether its agent still answers"
+                    ) from None
                 early = relay.take()
                 if early:
                     return early
@@ -209,19 +215,29 @@ class SpmdRunner:
                         on_notice(f"{self.hs.hosts[n].name}: {notice}")
             return []
 
-    def _wait(self, state: _RunState, relay: SignalRelay, early: list[int]) -> None:
-        """Until every rank has ended: act on signals, a closed console and the run's deadlines."""
+    def _wait(self, state: _RunState, relay: SignalRelay, early: list[int], nodes: list[int]) -> None:
+        """Until every rank has ended: act on signals, a closed console, a partition between the run's
+        hosts (:class:`PartitionWatch`) and the run's deadlines."""
         control = state.control
+        watched = [self.hs.hosts[n] for n in nodes] if self.hs.peers_reachable else []
+        watch = PartitionWatch(self.mb, watched, [h.agent for h in watched])
         while not state.done.done():
             try:
                 state.done.get(timeout=0.2)
             except Exception:  # noqa: BLE001 - timeouts: time to check deadlines
                 pass
+            partition = watch.tick(time.monotonic())
+            if partition is not None:
+                with state.lock:
+                    control.partitioned(partition, time.monotonic())
+                state.telemetry.event("partition", None, partition)
             with state.lock:
                 if self._console_closed.is_set():
                     control.console_closed(time.monotonic())
                 for sig in [*early, *relay.take()]:
                     control.signal(sig, time.monotonic(), sorted(state.running()))
+                    if sig == signal.SIGINT:
+                        watch.urgent(time.monotonic())  # a hang on a partition: end it within seconds
                 early = []
                 abandon, why = control.tick(time.monotonic(), state.running())
             for rank in abandon:  # Ctrl-C always ends the wait, even for ranks whose exits never come
@@ -438,12 +454,15 @@ def plan_spmd(
     """
     hosts = hostset.hosts
     nnodes = spec.nnodes or len(hosts)
+    if spec.nnodes_min is not None:  # elastic MIN:MAX, as torchrun: as many of the reserved hosts as MAX allows
+        if spec.nnodes_min > len(hosts):
+            raise JobError(
+                f"--nnodes {spec.nnodes_min}:{spec.nnodes} needs at least {spec.nnodes_min} hosts; "
+                f"{len(hosts)} are reserved"
+            )
+        nnodes = min(nnodes, len(hosts))
     if nnodes > len(hosts):
         raise JobError(f"--nnodes {nnodes} asks for more hosts than the {len(hosts)} reserved; serve more hosts first")
-    if spec.nnodes_min is not None and spec.nnodes_min > len(hosts):
-        raise JobError(
-            f"--nnodes {spec.nnodes_min}:{spec.nnodes} needs at least {spec.nnodes_min} hosts; {len(hosts)} are reserved"
-        )
     per_node = [resolve_nproc(spec.nproc_per_node, i["gpus"], i["cpus"]) for i in hostset.infos[:nnodes]]
     if len(set(per_node)) != 1:
         raise JobError(

@@ -219,8 +219,15 @@ def _corrupt(target: Path, why: str) -> StateError:
 
 
 def _read(target: Path) -> bytes:
-    try:
-        with open(target, "rb") as handle:
+    try:  # O_NONBLOCK: a FIFO (or device) put there must not hang the command; it is refused below
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as handle:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(mode):
+                raise StateError(f"job state path {target} is not a regular file; point --state at a state file")
+            os.set_blocking(fd, True)
             data = handle.read(_MAX_BYTES + 1)
     except FileNotFoundError:
         raise NoReservation(f"no reservation at {target}; start one with `monarch serve`") from None

@@ -10,11 +10,12 @@ only their time differs) and the deletions. See docs/sync.md.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,8 @@ from .state import HostRecord
 if TYPE_CHECKING:  # the scanner is imported where a host needs a mirror: a run on shared hosts needs none of it
     from ..runtime.workspace import FileUpdate
 
-_BATCH_BYTES = 32 << 20  # bytes per apply request: bounds memory on both sides
+_BATCH_BYTES = 16 << 20  # bytes per apply request (and per chunk of a bigger file)
+_IN_FLIGHT = 3  # apply requests on their way at once: memory stays a few batches whatever the files
 
 
 @dataclasses.dataclass
@@ -121,8 +123,8 @@ def sync_workspace(
 
     limit = max_bytes if max_bytes is not None else int(os.environ.get("MONARCH_SYNC_MAX_BYTES", DEFAULT_MAX_BYTES))
     cache_file = cache_dir / "sync" / f"{name}.pkl"
-    scanner = load_scanner(cache_file, workspace)
     try:
+        scanner = load_scanner(cache_file, workspace)
         scan, client_digest = scanner.manifest_and_digest()
         check_size(scan.manifest, limit, workspace)
     except WorkspaceError as e:
@@ -144,31 +146,39 @@ def sync_workspace(
     for i in stale:
         if statuses[i].files is None and statuses[i].digest in known:
             statuses[i].files = known[statuses[i].digest]
-    pending: list[tuple[int, Any]] = []  # (host index, future)
-    plans: dict[str, tuple[list[list[FileUpdate]], list[str], int, int]] = {}
+    groups: dict[str, list[int]] = {}  # hosts in the same state share one plan (usually all of them)
     for i in stale:
-        st = statuses[i]
-        if st.digest == client_digest or st.files is None:
-            continue
-        plan = plans.get(st.digest)
-        if plan is None:  # hosts in the same state share one plan (usually all of them)
-            plan = plans[st.digest] = _plan(scanner, scan.manifest, st.files)
-        batches, deleted, nfiles, nbytes = plan
-        report.files, report.deleted = max(report.files, nfiles), max(report.deleted, len(deleted))
-        report.nbytes = max(report.nbytes, nbytes)
-        for j, batch in enumerate(batches):
+        if statuses[i].digest != client_digest and statuses[i].files is not None:
+            groups.setdefault(statuses[i].digest, []).append(i)
+    final: dict[int, str] = {}  # each host's digest after its last batch
+    for base, group in groups.items():
+        changes = _changes(scan.manifest, statuses[group[0]].files)
+        report.files, report.deleted = (
+            max(report.files, len(changes.changed)),
+            max(report.deleted, len(changes.deleted)),
+        )
+        window: collections.deque[list[Any]] = collections.deque()  # batches in flight, oldest first
+        sent = 0
+        for j, batch in enumerate(_batches(scanner, changes.changed)):
+            sent += sum(len(u.data) for u in batch if u.data is not None)
             body = wire.dumps(
-                SyncApply(reservation, name, batch, deleted if j == 0 else [], st.digest if j == 0 else "")
+                SyncApply(reservation, name, batch, changes.deleted if j == 0 else [], base if j == 0 else "")
             )
-            pending.append(
-                (i, mb.request(hosts[i].agent, lambda cid: protocol.SyncApplyRequest(cid, mb.address), body))
+            window.append(
+                [
+                    mb.request(hosts[i].agent, lambda cid: protocol.SyncApplyRequest(cid, mb.address), body)
+                    for i in group
+                ]
             )
-    if pending:
-        applied = _gather([f for _, f in pending], [hosts[i] for i, _ in pending], timeout)
-        final = {i: a.digest for (i, _), a in zip(pending, applied)}  # each host's last batch
-        if all(d == client_digest for d in final.values()):  # the next change is diffed here, not fetched
-            scanner.synced = (client_digest, scan.manifest)
-            scanner.dirty = True
+            del body, batch
+            if len(window) >= _IN_FLIGHT:  # bounded memory: a few batches on their way, whatever the files' size
+                _settle(window.popleft(), group, hosts, timeout, final)
+        while window:
+            _settle(window.popleft(), group, hosts, timeout, final)
+        report.nbytes = max(report.nbytes, sent)
+    if final and all(d == client_digest for d in final.values()):  # the next change is diffed here, not fetched
+        scanner.synced = (client_digest, scan.manifest)
+        scanner.dirty = True
     if scanner.dirty:
         try:
             save_scanner(scanner, cache_file)
@@ -178,29 +188,43 @@ def sync_workspace(
     return report
 
 
-def _plan(
-    scanner: Any, manifest: dict[str, Any], host_files: dict[str, Any]
-) -> tuple[list[list[FileUpdate]], list[str], int, int]:
-    from ..runtime.workspace import WorkspaceError, diff
+def _changes(manifest: dict[str, Any], host_files: dict[str, Any]) -> Any:
+    from ..runtime.workspace import diff
 
-    changes = diff(manifest, host_files)
-    batches: list[list[FileUpdate]] = [[]]
-    size = nbytes = 0
-    for path, entry, host_entry, host_sha in changes.changed:
-        try:
-            update = scanner.update_for(path, entry, host_sha, host_entry)
-        except FileNotFoundError:
-            continue  # deleted since the scan: the next sync deletes it there too
-        except WorkspaceError as e:
-            raise JobError(str(e)) from None
-        n = len(update.data) if update.data is not None else 0
-        if size and size + n > _BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(update)
-        size += n
-        nbytes += n
-    return batches, changes.deleted, len(changes.changed), nbytes
+    return diff(manifest, host_files)
+
+
+def _batches(scanner: Any, changed: list[Any]) -> Iterator[list[FileUpdate]]:
+    """The updates to send, read as they are sent: batches of at most ~_BATCH_BYTES, a big file in
+    chunks (so neither side ever holds a whole big file)."""
+    from ..runtime.workspace import WorkspaceError
+
+    batch: list[FileUpdate] = []
+    size = 0
+    try:
+        for path, entry, host_entry, host_sha in changed:
+            try:
+                updates = scanner.updates_for(path, entry, host_sha, host_entry, _BATCH_BYTES)
+                for update in updates:
+                    n = len(update.data) if update.data is not None else 0
+                    if batch and size + n > _BATCH_BYTES:
+                        yield batch
+                        batch, size = [], 0
+                    batch.append(update)
+                    size += n
+            except FileNotFoundError:
+                continue  # deleted since the scan: the next sync deletes it there too
+    except WorkspaceError as e:
+        raise JobError(str(e)) from None
+    yield batch
+
+
+def _settle(
+    futures: list[Any], group: list[int], hosts: Sequence[HostRecord], timeout: float, final: dict[int, str]
+) -> None:
+    applied = _gather(futures, [hosts[i] for i in group], timeout)
+    for i, a in zip(group, applied):
+        final[i] = a.digest
 
 
 def _gather(futures: list[Any], hosts: Sequence[HostRecord], timeout: float) -> list[Any]:

@@ -79,6 +79,9 @@ class RunRecorder(Protocol):
     def on_agent_event(self, event: protocol.Telemetry, _body: Any) -> None:
         """A host agent's samples and step records for the run."""
 
+    def event(self, kind: str, rank: int | None, detail: str) -> None:
+        """Something the controller saw happen to the run (a partition between its hosts)."""
+
     def finish(self, result: RunResult | None) -> None:
         """The run ended (None: it failed to run); nothing is written after."""
 
@@ -99,6 +102,9 @@ class NoTelemetry:
         pass
 
     def on_agent_event(self, event: protocol.Telemetry, _body: Any) -> None:
+        pass
+
+    def event(self, kind: str, rank: int | None, detail: str) -> None:
         pass
 
     def finish(self, result: RunResult | None) -> None:
@@ -128,6 +134,7 @@ class RunTelemetry:
         now = time.time()
         nodes = sorted({l.node for l in launches})
         w = self.writer
+        w.set_rank_count(len(launches))
         w.sql("UPDATE runs SET world_size = ?, hosts = ? WHERE run_id = ?", (len(launches), len(nodes), self.run_id))
         if attempt == 0:
             w.rows(
@@ -182,6 +189,9 @@ class RunTelemetry:
         self.writer.output(rank, stream, data)
         if self.export is not None:
             self.export.output(rank, stream, data)
+
+    def event(self, kind: str, rank: int | None, detail: str) -> None:
+        self.writer.event(kind, rank, detail)
 
     def rank_exit(self, e: RankExit) -> None:
         w = self.writer
@@ -536,6 +546,12 @@ class Inspector:
         if run is None:
             return Diagnosis("unknown", 2, None, "no run recorded on this reservation yet")
         run_id = run["run_id"]
+        partition = self.sql("SELECT detail FROM events WHERE run_id = ? AND kind = 'partition' LIMIT 1", (run_id,))
+        if partition:  # its hosts could not reach each other (jobs/partition.py): nothing else explains it better
+            why = str(partition[0]["detail"])
+            ranks = self.sql("SELECT rank, host FROM ranks WHERE run_id = ? ORDER BY rank", (run_id,))
+            suspects = [Suspect(r["rank"], r["host"], [why]) for r in ranks]
+            return Diagnosis("suspect", 1, run_id, why, suspects, {"partition": why})
         if run["ended_at"] is not None:
             return self._diagnose_ended(run)
         try:

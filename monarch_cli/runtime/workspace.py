@@ -11,7 +11,8 @@ Decisions a user can notice (docs/sync.md):
   ``pyvenv.cfg`` (a virtualenv), sockets, fifos and devices. ``.gitignore`` files (nested,
   git's precedence: the deepest file with a matching pattern decides) and ``.monarchignore``
   files (same syntax, same places) are honoured.
-* A symlink whose target stays inside the workspace is mirrored as that symlink. One that
+* A symlink whose target stays inside the workspace is mirrored as that symlink (an absolute
+  one as the relative link to the same file, so it leads into the mirror on the host). One that
   points outside (or dangles outside) is not mirrored and is reported: following it could
   copy unbounded data or secrets (``~/.ssh``), and recreating it would point at whatever that
   path is on the host.
@@ -29,10 +30,11 @@ import pickle
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from ..sysutil import UnsafePath, atomic_write, check_private, loads_plain, private_dirs
 from .errors import MonarchError
 
 SKIPPED_NAMES = frozenset({".git", ".monarch", "__pycache__"})
@@ -54,12 +56,17 @@ Manifest = dict[str, Entry]
 
 
 class FileUpdate(NamedTuple):
-    """A path to (re)write on a host: ``data`` None means only mode/mtime changed (content equal)."""
+    """A path to (re)write on a host: ``data`` None means only mode/mtime changed (content equal).
+
+    A big file travels as several updates: ``data`` is the part at ``offset`` and ``more`` says
+    that parts follow (the file takes its place with the last one, which carries the hash)."""
 
     path: str
     entry: Entry
     sha256: str
     data: bytes | None
+    offset: int = 0
+    more: bool = False
 
 
 def digest(manifest: Manifest) -> str:
@@ -118,7 +125,7 @@ class Scanner:
     (see :func:`load_scanner`) to keep that across processes.
     """
 
-    version = 5
+    version = 6  # 6: absolute links inside the workspace are kept relative
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -129,6 +136,33 @@ class Scanner:
         self.last_digest: str | None = None  # the digest of the last scan's manifest
         self.dirty = True  # something worth saving changed since the last save
         self.synced: tuple[str, Manifest] | None = None  # the digest and manifest last pushed to hosts
+
+    def to_data(self) -> dict[str, object]:
+        """Builtins only: what :func:`save_scanner` writes (read back with no globals)."""
+        return {
+            "version": self.version,
+            "root": self.root,
+            "dirs": {rel: tuple(listing) for rel, listing in self.dirs.items()},
+            "entries": self.entries,
+            "unchanged": self._unchanged,
+            "hashes": self.hashes,
+            "last_digest": self.last_digest,
+            "synced": self.synced,
+        }
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Scanner:
+        if not isinstance(data, dict) or data.get("version") != cls.version:
+            raise ValueError("not a scan cache of this version")
+        scanner = cls(str(data["root"]))
+        scanner.dirs = {str(rel): _DirListing(*listing) for rel, listing in data["dirs"].items()}
+        scanner.entries = dict(data["entries"])
+        scanner._unchanged = bool(data["unchanged"])
+        scanner.hashes = dict(data["hashes"])
+        scanner.last_digest = data["last_digest"]
+        scanner.synced = tuple(data["synced"]) if data["synced"] is not None else None  # type: ignore[assignment]
+        scanner.dirty = False
+        return scanner
 
     def scan(self) -> ScanResult:
         manifest: Manifest = {}
@@ -192,6 +226,8 @@ class Scanner:
                             if not _inside(root, absdir, target):
                                 outside.append(f"{r} -> {target}")
                                 continue
+                            if os.path.isabs(target):  # the mirror is elsewhere: lead to the same file there
+                                target = os.path.relpath(os.path.normpath(target), absdir)
                             entry = (0, st.st_mtime_ns, 0, target)
                         elif S_ISREG(st.st_mode):
                             entry = (st.st_size, st.st_mtime_ns, S_IMODE(st.st_mode), "")
@@ -254,7 +290,7 @@ class Scanner:
         if entry[3]:
             h = hashlib.sha256(entry[3].encode("utf-8", "surrogateescape")).hexdigest()
         else:
-            h = hashlib.sha256(self.read(rel, entry)).hexdigest()
+            h = self._hash_file(rel, entry)
         self.hashes[rel] = (entry, h)
         self.dirty = True
         return h
@@ -270,6 +306,52 @@ class Scanner:
                 return data
             entry = (st.st_size, st.st_mtime_ns, entry[2], "")
         raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
+
+    def _hash_file(self, rel: str, entry: Entry) -> str:
+        """The file's sha256, read in blocks (a big file is never held whole)."""
+        path = os.path.join(self.root, rel)
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+            st = os.fstat(f.fileno())
+        if (st.st_size, st.st_mtime_ns) != (entry[0], entry[1]):
+            raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
+        return h.hexdigest()
+
+    def updates_for(
+        self, rel: str, entry: Entry, host_sha: str | None, host_entry: Entry | None, chunk: int
+    ) -> Iterator[FileUpdate]:
+        """:meth:`update_for`, with a file over ``chunk`` bytes sent in parts read one at a time."""
+        if entry[3] or entry[0] <= chunk:
+            yield self.update_for(rel, entry, host_sha, host_entry)
+            return
+        if host_sha is not None and host_entry is not None and host_entry[0] == entry[0] and not host_entry[3]:
+            sha = self.sha256(rel, entry)
+            if sha == host_sha:
+                yield FileUpdate(rel, entry, sha, None)
+                return
+        path = os.path.join(self.root, rel)
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)) != entry[:3]:
+                raise WorkspaceError(f"{path} changed since the scan; sync again when it is written")
+            offset = 0
+            while True:
+                data = f.read(chunk)
+                h.update(data)
+                last = offset + len(data) >= entry[0]
+                if last:
+                    now = os.fstat(f.fileno())
+                    if (now.st_size, now.st_mtime_ns) != (entry[0], entry[1]) or f.read(1):
+                        raise WorkspaceError(f"{path} keeps changing while it is read; sync again when it is written")
+                    yield FileUpdate(rel, entry, h.hexdigest(), data, offset, False)
+                    return
+                if not data:
+                    raise WorkspaceError(f"{path} shrank while it was read; sync again when it is written")
+                yield FileUpdate(rel, entry, "", data, offset, True)
+                offset += len(data)
 
     def update_for(self, rel: str, entry: Entry, host_sha: str | None, host_entry: Entry | None) -> FileUpdate:
         """What to send for one changed path: metadata only when the host has the same content."""
@@ -348,20 +430,32 @@ class Mirror:
     so an agent that restarts still knows what it mirrored.
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, root: str | None = None) -> None:
+        """``root``: the directory below which every directory of the mirror must be ours (made 0700)."""
         self.dir = os.path.abspath(directory)
         self._state_file = self.dir.rstrip("/") + ".manifest"
         self.files: dict[str, tuple[Entry, str]] = {}
         self.digest = digest({})
-        try:
+        self._partial: dict[str, tuple[str, int]] = {}  # a big file's parts so far: (temporary file, size)
+        try:  # a directory or manifest someone else made or can write is refused: it could plant files
+            private_dirs(os.path.dirname(self.dir), root if root is not None else os.path.dirname(self.dir))
+            check_private(self.dir, directory=True)
+            has_manifest = check_private(self._state_file)
+        except UnsafePath as e:
+            raise WorkspaceError(f"workspace mirror: {e}") from None
+        if not has_manifest:
+            return
+        try:  # plain data read with no globals: nothing in it can run code
             with open(self._state_file, "rb") as f:
-                self.files, self.digest = pickle.load(f)
-        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+                files, mirror_digest = loads_plain(f.read())
+            if isinstance(files, dict) and isinstance(mirror_digest, str):
+                self.files, self.digest = files, mirror_digest
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError):
             pass
 
     def apply(self, updates: Sequence[FileUpdate], deleted: Iterable[str]) -> tuple[int, int]:
         """Delete, then write each update atomically; returns (files written, bytes written)."""
-        os.makedirs(self.dir, exist_ok=True)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
         dirs_touched = set()
         for rel in sorted(deleted, reverse=True):
             path = self._path(rel)
@@ -394,27 +488,44 @@ class Mirror:
                     self.files.pop(u.path, None)
                     continue
             else:
-                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".monarch", dir=parent)
+                if u.offset == 0:
+                    self._drop_partial(u.path)
+                    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".monarch", dir=parent)
+                    os.close(fd)
+                else:  # a later part of a big file: it goes on where the last part ended
+                    tmp = self._partial.pop(u.path, ("", -1))[0]
+                    if not tmp or os.path.getsize(tmp) != u.offset:
+                        if tmp:
+                            _unlink_quietly(tmp)
+                        raise WorkspaceError(
+                            f"part of {u.path} at {u.offset} came without what precedes it; sync again"
+                        )
                 try:
-                    with os.fdopen(fd, "wb") as f:
+                    with open(tmp, "r+b") as f:
+                        f.seek(u.offset)
                         f.write(u.data)
+                    nbytes += len(u.data)
+                    if u.more:
+                        self._partial[u.path] = (tmp, u.offset + len(u.data))
+                        continue
                     os.chmod(tmp, u.entry[2])
                     os.utime(tmp, ns=(u.entry[1], u.entry[1]))
                     os.replace(tmp, path)
                 except BaseException:
                     _unlink_quietly(tmp)
                     raise
-                nbytes += len(u.data)
             written += 1
             self.files[u.path] = (u.entry, u.sha256)
         for d in sorted(dirs_touched, key=len, reverse=True):
             _prune_empty(d, self.dir)
         self.digest = digest({p: e for p, (e, _) in self.files.items()})
-        tmp_state = self._state_file + ".tmp"
-        with open(tmp_state, "wb") as f:
-            pickle.dump((self.files, self.digest), f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp_state, self._state_file)
+        atomic_write(self._state_file, pickle.dumps((self.files, self.digest), protocol=pickle.HIGHEST_PROTOCOL))
         return written, nbytes
+
+    def _drop_partial(self, rel: str) -> None:
+        tmp = self._partial.pop(rel, None)
+        if tmp is not None:
+            _unlink_quietly(tmp[0])
 
     def _path(self, rel: str) -> str:
         path = os.path.normpath(os.path.join(self.dir, rel))
@@ -455,25 +566,28 @@ def _unlink_quietly(path: str) -> None:
 
 
 def load_scanner(cache_file: Path, root: str) -> Scanner:
-    """The scanner saved for ``root`` in ``cache_file``, or a fresh one."""
+    """The scanner saved for ``root`` in ``cache_file``, or a fresh one.
+
+    The cache is plain data read with no globals (nothing in it can run code), and a cache
+    file or directory another user created or can write is refused (:class:`WorkspaceError`).
+    """
     try:
+        check_private(cache_file.parent, directory=True)
+        if not check_private(cache_file):
+            return Scanner(root)
         with open(cache_file, "rb") as f:
-            scanner = pickle.load(f)
-        if (
-            isinstance(scanner, Scanner)
-            and scanner.root == os.path.abspath(root)
-            and scanner.version == Scanner.version
-        ):
+            data = loads_plain(f.read())
+        scanner = Scanner.from_data(data)
+        if scanner.root == os.path.abspath(root):
             return scanner
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError):
+    except UnsafePath as e:
+        raise WorkspaceError(f"workspace scan cache: {e}") from None
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError, KeyError, IndexError):
         pass
     return Scanner(root)
 
 
 def save_scanner(scanner: Scanner, cache_file: Path) -> None:
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp")
+    cache_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     scanner.dirty = False
-    with open(tmp, "wb") as f:
-        pickle.dump(scanner, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, cache_file)
+    atomic_write(cache_file, pickle.dumps(scanner.to_data(), protocol=4))

@@ -291,6 +291,11 @@ class Scheduler(abc.ABC):
         """How many hosts to reserve when the caller does not say (None: the usual 1)."""
         return None
 
+    def max_hosts(self) -> int:
+        """The most hosts one reservation may ask for: a number past it is a typo, refused in one line
+        before anything is built for each host (the largest clusters have tens of thousands of nodes)."""
+        return 65_536
+
     def describe(self, reservation: ReservationRecord) -> dict[str, Any]:
         """Backend facts for ``monarch status --json`` (under the backend's name)."""
         return {}

@@ -155,3 +155,41 @@ def test_no_sync_and_cli_json(far_job: tuple[Job, Path, Path], monkeypatch: pyte
         text=True,
     )
     assert bad.returncode != 0 and "-e takes NAME or NAME=VALUE" in bad.stderr and "Traceback" not in bad.stderr
+
+
+BIG_SYNC = """
+import json, resource, sys
+from monarch_cli.jobs import job_load
+job = job_load(sys.argv[1])
+report = job.sync(sys.argv[2])
+print(json.dumps({"nbytes": report.nbytes, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_a_big_file_streams_in_parts_with_bounded_memory(far_job: tuple[Job, Path, Path]) -> None:
+    job, ws, mirrors = far_job
+    size = 400 << 20
+    with open(ws / "weights.bin", "wb") as f:  # mostly zeros, a marker at each end
+        f.write(b"head")
+        f.truncate(size - 4)
+        f.seek(size - 4)
+        f.write(b"tail")
+    far = next(h for h in job.state.hosts if h.name == "far")
+    done = subprocess.run(
+        [sys.executable, "-c", BIG_SYNC, str(job.path), str(ws)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["nbytes"] >= size
+    assert got["maxrss_kb"] < 300 << 10, f"the client peaked at {got['maxrss_kb'] >> 10} MB for a 400 MB file"
+    with open(f"/proc/{far.pid}/status") as f:  # the far host's agent, peak resident memory
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    assert hwm < 300 << 10, f"the far agent peaked at {hwm >> 10} MB for a 400 MB file"
+    [mirror] = [d for d in mirrors.iterdir() if d.is_dir()]
+    copy = mirror / "weights.bin"
+    assert copy.stat().st_size == size
+    with open(copy, "rb") as f:
+        assert f.read(4) == b"head" and f.seek(size - 4) and f.read(4) == b"tail"
+    (ws / "weights.bin").unlink()
+    job.sync(ws)
+    assert not copy.exists()

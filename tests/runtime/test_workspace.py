@@ -186,3 +186,43 @@ def test_a_reader_never_sees_a_half_written_file(tmp_path: Path) -> None:
         for t in threads:
             t.join()
     assert not bad and len(seen) > 1
+
+
+def test_absolute_links_into_the_workspace_lead_into_the_mirror(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    _write(ws, {"pkg/mod.py": "x = 1\n", "data/train.txt": "rows\n"})
+    os.symlink(ws / "pkg" / "mod.py", ws / "mod.py")  # absolute, into the workspace
+    os.symlink(ws / "data", ws / "pkg" / "data")  # absolute, to a directory, from a subdirectory
+    os.symlink("/etc/passwd", ws / "outside")
+    mirror = Mirror(str(tmp_path / "remote" / "ws"))
+    _sync(Scanner(str(ws)), mirror)
+    tree = _tree(tmp_path / "remote" / "ws")
+    assert tree["mod.py"] == "-> pkg/mod.py" and tree["pkg/data"] == "-> ../data"
+    assert "outside" not in tree
+    assert (tmp_path / "remote" / "ws" / "mod.py").read_text() == "x = 1\n"
+    assert (tmp_path / "remote" / "ws" / "pkg" / "data" / "train.txt").read_text() == "rows\n"
+    assert _sync(Scanner(str(ws)), mirror) == 0  # nothing new the next time
+
+
+def test_a_big_file_travels_in_parts_and_a_part_out_of_order_is_refused(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    data = os.urandom(10_500)
+    (ws / "big.bin").write_bytes(data)
+    scanner = Scanner(str(ws))
+    entry = scanner.scan().manifest["big.bin"]
+    parts = list(scanner.updates_for("big.bin", entry, None, None, 1000))
+    assert [p.offset for p in parts] == list(range(0, 11_000, 1000)) and [p.more for p in parts] == [True] * 10 + [
+        False
+    ]
+    mirror = Mirror(str(tmp_path / "remote" / "ws"))
+    for part in parts[:-1]:  # one part per request, as the client sends them
+        mirror.apply([part], [])
+        assert not (tmp_path / "remote" / "ws" / "big.bin").exists()  # nothing half-written in place
+    mirror.apply([parts[-1]], [])
+    assert (tmp_path / "remote" / "ws" / "big.bin").read_bytes() == data
+    assert mirror.files["big.bin"][1] == scanner.sha256("big.bin", entry)
+    with pytest.raises(WorkspaceError, match="came without what precedes it"):
+        mirror.apply([parts[3]], [])
+    leftovers = [p.name for p in (tmp_path / "remote" / "ws").iterdir() if p.name != "big.bin"]
+    assert leftovers == []

@@ -232,6 +232,10 @@ def logs(s: Session, a: dict[str, Any]) -> Reply:
 
 
 # ---------------------------------------------------------------------- telemetry
+#: How long one `sql` tool call may run (twice: the rows, then how many were left out).
+SQL_TIMEOUT = 20.0
+
+
 def sql(s: Session, a: dict[str, Any]) -> Reply:
     from ...telemetry_store import StoreError, query_bounded, schema_json, schema_text
     from ..sql import render, store_path
@@ -242,8 +246,14 @@ def sql(s: Session, a: dict[str, Any]) -> Reply:
     if not statement:
         raise UserError("give a query, e.g. SELECT * FROM runs (schema=true lists the tables)")
     limit = min(a.get("limit", 200), MAX_ROWS)
-    try:  # at most `limit` rows held: `SELECT * FROM logs` may be millions
-        cols, rows, total = query_bounded(store_path(str(s.state) if s.state else None), statement, (), limit)
+    path = store_path(str(s.state) if s.state else None)
+    try:  # at most `limit` rows held: `SELECT * FROM logs` may be millions; a runaway query stops at the timeout
+        cols, rows, more = query_bounded(path, statement, (), max_rows=limit, timeout=SQL_TIMEOUT)
+        total = len(rows)
+        if more:  # how many were left out, asked of SQLite (bounded by the same timeout), not counted here
+            total = int(
+                query_bounded(path, f"SELECT COUNT(*) FROM ({statement.rstrip(';')})", (), timeout=SQL_TIMEOUT)[1][0][0]
+            )
     except StoreError as e:
         raise UserError(str(e)) from None
     kept = [{c: cell(v) for c, v in zip(cols, r)} for r in rows]

@@ -23,7 +23,10 @@ registered is answered with an error naming it.
 from __future__ import annotations
 
 import argparse
+import array
+import collections
 import dataclasses
+import errno
 import os
 import pickle
 import shlex
@@ -51,6 +54,7 @@ from ..transport.keys import Keys, keys_from_environment
 from ..transport.sockets import Transport
 from . import lineage, registry, sync
 from .debug import DebugHost
+from .peers import PeerProbes
 from .procs import ProcHost
 from .ranks import RankHost
 from .telemetry import TelemetryHost
@@ -88,9 +92,47 @@ class _Zygote:
         )
         child.close()
         self.started = time.monotonic()
+        # Requests the socket did not take yet (their fds duplicated): sent as the zygote answers,
+        # so asking for hundreds of forks never blocks the agent's loop (nor deadlocks with the
+        # zygote's replies).
+        self._queued: collections.deque[tuple[bytes, list[int]]] = collections.deque()
 
     def fork(self, req_id: int, boot: dict[str, Any], fds: list[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
-        socket.send_fds(self.sock, [pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot)))], list(fds))
+        """Ask for a fork; the caller may close ``fds`` on return (a queued request holds duplicates)."""
+        data = pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot)))
+        if not self._queued and self._send(data, list(fds)):
+            return
+        self._queued.append((data, [os.dup(fd) for fd in fds]))
+
+    def _send(self, data: bytes, fds: list[int]) -> bool:
+        try:
+            # (socket.send_fds ignores its flags before Python 3.12)
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            self.sock.sendmsg([data], ancillary, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            if e.errno == errno.ETOOMANYREFS:  # too many fds in flight: the zygote is reading them
+                return False
+            raise
+        return True
+
+    def _flush(self) -> None:
+        while self._queued:
+            data, fds = self._queued[0]
+            try:
+                if not self._send(data, fds):
+                    return
+            except OSError:  # it is gone: its socket closing says so
+                return
+            self._queued.popleft()
+            for fd in fds:
+                os.close(fd)
+
+    def _drop_queued(self) -> None:
+        while self._queued:
+            for fd in self._queued.popleft()[1]:
+                os.close(fd)
 
     def receive(self) -> Any | None:
         """The zygote's next message (:class:`~..protocol.Forked`, ``ChildExited``, ``WarmReady``);
@@ -98,8 +140,12 @@ class _Zygote:
         try:
             data = self.sock.recv(1 << 16)
         except ConnectionResetError:  # it died with our last request unread
+            data = b""
+        if not data:
+            self._drop_queued()
             return None
-        return protocol.decode(pickle.loads(data)) if data else None
+        self._flush()  # it read a request (or a child exited): room for what waits
+        return protocol.decode(pickle.loads(data))
 
     def kill(self) -> None:
         try:
@@ -151,6 +197,7 @@ class HostAgent:
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
         self.telemetry = TelemetryHost(self)
+        self.peers = PeerProbes(self)
         #: What this agent answers, by message kind: the core's own, then each part's.
         self.handlers: dict[str, Callable[[Any, list[Any]], None]] = {}
         for part in (
@@ -159,6 +206,7 @@ class HostAgent:
             self.ranks.handlers(),
             self.debug.handlers(),
             self.telemetry.handlers(),
+            self.peers.handlers(),
             sync.handlers(self),
         ):
             for cls, handler in part.items():
@@ -271,6 +319,7 @@ class HostAgent:
             self.ranks.tick()
             self._check_state_file()
             self.telemetry.tick(events)
+            self.peers.tick()
         self.telemetry.close()
         self.procs.kill_all()
         self.ranks.kill_all()
@@ -444,6 +493,21 @@ def _watch_stdin(agent: HostAgent) -> None:
     os._exit(0)
 
 
+def _raise_fd_limit() -> None:
+    """Each rank holds a few of the agent's fds (pipes, debug channel): take the hard limit, as
+    servers do, so hundreds of ranks on one host are not refused at a soft limit of 1024."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = max(soft, 1 << 20)
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = command.parser()
     parser.add_argument("--state-check-interval", type=float, default=2.0, help=argparse.SUPPRESS)
@@ -464,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
+    _raise_fd_limit()
     try:
         agent = HostAgent(keys, name=args.name, preload=args.preload, reservation=args.reservation, port=args.port)
     except OSError as e:

@@ -69,6 +69,12 @@ _START_UP_ENV = (
     "PYTHONNODEBUGRANGES",
     "PYTHONPROFILEIMPORTTIME",
 )
+#: Of those, the ones a warm rank sets for itself as it starts (``rank_start._apply_start_up_env``):
+#: they never make a run cold (many images export PYTHONDONTWRITEBYTECODE=1, and an SSH host's
+#: agent does not get the client's shell environment, so every run would be cold).
+_SET_IN_A_WARM_RANK = frozenset(
+    {"PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX", "PYTHONINTMAXSTRDIGITS", "PYTHONFAULTHANDLER"}
+)
 
 
 @dataclasses.dataclass
@@ -169,7 +175,9 @@ class RankHost:
             spec["env"] = {**base, **spec["env"], lineage.RUN_ENV: run_id}  # the controller's view wins
             network.set_socket_ifname(spec["env"])  # unless the user set them
             bundle_site.keep_importable(spec["env"])  # a user's PYTHONPATH still finds shipped code
-            differ = [k for k in _START_UP_ENV if spec["env"].get(k) != os.environ.get(k)]
+            differ = [
+                k for k in _START_UP_ENV if k not in _SET_IN_A_WARM_RANK and spec["env"].get(k) != os.environ.get(k)
+            ]
             if spec["warm"] and differ:
                 spec["warm"] = False  # the zygote's interpreter was started with other settings
                 made_cold.update(differ)

@@ -48,7 +48,7 @@ def _mirror(reservation: str, name: str) -> Mirror:
     directory = mirror_dir(reservation, name)
     mirror = _mirrors.get(directory)
     if mirror is None:
-        mirror = _mirrors[directory] = Mirror(directory)
+        mirror = _mirrors[directory] = Mirror(directory, remote_root())
     return mirror
 
 

@@ -8,6 +8,7 @@ its agent dies, so a killed agent leaves no procs behind.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import importlib
@@ -120,9 +121,13 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set = set()
+    # Replies never block: with hundreds of forks asked at once, a blocking reply while the agent
+    # is still sending requests would deadlock both ends of the socket pair. They wait here and
+    # go as the socket takes them, while requests keep being read.
+    replies: collections.deque[bytes] = collections.deque()
     while True:
         try:
-            ready, _, _ = select.select([sock, wake_r], [], [])
+            ready, _, _ = select.select([sock, wake_r], [sock] if replies else [], [])
         except InterruptedError:
             continue
         if wake_r in ready:
@@ -139,7 +144,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 if pid == 0:
                     break
                 children.discard(pid)
-                sock.send(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
+                replies.append(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
         if sock in ready:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
@@ -162,7 +167,21 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
             for f in fds:
                 os.close(f)
             children.add(pid)
-            sock.send(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
+            replies.append(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
+        _send_replies(sock, replies)
+
+
+def _send_replies(sock: socket.socket, replies: collections.deque[bytes]) -> None:
+    """Send what the socket takes now; the rest waits for it to be writable."""
+    while replies:
+        try:
+            sock.send(replies[0], socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # the agent is gone: the next read says so
+            replies.clear()
+            return
+        replies.popleft()
 
 
 def _load_learned(sock: socket.socket, stop_env_reads: Any) -> None:

@@ -14,6 +14,7 @@ __all__ = [
     "ReleasePort",
     "RunRanks",
     "ForgetPreload",
+    "ProbePeers",
     "OutputCredit",
     "SignalRanks",
     "Stopping",
@@ -88,6 +89,18 @@ class RunRanks(NamedTuple):
 class ForgetPreload(NamedTuple):
     cid: int
     reply_to: str
+
+
+@_message("probe_peers", CLIENT_AGENT)
+class ProbePeers(NamedTuple):
+    """Can this host reach the other hosts' agents (a TCP connect each)? Answered with
+    ``{address: ""}`` for a peer reached, else a few words on how it failed: a partition
+    between hosts (their ranks hang in a collective) shows here while every agent answers."""
+
+    cid: int
+    reply_to: str
+    peers: list[str]
+    timeout: float
 
 
 @_message("output_credit", CLIENT_AGENT)

@@ -254,6 +254,7 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
     os.environ.clear()
     os.environ.update(env)
     preload.apply_environment()
+    _apply_start_up_env(env)
     os.chdir(spec["cwd"])
     _default_signals()
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -272,6 +273,23 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
     code = run_program(spec)
     preload.report_imports(spec)  # after interpreter-shutdown work: it is not the user's time
     return code
+
+
+def _apply_start_up_env(env: dict[str, str]) -> None:
+    """What a fresh interpreter would have taken from these variables at start-up, set now
+    (agent_ranks._SET_IN_A_WARM_RANK: they do not make a run cold)."""
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    sys.pycache_prefix = env.get("PYTHONPYCACHEPREFIX") or None
+    try:
+        sys.set_int_max_str_digits(int(env.get("PYTHONINTMAXSTRDIGITS") or 4300))
+    except (ValueError, AttributeError):
+        pass
+    import faulthandler
+
+    if env.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
+    elif faulthandler.is_enabled():
+        faulthandler.disable()
 
 
 def _leave_warm_finalizers() -> None:

@@ -47,6 +47,10 @@ class LocalScheduler(Scheduler):
     name = "local"
     options = ()
 
+    def max_hosts(self) -> int:
+        """Local "hosts" are agents on this machine: a few per core is already more than useful."""
+        return max(16, 8 * (os.cpu_count() or 1))
+
     def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
         self.check_options(request.options)
         rid = f"local-{uuid.uuid4().hex[:8]}"
@@ -88,7 +92,10 @@ class LocalScheduler(Scheduler):
         agents = [AgentCommand.from_json(a) for a in plan.data["agents"]]
         logs = [Path(p) for p in plan.data["logs"]]
         addr_dir = Path(str(agents[0].address_file)).parent if agents else Path(plan.workdir)
-        addr_dir.mkdir(parents=True, exist_ok=True)
+        # Private like the state file next to it: agent logs hold ranks' tracebacks and paths.
+        _private_dirs(addr_dir)
+        for log_path in logs:
+            _private_dirs(log_path.parent)
         env = {**os.environ, "MONARCH_HOST": "127.0.0.1"}
         env.pop("MONARCH_KEYS", None)
         import subprocess  # (to reserve, not to run: `run-spmd` loads this backend too)
@@ -97,7 +104,7 @@ class LocalScheduler(Scheduler):
         try:
             for agent, log_path in zip(agents, logs):
                 progress(f"starting agent {agent.name}")
-                with open(log_path, "ab") as log:
+                with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
                     proc = subprocess.Popen(
                         agent.argv(), stdin=subprocess.PIPE, stdout=log, stderr=log, env=env, start_new_session=True
                     )
@@ -185,3 +192,11 @@ def _kill_agents(pids: list[int]) -> None:
 
 
 __all__ = ["LocalScheduler"]
+
+
+def _private_dirs(path: Path) -> None:
+    """``path`` and its missing parents, each made 0700."""
+    if path.is_dir():
+        return
+    _private_dirs(path.parent)
+    path.mkdir(mode=0o700, exist_ok=True)

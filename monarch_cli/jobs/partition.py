@@ -1,0 +1,100 @@
+"""Telling a partition between hosts from a slow run: each host's agent probes the others.
+
+A run whose hosts cannot reach each other hangs in its first collective while every agent
+still answers the client, so nothing else reports it (gloo's timeout is 30 minutes). While a
+run spans several hosts, every few seconds each agent is asked to open a TCP connection to
+every other agent; a pair that fails twice in a row is a partition, named with both hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..runtime import protocol
+from ..runtime.mailbox.mailbox import Mailbox
+from ..schedulers.base import HostRecord
+
+__all__ = ["PartitionWatch"]
+
+
+class PartitionWatch:
+    def __init__(
+        self,
+        mb: Mailbox,
+        hosts: Sequence[HostRecord],
+        reach: Sequence[str],
+        *,
+        interval: float = 5.0,
+        timeout: float = 3.0,
+        confirm: int = 2,
+    ) -> None:
+        """``hosts``: the run's hosts; ``reach``: where this client reaches each one's agent.
+        ``$MONARCH_PARTITION_PROBE_INTERVAL`` overrides ``interval`` (seconds between rounds)."""
+        self.mb, self.hosts, self.reach = mb, list(hosts), list(reach)
+        try:
+            interval = float(os.environ.get("MONARCH_PARTITION_PROBE_INTERVAL") or interval)
+        except ValueError:
+            pass
+        self.interval, self.timeout, self.confirm = interval, timeout, confirm
+        self._next: float | None = None
+        self._asked: list[tuple[int, Any]] = []  # (host index, future) of the probe round in flight
+        self._failures: dict[tuple[int, int], int] = {}  # (from, to) -> rounds failed in a row
+        self.found: str | None = None
+
+    def tick(self, now: float) -> str | None:
+        """Start or collect probe rounds; a one-line description once a partition is confirmed."""
+        if len(self.hosts) < 2 or self.found is not None:
+            return None
+        if self._asked:
+            if not all(f.done() for _, f in self._asked):
+                return None
+            self._collect()
+            return self.found
+        if self._next is None:
+            self._next = now + self.interval
+        if now >= self._next:
+            self._next = now + self.interval
+            self._ask()
+        return None
+
+    def urgent(self, now: float) -> None:
+        """Ctrl-C: probe now, with a short timeout, and believe the first failure (the user is
+        waiting: a run hung on a partition must end within seconds)."""
+        if len(self.hosts) < 2 or self.found is not None:
+            return
+        self.confirm, self.timeout = 1, min(self.timeout, 2.0)
+        if not self._asked:
+            self._next = now + self.interval
+            self._ask()
+
+    def _ask(self) -> None:
+        for i in range(len(self.hosts)):
+            peers = [h.agent for j, h in enumerate(self.hosts) if j != i]
+
+            def probe(cid: int, peers: list[str] = peers) -> protocol.ProbePeers:
+                return protocol.ProbePeers(cid, self.mb.address, peers, self.timeout)
+
+            fut = self.mb.request(self.reach[i], probe)
+            self._asked.append((i, fut))
+
+    def _collect(self) -> None:
+        asked, self._asked = self._asked, []
+        by_address = {h.agent: j for j, h in enumerate(self.hosts)}
+        for i, fut in asked:
+            try:
+                answers = fut.get(timeout=0)
+            except Exception:  # noqa: BLE001 - an agent that cannot answer is the heartbeat's to report
+                continue
+            for address, why in dict(answers).items():
+                j = by_address.get(address)
+                if j is None:
+                    continue
+                if not why:
+                    self._failures.pop((i, j), None)
+                    continue
+                n = self._failures[(i, j)] = self._failures.get((i, j), 0) + 1
+                if n >= self.confirm and self.found is None:
+                    a, b = self.hosts[i].name, self.hosts[j].name
+                    self.found = f"network partition: {a} cannot reach {b} ({a} -> {b}: {why})"
