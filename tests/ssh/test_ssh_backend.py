@@ -16,6 +16,7 @@ import pytest
 
 from monarch_cli.errors import MonarchError, SchedulerError
 from monarch_cli.jobs import Job, JobError, dryrun, job_load, serve
+from monarch_cli.runtime.launch.command import is_agent_command
 
 from .conftest import SshHosts
 
@@ -64,8 +65,11 @@ def _on_host(hosts: SshHosts, i: int, command: str) -> tuple[int, str]:
         client.close()
 
 
-def _is_agent(cmdline: str) -> bool:
-    return "monarch_cli.runtime.agent" in cmdline or "monarch agent" in cmdline  # its process title
+def _is_agent(text: str) -> bool:
+    """Whether ``text`` (one "<namespace> <pid>: <command line>", or every process's command lines, one
+    per line) shows a host agent, not only its fork server."""
+    lines = [line.partition(": ")[2] if ": " in line.split(" -")[0] else line for line in text.splitlines()]
+    return any(is_agent_command(line) or "monarch agent " in line for line in lines)
 
 
 def _netns_processes(hosts: SshHosts) -> list[str]:

@@ -141,4 +141,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["AgentCommand", "AGENT_MODULE", "READY_PREFIX", "parser", "parse_port_range", "format_port_range"]
+def is_agent_command(cmdline: str) -> bool:
+    """Whether a process's command line (NULs as spaces) is a host agent: its title once it runs
+    (``monarch agent <reservation> host <name>``), or ``-m monarch_cli.runtime.agent`` before it sets
+    one. Not its fork server (``-m monarch_cli.runtime.agent.zygote``), which lives in the same package."""
+    if cmdline.startswith("monarch agent "):
+        return True
+    words = cmdline.split()
+    return any(a == "-m" and b == AGENT_MODULE for a, b in zip(words, words[1:]))
+
+
+__all__ = [
+    "AgentCommand",
+    "AGENT_MODULE",
+    "is_agent_command",
+    "READY_PREFIX",
+    "parser",
+    "parse_port_range",
+    "format_port_range",
+]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import SchedulerError
-from ...runtime.launch.command import AGENT_MODULE, AgentCommand
+from ...runtime.launch.command import AgentCommand, is_agent_command
 from ...sysutil import signal_if_alive
 from ..agents import read_address_files, wait_for_agents
 from ..base import (
@@ -175,7 +175,7 @@ def _is_agent(pid: int) -> bool:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return False
-    return AGENT_MODULE in cmd or cmd.startswith("monarch agent ")
+    return is_agent_command(cmd)
 
 
 def _kill_agents(pids: list[int]) -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import OptionError, PlanError, SchedulerError
 from ...runtime.launch import bundle
-from ...runtime.launch.command import READY_PREFIX, AgentCommand
+from ...runtime.launch.command import READY_PREFIX, AgentCommand, is_agent_command
 from ...version import __version__
 from ..agents import wait_for_agents
 from ..base import (
@@ -733,7 +733,7 @@ def _agent_running(client: Any, rec: dict[str, Any]) -> bool:
     if not pid:
         return False
     code, text = _run(client, f"cat /proc/{pid}/cmdline 2>/dev/null | tr '\\0' ' '", timeout=PROBE_TIMEOUT)
-    return code == 0 and ("monarch_cli.runtime.agent" in text or text.startswith("monarch agent "))
+    return code == 0 and is_agent_command(text)
 
 
 def _stop_host(client: Any, rec: dict[str, Any]) -> None:
