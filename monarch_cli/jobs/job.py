@@ -164,6 +164,7 @@ class Job:
         env: dict[str, str] | None = None,
         shutdown_timeout: float | None = None,
         straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
+        group: bool | None = None,
     ) -> RunResult:
         """Run the served command (or ``command``) on the reservation; returns how it went.
 
@@ -181,6 +182,8 @@ class Job:
         ``shutdown_timeout`` seconds (default: torchrun's ``--shutdown-timeout``, then
         ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30) before SIGKILL. Ranks still running
         ``straggler_grace`` seconds after the first one ended are named through ``on_event``.
+        ``group``: print a line that many ranks print alike once, ``[rank 0-4095] ...`` (None: when
+        more than 16 ranks are shown; see :mod:`.output_groups`); the logs keep every rank's lines.
 
         Hosts that do not share this filesystem first get ``workspace`` (default: the run's
         directory) mirrored, unless ``sync`` is False, and their ranks run in the mirror at the
@@ -240,7 +243,7 @@ class Job:
                 if telemetry is not None:
                     telemetry.finish(None)
                 raise
-            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd)
+            sink = self._sink(spec, launches, log_dir, ranks, color, stdout, stderr, run_id, attempt, cwd, group)
             try:
                 exits = runner.run(
                     launches,
@@ -336,7 +339,9 @@ class Job:
             shutdown_timeout=shutdown_timeout_from(None),
         )
         stdout, stderr = _consoles(stdout, stderr, runner)
-        sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
+        sink = OutputSink(
+            log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr, group_noun="host"
+        )
         started = time.monotonic()
         try:
             exits = runner.run(launches, run_id, sink)
@@ -377,6 +382,7 @@ class Job:
         run_id: str,
         attempt: int,
         cwd: str | None = None,
+        group: bool | None = None,
     ) -> OutputSink:
         labels = {l.rank: l.label for l in launches}
         nproc = 1 + max(int(l.spec["env"]["LOCAL_RANK"]) for l in launches)
@@ -399,6 +405,7 @@ class Job:
             stdout=stdout,
             stderr=stderr,
             extra_logs=extra,
+            group=group,
         )
 
     def _record(self, result: RunResult, argv: list[str]) -> None:

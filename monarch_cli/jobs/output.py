@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .errors import JobError
+from .output_groups import LineGrouper, grouping_wanted
 
 _COLORS = [36, 33, 32, 35, 34, 31, 96, 93, 92, 95, 94, 91]
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
@@ -57,8 +58,12 @@ class OutputSink:
         stdout: BinaryIO | None = None,
         stderr: BinaryIO | None = None,
         extra_logs: dict[tuple[int, int], Path] | None = None,
+        group: bool | None = None,
+        group_noun: str = "rank",
     ) -> None:
-        """``console``: ranks shown (None = all); ``hidden_streams``: rank -> streams (1, 2) kept off the console."""
+        """``console``: ranks shown (None = all); ``hidden_streams``: rank -> streams (1, 2) kept off the console;
+        ``group``: print identical lines of several ranks once (None: when many ranks are shown, see
+        :mod:`.output_groups`)."""
         self.log_dir = log_dir
         _private_dir(log_dir)
         self.labels = labels
@@ -74,6 +79,10 @@ class OutputSink:
             if use_color:
                 text = f"\x1b[{_COLORS[rank % len(_COLORS)]}m{text}\x1b[0m"
             self.prefix[rank] = text.encode()
+        shown = [r for r in labels if console is None or r in console]
+        self.grouper: LineGrouper | None = None
+        if grouping_wanted(group, len(shown)):
+            self.grouper = LineGrouper(self._print, self.prefix, shown, color=use_color, noun=group_noun)
         self.partial: dict[tuple[int, int], bytearray] = {}
         #: Streams whose current line was already written out in part (it was too long to hold).
         self.continued: set[tuple[int, int]] = set()
@@ -132,12 +141,16 @@ class OutputSink:
                 self.continued.discard((rank, stream))
             if rank in self.logs:
                 self.logs[rank].flush()
+            if self.grouper is not None:
+                self.grouper.rank_ended(rank)
 
     def tail(self, rank: int) -> list[str]:
         """The rank's last few non-blank lines, each at most :data:`TAIL_WIDTH` characters."""
         return list(self.tails.get(rank, ()))
 
     def close(self) -> None:
+        if self.grouper is not None:
+            self.grouper.close()
         with self._lock:
             for (rank, _), rest in self.partial.items():  # ranks that never reported an end
                 if rank in self.logs:
@@ -160,8 +173,10 @@ class OutputSink:
         first = key not in self.continued
         self.continued.add(key)
         if self._shown(rank, stream):
-            self._target(stream).write(self.prefix[rank] + piece + b"\n")
-            self._target(stream).flush()
+            if self.grouper is not None:
+                self.grouper.add(rank, stream, [piece + b"\n"])
+            else:
+                self._print(stream, self.prefix[rank] + piece + b"\n")
         if first and piece.strip():
             self.tails[rank].append(_tail_text(piece, cut_short=True))
 
@@ -171,9 +186,16 @@ class OutputSink:
     def _target(self, stream: int) -> BinaryIO:
         return self.out if stream == 1 else self.err
 
+    def _print(self, stream: int, data: bytes) -> None:
+        target = self._target(stream)
+        target.write(data)
+        target.flush()
+
     def _emit(self, rank: int, stream: int, block: bytes, continued: bool) -> None:
         """Show ``block`` (whole segments: it ends with a line end) and note its last lines."""
-        if self._shown(rank, stream):
+        if self._shown(rank, stream) and self.grouper is not None:
+            self.grouper.add(rank, stream, _SEGMENT.findall(block))
+        elif self._shown(rank, stream):
             prefix = self.prefix[rank]
             if b"\r" in block:
                 shown = prefix + prefix.join(_SEGMENT.findall(block))
