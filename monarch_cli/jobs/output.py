@@ -87,7 +87,10 @@ class OutputSink:
         #: Streams whose current line was already written out in part (it was too long to hold).
         self.continued: set[tuple[int, int]] = set()
         self.tails: dict[int, collections.deque[str]] = {r: collections.deque(maxlen=_TAIL_LINES) for r in labels}
-        self.logs: dict[int, BinaryIO] = {r: _open_private(log_dir / f"rank{r}.log") for r in labels}
+        #: Opened at a rank's first output (a silent rank's empty file is made at close): creating
+        #: 32,768 files before a run would cost more than the run.
+        self.logs: dict[int, BinaryIO] = {}
+        self._closed = False
         self.extra: dict[tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +101,7 @@ class OutputSink:
 
     def write(self, rank: int, stream: int, data: bytes) -> None:
         with self._lock:
-            log = self.logs.get(rank)
+            log = self._log(rank)
             if log is None:
                 return
             extra = self.extra.get((rank, stream))
@@ -135,8 +138,9 @@ class OutputSink:
             for stream in (1, 2):
                 rest = self.partial.pop((rank, stream), None)
                 if rest:
-                    if rank in self.logs:
-                        self.logs[rank].write(rest)  # as written: no line end added to the log
+                    log = self._log(rank)
+                    if log is not None:
+                        log.write(rest)  # as written: no line end added to the log
                     self._emit(rank, stream, bytes(rest) + b"\n", continued=(rank, stream) in self.continued)
                 self.continued.discard((rank, stream))
             if rank in self.logs:
@@ -153,13 +157,24 @@ class OutputSink:
             self.grouper.close()
         with self._lock:
             for (rank, _), rest in self.partial.items():  # ranks that never reported an end
-                if rank in self.logs:
-                    self.logs[rank].write(rest)
+                log = self._log(rank)
+                if log is not None:
+                    log.write(rest)
+            for rank in self.labels:  # every rank has its log, a silent one too
+                if rank not in self.logs:
+                    self._log(rank)
+            self._closed = True
             self.partial.clear()
             for f in (*self.logs.values(), *self.extra.values()):
                 f.close()
             self.logs.clear()
             self.extra.clear()
+
+    def _log(self, rank: int) -> BinaryIO | None:
+        log = self.logs.get(rank)
+        if log is None and rank in self.labels and not self._closed:
+            log = self.logs[rank] = _open_private(self.log_dir / f"rank{rank}.log")
+        return log
 
     def _write_held(self, rank: int, stream: int, log: BinaryIO) -> None:
         """Write out a held line grown too long: all of it to the log, a wrapped piece to the console."""

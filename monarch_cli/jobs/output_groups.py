@@ -1,8 +1,9 @@
 """Output at scale: the same line from many ranks printed once, with the ranks that printed it.
 
 4,096 ranks printing ``epoch 3 loss 2.31`` should cost one console line, ``[rank 0-4095] epoch
-3 loss 2.31``, not 4,096. :class:`LineGrouper` holds each complete console line for a short
-window (:data:`GROUP_WINDOW`) and merges the identical lines (same stream, same bytes) that
+3 loss 2.31``, not 4,096. :class:`LineGrouper` holds each complete console line while other
+ranks keep printing it (up to :data:`GROUP_WINDOW` after the last one did, :data:`MAX_HOLD` at
+most) and merges the identical lines (same stream, same bytes) that
 other ranks print meanwhile; a line that only one rank printed comes out with that rank's usual
 prefix. Each rank's lines keep their order: a line joins a waiting group only when that group
 comes after every line the rank already has waiting, and groups are printed in the order they
@@ -23,8 +24,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-#: How long a line waits for the same line from other ranks.
+#: How long a line waits for the same line from more ranks, counted from the last rank that joined.
 GROUP_WINDOW = 0.25
+#: The longest a line waits however many ranks keep joining (a slow, steady trickle).
+MAX_HOLD = 2.0
 #: Grouping is on by default when more ranks than this are shown on the console.
 AUTO_MIN_RANKS = 16
 #: Groups waiting at most: beyond this the oldest is printed whatever its age (bounded memory).
@@ -53,13 +56,14 @@ def rank_ranges(ranks: Iterable[int]) -> str:
 
 
 class _Group:
-    __slots__ = ("born", "ranks", "seq", "stream", "text")
+    __slots__ = ("born", "joined", "ranks", "seq", "stream", "text")
 
     def __init__(self, seq: int, stream: int, text: bytes, born: float) -> None:
         self.seq = seq
         self.stream = stream
         self.text = text
         self.born = born
+        self.joined = born
         self.ranks: list[int] = []
 
 
@@ -77,6 +81,7 @@ class LineGrouper:
         shown: Iterable[int],
         *,
         window: float = GROUP_WINDOW,
+        max_hold: float = MAX_HOLD,
         color: bool = False,
         noun: str = "rank",
     ) -> None:
@@ -85,6 +90,7 @@ class LineGrouper:
         self._prefix = prefix
         self._live = set(shown)
         self._window = window
+        self._max_hold = max(window, max_hold)
         self._color = color
         self._waiting: collections.deque[_Group] = collections.deque()
         self._latest: dict[tuple[int, bytes], _Group] = {}  # the newest waiting group of each line
@@ -109,6 +115,7 @@ class LineGrouper:
                     self._waiting.append(group)
                     self._latest[key] = group
                 group.ranks.append(rank)
+                group.joined = now
                 self._last_seq[rank] = group.seq
             self._print_due(now)
             if wake:
@@ -134,7 +141,8 @@ class LineGrouper:
                 if not self._waiting:
                     self._cond.wait()
                     continue
-                left = self._waiting[0].born + self._window - time.monotonic()
+                head = self._waiting[0]
+                left = min(head.joined + self._window, head.born + self._max_hold) - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)
                 self._print_due(time.monotonic())
@@ -146,7 +154,8 @@ class LineGrouper:
         live = len(self._live)
         while waiting:
             head = waiting[0]
-            if not (now - head.born >= self._window or len(head.ranks) >= live or len(waiting) > MAX_WAITING):
+            due = now - head.joined >= self._window or now - head.born >= self._max_hold
+            if not (due or len(head.ranks) >= live or len(waiting) > MAX_WAITING):
                 break
             waiting.popleft()
             if self._latest.get((head.stream, head.text)) is head:

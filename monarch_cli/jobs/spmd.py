@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 #: Output bytes from one host after which the runner credits them back (see ``ranks.OUTPUT_WINDOW``).
 _CREDIT_EVERY = 1 << 20
+#: Seconds per host added to the wait for the agents' first answers (their connections' handshakes).
+_HANDSHAKE_ALLOWANCE = 0.005
 _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MONARCH_KEY_FILE", "TERM_SESSION_ID"}
 
 
@@ -226,7 +228,9 @@ class HostSet:
             for h in hosts
         ]
         self.infos: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
+        # The hosts are asked at once and answer independently; thousands of CURVE handshakes
+        # (a few ms each on a busy client) take longer than a few, so the wait grows with them.
+        deadline = time.monotonic() + timeout + _HANDSHAKE_ALLOWANCE * len(hosts)
         for host, fut in zip(hosts, pings):
             try:
                 if fut is None:
@@ -434,8 +438,11 @@ class SpmdRunner:
         relay = SignalRelay([signal.SIGINT, *DEATH_SIGNALS, *forward_signals])
         try:
             acks = []
+            specs_of: dict[int, list[protocol.RankSpec]] = {n: [] for n in nodes}
+            for l in launches:  # one pass: a loop over hosts per host is quadratic at thousands
+                specs_of[l.node].append(l.spec)
             for n in nodes:
-                specs = [l.spec for l in launches if l.node == n]
+                specs = specs_of[n]
                 acks.append(
                     mb.request(
                         self.hs.hosts[n].agent,
