@@ -40,6 +40,8 @@ _TAIL_BYTES = 4 * TAIL_WIDTH  # enough bytes for TAIL_WIDTH characters of UTF-8
 _TAIL_SCAN = 64  # segments looked at, from the end of a chunk, to find non-blank tail lines
 #: An unfinished line held back longer than this is written out (logged, shown wrapped).
 MAX_HELD_LINE = 1 << 20
+#: Per-rank log files a sink keeps open at once.
+MAX_OPEN_LOGS = 256
 #: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
 DEFAULT_KEEP_RUNS = 20
 _LOG_MODE = 0o600
@@ -89,7 +91,9 @@ class OutputSink:
         self.tails: dict[int, collections.deque[str]] = {r: collections.deque(maxlen=_TAIL_LINES) for r in labels}
         #: Opened at a rank's first output (a silent rank's empty file is made at close): creating
         #: 32,768 files before a run would cost more than the run.
-        self.logs: dict[int, BinaryIO] = {}
+        #: At most :data:`MAX_OPEN_LOGS` stay open (the least recently written is closed, and
+        #: reopened for appending if more comes): 32,768 ranks must not take 32,768 descriptors.
+        self.logs: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
         self._closed = False
         self.extra: dict[tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
@@ -143,8 +147,9 @@ class OutputSink:
                         log.write(rest)  # as written: no line end added to the log
                     self._emit(rank, stream, bytes(rest) + b"\n", continued=(rank, stream) in self.continued)
                 self.continued.discard((rank, stream))
-            if rank in self.logs:
-                self.logs[rank].flush()
+            log = self.logs.pop(rank, None)
+            if log is not None:  # it is done: its descriptor is better used by a live rank
+                log.close()
             if self.grouper is not None:
                 self.grouper.rank_ended(rank)
 
@@ -161,8 +166,9 @@ class OutputSink:
                 if log is not None:
                     log.write(rest)
             for rank in self.labels:  # every rank has its log, a silent one too
-                if rank not in self.logs:
-                    self._log(rank)
+                path = self.log_dir / f"rank{rank}.log"
+                if rank not in self.logs and not path.exists():
+                    _open_private(path).close()
             self._closed = True
             self.partial.clear()
             for f in (*self.logs.values(), *self.extra.values()):
@@ -172,8 +178,12 @@ class OutputSink:
 
     def _log(self, rank: int) -> BinaryIO | None:
         log = self.logs.get(rank)
-        if log is None and rank in self.labels and not self._closed:
+        if log is not None:
+            self.logs.move_to_end(rank)
+        elif rank in self.labels and not self._closed:
             log = self.logs[rank] = _open_private(self.log_dir / f"rank{rank}.log")
+            if len(self.logs) > MAX_OPEN_LOGS:
+                self.logs.popitem(last=False)[1].close()
         return log
 
     def _write_held(self, rank: int, stream: int, log: BinaryIO) -> None:

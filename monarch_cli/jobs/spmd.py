@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 #: Output bytes from one host after which the runner credits them back (see ``ranks.OUTPUT_WINDOW``).
 _CREDIT_EVERY = 1 << 20
 #: Seconds per host added to the wait for the agents' first answers (their connections' handshakes).
-_HANDSHAKE_ALLOWANCE = 0.005
+_HANDSHAKE_ALLOWANCE = 0.02
 _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MONARCH_KEY_FILE", "TERM_SESSION_ID"}
 
 

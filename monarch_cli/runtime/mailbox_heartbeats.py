@@ -25,7 +25,7 @@ from .keys import Keys
 
 #: Seconds per watched agent that a new connection may take to bring its first answer before
 #: its silence counts (thousands of CURVE handshakes at once take a while on one client).
-_CONNECT_ALLOWANCE = 0.005
+_CONNECT_ALLOWANCE = 0.02
 
 
 @dataclasses.dataclass
