@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import os
+import queue
 import re
 import shutil
 import sys
@@ -95,6 +96,11 @@ class OutputSink:
         #: reopened for appending if more comes): 32,768 ranks must not take 32,768 descriptors.
         self.logs: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
         self._closed = False
+        #: Log writes go through this queue to a thread of their own (started at the first): making
+        #: a file costs ~0.1-4 ms, which the thread reading the agents' messages must not wait for.
+        self._log_queue: queue.SimpleQueue[tuple[int, bytes | None] | None] = queue.SimpleQueue()
+        self._log_thread: threading.Thread | None = None
+        self._log_error: OSError | None = None
         self.extra: dict[tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,8 +111,7 @@ class OutputSink:
 
     def write(self, rank: int, stream: int, data: bytes) -> None:
         with self._lock:
-            log = self._log(rank)
-            if log is None:
+            if rank not in self.labels or self._closed:
                 return
             extra = self.extra.get((rank, stream))
             if extra is not None:
@@ -121,7 +126,7 @@ class OutputSink:
                     held = self.partial[key] = bytearray()
                 held += data
                 if len(held) >= MAX_HELD_LINE:
-                    self._write_held(rank, stream, log)
+                    self._write_held(rank, stream)
                 return
             block = bytes(held) + data[:last] if held else bytes(data[:last])
             self.scanned += len(block)  # copied once, then shown and searched for tail lines
@@ -130,11 +135,11 @@ class OutputSink:
                 self.partial[key] = bytearray(rest)
             else:
                 self.partial.pop(key, None)
-            log.write(block)
+            self._to_log(rank, block)
             self._emit(rank, stream, block, continued=key in self.continued)
             self.continued.discard(key)
             if len(rest) >= MAX_HELD_LINE:
-                self._write_held(rank, stream, log)
+                self._write_held(rank, stream)
 
     def end_of_rank(self, rank: int) -> None:
         """The rank exited: show an unterminated last line, and flush its log."""
@@ -142,14 +147,12 @@ class OutputSink:
             for stream in (1, 2):
                 rest = self.partial.pop((rank, stream), None)
                 if rest:
-                    log = self._log(rank)
-                    if log is not None:
-                        log.write(rest)  # as written: no line end added to the log
+                    if rank in self.labels and not self._closed:
+                        self._to_log(rank, bytes(rest))  # as written: no line end added to the log
                     self._emit(rank, stream, bytes(rest) + b"\n", continued=(rank, stream) in self.continued)
                 self.continued.discard((rank, stream))
-            log = self.logs.pop(rank, None)
-            if log is not None:  # it is done: its descriptor is better used by a live rank
-                log.close()
+            if self._log_thread is not None:  # it is done: its descriptor is better used by a live rank
+                self._log_queue.put((rank, None))
             if self.grouper is not None:
                 self.grouper.rank_ended(rank)
 
@@ -162,9 +165,12 @@ class OutputSink:
             self.grouper.close()
         with self._lock:
             for (rank, _), rest in self.partial.items():  # ranks that never reported an end
-                log = self._log(rank)
-                if log is not None:
-                    log.write(rest)
+                if rank in self.labels and not self._closed:
+                    self._to_log(rank, bytes(rest))
+            if self._log_thread is not None:
+                self._log_queue.put(None)
+                self._log_thread.join()
+                self._log_thread = None
             for rank in self.labels:  # every rank has its log, a silent one too
                 path = self.log_dir / f"rank{rank}.log"
                 if rank not in self.logs and not path.exists():
@@ -176,17 +182,40 @@ class OutputSink:
             self.logs.clear()
             self.extra.clear()
 
-    def _log(self, rank: int) -> BinaryIO | None:
-        log = self.logs.get(rank)
-        if log is not None:
-            self.logs.move_to_end(rank)
-        elif rank in self.labels and not self._closed:
-            log = self.logs[rank] = _open_private(self.log_dir / f"rank{rank}.log")
-            if len(self.logs) > MAX_OPEN_LOGS:
-                self.logs.popitem(last=False)[1].close()
-        return log
+    def _to_log(self, rank: int, data: bytes) -> None:
+        """Append to ``rank``'s log, from the log thread (lock held)."""
+        if self._log_thread is None:
+            self._log_thread = threading.Thread(target=self._write_logs, name="monarch-rank-logs", daemon=True)
+            self._log_thread.start()
+        self._log_queue.put((rank, data))
 
-    def _write_held(self, rank: int, stream: int, log: BinaryIO) -> None:
+    def _write_logs(self) -> None:
+        """The log thread: writes in order; ``(rank, None)`` closes a rank's file, None ends."""
+        while True:
+            item = self._log_queue.get()
+            if item is None:
+                return
+            rank, data = item
+            if data is None:
+                log = self.logs.pop(rank, None)
+                if log is not None:
+                    log.close()
+                continue
+            try:
+                log = self.logs.get(rank)
+                if log is not None:
+                    self.logs.move_to_end(rank)
+                else:
+                    log = self.logs[rank] = _open_private(self.log_dir / f"rank{rank}.log")
+                    if len(self.logs) > MAX_OPEN_LOGS:
+                        self.logs.popitem(last=False)[1].close()
+                log.write(data)
+            except OSError as e:  # a full disk: say so once, keep the run going
+                if self._log_error is None:
+                    self._log_error = e
+                    print(f"monarch: cannot write rank logs in {self.log_dir}: {e}", file=sys.stderr, flush=True)
+
+    def _write_held(self, rank: int, stream: int) -> None:
         """Write out a held line grown too long: all of it to the log, a wrapped piece to the console."""
         key = (rank, stream)
         held = self.partial[key]
@@ -194,7 +223,7 @@ class OutputSink:
         piece = bytes(held[:cut])
         del held[:cut]  # at most 3 bytes are left
         self.scanned += len(piece)
-        log.write(piece)
+        self._to_log(rank, piece)
         first = key not in self.continued
         self.continued.add(key)
         if self._shown(rank, stream):
