@@ -126,8 +126,34 @@ for i in range(3):
     out.append((time.monotonic() - t, time.process_time() - c, len(exits)))
     sink.close()
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# A host lost mid-run: ranks that hang, then one host stops answering heartbeats.
+import threading
+run_id = new_run_id()
+launches = plan_spmd(spec, hs, run_id, cold=False, master_port=29500, environ={"EMULATED_HANG": "1"})
+sink = OutputSink(Path(sys.argv[2]) / run_id, {l.rank: l.label for l in launches}, stdout=io.BytesIO(), stderr=io.BytesIO())
+runner.grace = 1.0
+done = {}
+th = threading.Thread(target=lambda: done.setdefault("exits", runner.run(launches, run_id, sink)))
+run_started = time.monotonic()
+th.start()
+beats = hs.mb._heartbeats
+deadline = time.monotonic() + 300
+while len(beats._answered) < len(hs.hosts) and time.monotonic() < deadline:
+    time.sleep(0.05)
+from tests.emulated_cluster import PER_PROCESS
+victim_index = len(hs.hosts) // 2
+victim = hs.hosts[victim_index].name
+muted_at = time.monotonic()
+(Path(sys.argv[3]) / f"emu{victim_index // PER_PROCESS * PER_PROCESS}.addr.mute").write_text(victim + "\\n")
+th.join(600)
+named = [e for e in done["exits"] if e.lost]
+lost_after = run_started + max(e.duration for e in named) - muted_at if named else None
+ended = time.monotonic() - muted_at
+sink.close()
 print(json.dumps({"connect": connect, "connect_cpu": connect_cpu, "dispatch": min(o[0] for o in out),
-                  "dispatch_cpu": min(o[1] for o in out), "exits": out[-1][2], "rss": rss}))
+                  "dispatch_cpu": min(o[1] for o in out), "exits": out[-1][2], "rss": rss,
+                  "lost_named": sorted({e.host for e in named}) == [victim], "lost_after": lost_after,
+                  "lost_run_end": ended}))
 """
 
 
@@ -144,7 +170,7 @@ def bench_emulated(n: int, work: Path) -> dict[str, Any]:
     row["emulator_start"] = time.monotonic() - t
     try:
         drv = subprocess.run(
-            [sys.executable, "-c", DRIVER, str(state), str(d / "driver-logs")],
+            [sys.executable, "-c", DRIVER, str(state), str(d / "driver-logs"), str(state.parent / "emulated")],
             env=env,
             capture_output=True,
             text=True,
@@ -290,7 +316,9 @@ def main() -> int:
                 f"  {r['n']:,} hosts: connect {_fmt(r.get('drv_connect'))} s (CPU {_fmt(r.get('drv_connect_cpu'))} s), "
                 f"dispatch→exits {_fmt(r.get('drv_dispatch'))} s (CPU {_fmt(r.get('drv_dispatch_cpu'))} s, "
                 f"{r.get('drv_exits', '-')} exits), driver RSS {_fmt(r.get('drv_rss'), 'mb')} MB, "
-                f"CLI run printed {r.get('run_lines', '-')} lines"
+                f"CLI run printed {r.get('run_lines', '-')} lines; a host muted mid-run: named "
+                f"{r.get('drv_lost_named')} after {_fmt(r.get('drv_lost_after'))} s, run ended "
+                f"{_fmt(r.get('drv_lost_run_end'))} s after the mute"
             )
     write_svg(rows, Path(args.svg))
     print(f"plot: {args.svg}")

@@ -16,7 +16,9 @@ It answers ``ping`` (host info), heartbeats, ``reserve_port``/``release_port``, 
 ``forget_preload`` and ``shutdown``. A process serves up to :data:`PER_PROCESS` agents; it is
 titled ``monarch agent ...`` so the local backend's probe sees a live agent, and it reads
 control lines on stdin after the keys: ``mute NAME`` stops that agent answering heartbeats (a
-lost host), ``unmute NAME`` undoes it. It exits when its stdin closes or on SIGTERM.
+lost host), ``unmute NAME`` undoes it; so does a line ``NAME`` in ``<address file>.mute``
+(checked every 0.1-0.2 s, for a process that does not hold the stdin). It exits when its stdin
+closes or on SIGTERM.
 
 From a test or benchmark: :func:`emulated_job` starts the processes and writes a job state
 (scheduler ``local``) that :func:`monarch_cli.jobs.job_load` reads like any other.
@@ -75,7 +77,7 @@ class _Emulator:
         self.running = True
         self.started = time.time()
 
-    def serve(self, control_fd: int) -> None:
+    def serve(self, control_fd: int, mute_file: Path | None = None) -> None:
         zmq = self.zmq
         from monarch_cli.runtime import wire
 
@@ -85,8 +87,16 @@ class _Emulator:
         for a in self.agents:
             poller.register(a.sock, zmq.POLLIN)
         control = b""
+        next_check = 0.0
         while self.running:
-            for item, _ in poller.poll(1000):
+            if mute_file is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.1
+                try:
+                    for name in mute_file.read_text().split():
+                        self._control(["mute", name])
+                except OSError:
+                    pass
+            for item, _ in poller.poll(200 if mute_file is not None else 1000):
                 if item is self.transport.zap:
                     while self.transport.zap.poll(0):
                         self.transport.serve_zap()
@@ -260,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = args.address_file + ".tmp"
     Path(tmp).write_text(lines)
     os.replace(tmp, args.address_file)
-    emulator.serve(sys.stdin.fileno())
+    emulator.serve(sys.stdin.fileno(), Path(args.address_file + ".mute"))
     return 0
 
 
