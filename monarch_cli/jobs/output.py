@@ -43,6 +43,7 @@ _TAIL_SCAN = 64  # segments looked at, from the end of a chunk, to find non-blan
 MAX_HELD_LINE = 1 << 20
 #: Per-rank log files a sink keeps open at once.
 MAX_OPEN_LOGS = 256
+_CREATE_ALL = -1  # (a log-thread request, not a rank)
 #: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
 DEFAULT_KEEP_RUNS = 20
 _LOG_MODE = 0o600
@@ -101,6 +102,13 @@ class OutputSink:
         self._log_queue: queue.SimpleQueue[tuple[int, bytes | None] | None] = queue.SimpleQueue()
         self._log_thread: threading.Thread | None = None
         self._log_error: OSError | None = None
+        # Every rank's log exists from the start (`monarch logs -f` lists the files when it starts):
+        # made here for a small run, first thing by the log thread for a large one.
+        if len(labels) <= MAX_OPEN_LOGS:
+            for r in labels:
+                self.logs[r] = _open_private(log_dir / f"rank{r}.log")
+        else:
+            self._to_log(_CREATE_ALL, b"")
         self.extra: dict[tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +204,13 @@ class OutputSink:
             if item is None:
                 return
             rank, data = item
+            if rank == _CREATE_ALL:
+                for r in self.labels:
+                    try:
+                        _open_private(self.log_dir / f"rank{r}.log").close()
+                    except OSError:
+                        pass
+                continue
             if data is None:
                 log = self.logs.pop(rank, None)
                 if log is not None:
