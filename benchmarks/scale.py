@@ -273,8 +273,9 @@ def main() -> int:
             print(f"emulated agents: {n} hosts...", file=sys.stderr, flush=True)
             rows.append(bench_emulated(n, work))
             print(f"  {rows[-1]}", file=sys.stderr, flush=True)
-    finally:
+    except BaseException:
         shutil.rmtree(work, ignore_errors=True)
+        raise
     cols = ["hosts", "serve s", "run s", "status s", "stack s", "stop s", "serve CPU", "run CPU", "run RSS MB"]
     cols += ["connect s", "dispatch→exits s", "idle agent %core", "host MB"]
     table = []
@@ -322,7 +323,8 @@ def main() -> int:
             )
     write_svg(rows, Path(args.svg))
     print(f"plot: {args.svg}")
-    print(json.dumps(rows))
+    print(json.dumps(rows), flush=True)
+    shutil.rmtree(work, ignore_errors=True)  # (tens of thousands of log files: after the figures)
     return 0
 
 

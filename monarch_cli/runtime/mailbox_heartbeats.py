@@ -31,7 +31,7 @@ _CONNECT_ALLOWANCE = 0.02
 @dataclasses.dataclass
 class _AgentWatch:
     last_ack: float
-    connect_by: float  # until its first answer, silence counts only from then (its connection may be coming up)
+    watched_at: float  # until its first answer, silence counts only after a grace (its connection may be coming up)
     unanswered_since: float | None = None  # when the oldest heartbeat not yet answered was sent
 
 
@@ -66,8 +66,7 @@ class AgentHeartbeats:
         """Heartbeat ``agent`` (now, not at the next tick) for as long as it is wanted."""
         if agent not in self._agents:
             now = time.monotonic()
-            allowance = _CONNECT_ALLOWANCE * (len(self._agents) + 1)
-            self._agents[agent] = _AgentWatch(now, now + allowance + settings().heartbeat_timeout)
+            self._agents[agent] = _AgentWatch(now, now)
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="monarch-heartbeat", daemon=True)
@@ -123,13 +122,15 @@ class AgentHeartbeats:
         now = time.monotonic()
         limit = settings().heartbeat_timeout
         wanted = self._wanted()
+        # Connections all come up at once, in no particular order: each gets the grace of them all.
+        grace = limit + _CONNECT_ALLOWANCE * len(self._agents)
         for agent, watch in list(self._agents.items()):
             if agent not in wanted:
                 self._unwatch(agent)
             elif (
                 watch.unanswered_since is not None
                 and now - watch.unanswered_since > limit
-                and (agent in self._answered or now > watch.connect_by)
+                and (agent in self._answered or now - watch.watched_at > grace)
             ):
                 # Silence counted from a heartbeat we sent, not from the last answer we got
                 # round to reading: a busy process does not make its agents look dead.
