@@ -33,6 +33,8 @@ _RUN_SPMD: _Options = {
     "--workspace": ("workspace", "path"),
     "--no-sync": ("no_sync", "flag"),
     "--straggler-grace": ("straggler_grace", "seconds"),
+    "--group": ("group", "flag"),
+    "--no-group": ("group", "unflag"),
     "--json": ("as_json", "flag"),
 }
 _EXEC: _Options = {
@@ -53,6 +55,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "workspace": None,
         "no_sync": False,
         "straggler_grace": 30.0,
+        "group": None,
         "as_json": False,
     },
     "exec": {"command": None, "state": None, "color": None, "as_json": False},

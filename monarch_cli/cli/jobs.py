@@ -196,6 +196,11 @@ def run_spmd_cmd(
         metavar="SECONDS",
         help="Name the ranks still running this long after the first one ended.",
     ),
+    group: bool | None = typer.Option(
+        None,
+        "--group/--no-group",
+        help="Print a line many ranks print alike once, as [rank 0-4095] (default: when over 16 ranks are shown).",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Run the served command (or the one after `--`) on every host of the reservation.
@@ -206,7 +211,7 @@ def run_spmd_cmd(
     """
     raise typer.Exit(
         runs.run_spmd(
-            command, state, ranks, cold, color, post_mortem, env, workspace, no_sync, straggler_grace, as_json
+            command, state, ranks, cold, color, post_mortem, env, workspace, no_sync, straggler_grace, as_json, group
         )
     )
 

@@ -41,6 +41,7 @@ def run_spmd(
     no_sync: bool,
     straggler_grace: float,
     as_json: bool,
+    group: bool | None = None,
 ) -> int:
     """``monarch run-spmd``; returns the exit status."""
     from ..jobs import job_load
@@ -61,6 +62,7 @@ def run_spmd(
         workspace=workspace,
         sync=not no_sync,
         on_event=say,
+        group=group,
     )
     if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
         return CLOSED_PIPE_EXIT
@@ -113,14 +115,22 @@ def render_result(result: RunResult) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from ..jobs.output_groups import AUTO_MIN_RANKS, failure_rows, outcome_summary
+
     err = rich_console(stderr=True)
     headline = result.ending or f"rank {result.first_failure.rank} failed first"
     err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
+    rows, left_out = result.ranks, 0
+    if n > AUTO_MIN_RANKS:  # many ranks: one line by outcome, a row per distinct failure
+        err.print(escape(outcome_summary(result.ranks)))
+        rows, left_out = failure_rows(result.ranks)
     table = Table(header_style="bold", show_lines=False)
     for col in ("rank", "host", "status", "time", "last output"):
         table.add_column(col, overflow="fold")
-    for r in result.ranks:
+    for r in rows:
         status = "[green]exit 0[/]" if r.ok else f"[red]{escape(r.how)}[/]"
         table.add_row(str(r.rank), r.host, status, f"{r.duration:.2f}s", escape("\n".join(r.tail[-3:])))
     err.print(table)
+    if left_out:
+        err.print(f"({left_out:,} more failed ranks ended the same way as one above; --json lists every rank)")
     err.print(f"full logs: {result.log_dir}  (monarch logs {result.run_id} --rank N)")

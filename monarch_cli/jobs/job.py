@@ -178,7 +178,8 @@ class Job:
         mirror at the same relative directory. A failed run is restarted up to torchrun's
         ``--max-restarts`` times, unless it was ended from outside.
         ``run_id`` (from :func:`new_run_id`) lets a caller that starts the run elsewhere (the MCP
-        server's detached runs) know its logs and telemetry before it starts.
+        server's detached runs) know its logs and telemetry before it starts. ``group`` prints a line
+        that many ranks print alike once, ``[rank 0-4095] ...`` (see :class:`RunOptions`).
         """
         opts = dataclasses.replace(options, **overrides) if options is not None else RunOptions(**overrides)
         if math.isnan(opts.straggler_grace) or opts.straggler_grace < 0:
@@ -362,7 +363,9 @@ class Job:
             shutdown_timeout=shutdown_timeout_from(None),
         )
         stdout, stderr = _consoles(stdout, stderr, runner)
-        sink = OutputSink(log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr)
+        sink = OutputSink(
+            log_dir, {l.rank: l.label for l in launches}, color=color, stdout=stdout, stderr=stderr, group_noun="host"
+        )
         started = time.monotonic()
         try:
             exits = runner.run(launches, run_id, sink)
@@ -416,6 +419,7 @@ class Job:
             stdout=opts.stdout,
             stderr=opts.stderr,
             extra_logs=extra,
+            group=opts.group,
         )
 
     def _record(self, result: RunResult, argv: list[str]) -> None:

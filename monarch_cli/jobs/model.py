@@ -122,6 +122,10 @@ class Launch:
     spec: protocol.RankSpec
 
 
+#: Seconds per host added to the wait for the agents' first answers (their connections' handshakes).
+_HANDSHAKE_ALLOWANCE = 0.02
+
+
 class HostSet:
     """The reservation's agents as this controller talks to them."""
 
@@ -144,7 +148,9 @@ class HostSet:
             for h in hosts
         ]
         self.infos: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout  # the hosts are asked at once and answer independently
+        # The hosts are asked at once and answer independently; thousands of CURVE handshakes
+        # (a few ms each on a busy client) take longer than a few, so the wait grows with them.
+        deadline = time.monotonic() + timeout + _HANDSHAKE_ALLOWANCE * len(hosts)
         for host, fut in zip(hosts, pings):
             try:
                 if fut is None:
@@ -211,6 +217,9 @@ class RunOptions:
     #: The run's id (from ``new_run_id()``), for a caller that must know its logs and telemetry before it
     #: starts (the MCP server's detached runs); None: a new one.
     run_id: str | None = None
+    #: Print a line that many ranks print alike once, ``[rank 0-4095] ...`` (None: when more than 16 ranks
+    #: are shown; see :mod:`.output_groups`); the logs keep every rank's lines.
+    group: bool | None = None
 
     def say(self, message: str) -> None:
         if self.on_event is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import os
+import queue
 import re
 import shutil
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .errors import JobError
+from .output_groups import LineGrouper, grouping_wanted
 
 _COLORS = [36, 33, 32, 35, 34, 31, 96, 93, 92, 95, 94, 91]
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
@@ -39,6 +41,9 @@ _TAIL_BYTES = 4 * TAIL_WIDTH  # enough bytes for TAIL_WIDTH characters of UTF-8
 _TAIL_SCAN = 64  # segments looked at, from the end of a chunk, to find non-blank tail lines
 #: An unfinished line held back longer than this is written out (logged, shown wrapped).
 MAX_HELD_LINE = 1 << 20
+#: Per-rank log files a sink keeps open at once.
+MAX_OPEN_LOGS = 256
+_CREATE_ALL = -1  # (a log-thread request, not a rank)
 #: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
 DEFAULT_KEEP_RUNS = 20
 _LOG_MODE = 0o600
@@ -57,8 +62,12 @@ class OutputSink:
         stdout: BinaryIO | None = None,
         stderr: BinaryIO | None = None,
         extra_logs: dict[tuple[int, int], Path] | None = None,
+        group: bool | None = None,
+        group_noun: str = "rank",
     ) -> None:
-        """``console``: ranks shown (None = all); ``hidden_streams``: rank -> streams (1, 2) kept off the console."""
+        """``console``: ranks shown (None = all); ``hidden_streams``: rank -> streams (1, 2) kept off the console;
+        ``group``: print identical lines of several ranks once (None: when many ranks are shown, see
+        :mod:`.output_groups`)."""
         self.log_dir = log_dir
         _private_dir(log_dir)
         self.labels = labels
@@ -74,11 +83,32 @@ class OutputSink:
             if use_color:
                 text = f"\x1b[{_COLORS[rank % len(_COLORS)]}m{text}\x1b[0m"
             self.prefix[rank] = text.encode()
+        shown = [r for r in labels if console is None or r in console]
+        self.grouper: LineGrouper | None = None
+        if grouping_wanted(group, len(shown)):
+            self.grouper = LineGrouper(self._print, self.prefix, shown, color=use_color, noun=group_noun)
         self.partial: dict[tuple[int, int], bytearray] = {}
         #: Streams whose current line was already written out in part (it was too long to hold).
         self.continued: set[tuple[int, int]] = set()
         self.tails: dict[int, collections.deque[str]] = {r: collections.deque(maxlen=_TAIL_LINES) for r in labels}
-        self.logs: dict[int, BinaryIO] = {r: _open_private(log_dir / f"rank{r}.log") for r in labels}
+        #: Opened at a rank's first output (a silent rank's empty file is made at close): creating
+        #: 32,768 files before a run would cost more than the run.
+        #: At most :data:`MAX_OPEN_LOGS` stay open (the least recently written is closed, and
+        #: reopened for appending if more comes): 32,768 ranks must not take 32,768 descriptors.
+        self.logs: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
+        self._closed = False
+        #: Log writes go through this queue to a thread of their own (started at the first): making
+        #: a file costs ~0.1-4 ms, which the thread reading the agents' messages must not wait for.
+        self._log_queue: queue.SimpleQueue[tuple[int, bytes | None] | None] = queue.SimpleQueue()
+        self._log_thread: threading.Thread | None = None
+        self._log_error: OSError | None = None
+        # Every rank's log exists from the start (`monarch logs -f` lists the files when it starts):
+        # made here for a small run, first thing by the log thread for a large one.
+        if len(labels) <= MAX_OPEN_LOGS:
+            for r in labels:
+                self.logs[r] = _open_private(log_dir / f"rank{r}.log")
+        else:
+            self._to_log(_CREATE_ALL, b"")
         self.extra: dict[tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,8 +119,7 @@ class OutputSink:
 
     def write(self, rank: int, stream: int, data: bytes) -> None:
         with self._lock:
-            log = self.logs.get(rank)
-            if log is None:
+            if rank not in self.labels or self._closed:
                 return
             extra = self.extra.get((rank, stream))
             if extra is not None:
@@ -105,7 +134,7 @@ class OutputSink:
                     held = self.partial[key] = bytearray()
                 held += data
                 if len(held) >= MAX_HELD_LINE:
-                    self._write_held(rank, stream, log)
+                    self._write_held(rank, stream)
                 return
             block = bytes(held) + data[:last] if held else bytes(data[:last])
             self.scanned += len(block)  # copied once, then shown and searched for tail lines
@@ -114,11 +143,11 @@ class OutputSink:
                 self.partial[key] = bytearray(rest)
             else:
                 self.partial.pop(key, None)
-            log.write(block)
+            self._to_log(rank, block)
             self._emit(rank, stream, block, continued=key in self.continued)
             self.continued.discard(key)
             if len(rest) >= MAX_HELD_LINE:
-                self._write_held(rank, stream, log)
+                self._write_held(rank, stream)
 
     def end_of_rank(self, rank: int) -> None:
         """The rank exited: show an unterminated last line, and flush its log."""
@@ -126,29 +155,82 @@ class OutputSink:
             for stream in (1, 2):
                 rest = self.partial.pop((rank, stream), None)
                 if rest:
-                    if rank in self.logs:
-                        self.logs[rank].write(rest)  # as written: no line end added to the log
+                    if rank in self.labels and not self._closed:
+                        self._to_log(rank, bytes(rest))  # as written: no line end added to the log
                     self._emit(rank, stream, bytes(rest) + b"\n", continued=(rank, stream) in self.continued)
                 self.continued.discard((rank, stream))
-            if rank in self.logs:
-                self.logs[rank].flush()
+            if self._log_thread is not None:  # it is done: its descriptor is better used by a live rank
+                self._log_queue.put((rank, None))
+            if self.grouper is not None:
+                self.grouper.rank_ended(rank)
 
     def tail(self, rank: int) -> list[str]:
         """The rank's last few non-blank lines, each at most :data:`TAIL_WIDTH` characters."""
         return list(self.tails.get(rank, ()))
 
     def close(self) -> None:
+        if self.grouper is not None:
+            self.grouper.close()
         with self._lock:
             for (rank, _), rest in self.partial.items():  # ranks that never reported an end
-                if rank in self.logs:
-                    self.logs[rank].write(rest)
+                if rank in self.labels and not self._closed:
+                    self._to_log(rank, bytes(rest))
+            if self._log_thread is not None:
+                self._log_queue.put(None)
+                self._log_thread.join()
+                self._log_thread = None
+            for rank in self.labels:  # every rank has its log, a silent one too
+                path = self.log_dir / f"rank{rank}.log"
+                if rank not in self.logs and not path.exists():
+                    _open_private(path).close()
+            self._closed = True
             self.partial.clear()
             for f in (*self.logs.values(), *self.extra.values()):
                 f.close()
             self.logs.clear()
             self.extra.clear()
 
-    def _write_held(self, rank: int, stream: int, log: BinaryIO) -> None:
+    def _to_log(self, rank: int, data: bytes) -> None:
+        """Append to ``rank``'s log, from the log thread (lock held)."""
+        if self._log_thread is None:
+            self._log_thread = threading.Thread(target=self._write_logs, name="monarch-rank-logs", daemon=True)
+            self._log_thread.start()
+        self._log_queue.put((rank, data))
+
+    def _write_logs(self) -> None:
+        """The log thread: writes in order; ``(rank, None)`` closes a rank's file, None ends."""
+        while True:
+            item = self._log_queue.get()
+            if item is None:
+                return
+            rank, data = item
+            if rank == _CREATE_ALL:
+                for r in self.labels:
+                    try:
+                        _open_private(self.log_dir / f"rank{r}.log").close()
+                    except OSError:
+                        pass
+                continue
+            if data is None:
+                log = self.logs.pop(rank, None)
+                if log is not None:
+                    log.close()
+                continue
+            try:
+                log = self.logs.get(rank)
+                if log is not None:
+                    self.logs.move_to_end(rank)
+                else:
+                    log = self.logs[rank] = _open_private(self.log_dir / f"rank{rank}.log")
+                    if len(self.logs) > MAX_OPEN_LOGS:
+                        self.logs.popitem(last=False)[1].close()
+                log.write(data)
+            except OSError as e:  # a full disk: say so once, keep the run going
+                if self._log_error is None:
+                    self._log_error = e
+                    print(f"monarch: cannot write rank logs in {self.log_dir}: {e}", file=sys.stderr, flush=True)
+
+    def _write_held(self, rank: int, stream: int) -> None:
         """Write out a held line grown too long: all of it to the log, a wrapped piece to the console."""
         key = (rank, stream)
         held = self.partial[key]
@@ -156,12 +238,14 @@ class OutputSink:
         piece = bytes(held[:cut])
         del held[:cut]  # at most 3 bytes are left
         self.scanned += len(piece)
-        log.write(piece)
+        self._to_log(rank, piece)
         first = key not in self.continued
         self.continued.add(key)
         if self._shown(rank, stream):
-            self._target(stream).write(self.prefix[rank] + piece + b"\n")
-            self._target(stream).flush()
+            if self.grouper is not None:
+                self.grouper.add(rank, stream, [piece + b"\n"])
+            else:
+                self._print(stream, self.prefix[rank] + piece + b"\n")
         if first and piece.strip():
             self.tails[rank].append(_tail_text(piece, cut_short=True))
 
@@ -171,9 +255,16 @@ class OutputSink:
     def _target(self, stream: int) -> BinaryIO:
         return self.out if stream == 1 else self.err
 
+    def _print(self, stream: int, data: bytes) -> None:
+        target = self._target(stream)
+        target.write(data)
+        target.flush()
+
     def _emit(self, rank: int, stream: int, block: bytes, continued: bool) -> None:
         """Show ``block`` (whole segments: it ends with a line end) and note its last lines."""
-        if self._shown(rank, stream):
+        if self._shown(rank, stream) and self.grouper is not None:
+            self.grouper.add(rank, stream, _SEGMENT.findall(block))
+        elif self._shown(rank, stream):
             prefix = self.prefix[rank]
             if b"\r" in block:
                 shown = prefix + prefix.join(_SEGMENT.findall(block))

@@ -175,8 +175,11 @@ class SpmdRunner:
         """Hand every host its ranks, at once; each agent's acknowledgement, in ``nodes`` order."""
         mb = self.mb
         acks = []
+        specs_of: dict[int, list[protocol.RankSpec]] = {n: [] for n in nodes}
+        for l in launches:  # one pass: a loop over hosts per host is quadratic at thousands
+            specs_of[l.node].append(l.spec)
         for n in nodes:
-            specs = [l.spec for l in launches if l.node == n]
+            specs = specs_of[n]
             acks.append(
                 mb.request(
                     self.hs.hosts[n].agent,

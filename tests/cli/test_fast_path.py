@@ -29,6 +29,8 @@ TAKEN: list[list[str]] = [
     ["run-spmd", "-e", "A=1", "-eB=2", "--env", "C", "--env=D=4", "-e", "E=--x"],
     ["run-spmd", "--straggler-grace", "2.5", "--post-mortem", "--no-sync", "--workspace", "ws"],
     ["run-spmd", "--straggler-grace=0"],
+    ["run-spmd", "--no-group", "--json"],
+    ["run-spmd", "--group"],
     ["run-spmd", "--", "torchrun", "--nproc-per-node=2", "train.py", "--lr", "0.1"],
     ["run-spmd", "--cold", "--", "python", "-m", "pkg.train", "--help"],  # the script's --help
     ["run-spmd", "python", "train.py", "--json"],  # options end where the command starts
@@ -54,6 +56,7 @@ LEFT: list[list[str]] = [
     ["run-spmd", "--straggler-grace", "1e3"],
     ["run-spmd", "--state", "a", "--state", "b"],
     ["run-spmd", "--color", "--no-color"],
+    ["run-spmd", "--group", "--no-group"],
     ["run-spmd", "--state", ""],
     ["run-spmd", "-"],
     ["exec", "-e", "A=1", "--", "true"],
@@ -78,6 +81,7 @@ def _typer_params(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int
             "no_sync",
             "straggler_grace",
             "as_json",
+            "group",
         ],
         "exec_command": ["command", "state", "color", "as_json"],
     }

@@ -4,7 +4,9 @@ Liveness never depends on how busy this process is: heartbeats have a thread of 
 (started when the first agent is watched), their own ZeroMQ context and their own
 connection to each agent's one port (the agent answers on it), so no handler, such as a
 run's output being printed to a slow terminal, can hold them up. An agent counts as lost
-only when a heartbeat this process *sent* has gone unanswered for the timeout.
+only when a heartbeat this process *sent* has gone unanswered for the timeout. Every
+connection belongs to one ROUTER socket (the agent's address is its routing id): the
+thread polls one socket whatever the number of hosts.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ from .. import protocol
 from ..transport import wire
 from ..transport.keys import Keys
 
+#: Seconds per watched agent that a new connection may take to bring its first answer before
+#: its silence counts (thousands of CURVE handshakes at once take a while on one client).
+_CONNECT_ALLOWANCE = 0.02
+
 
 @dataclasses.dataclass
 class _AgentWatch:
     last_ack: float
-    sock: zmq.Socket | None = None
+    watched_at: float  # until its first answer, silence counts only after a grace (its connection may be coming up)
     unanswered_since: float | None = None  # when the oldest heartbeat not yet answered was sent
 
 
@@ -45,6 +51,9 @@ class AgentHeartbeats:
         self._lost = lost
         self._agents: dict[str, _AgentWatch] = {}
         self._transport: Any | None = None  # own context: big transfers cannot delay heartbeats
+        self._sock: Any | None = None
+        self._connected: set[str] = set()
+        self._answered: set[str] = set()  # agents whose connection has brought an answer
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -57,7 +66,8 @@ class AgentHeartbeats:
     def watch(self, agent: str) -> None:
         """Heartbeat ``agent`` (now, not at the next tick) for as long as it is wanted."""
         if agent not in self._agents:
-            self._agents[agent] = _AgentWatch(time.monotonic())
+            now = time.monotonic()
+            self._agents[agent] = _AgentWatch(now, now)
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="monarch-heartbeat", daemon=True)
@@ -84,50 +94,61 @@ class AgentHeartbeats:
         from ..transport.sockets import Transport
 
         self._transport = Transport(self._keys, zap=False)
+        # Its own name: the link (see mailbox_io) is named by the mailbox's address.
+        self._sock = self._transport.link_router(f"{self._address}/heartbeats".encode())
+        self._sock.linger = 0
         beat = wire.frames(protocol.header(protocol.Heartbeat(self._address)))[0]
-        poller = zmq.Poller()
+        watch = [(self._sock, int(zmq.POLLIN))]
         next_beat = 0.0
         while not self._closing:
             if not self._agents:  # nothing to watch: sleep until an agent is watched or we close
                 self._wake.wait()
-            events = dict(poller.poll(max(0.0, min(next_beat - time.monotonic(), 0.1)) * 1000))
-            for watch in list(self._agents.values()):
-                if watch.sock is not None and watch.sock in events:
-                    while watch.sock.poll(0):
-                        watch.sock.recv()  # protocol.HEARTBEAT_ACK
-                        watch.last_ack = time.monotonic()
-                        watch.unanswered_since = None
+            if zmq.zmq_poll(watch, max(1, int(min(next_beat - time.monotonic(), 0.1) * 1000))):
+                now = time.monotonic()
+                while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    route, *_ = self._sock.recv_multipart()  # protocol.HEARTBEAT_ACK
+                    name = route.decode()
+                    self._answered.add(name)
+                    agent = self._agents.get(name)
+                    if agent is not None:
+                        agent.last_ack = now
+                        agent.unanswered_since = None
             if self._wake.is_set() or time.monotonic() >= next_beat:
                 self._wake.clear()
-                self._beat(poller, beat)
+                self._beat(beat)
                 next_beat = time.monotonic() + settings().heartbeat_interval
-        for watch in list(self._agents.values()):
-            if watch.sock is not None:
-                watch.sock.close(linger=0)
+        self._sock.close(linger=0)
 
-    def _beat(self, poller: zmq.Poller, beat: bytes) -> None:
+    def _beat(self, beat: bytes) -> None:
         now = time.monotonic()
         limit = settings().heartbeat_timeout
         wanted = self._wanted()
+        # Connections all come up at once, in no particular order: each gets the grace of them all.
+        grace = limit + _CONNECT_ALLOWANCE * len(self._agents)
         for agent, watch in list(self._agents.items()):
             if agent not in wanted:
-                self._unwatch(agent, poller)
-            elif watch.unanswered_since is not None and now - watch.unanswered_since > limit:
+                self._unwatch(agent)
+            elif (
+                watch.unanswered_since is not None
+                and now - watch.unanswered_since > limit
+                and (agent in self._answered or now - watch.watched_at > grace)
+            ):
                 # Silence counted from a heartbeat we sent, not from the last answer we got
                 # round to reading: a busy process does not make its agents look dead.
-                self._unwatch(agent, poller)
+                self._unwatch(agent)
                 self._lost(agent, now - watch.unanswered_since)
             else:
-                if watch.sock is None:  # its own connection to the agent's one port
-                    assert self._transport is not None
-                    watch.sock = self._transport.dealer(agent)
-                    poller.register(watch.sock, zmq.POLLIN)
-                watch.sock.send(beat, zmq.NOBLOCK)
+                if agent not in self._connected:  # its own connection to the agent's one port, kept
+                    self._sock.connect_rid = agent.encode()
+                    self._sock.connect(agent)
+                    self._connected.add(agent)
+                try:
+                    self._sock.send_multipart([agent.encode(), beat], zmq.NOBLOCK)
+                except zmq.ZMQError:  # not routable (its connection went): the beat goes unanswered
+                    pass
                 if watch.unanswered_since is None:
                     watch.unanswered_since = now
 
-    def _unwatch(self, agent: str, poller: zmq.Poller) -> None:
-        watch = self._agents.pop(agent, None)
-        if watch is not None and watch.sock is not None:
-            poller.unregister(watch.sock)
-            watch.sock.close(linger=0)
+    def _unwatch(self, agent: str) -> None:
+        # Its connection stays: the next run watches it again without a new CURVE handshake.
+        self._agents.pop(agent, None)

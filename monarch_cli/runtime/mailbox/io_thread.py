@@ -4,9 +4,14 @@ Messages to procs leave on a DEALER socket owned by the sending thread, so a sen
 waits for another thread; their replies arrive on the mailbox's ROUTER.
 
 Host agents are different: this process needs no inbound port for them. Each agent address
-that is linked gets one DEALER (its link), owned by the I/O thread and named by this
-mailbox's address; the agent answers everything (results, rank output and exits, debugger
-and telemetry traffic) through its ROUTER on that connection. Other threads hand their
+that is linked gets one connection (its link) of a single ROUTER socket owned by the I/O
+thread and named by this mailbox's address, the agent's address being the connection's
+routing id; the agent answers everything (results, rank output and exits, debugger
+and telemetry traffic) through its ROUTER on that connection. One socket for every link,
+not one per agent: at thousands of hosts, polling and draining one socket costs what it
+costs for one host, where a socket per agent cost a Python loop over all of them per
+wake-up (and ZeroMQ's 1,024-socket limit). A message for a link not connected yet (a
+ROUTER cannot queue for a peer it has not met) waits in :attr:`_unsent` and is retried. Other threads hand their
 sends to the I/O thread over an inproc queue, and the I/O thread reads the links, so a
 future for an agent request is resolved by the I/O thread (its waiter does not ``pump``).
 One TCP port per host is enough, reached directly or through a forward.
@@ -21,6 +26,7 @@ a time, so a waiter under a flood of output gets back to its own deadlines.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import traceback
@@ -59,7 +65,10 @@ class MailboxIO:
         self._wake_rx.bind(self._wake_addr)
         #: Agent addresses reached through a link; the links themselves belong to the I/O thread.
         self._linked: set[str] = set()
-        self._links: dict[str, zmq.Socket] = {}
+        self._links: zmq.Socket | None = None  # one ROUTER: a connection per agent (I/O thread only)
+        self._connected: set[str] = set()
+        #: Per agent, frames not yet accepted by the links' ROUTER (its connection is not up yet).
+        self._unsent: dict[str, collections.deque[list[Any]]] = {}
         self._out_addr = f"inproc://mailbox-out-{id(self)}"
         self._out_rx = self.transport.ctx.socket(zmq.PULL)
         self._out_rx.rcvhwm = 0
@@ -86,7 +95,7 @@ class MailboxIO:
 
     def _send_link(self, address: str, frames: list[Any]) -> None:
         if threading.current_thread() is self._thread:
-            self._link_socket(address).send_multipart(frames, copy=False)
+            self._link_send(address, frames)
             return
         out = getattr(self._tls, "out", None)
         if out is None:
@@ -96,15 +105,50 @@ class MailboxIO:
             out.connect(self._out_addr)
         out.send_multipart([address.encode(), *frames], copy=False)
 
-    def _link_socket(self, address: str) -> zmq.Socket:
-        """The link to ``address`` (I/O thread only), made on first use."""
-        sock = self._links.get(address)
+    def _links_socket(self) -> zmq.Socket:
+        """The ROUTER holding every link (I/O thread only), made on first use."""
+        sock = self._links
         if sock is None:
-            sock = self.transport.dealer(address, identity=self.address.encode())
-            self._links[address] = sock
+            sock = self._links = self.transport.link_router(self.address.encode())
             self._watching.register(sock, zmq.POLLIN)
             self._backing_off.register(sock, zmq.POLLIN)
         return sock
+
+    def _link_send(self, address: str, frames: list[Any]) -> None:
+        """Send on ``address``'s link (I/O thread only), connecting it first; queued while it is not up."""
+        sock = self._links_socket()
+        if address not in self._connected:
+            sock.connect_rid = address.encode()
+            sock.connect(address)
+            self._connected.add(address)
+        queued = self._unsent.get(address)
+        if queued is not None:  # keep the order: behind what waits already
+            queued.append(frames)
+            return
+        try:
+            sock.send_multipart([address.encode(), *frames], copy=False)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._unsent[address] = collections.deque([frames])
+
+    def _retry_unsent(self) -> None:
+        """Send what waits for links that have come up since."""
+        sock = self._links
+        if sock is None:
+            return
+        for address, queued in list(self._unsent.items()):
+            route = address.encode()
+            while queued:
+                try:
+                    sock.send_multipart([route, *queued[0]], copy=False)
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH:
+                        raise
+                    break
+                queued.popleft()
+            if not queued:
+                del self._unsent[address]
 
     def pump(self, fut: Future[Any], timeout: float | None) -> bool:
         """Read replies in the calling thread until ``fut`` is done or ``timeout`` passes.
@@ -156,6 +200,8 @@ class MailboxIO:
         while not self._closing:
             now = time.monotonic()
             timeout = 0.0 if self._more or links_more else 1.0  # more queued: read it now
+            if self._unsent:  # links still connecting: look again soon
+                timeout = min(timeout, 0.005)
             if now < self._backoff_until:
                 poller = backing_off
                 timeout = self._backoff_until - now
@@ -170,6 +216,8 @@ class MailboxIO:
                     self._wake_rx.recv()
             if self._out_rx in events:
                 self._forward_out()
+            if self._unsent:
+                self._retry_unsent()
             links_more = self._drain_links()
             if poller is watching and (reply_fd in events or not events or self._more):
                 if self._reader.acquire(blocking=False):
@@ -181,8 +229,8 @@ class MailboxIO:
                 else:  # a waiter is reading; look again shortly
                     self._backoff_until = time.monotonic() + 0.002
         self._forward_out()  # a last `client_exit` queued by close()
-        for sock in self._links.values():
-            sock.close(linger=500)
+        if self._links is not None:
+            self._links.close(linger=500)
 
     def _forward_out(self) -> None:
         """Send what other threads queued for the links."""
@@ -190,16 +238,13 @@ class MailboxIO:
         while out.getsockopt(EVENTS) & POLLIN:
             frames = out.recv_multipart(copy=False)
             try:
-                self._link_socket(frames[0].bytes.decode()).send_multipart(frames[1:], copy=False)
+                self._link_send(frames[0].bytes.decode(), frames[1:])
             except zmq.ZMQError:
                 traceback.print_exc()
 
     def _drain_links(self) -> bool:
-        """Handle what agents sent on the links, at most a batch each; True when more may be queued."""
-        more = False
-        for sock in list(self._links.values()):
-            more = _drain(sock, self._handle_message) or more
-        return more
+        """Handle what agents sent on the links, at most a batch; True when more may be queued."""
+        return self._links is not None and _drain(self._links, self._handle)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         self._handle_message(frames[1:])

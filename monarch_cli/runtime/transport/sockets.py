@@ -27,6 +27,7 @@ class Transport:
     """Socket factory bound to one ZeroMQ context and one set of reservation keys."""
 
     def __init__(self, keys: Keys, zap: bool = True) -> None:
+        raise_fd_limit()
         self.keys = keys
         self.ctx = zmq.Context()
         self._client_key = z85.decode(keys.public)
@@ -94,8 +95,44 @@ class Transport:
         sock.connect(address)
         return sock
 
+    def link_router(self, identity: bytes) -> zmq.Socket:
+        """A CURVE-client ROUTER named ``identity`` that connects to many servers, one connection
+        each, addressed by the routing id given with ``connect_rid`` before each ``connect``; a
+        send to a peer not connected (yet) raises EHOSTUNREACH instead of being dropped."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.routing_id = identity
+        sock.router_mandatory = True
+        sock.linger = 2000
+        sock.sndhwm = 0
+        sock.rcvhwm = 0
+        sock.curve_serverkey = self.keys.public
+        sock.curve_publickey = self.keys.public
+        sock.curve_secretkey = self.keys.secret
+        return sock
+
     def close(self) -> None:
         self.ctx.destroy(linger=0)
+
+
+_fd_limit_raised = False
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's open-file soft limit to its hard limit, once: a client of 4,096
+    hosts holds two TCP connections per host (its link and its heartbeats), over the usual
+    soft limit of 1,024."""
+    global _fd_limit_raised
+    if _fd_limit_raised:
+        return
+    _fd_limit_raised = True
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # not permitted, or no such limit here: keep the soft one
+        pass
 
 
 def _ipc_dir() -> str:

@@ -151,7 +151,11 @@ class LocalScheduler(Scheduler):
         return [e.pid for e in found]
 
     def dead_hosts(self, reservation: ReservationRecord) -> list[str]:
-        return [h.name for h in reservation.hosts if not (h.pid and _is_agent(h.pid))]
+        alive: dict[int, bool] = {}  # per pid: an agent process may serve several hosts
+        for h in reservation.hosts:
+            if h.pid and h.pid not in alive:
+                alive[h.pid] = _is_agent(h.pid)
+        return [h.name for h in reservation.hosts if not (h.pid and alive[h.pid])]
 
     def probe(self, reservation: ReservationRecord) -> Probe:
         dead = self.dead_hosts(reservation)

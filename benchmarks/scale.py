@@ -1,0 +1,332 @@
+"""How the client's cost grows with hosts: real local agents for small N, emulated ones beyond.
+
+For each N, every command is a fresh ``monarch`` process, as a user runs it, and its CPU and
+peak RSS are read from ``wait4`` (so the agents, which outlive ``serve``, are not counted):
+
+* real agents (local scheduler, ``--preload ''``: a trivial one-rank-per-host script):
+  ``serve``, a re-run, ``status``, ``stack``, ``stop``; the agents' idle CPU and memory;
+* emulated agents (tests/emulated_cluster.py: real CURVE sockets and protocol, many agents
+  per process; 8 ranks per host that exit at once): a re-run, ``status``, ``stack``, and, in
+  one driver process, connect-and-handshake and a run's dispatch-to-all-exits.
+
+Prints a table, the per-host slopes (least squares over the real Ns) and writes
+docs/img/scale.svg. Run it alone: ``flock /work/.heavy.lock python benchmarks/scale.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TRIVIAL = "import os; print('step 1 loss 2.31 rank', os.environ['RANK'])\n"
+
+
+def _cli_usage(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600) -> dict[str, Any]:
+    """One ``monarch`` command: wall seconds, CPU seconds (user+sys, with the children it waited
+    for), peak RSS MB, from ``wait4``."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "monarch_cli", *args], cwd=cwd, env=env, stdout=out, stderr=err)
+        deadline = started + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+            time.sleep(0.01)
+        wall = time.monotonic() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        res = {"wall": wall, "rc": proc.returncode, "out": out.read().decode(errors="replace")}
+        res["err"] = err.read().decode(errors="replace")
+    res["cpu"] = usage.ru_utime + usage.ru_stime
+    res["rss"] = usage.ru_maxrss / 1024
+    if res["rc"] != 0:
+        print(f"  ! monarch {' '.join(args[:2])} exited {res['rc']}: {res['err'][-400:]}", file=sys.stderr)
+    return res
+
+
+def _agents_footprint(state: Path) -> tuple[float, float]:
+    """(mean CPU % of a core per agent over 10 s idle, mean MB of agent + its children per host)."""
+    import psutil
+
+    from monarch_cli.jobs.state import load_state
+
+    pids = [h.pid for h in load_state(state).hosts if h.pid]
+    procs = [psutil.Process(p) for p in pids]
+    before = [p.cpu_times() for p in procs]
+    time.sleep(10)
+    after = [p.cpu_times() for p in procs]
+    cpu = sum((a.user + a.system) - (b.user + b.system) for a, b in zip(after, before)) / 10 / len(procs) * 100
+    mem = []
+    for p in procs:
+        tree = [p, *p.children(recursive=True)]
+        mem.append(sum(q.memory_full_info().uss for q in tree) / 2**20)
+    return cpu, sum(mem) / len(mem)
+
+
+def bench_real(n: int, work: Path) -> dict[str, Any]:
+    d = work / f"real{n}"
+    d.mkdir(parents=True)
+    (d / "trivial.py").write_text(TRIVIAL)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    state = d / ".monarch" / "job_state.pkl"
+    row: dict[str, Any] = {"n": n, "kind": "real"}
+    s = _cli_usage(["serve", "--hosts", str(n), "--preload", "", "--state", str(state)], d, env)
+    row["serve"], row["serve_cpu"] = s["wall"], s["cpu"]
+    try:
+        run = ["run-spmd", "--state", str(state), "--no-sync", "--", "torchrun", "--nproc-per-node=1", "trivial.py"]
+        _cli_usage(run, d, env)  # the first run teaches the warm process; time the re-run
+        r = _cli_usage(run, d, env)
+        row["run"], row["run_cpu"], row["rss"] = r["wall"], r["cpu"], r["rss"]
+        st = _cli_usage(["status", "--state", str(state), "--json"], d, env)
+        row["status"], row["status_cpu"] = st["wall"], st["cpu"]
+        sk = _cli_usage(["stack", "--state", str(state), "--json"], d, env)
+        row["stack"], row["stack_cpu"] = sk["wall"], sk["cpu"]
+        row["idle_cpu_pct"], row["host_mb"] = _agents_footprint(state)
+    finally:
+        sp = _cli_usage(["stop", "--state", str(state)], d, env)
+        row["stop"], row["stop_cpu"] = sp["wall"], sp["cpu"]
+    return row
+
+
+DRIVER = """
+import io, json, resource, sys, time
+from pathlib import Path
+from monarch_cli.jobs import job_load
+job = job_load(Path(sys.argv[1]))
+t, c = time.monotonic(), time.process_time()
+hs = job._hostset()
+connect, connect_cpu = time.monotonic() - t, time.process_time() - c
+from monarch_cli.jobs.spmd import SpmdRunner, plan_spmd, new_run_id
+from monarch_cli.jobs.torchrun import parse_command
+from monarch_cli.jobs.output import OutputSink
+spec = parse_command(["torchrun", "--nproc-per-node=8", "train.py"])
+runner = SpmdRunner(hs, Path(sys.argv[2]))
+out = []
+for i in range(3):
+    run_id = new_run_id()
+    launches = plan_spmd(spec, hs, run_id, cold=False, master_port=29500, environ={"EMULATED_OUTPUT": "epoch 3 loss 2.31\\n"})
+    sink = OutputSink(Path(sys.argv[2]) / run_id, {l.rank: l.label for l in launches}, stdout=io.BytesIO(), stderr=io.BytesIO())
+    t, c = time.monotonic(), time.process_time()
+    exits = runner.run(launches, run_id, sink)
+    out.append((time.monotonic() - t, time.process_time() - c, len(exits)))
+    sink.close()
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# A host lost mid-run: ranks that hang, then one host stops answering heartbeats.
+import threading
+run_id = new_run_id()
+launches = plan_spmd(spec, hs, run_id, cold=False, master_port=29500, environ={"EMULATED_HANG": "1"})
+sink = OutputSink(Path(sys.argv[2]) / run_id, {l.rank: l.label for l in launches}, stdout=io.BytesIO(), stderr=io.BytesIO())
+runner.grace = 1.0
+done = {}
+th = threading.Thread(target=lambda: done.setdefault("exits", runner.run(launches, run_id, sink)))
+run_started = time.monotonic()
+th.start()
+beats = hs.mb._heartbeats
+deadline = time.monotonic() + 300
+while len(beats._answered) < len(hs.hosts) and time.monotonic() < deadline:
+    time.sleep(0.05)
+from tests.emulated_cluster import PER_PROCESS
+victim_index = len(hs.hosts) // 2
+victim = hs.hosts[victim_index].name
+muted_at = time.monotonic()
+(Path(sys.argv[3]) / f"emu{victim_index // PER_PROCESS * PER_PROCESS}.addr.mute").write_text(victim + "\\n")
+th.join(600)
+named = [e for e in done["exits"] if e.lost]
+lost_after = run_started + max(e.duration for e in named) - muted_at if named else None
+ended = time.monotonic() - muted_at
+sink.close()
+print(json.dumps({"connect": connect, "connect_cpu": connect_cpu, "dispatch": min(o[0] for o in out),
+                  "dispatch_cpu": min(o[1] for o in out), "exits": out[-1][2], "rss": rss,
+                  "lost_named": sorted({e.host for e in named}) == [victim], "lost_after": lost_after,
+                  "lost_run_end": ended}))
+"""
+
+
+def bench_emulated(n: int, work: Path) -> dict[str, Any]:
+    from tests.emulated_cluster import emulated_job
+
+    d = work / f"emulated{n}"
+    d.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    state = d / ".monarch" / "job_state.pkl"
+    row: dict[str, Any] = {"n": n, "kind": "emulated"}
+    t = time.monotonic()
+    _, cluster = emulated_job(n, state)
+    row["emulator_start"] = time.monotonic() - t
+    try:
+        drv = subprocess.run(
+            [sys.executable, "-c", DRIVER, str(state), str(d / "driver-logs"), str(state.parent / "emulated")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if drv.returncode != 0:
+            print(f"  ! driver failed: {drv.stderr[-1500:]}", file=sys.stderr)
+        else:
+            row.update({f"drv_{k}": v for k, v in json.loads(drv.stdout.strip().splitlines()[-1]).items()})
+        run = ["run-spmd", "--state", str(state), "--no-sync", "-e", "EMULATED_OUTPUT=epoch 3 loss 2.31\n"]
+        run += ["--", "torchrun", "--nproc-per-node=8", "train.py"]
+        r = _cli_usage(run, d, env, timeout=900)
+        row["run"], row["run_cpu"], row["rss"] = r["wall"], r["cpu"], r["rss"]
+        row["run_lines"] = r["out"].count("\n")
+        st = _cli_usage(["status", "--state", str(state), "--json"], d, env, timeout=900)
+        row["status"], row["status_cpu"] = st["wall"], st["cpu"]
+        sk = _cli_usage(["stack", "--state", str(state), "--json"], d, env, timeout=900)
+        row["stack"], row["stack_cpu"] = sk["wall"], sk["cpu"]
+    finally:
+        cluster.close()
+    return row
+
+
+def _slope(rows: list[dict[str, Any]], key: str) -> float | None:
+    pts = [(r["n"], r[key]) for r in rows if r.get(key) is not None]
+    if len(pts) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / var if var else None
+
+
+def _fmt(v: Any, unit: str = "s") -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if unit == "s" else f"{v:.0f}"
+
+
+def write_svg(rows: list[dict[str, Any]], path: Path) -> None:
+    """Seconds against hosts (log scale), one line per command: a small hand-made SVG (no matplotlib here)."""
+    import math
+
+    series = {"serve": "#1f77b4", "run": "#d62728", "status": "#2ca02c", "stack": "#9467bd", "stop": "#8c564b"}
+    w, h, left, bottom, top, right = 640, 400, 60, 50, 30, 110
+    xs = [r["n"] for r in rows]
+    ymax = max((r.get(k) or 0) for r in rows for k in series) or 1.0
+    ymax = 10 ** math.ceil(math.log10(ymax)) if ymax > 0 else 1
+
+    def px(n: float) -> float:
+        lo, hi = math.log2(min(xs)), math.log2(max(xs)) or 1
+        return left + (math.log2(n) - lo) / ((hi - lo) or 1) * (w - left - right)
+
+    def py(v: float) -> float:
+        return h - bottom - v / ymax * (h - bottom - top)
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">'
+    ]
+    parts.append(f'<rect width="{w}" height="{h}" fill="white"/>')
+    parts.append(f'<text x="{left}" y="18" font-size="13">monarch-cli: seconds per command against hosts</text>')
+    parts.append(f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>')
+    parts.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>')
+    for n in xs:
+        parts.append(f'<text x="{px(n):.0f}" y="{h - bottom + 15}" text-anchor="middle">{n}</text>')
+    parts.append(
+        f'<text x="{(w - right + left) / 2:.0f}" y="{h - 12}" text-anchor="middle">hosts (log scale; ≥1,024 emulated)</text>'
+    )
+    for i in range(5):
+        v = ymax * i / 4
+        parts.append(f'<text x="{left - 6}" y="{py(v) + 4:.0f}" text-anchor="end">{v:g}</text>')
+        parts.append(f'<line x1="{left}" y1="{py(v):.0f}" x2="{w - right}" y2="{py(v):.0f}" stroke="#ddd"/>')
+    for i, (key, color) in enumerate(series.items()):
+        pts = [(px(r["n"]), py(r[key])) for r in rows if r.get(key) is not None]
+        if pts:
+            d = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
+            parts.append(f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="2"/>')
+            parts.extend(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in pts)
+        parts.append(f'<rect x="{w - right + 15}" y="{top + 18 * i}" width="12" height="3" fill="{color}"/>')
+        parts.append(f'<text x="{w - right + 32}" y="{top + 18 * i + 5}">{key}</text>')
+    parts.append("</svg>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(parts) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--real", default="1,4,16,64,128", help="host counts run as real local agents")
+    parser.add_argument("--emulated", default="1024,4096", help="host counts run emulated")
+    parser.add_argument("--svg", default=str(REPO / "docs" / "img" / "scale.svg"))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="monarch-scale-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        for n in [int(x) for x in args.real.split(",") if x]:
+            print(f"real agents: {n} host(s)...", file=sys.stderr, flush=True)
+            rows.append(bench_real(n, work))
+            print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+        for n in [int(x) for x in args.emulated.split(",") if x]:
+            print(f"emulated agents: {n} hosts...", file=sys.stderr, flush=True)
+            rows.append(bench_emulated(n, work))
+            print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    cols = ["hosts", "serve s", "run s", "status s", "stack s", "stop s", "serve CPU", "run CPU", "run RSS MB"]
+    cols += ["connect s", "dispatch→exits s", "idle agent %core", "host MB"]
+    table = []
+    for r in rows:
+        table.append(
+            [
+                f"{r['n']:,}{'' if r['kind'] == 'real' else ' (emulated, x8 ranks)'}",
+                _fmt(r.get("serve")),
+                _fmt(r.get("run")),
+                _fmt(r.get("status")),
+                _fmt(r.get("stack")),
+                _fmt(r.get("stop")),
+                _fmt(r.get("serve_cpu")),
+                _fmt(r.get("run_cpu")),
+                _fmt(r.get("rss"), "mb"),
+                _fmt(r.get("drv_connect")),
+                _fmt(r.get("drv_dispatch")),
+                f"{r['idle_cpu_pct']:.2f}" if "idle_cpu_pct" in r else "-",
+                _fmt(r.get("host_mb"), "mb"),
+            ]
+        )
+    import platform
+
+    print(f"monarch-cli scale: one fresh CLI process per command; {platform.node()}, {os.cpu_count()} cores")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for line in table:
+        print("| " + " | ".join(line) + " |")
+    real = [r for r in rows if r["kind"] == "real"]
+    print("per-host slopes over the real agents (least squares, ms per host):")
+    for key in ("serve", "serve_cpu", "run", "run_cpu", "status", "stack", "stop"):
+        s = _slope(real, key)
+        print(f"  {key:<10} {'-' if s is None else f'{s * 1000:.2f}'}")
+    emulated = [r for r in rows if r["kind"] == "emulated"]
+    if emulated:
+        print("emulated (driver process: connect-and-handshake; dispatch-to-all-exits, best of 3; its RSS):")
+        for r in emulated:
+            print(
+                f"  {r['n']:,} hosts: connect {_fmt(r.get('drv_connect'))} s (CPU {_fmt(r.get('drv_connect_cpu'))} s), "
+                f"dispatch→exits {_fmt(r.get('drv_dispatch'))} s (CPU {_fmt(r.get('drv_dispatch_cpu'))} s, "
+                f"{r.get('drv_exits', '-')} exits), driver RSS {_fmt(r.get('drv_rss'), 'mb')} MB, "
+                f"CLI run printed {r.get('run_lines', '-')} lines; a host muted mid-run: named "
+                f"{r.get('drv_lost_named')} after {_fmt(r.get('drv_lost_after'))} s, run ended "
+                f"{_fmt(r.get('drv_lost_run_end'))} s after the mute"
+            )
+    write_svg(rows, Path(args.svg))
+    print(f"plot: {args.svg}")
+    print(json.dumps(rows), flush=True)
+    shutil.rmtree(work, ignore_errors=True)  # (tens of thousands of log files: after the figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Hundreds of hosts, as the client sees them: 256 emulated agents (real sockets, real CURVE keys,
+the real wire protocol; tests/emulated_cluster.py) driven by the unchanged client.
+
+Correctness, not speed (benchmarks/scale.py times it): every rank's exit is collected, the
+console groups what ranks print alike, the exit report groups ranks by outcome, a host that
+goes silent is named, and the other ranks are stopped.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from monarch_cli.jobs import Job
+from monarch_cli.jobs.output_groups import outcome_summary
+from tests.emulated_cluster import EmulatedCluster, emulated_job
+
+HOSTS = 256
+NPROC = 2
+WORLD = HOSTS * NPROC
+GROUP = re.compile(rb"^\[rank ([0-9,-]+)\] (.*)$")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ranks(spec: bytes) -> set[int]:
+    out: set[int] = set()
+    for part in spec.decode().split(","):
+        a, _, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Job, EmulatedCluster, Path]]:
+    state = tmp_path_factory.mktemp("emulated") / ".monarch" / "job_state.pkl"
+    job, cl = emulated_job(HOSTS, state)
+    yield job, cl, state
+    cl.close()
+
+
+def _run(job: Job, env: dict[str, str], **kw) -> tuple[object, bytes, bytes]:
+    out, err = io.BytesIO(), io.BytesIO()
+    result = job.run_spmd(
+        ["torchrun", f"--nproc-per-node={NPROC}", "train.py"], env=env, stdout=out, stderr=err, sync=False, **kw
+    )
+    return result, out.getvalue(), err.getvalue()
+
+
+def test_every_exit_is_collected_and_output_grouped(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
+    job, _, _ = cluster
+    result, out, _ = _run(
+        job, {"EMULATED_OUTPUT": "epoch 3 loss 2.31\nrank {rank} done\n", "EMULATED_EXIT": "17=SIGSEGV,302=SIGSEGV"}
+    )
+    assert sorted(r.rank for r in result.ranks) == list(range(WORLD))
+    assert result.exit_code == 128 + 11
+    assert result.first_failure is not None and result.first_failure.rank in (17, 302)
+    assert outcome_summary(result.ranks) == f"{WORLD - 2:,} exited 0; ranks 17, 302: killed by SIGSEGV"
+    shared: set[int] = set()
+    own: dict[int, list[bytes]] = {}
+    for line in out.splitlines():
+        m = GROUP.match(line)
+        if m and m.group(2) == b"epoch 3 loss 2.31":
+            assert not shared & _ranks(m.group(1)), "a rank's line printed twice"
+            shared |= _ranks(m.group(1))
+        else:
+            label, _, text = line.partition(b"]")
+            own.setdefault(int(label.lstrip(b"[rank")), []).append(text.strip())
+    assert shared == set(range(WORLD)), "every rank's shared line is accounted for"
+    assert out.count(b"epoch 3 loss 2.31") < WORLD // 8, "the shared line is grouped, not printed per rank"
+    assert own == {r: [f"rank {r} done".encode()] for r in range(WORLD)}  # distinct lines: each rank's own
+    for r in (0, 17, WORLD - 1):  # and the logs keep everything, in order
+        assert (result.log_dir / f"rank{r}.log").read_bytes() == f"epoch 3 loss 2.31\nrank {r} done\n".encode()
+
+
+def test_grouping_off_and_ranks_filter(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
+    job, _, _ = cluster
+    _, out, _ = _run(job, {"EMULATED_OUTPUT": "hello\n"}, group=False)
+    assert out.count(b"hello") == WORLD and not any(GROUP.match(line) for line in out.splitlines())
+    _, out, _ = _run(job, {"EMULATED_OUTPUT": "hello\n"}, ranks={0, 1, 2, 3})
+    assert sorted(out.splitlines()) == sorted(f"[rank{r}]".encode().ljust(9) + b" hello" for r in range(4))
+
+
+def test_the_cli_reports_outcomes_grouped_and_json_lists_every_rank(
+    cluster: tuple[Job, EmulatedCluster, Path],
+) -> None:
+    _, _, state = cluster
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1", "COLUMNS": "200"}
+    base = [sys.executable, "-m", "monarch_cli", "run-spmd", "--state", str(state), "--no-sync"]
+    flags = ["-e", "EMULATED_OUTPUT=step\n", "-e", "EMULATED_EXIT=5=3,9=3,400=SIGKILL"]
+    command = ["--", "torchrun", f"--nproc-per-node={NPROC}", "train.py"]
+    done = subprocess.run([*base, *flags, *command], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode in (3, 128 + 9), done.stderr  # whichever failure came first
+    assert f"{WORLD - 3:,} exited 0; ranks 5, 9: exit 3; rank 400: killed by SIGKILL" in done.stderr
+    assert done.stdout.count("step") < WORLD // 8
+    rows = [line for line in done.stderr.splitlines() if re.match(r"^\W*(5|9|400)\W", line)]
+    assert len(rows) == 2, done.stderr  # one row per distinct failure: rank 9 ended as rank 5 did
+    done = subprocess.run([*base, "--json", *flags, *command], capture_output=True, text=True, env=env, timeout=300)
+    report = json.loads(done.stdout)
+    assert done.returncode in (3, 128 + 9) and len(report["ranks"]) == WORLD
+    assert {r["rank"] for r in report["ranks"] if r["status"] != 0} == {5, 9, 400}
+
+
+def test_a_silent_host_is_named_and_the_others_are_stopped(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
+    job, cl, _ = cluster
+    cl.mute("emu100")  # answers requests, not heartbeats: as a host whose network went
+    started = time.monotonic()
+    result, _, _ = _run(job, {"EMULATED_HANG": "1"}, grace=1.0)
+    assert time.monotonic() - started < 120
+    lost = [r for r in result.ranks if r.lost]
+    assert {r.rank for r in lost} == {200, 201}
+    assert all("host emu100 stopped answering" in r.lost for r in lost)
+    others = [r for r in result.ranks if not r.lost]
+    assert len(others) == WORLD - 2 and all(r.how == "killed by SIGTERM" for r in others)
+
+
+def test_stack_on_every_host_groups_what_is_the_same(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
+    job, _, _ = cluster
+    box: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("run", _run(job, {"EMULATED_HANG": "1"})))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) < WORLD:
+        assert time.monotonic() < deadline, "the ranks never all started"
+    report = job.stacks()
+    assert len(report.stacks) == WORLD and len(report.groups) == 1
+    job.stop()  # the running run ends saying so
+    runner.join(120)
+    result = box["run"][0]  # type: ignore[index]
+    assert result.exit_code == 254 and len(result.ranks) == WORLD
