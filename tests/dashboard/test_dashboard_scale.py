@@ -27,7 +27,9 @@ RUN = "20260101-000000000-big1"
 
 def _fill(state_dir: Path) -> TelemetryWriter:
     """A run of 128 ranks on 16 hosts: 100k lines (a few with 'needle', one number per line), samples, steps."""
-    w = TelemetryWriter(db_path(state_dir), RUN)
+    # A store told to keep all 100k lines (as MONARCH_TELEMETRY_LINES=100000 would): the page's worst case,
+    # beyond the default sample of 20k lines per run.
+    w = TelemetryWriter(db_path(state_dir), RUN, max_lines=LINES)
     t0 = time.time() - 600
     w.sql(
         "INSERT INTO runs (run_id, command, started_at, world_size, hosts, restarts, interrupted) VALUES (?,?,?,?,?,0,0)",
