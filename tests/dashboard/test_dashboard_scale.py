@@ -27,9 +27,9 @@ RUN = "20260101-000000000-big1"
 
 def _fill(state_dir: Path) -> TelemetryWriter:
     """A run of 128 ranks on 16 hosts: 100k lines (a few with 'needle', one number per line), samples, steps."""
-    # A store told to keep all 100k lines (as MONARCH_TELEMETRY_LINES=100000 would): the page's worst case,
-    # beyond the default sample of 20k lines per run.
-    w = TelemetryWriter(db_path(state_dir), RUN, max_lines=LINES)
+    # A store told to keep every line as it comes (the first half of MONARCH_TELEMETRY_LINES is written live,
+    # the last half when the run ends): the page's worst case, far beyond the default sample of 20k lines.
+    w = TelemetryWriter(db_path(state_dir), RUN, max_lines=2 * LINES)
     t0 = time.time() - 600
     w.sql(
         "INSERT INTO runs (run_id, command, started_at, world_size, hosts, restarts, interrupted) VALUES (?,?,?,?,?,0,0)",
