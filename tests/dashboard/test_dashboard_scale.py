@@ -29,7 +29,7 @@ def _fill(state_dir: Path) -> TelemetryWriter:
     """A run of 128 ranks on 16 hosts: 100k lines (a few with 'needle', one number per line), samples, steps."""
     # A store told to keep every line as it comes (the first half of MONARCH_TELEMETRY_LINES is written live,
     # the last half when the run ends): the page's worst case, far beyond the default sample of 20k lines.
-    w = TelemetryWriter(db_path(state_dir), RUN, max_lines=2 * LINES)
+    w = TelemetryWriter(db_path(state_dir), RUN, max_lines=4 * LINES)
     t0 = time.time() - 600
     w.sql(
         "INSERT INTO runs (run_id, command, started_at, world_size, hosts, restarts, interrupted) VALUES (?,?,?,?,?,0,0)",
