@@ -3,7 +3,7 @@
     torchrun --nproc-per-node=2 train_ddp.py --epochs 3
     monarch run-spmd -- torchrun --nproc-per-node=2 train_ddp.py --epochs 3
 
-gloo on CPU, NCCL when every rank has a GPU. Synthetic regression data, so it needs no
+gloo on CPU, NCCL when every rank on a host has a GPU of its own. Synthetic regression data, so it needs no
 download; the loss printed by rank 0 falls epoch by epoch.
 """
 
@@ -26,7 +26,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > int(os.environ.get("LOCAL_RANK", 0))
+    # NCCL only when every rank on this host gets a GPU of its own: deciding per rank (is there a
+    # GPU for my LOCAL_RANK?) splits one group between nccl and gloo, which hangs, and NCCL refuses
+    # two ranks on one GPU.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}") if use_cuda else torch.device("cpu")
