@@ -6,10 +6,12 @@ import glob
 import io
 import os
 import pickle
+import select
 import shutil
 import socket
 import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,30 @@ def signal_if_alive(pid: int, sig: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def ready_fds(
+    read: Sequence[Any], write: Sequence[Any] = (), timeout: float | None = None
+) -> tuple[list[Any], list[Any]]:
+    """``select.select`` for reading and writing, through ``poll``: the objects (fds, or anything
+    with ``fileno()``) ready now or within ``timeout`` seconds (None: wait).
+
+    ``select`` refuses any fd numbered 1024 or more, which an agent with a few hundred ranks'
+    pipes open, or a client linked to thousands of hosts, reaches; ``poll`` has no such limit.
+    """
+    poller = select.poll()
+    fileno: dict[Any, int] = {}
+    for obj in read:
+        fileno[obj] = obj if isinstance(obj, int) else obj.fileno()
+        poller.register(fileno[obj], select.POLLIN)
+    for obj in write:
+        fd = obj if isinstance(obj, int) else obj.fileno()
+        fileno[obj] = fd
+        poller.register(fd, select.POLLOUT | (select.POLLIN if obj in read else 0))
+    events = dict(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+    readable = [o for o in read if events.get(fileno[o], 0) & (select.POLLIN | select.POLLHUP | select.POLLERR)]
+    writable = [o for o in write if events.get(fileno[o], 0) & (select.POLLOUT | select.POLLHUP | select.POLLERR)]
+    return readable, writable
 
 
 def source_address_towards(host: str) -> str | None:

@@ -11,12 +11,13 @@ finds it undrained a moment later signals the main thread again, which interrupt
 from __future__ import annotations
 
 import contextlib
-import select
 import signal
 import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+from ..sysutil import ready_fds
 
 _GRACE_S = 0.1  # how long the Python-level handler gets before the signal is sent again
 
@@ -44,7 +45,7 @@ def reliable_ctrl_c() -> Iterator[None]:
     def watch(main_ident: int) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         while not done.is_set():
-            if not select.select([ours], [], [], 0.5)[0]:
+            if not ready_fds([ours], timeout=0.5)[0]:
                 continue
             done.wait(_GRACE_S)
             with contextlib.suppress(OSError):

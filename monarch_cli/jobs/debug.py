@@ -11,7 +11,6 @@ import dataclasses
 import getpass
 import os
 import queue
-import select
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ from ..runtime.dap_link import GOODBYE, LOOPBACK, DapFrames, accept_same_user, i
 from ..runtime.errors import ActorError
 from ..runtime.mailbox.events import Subscription
 from ..runtime.mailbox.future import Future
+from ..sysutil import ready_fds
 from .errors import JobError
 from .ranks import parse_rank_list
 
@@ -251,7 +251,7 @@ class DapRelay:
         say = on_notice or (lambda _msg: None)
         while self._ended is None:
             watch = [self.listener] + ([self.ide] if self.ide is not None else [])
-            readable = select.select(watch, [], [], 0.2)[0]
+            readable = ready_fds(watch, timeout=0.2)[0]
             if self.listener in readable:
                 self._accept(say)
             if self.ide is not None and self.ide in readable:

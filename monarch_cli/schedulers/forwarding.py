@@ -4,11 +4,12 @@ connection and the stream that carries it to a host."""
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from ..sysutil import ready_fds
 
 CHUNK = 1 << 16
 
@@ -19,7 +20,7 @@ def pipe(conn: socket.socket, other: Any, end_other: Callable[[Any], None] | Non
     both; ``end_other`` ends ``other`` its own way (default: ``close()``)."""
     try:
         while True:
-            readable, _, _ = select.select([conn, other], [], [])
+            readable, _ = ready_fds([conn, other])
             if conn in readable:
                 data = conn.recv(CHUNK)
                 if not data:

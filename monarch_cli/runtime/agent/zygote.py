@@ -14,7 +14,6 @@ import errno
 import importlib
 import os
 import pickle
-import select
 import signal
 import socket
 import sys
@@ -22,7 +21,7 @@ import threading
 import traceback
 from typing import Any
 
-from ...sysutil import signal_if_alive
+from ...sysutil import ready_fds, signal_if_alive
 from .. import protocol
 from ..rank import preload
 
@@ -127,7 +126,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     replies: collections.deque[bytes] = collections.deque()
     while True:
         try:
-            ready, _, _ = select.select([sock, wake_r], [sock] if replies else [], [])
+            ready, _ = ready_fds([sock, wake_r], [sock] if replies else [])
         except InterruptedError:
             continue
         if wake_r in ready:

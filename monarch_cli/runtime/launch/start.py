@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import select
 import subprocess
 import time
 from typing import Any
 
+from ...sysutil import ready_fds
 from ..transport.keys import Keys
 from .command import READY_PREFIX, AgentCommand
 
@@ -84,7 +84,7 @@ def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
         if left <= 0:
             proc.kill()
             raise TimeoutError(f"host agent did not start within {timeout} s")
-        ready, _, _ = select.select([fd], [], [], left)
+        ready, _ = ready_fds([fd], timeout=left)
         if ready:
             chunk = os.read(fd, 4096)
             if not chunk:
