@@ -33,6 +33,9 @@ mark = lambda kind: os.path.join(marks, f"{kind}.{rank}")
 subprocess.Popen(["setsid", "sh", "-c", f"echo $$ > {mark('session')}; exec sleep 300"])
 subprocess.Popen(["sh", "-c", f"setsid sh -c 'echo $$ > {mark('orphan')}; exec sleep 300' & exit 0"])
 subprocess.Popen(["env", "-i", "/usr/bin/setsid", "sh", "-c", f"echo $$ > {mark('scrubbed')}; exec sleep 300"])
+# (a busy machine may take seconds to start them: the rank outlives their marks, whatever the load)
+while not all(os.path.exists(mark(k)) and open(mark(k)).read().strip() for k in ("session", "orphan", "scrubbed")):
+    time.sleep(0.05)
 time.sleep(float(sys.argv[2]))
 """
 KINDS = ("session", "orphan", "scrubbed")

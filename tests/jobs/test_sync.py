@@ -158,11 +158,15 @@ def test_no_sync_and_cli_json(far_job: tuple[Job, Path, Path], monkeypatch: pyte
 
 
 BIG_SYNC = """
-import json, resource, sys
+import json, sys
 from monarch_cli.jobs import job_load
 job = job_load(sys.argv[1])
 report = job.sync(sys.argv[2])
-print(json.dumps({"nbytes": report.nbytes, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+# VmHWM, not getrusage's ru_maxrss: Linux carries the parent's peak across fork and exec into
+# ru_maxrss, so a client started from a big pytest process would report pytest's size.
+with open("/proc/self/status") as f:
+    hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(json.dumps({"nbytes": report.nbytes, "maxrss_kb": hwm}))
 """
 
 
