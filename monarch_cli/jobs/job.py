@@ -29,6 +29,7 @@ from .errors import JobError
 from .lifecycle import RunControl, shutdown_timeout_from
 from .model import HostSet, Launch, RankExit, RunOptions, RunResult, StaleReservation, VersionMismatch
 from .output import OutputSink, list_runs, new_run_dir
+from .rendezvous import unreachable_rendezvous
 from .spmd import SpmdRunner, new_run_id, plan_exec, plan_spmd, remote_environment, user_environment
 from .state import HostRecord, JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .sync import SyncReport, sync_workspace
@@ -262,6 +263,17 @@ class Job:
                 f"rank {failed[0].rank} failed ({failed[0].how}); restart {attempt} of {run.spec.max_restarts}"
             )
 
+    def _check_rendezvous(self, run: _SpmdRun, launches: list[Launch], port: int) -> None:
+        """The reservation's first run spans hosts: each must reach rank 0's port, or one line says
+        which cannot (not a gloo timeout blamed on a rank)."""
+        nodes = sorted({launch.node for launch in launches} - {0})
+        if not nodes:
+            return
+        address = run.spec.master_addr or run.hostset.infos[0]["addr"]
+        why = unreachable_rendezvous(run.runner.mb, run.hostset.hosts, nodes, address, port)
+        if why is not None:
+            raise JobError(why)
+
     def _run_attempt(self, run: _SpmdRun, attempt: int) -> list[RankExit]:
         opts, runner = run.opts, run.runner
         port = None if run.spec.master_port is not None else runner.reserve_port(0, run.run_id)
@@ -279,6 +291,8 @@ class Job:
                 node_cwd=run.node_cwd,
                 node_environ=run.node_environ,
             )
+            if port is not None and attempt == 0 and self.state.last_run is None:
+                self._check_rendezvous(run, launches, port)
         except BaseException:
             if port is not None:  # refused (e.g. --nnodes too large): the agent must not keep it
                 runner.release_port(0, run.run_id)
