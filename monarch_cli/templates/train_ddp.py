@@ -81,7 +81,7 @@ def main() -> None:
     # which can deadlock in torch (pytorch/pytorch#56297). monarch's warm ranks sidestep that
     # race themselves (docs/spmd.md), but this is the safe ending under any launcher.
     del model, opt
-    dist.barrier()
+    dist.barrier(device_ids=[device.index] if use_cuda else None)  # (NCCL: on this rank's own GPU)
     dist.destroy_process_group()
 
 
