@@ -247,6 +247,30 @@ def test_unschedulable_pods_give_up_with_the_reason(
     assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
 
 
+def test_a_pod_the_bundle_cannot_be_built_for_is_one_line_and_leaves_nothing(
+    cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path
+) -> None:
+    """The pods' platform learnt from their bootstrap, a --wheelhouse without wheels for it: serve names
+    the pod and the missing wheels, and deletes what it made."""
+    server, kubelet, kubeconfig = cluster
+    (tmp_path / "wheels").mkdir()
+    with pytest.raises(
+        SchedulerError, match=r"pod monarch-\w+-\d-\w+ \(host \d\): --wheelhouse .* has no wheel of pyzmq"
+    ):
+        serve(
+            None,
+            "kubernetes",
+            hosts=2,
+            state=tmp_path / ".monarch" / "s.pkl",
+            image=IMAGE,
+            kubeconfig=kubeconfig,
+            wheelhouse=str(tmp_path / "wheels"),
+        )
+    for plural in ("jobs", "secrets", "services", "pods"):
+        assert server.store.list(plural, "default")[0] == [], plural
+    assert kubelet.pids() == []
+
+
 def test_a_quota_that_refuses_pods_is_shown_while_waiting(
     cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path
 ) -> None:

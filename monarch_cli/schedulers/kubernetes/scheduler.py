@@ -317,7 +317,8 @@ class KubernetesScheduler(Scheduler):
         record = reservation.scheduler_data.get("kubernetes") or {}
         return {
             "kubernetes": {
-                k: record.get(k) for k in ("namespace", "job", "secret", "service", "context", "pods", "reach")
+                k: record.get(k)
+                for k in ("namespace", "job", "secret", "service", "context", "pods", "reach", "bundle")
             }
         }
 
