@@ -2,8 +2,9 @@
 
 ``plan()`` builds every manifest (:mod:`.manifests`) without contacting a cluster;
 ``reserve(plan)`` creates the Secret (the reservation keys, mounted read-only), the headless
-Service and the Job, then watches the pods (:mod:`.pods`): host rank = completion index, ready
-once every pod runs and its agent's port answers. Pending pods say why (Unschedulable, image pulls);
+Service and the Job, then watches the pods (:mod:`.pods`): each pod's stdlib-only bootstrap
+gets our bundle from the client (:mod:`.bootstrap`: any image with python3 will do) and execs
+the agent; host rank = completion index, ready once every pod's agent answers. Pending pods say why (Unschedulable, image pulls);
 terminal reasons are one-line errors. ``release`` deletes the Job (foreground propagation),
 the Secret and the Service and waits until no pod is left. The client reaches agents by pod
 IP when it can (a client inside the cluster), else through one port-forward per pod over the
@@ -126,17 +127,17 @@ class KubernetesScheduler(Scheduler):
             f"each pod runs a stdlib-only bootstrap ({python} -c ...; the image needs nothing of ours) that checks "
             f"for Python >= {'.'.join(map(str, bundle.MIN_PYTHON))}, listens on port {built['agent_port']} and "
             "tells the client its platform and the bundle parts it holds",
-            "watch the pods; as each one runs, over the connection to it (below): " + ship,
+            {
+                "auto": "watch the pods; reach each one at its pod IP, or through a port-forward over the API if pod "
+                "IPs are not reachable from here",
+                "always": "watch the pods; reach each one through a port-forward over the API",
+                "never": "watch the pods; reach each one at its pod IP",
+            }[mode],
+            "over that connection, as each pod runs: " + ship,
             "the bundle goes to each pod authenticated (an HMAC keyed by the reservation's Secret, over a nonce of "
             f"the pod's), each zip checked against its SHA-256, unzipped into {bootstrap.BUNDLES_DIR} (an emptyDir, "
-            "0700); then the bootstrap execs the agent from there; no registry, no image build",
-            "wait until every agent answers (host rank = completion index)",
-            {
-                "auto": "reach each agent at its pod IP, or through a port-forward over the API if pod IPs are "
-                "not reachable from here",
-                "always": "reach each agent through a port-forward over the API",
-                "never": "reach each agent at its pod IP",
-            }[mode],
+            "0700); then the bootstrap execs the agent from there, on the same port; no registry, no image build",
+            "wait until every agent answers there (host rank = completion index)",
         ]
         if opts.get("validate"):
             self._validate(data)
