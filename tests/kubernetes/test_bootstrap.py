@@ -104,6 +104,6 @@ def test_the_bootstrap_takes_only_a_signed_bundle_and_runs_the_agent_from_it(sto
 
 
 def test_the_bootstrap_says_nothing_kubernetes_would_expand() -> None:
-    """Kubernetes expands ``$(NAME)`` in a container's command: the script must have none."""
-    assert "$(" not in bootstrap.BOOTSTRAP
+    """Kubernetes expands ``$(NAME)`` (and ``$$`` to ``$``) in a container's command: the script has neither."""
+    assert "$(" not in bootstrap.BOOTSTRAP and "$$" not in bootstrap.BOOTSTRAP
     compile(bootstrap.BOOTSTRAP, "bootstrap", "exec")
