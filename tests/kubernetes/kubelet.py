@@ -25,7 +25,10 @@ and differ by loopback IP only (so ``MONARCH_LISTEN_HOST``, a wildcard, is dropp
 kubelet does: to localhost inside the pod's network namespace (else to its loopback IP).
 Not real: the Secret is not mounted at its mount
 path (that path is rewritten in env values), no images (an "image" is this machine's Python,
-optionally with a directory first on ``PYTHONPATH``), no resource limits.
+optionally with a directory first on ``PYTHONPATH``; with ``python``, an interpreter that has
+torch but nothing of ours, as a stock image's: :func:`stock_python`), no resource limits.
+emptyDir volumes (but ``/dev/shm``) are private directories, their mount paths rewritten in env
+values and command words.
 """
 
 from __future__ import annotations
@@ -71,12 +74,16 @@ class Kubelet:
         root: Path | None = None,
         hide: Sequence[Path] = (),
         nodes: Sequence[tuple[str, str]] = (),
+        python: str | None = None,
     ) -> None:
         """``images``: image name -> a directory put first on PYTHONPATH ("" for none): what the image holds.
         ``hide``: directories the pods must not see (an empty tmpfs over each, in a mount namespace of the
         pod's own: needs root), as the client's files are not in a real pod's filesystem.
-        ``nodes``: (network namespace, address) pairs, one pod each (needs root)."""
+        ``nodes``: (network namespace, address) pairs, one pod each (needs root).
+        ``python``: the images' ``python3``/``python`` (e.g. :func:`stock_python`), first on the pods'
+        ``PATH``; this process's ``PYTHONPATH`` is then not passed on. Default: this interpreter."""
         self.store, self.images, self.gpus, self.hide = store, dict(images), gpus, [str(h) for h in hide]
+        self.python = python
         self.root = Path(root or tempfile.mkdtemp(prefix="kubelet-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.running: dict[str, _Container] = {}  # pod key "ns/name" -> process
@@ -339,24 +346,25 @@ class Kubelet:
         fields = {"status.podIP": ip, "metadata.name": name, "metadata.namespace": ns, "spec.nodeName": "node-0"}
         fields.update({f"metadata.annotations['{k}']": v for k, v in (meta.get("annotations") or {}).items()})
         fields.update({f"metadata.labels['{k}']": v for k, v in (meta.get("labels") or {}).items()})
-        env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
-        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
+        env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ and not (self.python and k == "PYTHONPATH")}
+        env["PATH"] = (
+            os.path.dirname(self.python or sys.executable) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
+        )
         env["HOSTNAME"] = spec.get("hostname") or name
         env["HOME"] = str(root / "home")  # the container's own home (where the workspace mirror goes)
         os.mkdir(env["HOME"], 0o700)
         for item in container.get("env") or []:
             ref = (item.get("valueFrom") or {}).get("fieldRef")
             value = fields[ref["fieldPath"]] if ref else _expand(item.get("value", ""), env)
-            for mount_path, local in mounts.items():  # the mount stands at a private path
-                if value == mount_path or value.startswith(mount_path + "/"):
-                    value = str(local) + value[len(mount_path) :]
-            env[item["name"]] = value
+            env[item["name"]] = _at_mounts(value, mounts)
         if key not in self.node_of:
             env.pop("MONARCH_LISTEN_HOST", None)
         if self.images[container["image"]]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.images[container["image"]], env.get("PYTHONPATH")]))
         for init in spec.get("initContainers") or []:  # in order, each to completion, before the container
-            argv = enter + [_expand(a, env) for a in (init.get("command") or []) + (init.get("args") or [])]
+            argv = enter + [
+                _at_mounts(_expand(a, env), mounts) for a in (init.get("command") or []) + (init.get("args") or [])
+            ]
             done = subprocess.run(argv, env=env, cwd=root, capture_output=True, timeout=120)
             if done.returncode != 0:
                 message = (done.stdout + done.stderr).decode(errors="replace")[-300:]
@@ -384,7 +392,10 @@ class Kubelet:
                 shutil.rmtree(root, ignore_errors=True)
                 self.node_of.pop(key, None)
                 return
-        argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
+        argv = [
+            _at_mounts(_expand(a, env), mounts)
+            for a in (container.get("command") or []) + (container.get("args") or [])
+        ]
         setup, words = [], []  # shell commands (run in the pod's own mount namespace) and their "$N" words
         if key in self.node_of:  # the pod's hostname, /etc/hosts and /etc/resolv.conf, as the kubelet writes them
             hostname = spec.get("hostname") or name
@@ -441,11 +452,17 @@ class Kubelet:
         )
 
     def _materialise_volumes(self, pod: dict[str, Any], container: dict[str, Any], root: Path) -> dict[str, Path]:
-        """Secret volumes as files with the volume's mode in a private directory; {mount path: directory}."""
+        """Secret volumes as files with the volume's mode in a private directory, emptyDirs (but /dev/shm) as
+        empty directories; {mount path: directory}."""
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
         out = {}
         for mount in container.get("volumeMounts") or []:
             volume = volumes[mount["name"]]
+            if "emptyDir" in volume and mount["mountPath"] != "/dev/shm":
+                local = root / "volumes" / mount["name"]
+                local.mkdir(parents=True)
+                local.chmod(0o777)  # as a real emptyDir
+                out[mount["mountPath"]] = local
             if "secret" not in volume:
                 continue
             secret = self.store.get("secrets", pod["metadata"]["namespace"], volume["secret"]["secretName"])
@@ -520,6 +537,47 @@ def _expand(text: str, env: dict[str, str]) -> str:
     )
 
 
+def _at_mounts(value: str, mounts: dict[str, Path]) -> str:
+    """A path under a volume's mount path, at the private directory that stands for it here."""
+    for mount_path, local in mounts.items():
+        if value == mount_path or value.startswith(mount_path + "/"):
+            return str(local) + value[len(mount_path) :]
+    return value
+
+
+def stock_python(directory: Path) -> str:
+    """An interpreter like a stock PyTorch image's: a venv of this machine's Python (no pip) that sees
+    torch and numpy and what they need, through a directory of links, and nothing of ours (no zmq,
+    psutil, cloudpickle, monarch_cli). Returns its ``bin/python3``."""
+    from importlib import metadata
+
+    python = directory / "bin" / "python3"
+    if python.exists():
+        return str(python)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True)
+    links = directory / "torch-only"
+    links.mkdir()
+    wanted, seen = ["torch", "numpy"], set()
+    while wanted:
+        name = re.split(r"[ ;<>=!~\[]", wanted.pop())[0].lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        wanted += [r for r in dist.requires or [] if "extra ==" not in r]
+        for file in dist.files or []:
+            top = file.parts[0]
+            source = Path(str(dist.locate_file(top)))
+            if top not in ("..", "bin") and source.exists() and not (links / top).exists():
+                (links / top).symlink_to(source)
+    (site,) = (directory / "lib").glob("python3*/site-packages")
+    (site / "torch-only.pth").write_text(f"{links}\n")
+    return str(python)
+
+
 def _kill(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM the container's process group, SIGKILL after ``grace`` (terminationGracePeriodSeconds)."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
@@ -564,4 +622,4 @@ def _container_status(pod: dict[str, Any], state: dict[str, Any], ready: bool = 
     }
 
 
-__all__ = ["Kubelet"]
+__all__ = ["Kubelet", "stock_python"]

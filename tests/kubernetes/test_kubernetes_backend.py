@@ -4,12 +4,15 @@
 and Job through the REST API of :mod:`.apiserver`; :mod:`.kubelet` turns the Job into
 pods and runs each pod's agent as a real process with its own pod IP; the CLI watches the
 pods (``?watch=true``), runs a gloo all-reduce across the two "pods", shows the Job in
-``status`` and deletes everything on ``stop``. What this cannot show (a real API server's
+``status`` and deletes everything on ``stop``. The "image" is a stock one: its interpreter has
+torch but nothing of ours (:func:`.kubelet.stock_python`), so what runs in the pods is the
+bundle the client shipped to each pod's bootstrap. What this cannot show (a real API server's
 validation, scheduling, images, CNI) is listed in docs/kubernetes.md.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -23,14 +26,15 @@ import pytest
 
 from monarch_cli.errors import SchedulerError
 from monarch_cli.jobs import job_load, serve
+from monarch_cli.schedulers.kubernetes import bootstrap
 
 from .apiserver import ApiServer
 from .kubelet import Kubelet
 
 pytestmark = pytest.mark.slow
 REPO = str(Path(__file__).resolve().parents[2])
-IMAGE = "registry.example/monarch:test"
-OLD_IMAGE = "registry.example/monarch:old"
+IMAGE = "pytorch/pytorch:test"  # a stock image: python3 and torch, nothing of ours
+OLD_IMAGE = "registry.example/python38:1"  # its Python says it is 3.8
 TOPOLOGY = "kueue.x-k8s.io/podset-preferred-topology=rack"
 ALLREDUCE = """\
 import os, torch, torch.distributed as dist
@@ -43,12 +47,12 @@ dist.destroy_process_group()
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[ApiServer, Kubelet, str]]:
+def cluster(tmp_path: Path, stock: str) -> Iterator[tuple[ApiServer, Kubelet, str]]:
     server = ApiServer()
-    old = tmp_path / "old-image"  # an image with another monarch-cli
-    (old / "monarch_cli").mkdir(parents=True)
-    (old / "monarch_cli" / "__init__.py").write_text("__version__ = '0.0.1'\n")
-    kubelet = Kubelet(server.store, images={IMAGE: "", OLD_IMAGE: str(old)}, root=tmp_path / "kubelet")
+    old = tmp_path / "old-image"  # an image whose Python is too old (it says so)
+    old.mkdir()
+    (old / "sitecustomize.py").write_text("import sys\nsys.version_info = (3, 8, 10, 'final', 0)\n")
+    kubelet = Kubelet(server.store, images={IMAGE: "", OLD_IMAGE: str(old)}, root=tmp_path / "kubelet", python=stock)
     server.dial = kubelet.dial
     kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
     yield server, kubelet, kubeconfig
@@ -66,6 +70,13 @@ def _monarch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.Complete
         timeout=timeout,
         env={**os.environ, "PYTHONPATH": REPO},
     )
+
+
+def _maps_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text(errors="replace")
+    except OSError:  # it has exited since it was listed
+        return ""
 
 
 def _processes_of(rid: str) -> list[str]:
@@ -102,6 +113,10 @@ def test_serve_run_status_stop(cluster: tuple[ApiServer, Kubelet, str], tmp_path
         "--json",
     )
     assert printed.returncode == 0 and server.store.list("jobs", None)[0] == [], printed.stderr  # contacts nothing
+    plan = json.loads(printed.stdout)
+    steps = " ".join(plan["steps"])
+    assert "pip" not in steps and "nothing is installed by name" in steps and "HMAC" in steps, steps
+    assert plan["data"]["bundle"]["code_hash"] and plan["data"]["bundle"]["dependencies"]["pyzmq"], plan["data"]
     (tmp_path / "plan.json").write_text(printed.stdout)
     served = _monarch(tmp_path, "serve", "--plan", "plan.json", "--json")  # reserve exactly the printed plan
     assert served.returncode == 0, served.stderr
@@ -113,7 +128,11 @@ def test_serve_run_status_stop(cluster: tuple[ApiServer, Kubelet, str], tmp_path
     secret = server.store.get("secrets", "default", f"{rid}-keys")
     assert secret["data"]["keys"] != "<redacted>"  # the real keys went to the Secret...
     for pod in server.store.list("pods", "default", f"monarch-cli/reservation={rid}")[0]:
-        assert "keys" not in json.dumps(pod["spec"]["containers"][0]["command"]).lower().replace("--keys", "")
+        command = pod["spec"]["containers"][0]["command"]
+        assert command[:2] == ["python3", "-c"] and command[2] == bootstrap.BOOTSTRAP.strip() + "\n"
+        assert "keys" not in json.dumps(command[3:]).lower().replace("--keys", "")  # the bootstrap's words
+        key = bootstrap.hmac_key(base64.b64decode(secret["data"]["keys"]).decode())
+        assert key.hex() not in json.dumps(pod) and base64.b64encode(key).decode() not in json.dumps(pod)
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert secret["data"]["keys"] not in json.dumps(pod) and "MONARCH_KEYS" not in env  # ...and only there
         assert pod["metadata"]["labels"]["team"] == "ml"  # --label and --annotation reach the pods
@@ -121,6 +140,10 @@ def test_serve_run_status_stop(cluster: tuple[ApiServer, Kubelet, str], tmp_path
     assert [h.name for h in job.state.hosts] == [f"{rid}-0", f"{rid}-1"]
     assert job.state.scheduler_data["kubernetes"]["reach"] == "direct"  # pod IPs answer: no port-forward
     assert sum(c.startswith(f"monarch agent {rid} host {rid}-") for c in _processes_of(rid)) == 2
+    shipped = job.state.scheduler_data["kubernetes"]["bundle"]
+    assert all(b["shipped"] > 1_000_000 and b["code"].startswith("code-") for b in shipped), shipped
+    for pid in kubelet.pids():  # the agents run the shipped code: pyzmq's extension from the pod's bundle volume
+        assert f"/volumes/monarch-bundle/bundles/{shipped[0]['deps']}/site/zmq" in _maps_of(pid), pid
     again = _monarch(
         tmp_path,
         "serve",
@@ -222,6 +245,30 @@ def test_unschedulable_pods_give_up_with_the_reason(
         )
     assert any(m.startswith("Pending: pod monarch-") and "Insufficient nvidia.com/gpu" in m for m in messages), messages
     assert server.store.list("jobs", "default")[0] == [] and server.store.list("pods", "default")[0] == []
+
+
+def test_a_pod_the_bundle_cannot_be_built_for_is_one_line_and_leaves_nothing(
+    cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path
+) -> None:
+    """The pods' platform learnt from their bootstrap, a --wheelhouse without wheels for it: serve names
+    the pod and the missing wheels, and deletes what it made."""
+    server, kubelet, kubeconfig = cluster
+    (tmp_path / "wheels").mkdir()
+    with pytest.raises(
+        SchedulerError, match=r"pod monarch-\w+-\d-\w+ \(host \d\): --wheelhouse .* has no wheel of pyzmq"
+    ):
+        serve(
+            None,
+            "kubernetes",
+            hosts=2,
+            state=tmp_path / ".monarch" / "s.pkl",
+            image=IMAGE,
+            kubeconfig=kubeconfig,
+            wheelhouse=str(tmp_path / "wheels"),
+        )
+    for plural in ("jobs", "secrets", "services", "pods"):
+        assert server.store.list(plural, "default")[0] == [], plural
+    assert kubelet.pids() == []
 
 
 def test_a_quota_that_refuses_pods_is_shown_while_waiting(
@@ -434,7 +481,7 @@ def test_a_queued_job_waits_suspended_until_admitted(cluster: tuple[ApiServer, K
     assert server.store.list("pods", "default")[0] == [] and server.store.list("secrets", "default")[0] == []
 
 
-def test_an_image_with_another_monarch_cli_is_one_line(cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
+def test_an_image_whose_python_is_too_old_is_one_line(cluster: tuple[ApiServer, Kubelet, str], tmp_path: Path) -> None:
     server, _, kubeconfig = cluster
     done = _monarch(
         tmp_path,
@@ -451,7 +498,7 @@ def test_an_image_with_another_monarch_cli_is_one_line(cluster: tuple[ApiServer,
     )
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1, done.stderr
-    assert "version-check: exit code 1" in lines[0] and "this image has monarch-cli 0.0.1, the client" in lines[0]
+    assert "exit code 1" in lines[0] and "this image's Python is cpython 3.8.10; CPython >= 3.10 is needed" in lines[0]
     assert server.store.list("pods", "default")[0] == [] and server.store.list("jobs", "default")[0] == []
 
 
@@ -520,14 +567,14 @@ def test_the_pod_watch_lists_again_after_410_expired(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="pods with a filesystem of their own need a mount namespace (root)")
-def test_the_workspace_reaches_pods_that_do_not_share_it(tmp_path: Path) -> None:
+def test_the_workspace_reaches_pods_that_do_not_share_it(tmp_path: Path, stock: str) -> None:
     """Pods that cannot see the client's directory get its files by workspace sync, before the run."""
     workspace = tmp_path / "project"
     workspace.mkdir()
     (workspace / "allreduce.py").write_text(ALLREDUCE + "print('data', open('data.txt').read(), 'cwd', os.getcwd())\n")
     (workspace / "data.txt").write_text("from the laptop")
     server = ApiServer()
-    kubelet = Kubelet(server.store, images={IMAGE: ""}, hide=[workspace])
+    kubelet = Kubelet(server.store, images={IMAGE: ""}, hide=[workspace], python=stock)
     try:
         served = _monarch(
             workspace,

@@ -21,6 +21,7 @@ import yaml
 
 from monarch_cli import __version__
 from monarch_cli.jobs import dryrun
+from monarch_cli.runtime.launch import bundle
 from monarch_cli.schedulers.kubernetes.manifests import REDACTED
 
 from ..conftest import assert_golden
@@ -79,7 +80,9 @@ def test_minimal_manifests(tmp_path: Path) -> None:
     assert pod["restartPolicy"] == "Never" and pod["subdomain"] == service["metadata"]["name"]
     assert service["spec"]["clusterIP"] == "None"
     (container,) = pod["containers"]
+    assert container["command"][:2] == ["python3", "-c"] and "initContainers" not in pod  # no image check by name
     assert "--port" in container["command"] and "keys" not in " ".join(container["command"][4:]).lower()
+    assert {"name": "monarch-bundle", "emptyDir": {}} in pod["volumes"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
     for doc in (secret, service, job):
         _round_trip(doc)
@@ -129,7 +132,7 @@ def test_every_option_reaches_the_manifests(tmp_path: Path) -> None:
     assert container["resources"]["requests"] == container["resources"]["limits"]
     assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
     assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu" and pod["spec"]["serviceAccountName"] == "trainer"
-    assert {v["name"] for v in pod["spec"]["volumes"]} == {"data", "monarch-keys", "dshm"}
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {"data", "monarch-keys", "dshm", "monarch-bundle"}
     for doc in (secret, service, job):
         _round_trip(doc)
 
@@ -162,10 +165,16 @@ def test_dry_run_from_the_cli_redacts_the_keys(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "# manifests" in done.stdout and f"keys: {REDACTED}" in done.stdout
     assert not (tmp_path / ".monarch" / "job_state.pkl").exists()
+    # what is shipped, and how: the code's content hash, the dependencies, no install by name, no registry
+    code = bundle.code_summary()
+    assert f"content {code['code_hash']}" in done.stdout and f"pyzmq=={code['dependencies']['pyzmq']}" in done.stdout
+    assert "nothing is installed by name" in done.stdout and "HMAC" in done.stdout
+    assert "pip install" not in done.stdout and "monarch-cli==" not in done.stdout
     done = _cli("serve", "-s", "kubernetes", "--hosts", "2", "--image", "img:1", "--dry-run", "--json", cwd=tmp_path)
     plan = json.loads(done.stdout)
     (secret,) = [m for m in plan["data"]["manifests"] if m["kind"] == "Secret"]
     assert secret["data"] == {"keys": REDACTED} and plan["scheduler"] == "kubernetes"
+    assert plan["data"]["bundle"]["code_hash"] == code["code_hash"] and plan["data"]["bundle"]["files"] > 50
 
 
 def test_without_the_client_one_line_says_what_to_install(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ Each pod runs in a network namespace of its own (tests/netns.py: ``mk8s-h1``, ``
 bridge, ``10.216.0.11``/``.12``), and the client's namespace has no route to them (the bridge
 has no address here, the subnet is ``unreachable``); the pods reach each other over the
 bridge. The emulator relays each port-forward to the agent's port on the pod's localhost,
-from a thread inside the pod's namespace, as the kubelet does. Needs root.
+from a thread inside the pod's namespace, as the kubelet does. The pods' interpreter has
+nothing of ours: the bundle reaches them through the forwards too. Needs root.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from monarch_cli.runtime.mailbox.mailbox import Mailbox
 from ..netns import add_hosts, remove_hosts, sh
 from .apiserver import ApiServer
 from .kubelet import Kubelet
-from .test_kubernetes_backend import ALLREDUCE, IMAGE, _monarch, _processes_of
+from .test_kubernetes_backend import ALLREDUCE, IMAGE, _maps_of, _monarch, _processes_of
 
 pytestmark = pytest.mark.slow
 PREFIX, SUBNET = "mk8s", "10.216.0"  # apart from the ssh (mssh) and skypilot (msky) tests' hosts
@@ -48,11 +49,15 @@ def pod_network() -> Iterator[list[tuple[str, str]]]:
 
 
 @pytest.fixture
-def cluster(pod_network: list[tuple[str, str]], tmp_path: Path) -> Iterator[tuple[ApiServer, Kubelet, str, Path]]:
+def cluster(
+    pod_network: list[tuple[str, str]], tmp_path: Path, stock: str
+) -> Iterator[tuple[ApiServer, Kubelet, str, Path]]:
     workspace = tmp_path / "project"
     workspace.mkdir()
     server = ApiServer()
-    kubelet = Kubelet(server.store, images={IMAGE: ""}, root=tmp_path / "kubelet", hide=[workspace], nodes=pod_network)
+    kubelet = Kubelet(
+        server.store, images={IMAGE: ""}, root=tmp_path / "kubelet", hide=[workspace], nodes=pod_network, python=stock
+    )
     server.dial = kubelet.dial
     yield server, kubelet, server.kubeconfig(tmp_path / "kubeconfig"), workspace
     kubelet.close()
@@ -84,6 +89,10 @@ def test_a_client_outside_the_cluster_drives_the_pods_through_port_forwards(
     job = job_load(workspace / ".monarch" / "job_state.pkl")
     rid = job.state.reservation_id
     assert job.state.scheduler_data["kubernetes"]["reach"] == "port-forward"
+    shipped = job.state.scheduler_data["kubernetes"]["bundle"]  # through the forwards, to a stock interpreter
+    assert all(b["shipped"] > 1_000_000 for b in shipped), shipped
+    for pid in kubelet.pids():  # the agents run it: pyzmq's extension from the pod's bundle volume
+        assert f"/volumes/monarch-bundle/bundles/{shipped[0]['deps']}/site/zmq" in _maps_of(pid), pid
     assert sorted(h.agent for h in job.state.hosts) == [f"tcp://{ip}:{PORT}" for _, ip in pod_network]
 
     ran = _monarch(workspace, "run-spmd", "--", "python", "allreduce.py")  # gloo between the pods, code synced

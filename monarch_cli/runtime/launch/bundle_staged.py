@@ -1,7 +1,7 @@
 """The bundle as a directory of files, for backends that cannot probe a node before it starts.
 
-SkyPilot and Kubernetes start the node's script before the client can ask the node anything,
-so the client ships the bundle for every Python a stock image may have (CPython 3.10-3.13 on
+SkyPilot starts the node's script before the client can ask the node anything (Kubernetes
+does not need this: its pods' bootstrap tells the client its platform first), so the client ships the bundle for every Python a stock image may have (CPython 3.10-3.13 on
 x86_64 Linux with glibc >= 2.28: manylinux_2_28, which pyzmq 27 needs; every current PyTorch image has it) in one directory: the parts' zips and an
 ``INDEX`` with one line per Python, ``cpXY code-<hash> deps-<hash>``. The node's script
 (:func:`setup_script`, :func:`environment_lines`) asks its interpreter which line is its own,

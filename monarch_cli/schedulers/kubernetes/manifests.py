@@ -17,6 +17,7 @@ from typing import Any
 from ...errors import OptionError
 from ...runtime.launch.command import AgentCommand
 from .. import yaml_text
+from . import bootstrap
 
 #: Label on every object of a reservation (the selector ``stop`` and the pod watch use).
 RESERVATION_LABEL = "monarch-cli/reservation"
@@ -132,11 +133,10 @@ def build(
     agent: AgentCommand,
 ) -> dict[str, Any]:
     """The reservation's manifests (Secret data is a placeholder) and the facts ``reserve`` needs; every pod
-    runs ``agent`` (its port fixed: the Service and the client find the agents there)."""
+    runs the bootstrap that receives our bundle from the client, then ``agent`` (its port fixed: the
+    Service and the client find the agents there)."""
     if not opts.get("image"):
-        raise OptionError(
-            "the kubernetes scheduler needs --image IMAGE (an image with python3 and this client's monarch_cli)"
-        )
+        raise OptionError("the kubernetes scheduler needs --image IMAGE (an image with python3 and torch)")
     namespace = opts.get("namespace") or "default"
     if not _DNS_LABEL.match(namespace):
         raise OptionError(f"--namespace {namespace!r} is not a valid namespace name")
@@ -162,7 +162,7 @@ def build(
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": opts["image"],
-        "command": agent.argv(),
+        "command": bootstrap.command(agent.python, port, agent.argv()),
         "env": [
             {"name": "MONARCH_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             # also on the pod's localhost, where a port-forward (the out-of-cluster path) connects
@@ -173,25 +173,20 @@ def build(
         "volumeMounts": [
             {"name": "monarch-keys", "mountPath": KEYS_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": bootstrap.VOLUME, "mountPath": bootstrap.MOUNT},
         ],
     }
     if resources:
         container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
     container["terminationMessagePolicy"] = "FallbackToLogsOnError"  # a failed start-up says why in the pod status
-    check = {
-        "name": "version-check",
-        "image": opts["image"],
-        "command": ["python3", "-c", _version_check()],
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": service,
-        "initContainers": [check],
         "containers": [container],
         "volumes": [
             {"name": "monarch-keys", "secret": {"secretName": secret_name, "defaultMode": 0o400}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": bootstrap.VOLUME, "emptyDir": {}},  # the shipped bundle, unzipped; gone with the pod
         ],
     }
     if opts.get("service_account"):
@@ -246,18 +241,6 @@ def build(
         "agent_port": port,
         "manifests": [secret, svc, job],
     }
-
-
-def _version_check() -> str:
-    """A one-line Python check that the image holds this client's monarch-cli (an init container runs it)."""
-    from ...version import __version__
-
-    return (
-        "import sys\ntry:\n    import monarch_cli\n    v = monarch_cli.__version__\nexcept ImportError:\n"
-        "    v = None\n"
-        f"sys.exit(0 if v == {__version__!r} else f'this image has monarch-cli {{v}}, the client {__version__}: "
-        "build the image with the client code (docs/kubernetes.md): this backend does not ship it yet')"
-    )
 
 
 def with_keys(secret: dict[str, Any], encoded_keys: str) -> dict[str, Any]:

@@ -1,16 +1,19 @@
 """The kubernetes backend's view of a reservation's pods while serve waits: which agents answer
-(at the pod IP, or through a port-forward), and why waiting is pointless (one-line reasons)."""
+(at the pod IP, or through a port-forward), shipping our bundle to each pod's bootstrap on the
+way (:mod:`.bootstrap`), and why waiting is pointless (one-line reasons)."""
 
 from __future__ import annotations
 
 import errno
 import socket
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import SchedulerError
 from ..base import Progress
-from . import manifests
+from . import bootstrap, manifests
 from .api import api_error
 from .manifests import RESERVATION_LABEL
 
@@ -43,7 +46,12 @@ class PodWatch:
         port: int,
         progress: Progress,
         port_forward: str = "auto",
+        *,
+        key: bytes = b"",
+        wheelhouse: str | None = None,
     ) -> None:
+        """``key``: the bundle's HMAC key (:func:`.bootstrap.hmac_key`); ``wheelhouse``: where the pods'
+        dependency wheels come from (default: this client's cache and package index)."""
         self.core, self.batch, self.ns, self.job, self.hosts, self.port = core, batch, namespace, job, hosts, port
         self.progress, self.said = progress, ""
         self.mode = port_forward
@@ -58,6 +66,11 @@ class PodWatch:
         self.unschedulable_since: float | None = None
         self.answered: dict[str, str] = {}
         self.refreshed = 0.0
+        self.key, self.wheelhouse = key, wheelhouse
+        self.shipping: dict[str, threading.Thread] = {}  # pod name -> the thread shipping its bundle
+        #: host index -> {"code", "deps", "shipped"}: the parts the pod runs and the bytes sent to it.
+        self.shipped: dict[int, dict[str, Any]] = {}
+        self.ship_errors: list[str] = []
 
     def _refresh(self) -> None:
         from kubernetes import watch
@@ -119,35 +132,84 @@ class PodWatch:
         return found
 
     def _answers(self, pod: str, index: int, ip: str) -> bool:
-        """Whether the pod's agent answers: at its IP, else (auto, IP unreachable; always) through a port-forward."""
-        if self.reach != "port-forward":
-            how, why = _dial(ip, self.port)
-            if how == "open":
-                self.reach = "direct"
-                return True
-            if self.reach == "direct" and how == "unreachable":
-                raise SchedulerError(
-                    f"pod {pod} (host {index}): its IP {ip} is not reachable from here ({why}); "
-                    "use --port-forward auto or always from outside the cluster"
-                )
-            if self.reach == "direct" or how == "refused":  # reachable, the agent is not listening yet
-                return False
-        if time.monotonic() < self.next_forward.get(pod, 0.0):
+        """Whether the pod's agent answers: at its IP, else (auto, IP unreachable; always) through a
+        port-forward. A bootstrap that answers instead gets the bundle, in a thread of its own."""
+        thread = self.shipping.get(pod)
+        if thread is not None and thread.is_alive():
             return False
-        self.next_forward[pod] = time.monotonic() + FORWARD_PROBE_INTERVAL
-        from .port_forward import agent_answers
-
-        answered, why = agent_answers(self.core, self.ns, pod, self.port)
-        if answered and self.reach is None:
+        opened = self._open(pod, index, ip)
+        if opened is None:
+            return False
+        sock, end, forwarded = opened
+        kind, hello = bootstrap.greeting(sock)
+        if kind == "silent":
+            end(sock)
+            why = (forwarded.error(self.port) or "").strip() if forwarded is not None else ""
+            if why and why not in self.forward_errors:  # once each: pods alternate
+                self.forward_errors.add(why)
+                self.progress(f"port-forward to pod {pod}: {why}")
+            return False
+        if self.reach is None:  # only a port-forward is tried before a decision
             self.reach = "port-forward"
             self.progress(
                 "pod IPs are not reachable from here: each agent is reached through a port-forward over "
                 "the Kubernetes API"
             )
-        elif why and why not in self.forward_errors:  # once each: pods alternate
-            self.forward_errors.add(why)
-            self.progress(f"port-forward to pod {pod}: {why}")
-        return answered
+        if kind == "agent":
+            end(sock)
+            return True
+        assert hello is not None
+        thread = threading.Thread(
+            target=self._ship, args=(sock, end, pod, index, hello), name=f"monarch-k8s-ship-{pod}", daemon=True
+        )
+        self.shipping[pod] = thread
+        thread.start()
+        return False
+
+    def _open(self, pod: str, index: int, ip: str) -> tuple[socket.socket, Callable[[Any], None], Any] | None:
+        """A connection to the pod's port (and how to end it, and the port-forward or None); None if not now."""
+        if self.reach != "port-forward":
+            how, why, sock = _dial(ip, self.port)
+            if sock is not None:
+                self.reach = "direct"
+                return sock, _close, None
+            if self.reach == "direct" and how == "unreachable":
+                raise SchedulerError(
+                    f"pod {pod} (host {index}): its IP {ip} is not reachable from here ({why}); "
+                    "use --port-forward auto or always from outside the cluster"
+                )
+            if self.reach == "direct" or how == "refused":  # reachable, nothing listens yet
+                return None
+        if time.monotonic() < self.next_forward.get(pod, 0.0):
+            return None
+        self.next_forward[pod] = time.monotonic() + FORWARD_PROBE_INTERVAL
+        from .port_forward import end_stream, open_stream
+
+        try:
+            stream, forwarded = open_stream(self.core, self.ns, pod, self.port)
+        except Exception as e:  # noqa: BLE001 - ApiException (status 0: the websocket handshake), connection errors
+            why = " ".join(str(getattr(e, "reason", None) or e).split())[:300]
+            if why not in self.forward_errors:
+                self.forward_errors.add(why)
+                self.progress(f"port-forward to pod {pod}: {why}")
+            return None
+        return stream, end_stream, forwarded
+
+    def _ship(self, sock: socket.socket, end: Callable[[Any], None], pod: str, index: int, hello: Any) -> None:
+        """Ship the bundle to a pod's bootstrap; a broken connection is tried again, other failures end serve."""
+        where = f"pod {pod} (host {index})"
+        try:
+            self.shipped[index] = bootstrap.ship(
+                sock, hello, self.key, self.wheelhouse, lambda m: self.progress(f"{where}: {m}")
+            )
+        except ConnectionError as e:
+            self.progress(f"{where}: {e}; trying again")
+        except SchedulerError as e:
+            self.ship_errors.append(f"{where}: {e}")
+        except Exception as e:  # noqa: BLE001 - a bug or a bad greeting: one line, not a dead thread
+            self.ship_errors.append(f"{where}: cannot ship the bundle: {type(e).__name__}: {e}")
+        finally:
+            end(sock)
 
     def check(self) -> None:
         """Raise when waiting is pointless: the Job failed, a pod ended or cannot pull its image."""
@@ -158,6 +220,9 @@ class PodWatch:
                 raise SchedulerError(f"the Job {self.ns}/{self.job} was deleted while starting") from None
             raise api_error(e, f"cannot read Job {self.ns}/{self.job}") from None
         why = job_ended(job)
+        if not why and self.ship_errors:
+            self._check_pods()  # a pod that died says more than its broken connection
+            raise SchedulerError(self.ship_errors[0])
         if why:  # a failed pod says more than the Job's condition: see the pods as they are now
             self.version = None
             self._refresh()
@@ -222,19 +287,22 @@ class PodWatch:
             self.said = message
 
 
-def _dial(ip: str, port: int, timeout: float = 0.5) -> tuple[str, str]:
-    """Try the pod IP's port: ("open"|"refused"|"unreachable"|"timeout", why)."""
+def _dial(ip: str, port: int, timeout: float = 0.5) -> tuple[str, str, socket.socket | None]:
+    """Try the pod IP's port: ("open"|"refused"|"unreachable"|"timeout", why, the connection if open)."""
     try:
-        with socket.create_connection((ip, port), timeout=timeout):
-            return "open", ""
+        return "open", "", socket.create_connection((ip, port), timeout=timeout)
     except TimeoutError:
-        return "timeout", f"no answer in {timeout} s"
+        return "timeout", f"no answer in {timeout} s", None
     except OSError as e:
         if e.errno == errno.ECONNREFUSED:
-            return "refused", e.strerror or str(e)
+            return "refused", e.strerror or str(e), None
         if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EACCES, errno.EPERM):
-            return "unreachable", e.strerror or str(e)
-        return "timeout", e.strerror or str(e)
+            return "unreachable", e.strerror or str(e), None
+        return "timeout", e.strerror or str(e), None
+
+
+def _close(sock: socket.socket) -> None:
+    sock.close()
 
 
 def pending_reason(pod: Any) -> str:

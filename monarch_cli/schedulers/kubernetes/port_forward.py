@@ -51,11 +51,11 @@ def agent_answers(core: Any, namespace: str, pod: str, port: int, timeout: float
         first = sock.recv(1)
     except OSError:
         first = b""
-    _end(sock)
+    end_stream(sock)
     return bool(first), (forwarded.error(port) or "").strip() if not first else ""
 
 
-def _end(stream: Any) -> None:
+def end_stream(stream: Any) -> None:
     """End a port-forward stream as its proxy thread expects: half-close, read to its end, close
     (closing with unread data would reset the client's socket pair, and its thread would die with a traceback)."""
     try:
@@ -87,7 +87,7 @@ class PodForward(LoopbackListener):
             self._refused_until = time.monotonic() + RETRY_AFTER
             conn.close()
             return
-        pipe(conn, remote, _end)
+        pipe(conn, remote, end_stream)
 
 
 _FORWARDS: dict[tuple[str, str], PodForward] = {}
@@ -104,4 +104,4 @@ def forward(core: Any, namespace: str, pod: str, port: int) -> str:
         return fwd.address
 
 
-__all__ = ["PodForward", "forward", "agent_answers", "open_stream"]
+__all__ = ["PodForward", "forward", "agent_answers", "open_stream", "end_stream"]

@@ -2,8 +2,9 @@
 
 ``plan()`` builds every manifest (:mod:`.manifests`) without contacting a cluster;
 ``reserve(plan)`` creates the Secret (the reservation keys, mounted read-only), the headless
-Service and the Job, then watches the pods (:mod:`.pods`): host rank = completion index, ready
-once every pod runs and its agent's port answers. Pending pods say why (Unschedulable, image pulls);
+Service and the Job, then watches the pods (:mod:`.pods`): each pod's stdlib-only bootstrap
+gets our bundle from the client (:mod:`.bootstrap`: any image with python3 will do) and execs
+the agent; host rank = completion index, ready once every pod's agent answers. Pending pods say why (Unschedulable, image pulls);
 terminal reasons are one-line errors. ``release`` deletes the Job (foreground propagation),
 the Secret and the Service and waits until no pod is left. The client reaches agents by pod
 IP when it can (a client inside the cluster), else through one port-forward per pod over the
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import OptionError, PlanError, SchedulerError
+from ...runtime.launch import bundle
 from ..agents import wait_for_agents
 from ..base import (
     HostRecord,
@@ -33,7 +35,7 @@ from ..base import (
     ReserveRequest,
     Scheduler,
 )
-from . import manifests
+from . import bootstrap, manifests
 from .api import INSTALL_HINT, api_error, apis
 from .manifests import RESERVATION_LABEL
 from .pods import PodWatch, exit_reason, job_ended, pending_reason
@@ -46,12 +48,26 @@ AGENT_START_TIMEOUT = 600.0
 RELEASE_TIMEOUT = 120.0
 #: How the client reaches the agents: pod IPs if it can, else port-forwards; or always one way.
 PORT_FORWARD_MODES = ("auto", "always", "never")
+DEFAULT_PYTHON = "python3"
 
 
 class KubernetesScheduler(Scheduler):
     name = "kubernetes"
     options = (
-        Option("image", str, help="The container image; it must hold this monarch-cli version (required)."),
+        Option(
+            "image",
+            str,
+            help="The container image (required): any with python3 >= "
+            f"{'.'.join(map(str, bundle.MIN_PYTHON))} and your script's packages (torch); the client ships its own "
+            "code to the pods.",
+        ),
+        Option("python", str, default=DEFAULT_PYTHON, help=f"The image's interpreter (default {DEFAULT_PYTHON})."),
+        Option(
+            "wheelhouse",
+            str,
+            help="A directory of wheels of our runtime dependencies for the pods' platform and Python "
+            "(default: this client's package index, downloaded once into a cache).",
+        ),
         Option("namespace", str, default="default", help="The namespace (default: default)."),
         Option("context", str, help="The kubeconfig context (default: the current one)."),
         Option("kubeconfig", str, help="The kubeconfig file (default: $KUBECONFIG or ~/.kube/config)."),
@@ -83,9 +99,10 @@ class KubernetesScheduler(Scheduler):
         if mode not in PORT_FORWARD_MODES:
             raise OptionError(f"--port-forward takes {', '.join(PORT_FORWARD_MODES)}, not {mode!r}")
         rid = f"monarch-{uuid.uuid4().hex[:8]}"
+        python = opts.get("python") or DEFAULT_PYTHON
         agent = request.agent_command(
             rid,
-            python="python3",
+            python=python,
             name=f"{rid}-$(JOB_COMPLETION_INDEX)",
             port=request.agent_port or manifests.DEFAULT_AGENT_PORT,  # a Service needs a known port
         )
@@ -96,21 +113,31 @@ class KubernetesScheduler(Scheduler):
             "kubeconfig": opts.get("kubeconfig"),
             "hosts": request.hosts,
             "port_forward": mode,
+            "wheelhouse": opts.get("wheelhouse"),
+            "bundle": bundle.code_summary(),
         }
         ns = built["namespace"]
+        _, ship = bundle.plan_lines(python, bootstrap.BUNDLES_DIR, opts.get("wheelhouse"))
         steps = [
             f"create Secret {ns}/{built['secret']}: the reservation keys (data: {manifests.REDACTED}), mounted "
             f"read-only at {manifests.KEYS_DIR}",
             f"create headless Service {ns}/{built['service']}",
             f"create Indexed Job {ns}/{rid}: {request.hosts} pod(s), one host agent each on port "
             f"{built['agent_port']}" + (", suspended for Kueue" if opts.get("queue") else ""),
-            "watch the pods until every one runs and its agent answers (host rank = completion index)",
+            f"each pod runs a stdlib-only bootstrap ({python} -c ...; the image needs nothing of ours) that checks "
+            f"for Python >= {'.'.join(map(str, bundle.MIN_PYTHON))}, listens on port {built['agent_port']} and "
+            "tells the client its platform and the bundle parts it holds",
             {
-                "auto": "reach each agent at its pod IP, or through a port-forward over the API if pod IPs are "
-                "not reachable from here",
-                "always": "reach each agent through a port-forward over the API",
-                "never": "reach each agent at its pod IP",
+                "auto": "watch the pods; reach each one at its pod IP, or through a port-forward over the API if pod "
+                "IPs are not reachable from here",
+                "always": "watch the pods; reach each one through a port-forward over the API",
+                "never": "watch the pods; reach each one at its pod IP",
             }[mode],
+            "over that connection, as each pod runs: " + ship,
+            "the bundle goes to each pod authenticated (an HMAC keyed by the reservation's Secret, over a nonce of "
+            f"the pod's), each zip checked against its SHA-256, unzipped into {bootstrap.BUNDLES_DIR} (an emptyDir, "
+            "0700); then the bootstrap execs the agent from there, on the same port; no registry, no image build",
+            "wait until every agent answers there (host rank = completion index)",
         ]
         if opts.get("validate"):
             self._validate(data)
@@ -174,7 +201,18 @@ class KubernetesScheduler(Scheduler):
                     self._create(core, batch, body)
                 except Exception as e:  # noqa: BLE001 - ApiException or a connection error: one line
                     raise api_error(e, f"cannot create {m['kind']} {ns}/{m['metadata']['name']}") from None
-            watch = PodWatch(core, batch, ns, job, hosts, port, progress, data.get("port_forward") or "auto")
+            watch = PodWatch(
+                core,
+                batch,
+                ns,
+                job,
+                hosts,
+                port,
+                progress,
+                data.get("port_forward") or "auto",
+                key=bootstrap.hmac_key(keys.encode()),
+                wheelhouse=data.get("wheelhouse"),
+            )
             names = [f"{job}-{i}" for i in range(hosts)]
             found = wait_for_agents(
                 watch.discover,
@@ -194,6 +232,7 @@ class KubernetesScheduler(Scheduler):
         pods = watch.pod_names()
         record["pods"] = [pods.get(i, "") for i in range(hosts)]
         record["reach"] = watch.reach or "direct"
+        record["bundle"] = [watch.shipped.get(i) for i in range(hosts)]
         return Reservation(
             plan.reservation_id, [HostRecord(h.name, h.agent, None, h.node_rank) for h in found], {"kubernetes": record}
         )
@@ -279,7 +318,8 @@ class KubernetesScheduler(Scheduler):
         record = reservation.scheduler_data.get("kubernetes") or {}
         return {
             "kubernetes": {
-                k: record.get(k) for k in ("namespace", "job", "secret", "service", "context", "pods", "reach")
+                k: record.get(k)
+                for k in ("namespace", "job", "secret", "service", "context", "pods", "reach", "bundle")
             }
         }
 
