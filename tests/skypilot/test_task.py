@@ -194,3 +194,22 @@ def test_bad_input_is_one_line_and_a_failure(tmp_path: Path, args: list[str], me
 )
 def test_time_in_minutes(text: str, minutes: int) -> None:
     assert parse_minutes(text) == minutes
+
+
+def test_arm_nodes_get_a_bundle_for_their_machine(tmp_path: Path) -> None:
+    """--arch: the staged bundle's index has a line for each Python on the nodes' machine, which the
+    node's setup picks by its interpreter's version and platform.machine()."""
+    lines = {}
+    for arch in ("x86_64", "aarch64", "both"):
+        plan = dryrun(["python", "train.py"], "skypilot", hosts=1, state=tmp_path / f"{arch}.pkl", arch=arch)
+        mount = yaml.safe_load(plan.artifacts[TASK])["file_mounts"]["~/.monarch-bundle"]
+        lines[arch] = [line.split()[0] for line in (Path(mount) / "INDEX").read_text().splitlines()]
+    assert lines["x86_64"] == ["cp310-x86_64", "cp311-x86_64", "cp312-x86_64", "cp313-x86_64"]
+    assert lines["aarch64"] == ["cp310-aarch64", "cp311-aarch64", "cp312-aarch64", "cp313-aarch64"]
+    assert lines["both"] == lines["x86_64"] + lines["aarch64"]
+    assert "platform.machine()" in plan.artifacts[TASK]  # the node's setup asks for its own line
+
+    bad = _monarch(
+        "serve", "--scheduler", "skypilot", "--arch", "mips", "--dry-run", "--", "python", "t.py", cwd=tmp_path
+    )
+    one_line_error(bad, "--arch takes x86_64, aarch64, both, not 'mips'")

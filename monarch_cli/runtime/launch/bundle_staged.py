@@ -1,12 +1,14 @@
 """The bundle as a directory of files, for backends that cannot probe a node before it starts.
 
-SkyPilot starts the node's script before the client can ask the node anything (Kubernetes
-does not need this: its pods' bootstrap tells the client its platform first), so the client ships the bundle for every Python a stock image may have (CPython 3.10-3.13 on
-x86_64 Linux with glibc >= 2.28: manylinux_2_28, which pyzmq 27 needs; every current PyTorch image has it) in one directory: the parts' zips and an
-``INDEX`` with one line per Python, ``cpXY code-<hash> deps-<hash>``. The node's script
-(:func:`setup_script`, :func:`environment_lines`) asks its interpreter which line is its own,
-unzips those two parts with the standard library and runs the agent from them. Nothing is
-installed by name, and the node needs no package index.
+SkyPilot starts the node's script before the client can ask the node anything (Kubernetes does
+not need this: its pods' bootstrap tells the client its platform first), so the client ships the
+bundle for every platform a stock image may be: CPython 3.10-3.13 on x86_64 and on aarch64 (Arm
+instances such as AWS Graviton) Linux with glibc >= 2.28 (manylinux_2_28, which pyzmq 27 needs;
+every current PyTorch image has it), in one directory: the parts' zips (the code part is the
+same for all) and an ``INDEX`` with one line per platform, ``cpXY-<machine> code-<hash>
+deps-<hash>``. The node's script (:func:`setup_script`, :func:`environment_lines`) asks its
+interpreter which line is its own, unzips those two parts with the standard library and runs
+the agent from them. Nothing is installed by name, and the node needs no package index.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from . import bundle
 
 #: The Pythons a staged bundle carries wheels for (a node's own is picked at start).
 PORTABLE_PYTHONS = ((3, 10), (3, 11), (3, 12), (3, 13))
-#: The platform a staged bundle targets: what manylinux2014 wheels run on.
-PORTABLE_MACHINE, PORTABLE_GLIBC = "x86_64", "2.28"
+#: The machines and the glibc a staged bundle targets (manylinux_2_28 wheels).
+PORTABLE_MACHINES, PORTABLE_GLIBC = ("x86_64", "aarch64"), "2.28"
 INDEX = "INDEX"
 #: Staged directories the client keeps (the newest); older ones are removed when one is made.
 KEEP_STAGED = 3
@@ -36,9 +38,9 @@ class Staged:
     """A directory holding every part a node may need, and which Python uses which."""
 
     directory: Path
-    index: list[tuple[str, str, str]]  # (cpXY, code part, deps part)
+    index: list[tuple[str, str, str]]  # (cpXY-<machine>, code part, deps part)
     parts: list[bundle.Part]
-    skipped: list[str]  # "cp313: no wheel of ..." for Pythons left out
+    skipped: list[str]  # "cp313-aarch64: no wheel of ..." for platforms left out
 
     @property
     def size(self) -> int:
@@ -63,27 +65,35 @@ class Staged:
         }
 
 
-def portable_platform(python: tuple[int, int]) -> bundle.HostPlatform:
-    return bundle.HostPlatform((*python, 0), "cpython", PORTABLE_MACHINE, "Linux", "glibc", PORTABLE_GLIBC)  # type: ignore[arg-type]
+def portable_platform(python: tuple[int, int], machine: str = "x86_64") -> bundle.HostPlatform:
+    return bundle.HostPlatform((*python, 0), "cpython", machine, "Linux", "glibc", PORTABLE_GLIBC)  # type: ignore[arg-type]
 
 
-def stage(wheelhouse: str | None = None, pythons: tuple[tuple[int, int], ...] = PORTABLE_PYTHONS) -> Staged:
-    """Build (or find in the cache) the parts for every Python in ``pythons``, linked into one directory."""
+def stage(
+    wheelhouse: str | None = None,
+    pythons: tuple[tuple[int, int], ...] = PORTABLE_PYTHONS,
+    machines: tuple[str, ...] = PORTABLE_MACHINES,
+) -> Staged:
+    """Build (or find in the cache) the parts for every Python in ``pythons`` on every one of
+    ``machines``, linked into one directory. A platform with no wheel for a dependency is left
+    out (and said); none at all is an error."""
     index: list[tuple[str, str, str]] = []
     parts: dict[str, bundle.Part] = {}
     skipped: list[str] = []
     first_error: SchedulerError | None = None
-    for python in pythons:
-        host = portable_platform(python)
-        try:
-            built = bundle.build(host, wheelhouse)
-        except SchedulerError as e:
-            skipped.append(f"{host.abi}: {e}")
-            first_error = first_error or e
-            continue
-        index.append((host.abi, built.code.name, built.deps.name))
-        for part in built.parts:
-            parts[part.name] = part
+    for machine in machines:
+        for python in pythons:
+            host = portable_platform(python, machine)
+            key = f"{host.abi}-{machine}"
+            try:
+                built = bundle.build(host, wheelhouse)
+            except SchedulerError as e:
+                skipped.append(f"{key}: {e}")
+                first_error = first_error or e
+                continue
+            index.append((key, built.code.name, built.deps.name))
+            for part in built.parts:
+                parts[part.name] = part
     if not index:
         assert first_error is not None
         raise first_error
@@ -118,7 +128,7 @@ def _prune(root: Path) -> None:
 
 def _select(python: str, mount: str) -> str:
     """Shell lines that set ``$2 $3`` to this node's code and deps parts (or fail in one line)."""
-    which = 'import sys; print("cp%d%d" % sys.version_info[:2])'
+    which = 'import platform, sys; print("cp%d%d-%s" % (*sys.version_info[:2], platform.machine()))'
     return (
         f'S={mount}; B="$HOME/.monarch-cli/bundles"\n'
         f'V="$({python} -c \'{which}\')" || {{ echo "monarch: --python {python} does not run on '
@@ -146,4 +156,12 @@ def environment_lines(python: str, mount: str) -> str:
     )
 
 
-__all__ = ["Staged", "stage", "setup_script", "environment_lines", "PORTABLE_PYTHONS", "portable_platform"]
+__all__ = [
+    "Staged",
+    "stage",
+    "setup_script",
+    "environment_lines",
+    "PORTABLE_PYTHONS",
+    "PORTABLE_MACHINES",
+    "portable_platform",
+]

@@ -131,6 +131,10 @@ def launch_line(cluster: str) -> str:
     return f"sky launch -c {shlex.quote(cluster)} --secret {KEYS_SECRET} --detach-run -y task.yaml"
 
 
+#: --arch: the machines whose wheels the staged bundle carries.
+ARCHES: dict[str, tuple[str, ...]] = {"x86_64": ("x86_64",), "aarch64": ("aarch64",), "both": ("x86_64", "aarch64")}
+
+
 class SkyPilotScheduler(Scheduler):
     name = "skypilot"
     options = (
@@ -171,6 +175,13 @@ class SkyPilotScheduler(Scheduler):
             "package index, downloaded once into a cache).",
         ),
         Option(
+            "arch",
+            str,
+            default="x86_64",
+            help="The nodes' CPU: x86_64, aarch64 (Arm: Graviton, Grace Hopper) or both; the bundle carries "
+            "our dependencies' wheels for it (both: twice the upload).",
+        ),
+        Option(
             "reach",
             str,
             default="auto",
@@ -197,6 +208,9 @@ class SkyPilotScheduler(Scheduler):
             raise OptionError(f"--hosts must be at least 1, not {request.hosts}")
         if opts.get("region") and not opts.get("cloud"):
             raise OptionError("--region needs --cloud")
+        arch = opts.get("arch") or "x86_64"
+        if arch not in ARCHES:
+            raise OptionError(f"--arch takes {', '.join(ARCHES)}, not {arch!r}")
         if opts.get("reach", "auto") not in REACH_MODES:
             raise OptionError(f"--reach takes {', '.join(REACH_MODES)}, not {opts['reach']!r}")
         for name in ("disk_size", "autostop"):
@@ -214,7 +228,7 @@ class SkyPilotScheduler(Scheduler):
         cluster = cluster or f"monarch-{rid[4:]}"
         port = request.agent_port or DEFAULT_AGENT_PORT
         agent = request.agent_command(rid, python=python, port=port, keys_stdin=True)
-        staged = bundle_staged.stage(opts.get("wheelhouse"))
+        staged = bundle_staged.stage(opts.get("wheelhouse"), machines=ARCHES[arch])
         task = self.task_config(request.hosts, opts, agent, python, time_minutes, cluster)
         task["file_mounts"] = {BUNDLE_MOUNT: str(staged.directory)}
         shown = {**task, "secrets": {KEYS_SECRET: REDACTED}}
