@@ -290,6 +290,7 @@ class _RunState:
         self.exits: dict[int, RankExit] = {}
         self.done: Future[None] = Future()  # resolved once every rank has an exit
         self.first_failure: int | None = None
+        self.first_failure_at = 0.0  # monotonic
         self.started = time.monotonic()
         self.lock = threading.Lock()
         self.owed = {l.node: 0 for l in launches}  # node -> output bytes printed, not yet credited
@@ -328,7 +329,7 @@ class _RunState:
             self.telemetry.rank_exit(exit_)
             self.control.exited(rank, exit_.ok, time.monotonic())
             if not exit_.ok and self.first_failure is None:
-                self.first_failure = rank
+                self.first_failure, self.first_failure_at = rank, time.monotonic()
             if len(self.exits) == len(self.launches) and not self.done.done():
                 self.done.set_result(None)
 
@@ -379,12 +380,18 @@ class _RunState:
         self.finish(rank, exit_)
 
     def on_lost(self, agent: str, silence: float) -> None:
-        for l in self.launches:
-            host = self.hs.hosts[l.node]
-            if host.agent == agent:
-                self.finish(
-                    l.rank, self.gone(l.rank, lost=f"lost: host {host.name} stopped answering ({silence:.1f} s)")
-                )
+        """A host's agent stopped answering: its ranks are lost. Ranks elsewhere that failed after it
+        went quiet failed because of it (a peer's gloo "connection closed"): the run is the lost host's."""
+        went_quiet = time.monotonic() - silence
+        lost = [l for l in self.launches if self.hs.hosts[l.node].agent == agent]
+        for l in lost:
+            why = f"lost: host {self.hs.hosts[l.node].name} stopped answering ({silence:.1f} s)"
+            self.finish(l.rank, self.gone(l.rank, lost=why))
+        with self.lock:
+            mine = [l.rank for l in lost if self.exits[l.rank].lost]
+            first = self.first_failure
+            if mine and (first is None or (not self.exits[first].lost and self.first_failure_at >= went_quiet - 1.0)):
+                self.first_failure = mine[0]
 
     def on_stopped(self, event: protocol.ReservationStopped, body: list[Any]) -> None:
         with self.lock:
