@@ -230,6 +230,8 @@ def sync_cmd(
     if as_json:
         emit_json(report.to_json())
     else:
+        for warning in report.warnings:
+            err.print(f"[yellow]![/] {escape(warning)}")
         err.print(f"[green]✓[/] {escape(str(report))}")
 
 

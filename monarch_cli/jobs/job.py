@@ -329,6 +329,8 @@ class Job:
         report = self.sync(ws, hostset=hostset)
         if report.changed or report.outside_links:
             say(str(report))
+        for warning in report.warnings:
+            say(warning)
         remote_env = {"PYTHONUNBUFFERED": "1", **remote_environment(), **env}
         node_cwd = {n: os.path.normpath(os.path.join(d, rel)) for n, d in report.directories.items()}
         return node_cwd, {n: remote_env for n in report.directories}
