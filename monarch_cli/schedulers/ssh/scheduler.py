@@ -133,6 +133,18 @@ def _host_error(target: SshTarget, what: str) -> SchedulerError:
     return SchedulerError(f"host {target.alias} ({target.hostname}:{target.port}): {what}")
 
 
+def _connection_lost(target: SshTarget, client: Any, e: BaseException) -> SchedulerError | None:
+    """The error to raise for ``e`` when ``client``'s connection has dropped (sshd died, the link
+    went down); paramiko says only ``EOFError`` or ``SSH session not active``. None when it has not."""
+    if isinstance(e, SchedulerError) or not isinstance(e, Exception):
+        return None
+    transport = client.get_transport()
+    if transport is not None and transport.is_active() and not isinstance(e, EOFError):
+        return None
+    why = str(e) or type(e).__name__
+    return _host_error(target, f"the SSH connection was lost during serve ({why}): is sshd still running there?")
+
+
 class _KeyPolicy:
     """Unknown key: refuse, or record it (accept-new). A changed key paramiko refuses itself."""
 
@@ -509,10 +521,16 @@ class SshScheduler(Scheduler):
                 raise _host_error(target, f"cannot set up {directory}: {e.strerror or e}") from None
             finally:
                 sftp.close()
-        except BaseException:
+        except BaseException as e:
+            lost = _connection_lost(target, client, e)
             if made:
-                _stop_host(client, record)
+                try:
+                    _stop_host(client, record)
+                except Exception:  # noqa: BLE001 - the connection is gone: release asks again over a new one
+                    pass
             client.close()
+            if lost is not None:
+                raise lost from None
             raise
         started[index] = {"client": client, "record": record, "target": target}
 
@@ -523,7 +541,12 @@ class SshScheduler(Scheduler):
                 if "sftp" not in entry:
                     entry["sftp"] = entry["client"].open_sftp()
                 text = _read(entry["sftp"], f"{entry['record']['directory']}/agent.addr")
-            except (OSError, EOFError):
+            except Exception as e:  # noqa: BLE001 - not there yet, unless the connection is gone
+                lost = _connection_lost(entry["target"], entry["client"], e)
+                if lost is not None:
+                    raise lost from None
+                if not isinstance(e, OSError):
+                    raise
                 continue
             if text.startswith(READY_PREFIX) and text.endswith("\n"):
                 found[names[i]] = text[len(READY_PREFIX) :].strip()
@@ -533,9 +556,15 @@ class SshScheduler(Scheduler):
         """Raise, naming the host, when an agent exited at start-up."""
         for _i, entry in started.items():
             rec, target = entry["record"], entry["target"]
-            if _run(entry["client"], f"kill -0 {int(rec['pid'])}", timeout=15)[0] != 0:
-                code, log = _run(entry["client"], f"tail -n 3 {shlex.quote(rec['directory'] + '/agent.log')}", 15)
-                raise _host_error(target, f"the agent exited at start-up: {log.strip() or 'no log'}")
+            try:
+                if _run(entry["client"], f"kill -0 {int(rec['pid'])}", timeout=15)[0] != 0:
+                    code, log = _run(entry["client"], f"tail -n 3 {shlex.quote(rec['directory'] + '/agent.log')}", 15)
+                    raise _host_error(target, f"the agent exited at start-up: {log.strip() or 'no log'}")
+            except Exception as e:
+                lost = _connection_lost(target, entry["client"], e)
+                if lost is not None:
+                    raise lost from None
+                raise
 
     # ---------------------------------------------------------------- the reservation
     def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> str | None:
@@ -685,7 +714,15 @@ def _cross_check(started: dict[int, dict[str, Any]], found: list[HostRecord], py
         entry = started[i]
         me = entry["target"].alias
         others = {name: address for name, address in where.items() if name != me}
-        code, text = _run(entry["client"], f"{python} -c {shlex.quote(_CROSS_CHECK)} {shlex.join(others.values())}", 30)
+        try:
+            code, text = _run(
+                entry["client"], f"{python} -c {shlex.quote(_CROSS_CHECK)} {shlex.join(others.values())}", 30
+            )
+        except Exception as e:
+            lost = _connection_lost(entry["target"], entry["client"], e)
+            if lost is not None:
+                return [str(lost)]
+            raise
         failed = dict(line.split(" ", 1) for line in text.strip().splitlines() if " " in line) if code == 0 else {}
         return [
             f"host {me} cannot reach host {name} at {address} ({failed[address]}): the ranks' rendezvous "
