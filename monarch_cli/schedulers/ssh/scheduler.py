@@ -20,6 +20,7 @@ import getpass
 import logging
 import os
 import shlex
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -138,9 +139,14 @@ def _connection_lost(target: SshTarget, client: Any, e: BaseException) -> Schedu
     went down); paramiko says only ``EOFError`` or ``SSH session not active``. None when it has not."""
     if isinstance(e, SchedulerError) or not isinstance(e, Exception):
         return None
-    transport = client.get_transport()
-    if transport is not None and transport.is_active() and not isinstance(e, EOFError):
-        return None
+    if not isinstance(e, (EOFError, ConnectionError)):
+        transport = client.get_transport()
+        for _ in range(10):  # its reader thread may not have seen the connection drop yet
+            if transport is None or not transport.is_active():
+                break
+            time.sleep(0.1)
+        else:
+            return None
     why = str(e) or type(e).__name__
     return _host_error(target, f"the SSH connection was lost during serve ({why}): is sshd still running there?")
 
@@ -518,7 +524,9 @@ class SshScheduler(Scheduler):
                     raise _host_error(target, f"could not start the agent: {text.strip()[-300:] or f'status {code}'}")
                 record["pid"] = int(_read(sftp, f"{path}/agent.pid").strip())
             except OSError as e:  # SFTP: a full disk, a read-only home, permissions
-                raise _host_error(target, f"cannot set up {directory}: {e.strerror or e}") from None
+                raise _connection_lost(target, client, e) or _host_error(
+                    target, f"cannot set up {directory}: {e.strerror or e}"
+                ) from None
             finally:
                 sftp.close()
         except BaseException as e:
