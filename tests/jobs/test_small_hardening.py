@@ -34,6 +34,22 @@ def test_a_fifo_as_the_state_file_is_refused_not_waited_on(tmp_path: Path) -> No
     )
 
 
+def test_reading_a_state_file_in_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "missing" / "dir" / "s.pkl"
+    for command in (["status"], ["run-spmd", "--state", str(state), "--", "python", "-c", "pass"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "monarch_cli", *command, *(["--state", str(state)] if len(command) == 1 else [])],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (
+            done.returncode == 2
+            and done.stderr == f"monarch: error: no reservation at {state}; start one with `monarch serve`\n"
+        )
+    assert not (tmp_path / "missing").exists()
+
+
 def test_straggler_grace_must_be_a_number_of_seconds(job: Job) -> None:
     for bad in (math.nan, -1.0):
         with pytest.raises(JobError, match="--straggler-grace takes seconds"):
