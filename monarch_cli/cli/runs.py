@@ -42,6 +42,7 @@ def run_spmd(
     straggler_grace: float,
     as_json: bool,
     group: bool | None = None,
+    stall_timeout: float | None = None,
 ) -> int:
     """``monarch run-spmd``; returns the exit status."""
     from ..jobs import job_load
@@ -63,6 +64,7 @@ def run_spmd(
         sync=not no_sync,
         on_event=say,
         group=group,
+        stall_timeout=stall_timeout,
     )
     if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
         return CLOSED_PIPE_EXIT

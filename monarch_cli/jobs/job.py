@@ -26,7 +26,7 @@ from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, ge
 from ..schedulers.agents import controller_host
 from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
-from .lifecycle import RunControl, shutdown_timeout_from
+from .lifecycle import RunControl, shutdown_timeout_from, stall_timeout_from
 from .model import HostSet, Launch, RankExit, RunOptions, RunResult, StaleReservation, VersionMismatch
 from .output import OutputSink, list_runs, new_run_dir
 from .spmd import SpmdRunner, new_run_id, plan_exec, plan_spmd, remote_environment, user_environment
@@ -184,6 +184,7 @@ class Job:
         opts = dataclasses.replace(options, **overrides) if options is not None else RunOptions(**overrides)
         if math.isnan(opts.straggler_grace) or opts.straggler_grace < 0:
             raise JobError(f"--straggler-grace takes seconds (0 or more), not {opts.straggler_grace}")
+        stall_timeout = stall_timeout_from(opts.stall_timeout)
         argv, cwd, spec = self._spmd_command(command)
         if opts.run_id is not None and not _RUN_ID.fullmatch(opts.run_id):
             raise JobError(f"not a run id: {opts.run_id!r} (make one with new_run_id())")
@@ -208,6 +209,7 @@ class Job:
             say=opts.say,
             straggler_grace=opts.straggler_grace,
             shutdown_timeout=shutdown_timeout_from(timeout),
+            stall_timeout=stall_timeout,
         )
         stdout, stderr = _consoles(opts.stdout, opts.stderr, runner)
         run = _SpmdRun(
