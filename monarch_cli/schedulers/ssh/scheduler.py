@@ -140,11 +140,17 @@ def _connection_lost(target: SshTarget, client: Any, e: BaseException) -> Schedu
     if isinstance(e, SchedulerError) or not isinstance(e, Exception):
         return None
     if not isinstance(e, (EOFError, ConnectionError)):
+        import paramiko
+
         transport = client.get_transport()
-        for _ in range(10):  # its reader thread may not have seen the connection drop yet
+        # paramiko's own errors may come a moment before its reader thread sees the connection drop;
+        # an SFTP status (a file not there yet) is an answer: the connection is up.
+        waits = 10 if isinstance(e, paramiko.SSHException) else 0
+        for i in range(waits + 1):
             if transport is None or not transport.is_active():
                 break
-            time.sleep(0.1)
+            if i < waits:
+                time.sleep(0.1)
         else:
             return None
     why = str(e) or type(e).__name__
@@ -692,7 +698,9 @@ def _ship(
                 names.append(name)
                 shipped += part.size
         except OSError as e:
-            raise _host_error(target, f"cannot upload the bundle to {bundles}: {e.strerror or e}") from None
+            raise _connection_lost(target, client, e) or _host_error(
+                target, f"cannot upload the bundle to {bundles}: {e.strerror or e}"
+            ) from None
         finally:
             sftp.close()
         code, text = _run(client, bundle.unpack_command(python, _shell_path(bundles), names), timeout=300)
