@@ -68,6 +68,13 @@ def _table(rows: list[PausedRank]) -> Table:
     return table
 
 
+def _intro(rows: list[PausedRank]) -> str:
+    """How many ranks wait in pdb; ranks that already finished are listed too, but are not paused."""
+    paused = sum(r.state == "paused" for r in rows)
+    others = [f"{n} {state}" for state in ("running", "exited") if (n := sum(r.state == state for r in rows))]
+    return ", ".join([f"{paused} rank(s) paused" if paused else "no rank is paused yet", *others])
+
+
 def _split_prompt(text: str) -> tuple[str, str | None]:
     for prompt in _PROMPTS:
         if text.endswith(prompt):
@@ -233,7 +240,7 @@ def debug_main(
         _load_history()
         shell = DebugShell(client)
         rows = client.list()
-        intro = f"{len(rows)} rank(s) paused" if rows else "no rank is paused yet"
+        intro = _intro(rows)
         out.print(f"monarch debug: {intro}; type `help` for commands")
         if rows:
             out.print(_table(rows))

@@ -201,6 +201,14 @@ def run_spmd_cmd(
         "--group/--no-group",
         help="Print a line many ranks print alike once, as [rank 0-4095] (default: when over 16 ranks are shown).",
     ),
+    stall_timeout: float | None = typer.Option(
+        None,
+        "--stall-timeout",
+        min=0,
+        metavar="SECONDS",
+        help="End the run when no rank prints or finishes a step for this long while its hosts answer "
+        "(default: $MONARCH_STALL_TIMEOUT, else never).",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Run the served command (or the one after `--`) on every host of the reservation.
@@ -211,7 +219,19 @@ def run_spmd_cmd(
     """
     raise typer.Exit(
         runs.run_spmd(
-            command, state, ranks, cold, color, post_mortem, env, workspace, no_sync, straggler_grace, as_json, group
+            command,
+            state,
+            ranks,
+            cold,
+            color,
+            post_mortem,
+            env,
+            workspace,
+            no_sync,
+            straggler_grace,
+            as_json,
+            group,
+            stall_timeout,
         )
     )
 
@@ -230,6 +250,8 @@ def sync_cmd(
     if as_json:
         emit_json(report.to_json())
     else:
+        for warning in report.warnings:
+            err.print(f"[yellow]![/] {escape(warning)}")
         err.print(f"[green]✓[/] {escape(str(report))}")
 
 

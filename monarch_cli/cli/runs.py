@@ -42,6 +42,7 @@ def run_spmd(
     straggler_grace: float,
     as_json: bool,
     group: bool | None = None,
+    stall_timeout: float | None = None,
 ) -> int:
     """``monarch run-spmd``; returns the exit status."""
     from ..jobs import job_load
@@ -63,6 +64,7 @@ def run_spmd(
         sync=not no_sync,
         on_event=say,
         group=group,
+        stall_timeout=stall_timeout,
     )
     if result.console_closed:  # `| head`: its ranks are ended and logged; print nothing more
         return CLOSED_PIPE_EXIT
@@ -102,6 +104,16 @@ def exec_command(command: list[str] | None, state: Path | None, color: bool | No
     return result.exit_code
 
 
+def _failed_first(result: RunResult) -> str:
+    """A lost host is the run's failure even where a peer's rank noticed first (gloo: connection closed)."""
+    first = result.first_failure
+    if first is None:
+        return "failed"
+    if first.lost:
+        return first.lost.removeprefix("lost: ")
+    return f"rank {first.rank} failed first"
+
+
 def render_result(result: RunResult) -> None:
     n = len(result.ranks)
     if result.exit_code == 0:
@@ -118,7 +130,7 @@ def render_result(result: RunResult) -> None:
     from ..jobs.output_groups import AUTO_MIN_RANKS, failure_rows, outcome_summary
 
     err = rich_console(stderr=True)
-    headline = result.ending or f"rank {result.first_failure.rank} failed first"
+    headline = result.ending or _failed_first(result)
     err.print(f"[red]✗[/] run {result.run_id}: {headline}; exit status {result.exit_code}")
     rows, left_out = result.ranks, 0
     if n > AUTO_MIN_RANKS:  # many ranks: one line by outcome, a row per distinct failure

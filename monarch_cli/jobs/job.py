@@ -26,7 +26,7 @@ from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, ge
 from ..schedulers.agents import controller_host
 from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
-from .lifecycle import RunControl, shutdown_timeout_from
+from .lifecycle import RunControl, shutdown_timeout_from, stall_timeout_from
 from .model import HostSet, Launch, RankExit, RunOptions, RunResult, StaleReservation, VersionMismatch
 from .output import OutputSink, list_runs, new_run_dir
 from .rendezvous import unreachable_rendezvous
@@ -185,6 +185,7 @@ class Job:
         opts = dataclasses.replace(options, **overrides) if options is not None else RunOptions(**overrides)
         if math.isnan(opts.straggler_grace) or opts.straggler_grace < 0:
             raise JobError(f"--straggler-grace takes seconds (0 or more), not {opts.straggler_grace}")
+        stall_timeout = stall_timeout_from(opts.stall_timeout)
         argv, cwd, spec = self._spmd_command(command)
         if opts.run_id is not None and not _RUN_ID.fullmatch(opts.run_id):
             raise JobError(f"not a run id: {opts.run_id!r} (make one with new_run_id())")
@@ -209,6 +210,7 @@ class Job:
             say=opts.say,
             straggler_grace=opts.straggler_grace,
             shutdown_timeout=shutdown_timeout_from(timeout),
+            stall_timeout=stall_timeout,
         )
         stdout, stderr = _consoles(opts.stdout, opts.stderr, runner)
         run = _SpmdRun(
@@ -343,6 +345,8 @@ class Job:
         report = self.sync(ws, hostset=hostset)
         if report.changed or report.outside_links:
             say(str(report))
+        for warning in report.warnings:
+            say(warning)
         remote_env = {"PYTHONUNBUFFERED": "1", **remote_environment(), **env}
         node_cwd = {n: os.path.normpath(os.path.join(d, rel)) for n, d in report.directories.items()}
         return node_cwd, {n: remote_env for n in report.directories}

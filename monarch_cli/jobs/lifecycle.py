@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..runtime.exit_status import signal_name
+from .errors import JobError
 
 #: Signals that end a run when the launcher gets them (torchrun's ``--signals-to-handle`` default).
 DEATH_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -42,6 +43,23 @@ def shutdown_timeout_from(flag: float | None) -> float:
         return max(0.0, float(env)) if env else DEFAULT_SHUTDOWN_TIMEOUT
     except ValueError:
         return DEFAULT_SHUTDOWN_TIMEOUT
+
+
+def stall_timeout_from(value: float | None) -> float | None:
+    """``--stall-timeout``, then ``$MONARCH_STALL_TIMEOUT``; None (off) when neither is set or either is 0."""
+    source = "--stall-timeout"
+    if value is None:
+        env = os.environ.get("MONARCH_STALL_TIMEOUT", "").strip()
+        if not env:
+            return None
+        source = "$MONARCH_STALL_TIMEOUT"
+        try:
+            value = float(env)
+        except ValueError:
+            raise JobError(f"{source} takes seconds (0: off), not {env!r}") from None
+    if math.isnan(value) or value < 0:
+        raise JobError(f"{source} takes seconds (0 or more; 0: off), not {value}")
+    return value or None
 
 
 def rank_list(ranks: Sequence[int]) -> str:
@@ -142,6 +160,11 @@ class RunControl:
 
     def stopped(self, who: str) -> None:
         self.stopped_by = self.stopped_by or who
+
+    def stalled(self, why: str, now: float) -> None:
+        """No rank made progress for the stall timeout while every host answered (a hung collective,
+        a stopped peer): ended as a partition is, naming what was found."""
+        self.partitioned(why, now)
 
     def partitioned(self, why: str, now: float) -> None:
         """Hosts of the run cannot reach each other: its collectives can never finish. End it now:

@@ -214,6 +214,10 @@ class RunOptions:
     shutdown_timeout: float | None = None
     #: Ranks still running this many seconds after the first one ended are named through ``on_event``.
     straggler_grace: float = DEFAULT_STRAGGLER_GRACE
+    #: End the run when no rank printed a line or finished a step for this many seconds while every host
+    #: answered (the hosts probe each other first, to name a partition); None: ``$MONARCH_STALL_TIMEOUT``,
+    #: else never (a script may load data silently for a long time).
+    stall_timeout: float | None = None
     #: The run's id (from ``new_run_id()``), for a caller that must know its logs and telemetry before it
     #: starts (the MCP server's detached runs); None: a new one.
     run_id: str | None = None

@@ -59,6 +59,11 @@ class PartitionWatch:
             self._ask()
         return None
 
+    @property
+    def probing(self) -> bool:
+        """A probe round is on its way."""
+        return bool(self._asked)
+
     def urgent(self, now: float) -> None:
         """Ctrl-C: probe now, with a short timeout, and believe the first failure (the user is
         waiting: a run hung on a partition must end within seconds)."""

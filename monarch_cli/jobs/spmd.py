@@ -99,7 +99,8 @@ class SpmdRunner:
     ``grace``: after a rank fails, the others get SIGTERM, and SIGKILL one grace later.
     ``shutdown_timeout``: after SIGTERM/SIGHUP/SIGQUIT to the caller, how long ranks have
     before SIGKILL. ``straggler_grace``: how long after the first rank ends the ranks still
-    running are named (once) through ``say``.
+    running are named (once) through ``say``. ``stall_timeout``: a run none of whose ranks printed
+    or finished a step for this long while every host answered is ended (None: never).
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class SpmdRunner:
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
         straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
         say: Callable[[str], None] | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self.hs = hostset
         self.mb = hostset.mb
@@ -118,6 +120,7 @@ class SpmdRunner:
         self.grace = grace
         self.shutdown_timeout = shutdown_timeout
         self.straggler_grace = straggler_grace
+        self.stall_timeout = stall_timeout
         self.say = say or (lambda _msg: None)
         self.control: RunControl | None = None  # the last run's
         self._console_closed = threading.Event()
@@ -224,6 +227,7 @@ class SpmdRunner:
         control = state.control
         watched = [self.hs.hosts[n] for n in nodes] if self.hs.peers_reachable else []
         watch = PartitionWatch(self.mb, watched, [h.agent for h in watched])
+        stalled_at: float | None = None  # when the stall timeout passed (the hosts are then probed)
         while not state.done.done():
             try:
                 state.done.get(timeout=0.2)
@@ -234,6 +238,7 @@ class SpmdRunner:
                 with state.lock:
                     control.partitioned(partition, time.monotonic())
                 state.telemetry.event("partition", None, partition)
+            stalled_at = self._check_stall(state, watch, stalled_at, len(watched) > 1)
             with state.lock:
                 if self._console_closed.is_set():
                     control.console_closed(time.monotonic())
@@ -245,6 +250,38 @@ class SpmdRunner:
                 abandon, why = control.tick(time.monotonic(), state.running())
             for rank in abandon:  # Ctrl-C always ends the wait, even for ranks whose exits never come
                 state.finish(rank, state.gone(rank, lost=f"lost: {why}"))
+
+    def _check_stall(
+        self, state: _RunState, watch: PartitionWatch, stalled_at: float | None, probed: bool
+    ) -> float | None:
+        """No output and no step from any rank for ``stall_timeout`` while every host answers: probe the
+        hosts (a failed pair is named as a partition), then end the run with one line."""
+        control, now = state.control, time.monotonic()
+        if (
+            self.stall_timeout is None
+            or control.partition is not None
+            or control.interrupts
+            or control.received is not None
+            or control.console_gone
+            or state.first_failure is not None
+        ):
+            return None
+        if now - state.last_progress < self.stall_timeout:
+            return None  # progress (again): nothing is stalled
+        if stalled_at is None:
+            watch.urgent(now)  # one quick round between the run's hosts (none for one host)
+            return now
+        if watch.probing and now < stalled_at + 10.0:
+            return stalled_at
+        hosts = "every host answered and the hosts reach each other" if probed else "its host answered"
+        why = (
+            f"stalled: no output and no step from any rank for {self.stall_timeout:g} s while {hosts} "
+            f"(a hung collective or a stopped rank?); --stall-timeout sets the limit"
+        )
+        with state.lock:
+            control.stalled(why, now)
+        state.telemetry.event("stall", None, why)
+        return stalled_at
 
     @property
     def ended_from_outside(self) -> bool:
@@ -290,7 +327,9 @@ class _RunState:
         self.exits: dict[int, RankExit] = {}
         self.done: Future[None] = Future()  # resolved once every rank has an exit
         self.first_failure: int | None = None
+        self.first_failure_at = 0.0  # monotonic
         self.started = time.monotonic()
+        self.last_progress = self.started  # a rank's output or step last arrived (monotonic)
         self.lock = threading.Lock()
         self.owed = {l.node: 0 for l in launches}  # node -> output bytes printed, not yet credited
 
@@ -306,8 +345,13 @@ class _RunState:
             protocol.RankExited: self.on_exit,
             protocol.RankPaused: on_paused,
             protocol.ReservationStopped: self.on_stopped,
-            protocol.Telemetry: self.telemetry.on_agent_event,
+            protocol.Telemetry: self.on_telemetry,
         }
+
+    def on_telemetry(self, event: protocol.Telemetry, body: list[Any]) -> None:
+        if event.steps:
+            self.last_progress = time.monotonic()
+        self.telemetry.on_agent_event(event, body)
 
     def running(self) -> dict[int, str]:
         return {l.rank: self.hs.hosts[l.node].name for l in self.launches if l.rank not in self.exits}
@@ -328,7 +372,7 @@ class _RunState:
             self.telemetry.rank_exit(exit_)
             self.control.exited(rank, exit_.ok, time.monotonic())
             if not exit_.ok and self.first_failure is None:
-                self.first_failure = rank
+                self.first_failure, self.first_failure_at = rank, time.monotonic()
             if len(self.exits) == len(self.launches) and not self.done.done():
                 self.done.set_result(None)
 
@@ -345,6 +389,7 @@ class _RunState:
         if rank not in self.by_rank:
             return
         data = bytes(body[0])
+        self.last_progress = time.monotonic()
         try:
             self.sink.write(rank, event.stream, data)
             self.telemetry.output(rank, event.stream, data)
@@ -379,12 +424,18 @@ class _RunState:
         self.finish(rank, exit_)
 
     def on_lost(self, agent: str, silence: float) -> None:
-        for l in self.launches:
-            host = self.hs.hosts[l.node]
-            if host.agent == agent:
-                self.finish(
-                    l.rank, self.gone(l.rank, lost=f"lost: host {host.name} stopped answering ({silence:.1f} s)")
-                )
+        """A host's agent stopped answering: its ranks are lost. Ranks elsewhere that failed after it
+        went quiet failed because of it (a peer's gloo "connection closed"): the run is the lost host's."""
+        went_quiet = time.monotonic() - silence
+        lost = [l for l in self.launches if self.hs.hosts[l.node].agent == agent]
+        for l in lost:
+            why = f"lost: host {self.hs.hosts[l.node].name} stopped answering ({silence:.1f} s)"
+            self.finish(l.rank, self.gone(l.rank, lost=why))
+        with self.lock:
+            mine = [l.rank for l in lost if self.exits[l.rank].lost]
+            first = self.first_failure
+            if mine and (first is None or (not self.exits[first].lost and self.first_failure_at >= went_quiet - 1.0)):
+                self.first_failure = mine[0]
 
     def on_stopped(self, event: protocol.ReservationStopped, body: list[Any]) -> None:
         with self.lock:

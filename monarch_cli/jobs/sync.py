@@ -48,6 +48,16 @@ class SyncReport:
     seconds: float = 0.0
     directories: dict[int, str] = dataclasses.field(default_factory=dict)
     outside_links: list[str] = dataclasses.field(default_factory=list)
+    unreadable: list[str] = dataclasses.field(default_factory=list)  # relative; a directory ends in "/"
+
+    @property
+    def warnings(self) -> list[str]:
+        """One line per path left out because this user cannot read it (the rest is synced)."""
+        return [
+            f"not synced: {os.path.join(self.workspace, p)} is an unreadable "
+            f"{'directory' if p.endswith('/') else 'file'} (permission denied)"
+            for p in self.unreadable
+        ]
 
     @property
     def changed(self) -> bool:
@@ -130,6 +140,7 @@ def sync_workspace(
     except WorkspaceError as e:
         raise JobError(str(e)) from None
     report.total_files, report.outside_links = len(scan.manifest), scan.outside_links
+    report.unreadable = scan.unreadable
     stale = [i for i in far if statuses[i].digest != client_digest]
     synced = scanner.synced
     known = {synced[0]: {p: (e, None) for p, e in synced[1].items()}} if synced else {}
@@ -214,6 +225,8 @@ def _batches(scanner: Any, changed: list[Any]) -> Iterator[list[FileUpdate]]:
                     size += n
             except FileNotFoundError:
                 continue  # deleted since the scan: the next sync deletes it there too
+            except PermissionError:
+                raise JobError(f"cannot read {os.path.join(scanner.root, path)}: permission denied") from None
     except WorkspaceError as e:
         raise JobError(str(e)) from None
     yield batch

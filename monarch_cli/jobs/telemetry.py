@@ -546,12 +546,16 @@ class Inspector:
         if run is None:
             return Diagnosis("unknown", 2, None, "no run recorded on this reservation yet")
         run_id = run["run_id"]
-        partition = self.sql("SELECT detail FROM events WHERE run_id = ? AND kind = 'partition' LIMIT 1", (run_id,))
-        if partition:  # its hosts could not reach each other (jobs/partition.py): nothing else explains it better
+        partition = self.sql(
+            "SELECT kind, detail FROM events WHERE run_id = ? AND kind IN ('partition', 'stall') "
+            "ORDER BY kind = 'stall' LIMIT 1",
+            (run_id,),
+        )
+        if partition:  # its hosts could not reach each other (jobs/partition.py), or its ranks made no progress
             why = str(partition[0]["detail"])
             ranks = self.sql("SELECT rank, host FROM ranks WHERE run_id = ? ORDER BY rank", (run_id,))
             suspects = [Suspect(r["rank"], r["host"], [why]) for r in ranks]
-            return Diagnosis("suspect", 1, run_id, why, suspects, {"partition": why})
+            return Diagnosis("suspect", 1, run_id, why, suspects, {str(partition[0]["kind"]): why})
         if run["ended_at"] is not None:
             return self._diagnose_ended(run)
         try:

@@ -24,6 +24,7 @@ Decisions a user can notice (docs/sync.md):
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import pickle
@@ -115,6 +116,7 @@ class _DirListing(NamedTuple):
 class ScanResult(NamedTuple):
     manifest: Manifest
     outside_links: list[str]  # symlinks not mirrored because they leave the workspace
+    unreadable: list[str] = []  # files and directories (``dir/``) not mirrored: permission denied
 
 
 class Scanner:
@@ -167,6 +169,7 @@ class Scanner:
     def scan(self) -> ScanResult:
         manifest: Manifest = {}
         outside: list[str] = []
+        unreadable: list[str] = []
         seen_dirs: dict[str, _DirListing] = {}
         entries: dict[str, tuple[int, int, int, int, Entry]] = {}
         old = self.entries
@@ -180,8 +183,10 @@ class Scanner:
             absdir = os.path.join(root, rel) if rel else root
             try:
                 fd = os.open(absdir, os.O_RDONLY | os.O_DIRECTORY)
-            except OSError:
+            except OSError as e:
                 changed = True
+                if e.errno in (errno.EACCES, errno.EPERM):
+                    unreadable.append(rel + "/")
                 continue
             try:  # stat names relative to the directory: no path walk per file
                 dir_mtime = os.fstat(fd).st_mtime_ns
@@ -198,8 +203,12 @@ class Scanner:
                     rules = _Rules(
                         tuple((b, sp) for b, p, _, _ in chain if (sp := specs.get(p) or _cache_spec(specs, p)))
                     )
-                    listing = self._list(rel, absdir, dir_mtime, key, rules)
                     self.dirty = changed = True
+                    try:
+                        listing = self._list(rel, absdir, dir_mtime, key, rules)
+                    except PermissionError:
+                        unreadable.append(rel + "/")
+                        continue
                 seen_dirs[rel] = listing
                 prefix = rel + "/" if rel else ""
                 for name, r in zip(listing.files, listing.paths):
@@ -230,6 +239,9 @@ class Scanner:
                                 target = os.path.relpath(os.path.normpath(target), absdir)
                             entry = (0, st.st_mtime_ns, 0, target)
                         elif S_ISREG(st.st_mode):
+                            if not os.access(name, os.R_OK, dir_fd=fd, effective_ids=True):
+                                unreadable.append(r)  # not kept: asked again next scan
+                                continue
                             entry = (st.st_size, st.st_mtime_ns, S_IMODE(st.st_mode), "")
                         else:
                             continue
@@ -244,7 +256,7 @@ class Scanner:
         self.dirs = seen_dirs
         self.entries = entries
         self._unchanged = not changed
-        return ScanResult(manifest, outside)
+        return ScanResult(manifest, outside, sorted(unreadable))
 
     def _list(
         self, rel: str, absdir: str, mtime_ns: int, key: tuple[tuple[str, int, int], ...], rules: _Rules
@@ -254,6 +266,8 @@ class Scanner:
         prefix = rel + "/" if rel else ""
         try:
             it = list(os.scandir(absdir))
+        except PermissionError:
+            raise
         except OSError as e:
             raise WorkspaceError(f"cannot read {absdir}: {e.strerror}") from None
         for d in it:

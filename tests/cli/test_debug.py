@@ -686,3 +686,29 @@ def test_pdb_relay_takes_nothing_from_another_user(reservation, tmp_path, zmq_fo
         assert cast["0"]["output"].strip() == "1"
         assert debug_cmd(reservation, "continue").returncode == 0
         assert run.wait() == 0
+
+
+HALF_EXIT_SCRIPT = """\
+import os
+if int(os.environ["GROUP_RANK"]) == 1:
+    breakpoint()
+print("done", flush=True)
+"""
+
+
+def test_the_prompt_counts_exited_ranks_apart_from_paused_ones(reservation):
+    (reservation.parent.parent / "half_exit.py").write_text(HALF_EXIT_SCRIPT)
+    with Run(reservation, "--", "torchrun", "--nproc-per-node=2", "half_exit.py") as run:
+        wait_paused(reservation, ranks=2)
+        client = DebugClient(job_load(reservation).hostset())
+        try:
+            assert wait_until(lambda: sum(r.state == "exited" for r in client.list()) == 2, timeout=60)
+        finally:
+            client.close()
+        shell = monarch_debug(reservation)
+        shell.expect_exact("monarch debug: 2 rank(s) paused, 2 exited;")
+        shell.expect_exact("monarch_dbg> ")
+        shell.sendline("quit")
+        shell.expect(pexpect.EOF)
+        assert debug_cmd(reservation, "continue").returncode == 0
+        assert run.wait() == 0

@@ -28,6 +28,7 @@ TAKEN: list[list[str]] = [
     ["run-spmd", "--ranks=0-1", "--state=x.pkl", "--color"],
     ["run-spmd", "-e", "A=1", "-eB=2", "--env", "C", "--env=D=4", "-e", "E=--x"],
     ["run-spmd", "--straggler-grace", "2.5", "--post-mortem", "--no-sync", "--workspace", "ws"],
+    ["run-spmd", "--stall-timeout", "600"],
     ["run-spmd", "--straggler-grace=0"],
     ["run-spmd", "--no-group", "--json"],
     ["run-spmd", "--group"],
@@ -82,6 +83,7 @@ def _typer_params(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int
             "straggler_grace",
             "as_json",
             "group",
+            "stall_timeout",
         ],
         "exec_command": ["command", "state", "color", "as_json"],
     }

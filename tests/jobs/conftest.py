@@ -74,6 +74,7 @@ def spmd(
     ranks: set[int] | None = None,
     grace: float = 3.0,
     notices: list[str] | None = None,
+    stall_timeout: float | None = None,
 ) -> Run:
     """``torchrun --nproc-per-node=N [flags] script args`` on the reservation, console captured."""
     out, err = io.BytesIO(), io.BytesIO()
@@ -87,6 +88,7 @@ def spmd(
         stderr=err,
         grace=grace,
         on_event=None if notices is None else notices.append,
+        stall_timeout=stall_timeout,
     )
     return Run(result, out.getvalue(), err.getvalue(), time.monotonic() - started)
 

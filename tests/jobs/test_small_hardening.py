@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_cli.jobs import Job, JobError
+from monarch_cli.jobs import Job, JobError, serve
 
 from ..conftest import write_script
 from .conftest import spmd
@@ -30,6 +32,22 @@ def test_a_fifo_as_the_state_file_is_refused_not_waited_on(tmp_path: Path) -> No
     assert (
         done.stderr == f"monarch: error: job state path {fifo} is not a regular file; point --state at a state file\n"
     )
+
+
+def test_reading_a_state_file_in_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "missing" / "dir" / "s.pkl"
+    for command in (["status"], ["run-spmd", "--state", str(state), "--", "python", "-c", "pass"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "monarch_cli", *command, *(["--state", str(state)] if len(command) == 1 else [])],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (
+            done.returncode == 2
+            and done.stderr == f"monarch: error: no reservation at {state}; start one with `monarch serve`\n"
+        )
+    assert not (tmp_path / "missing").exists()
 
 
 def test_straggler_grace_must_be_a_number_of_seconds(job: Job) -> None:
@@ -53,3 +71,52 @@ def test_an_elastic_node_range_runs_on_the_hosts_reserved(job: Job, tmp_path: Pa
     assert sorted(run.lines()) == [b"[rank0] 2 0", b"[rank1] 2 1"]
     with pytest.raises(JobError, match="needs at least 3 hosts; 2 are reserved"):
         spmd(job, script, nproc=1, flags=["--nnodes=3:4"])
+
+
+@pytest.mark.slow
+def test_a_dead_agents_run_is_the_lost_hosts_not_a_peers_gloo_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Host 1's agent is killed mid-run: rank 0 on host 0 fails at once in gloo ("connection closed by
+    peer"), seconds before the heartbeat says host 1 is gone; the run is still headlined as host 1's."""
+    from monarch_cli.cli.runs import render_result
+
+    script = write_script(
+        tmp_path,
+        "loop.py",
+        """
+        import time, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("up", flush=True)
+        t = torch.zeros(1)
+        while True:
+            dist.all_reduce(t)
+            time.sleep(0.05)
+        """,
+    )
+    j = serve(None, hosts=2, state=tmp_path / ".monarch" / "s.pkl")
+    try:
+
+        class KillWhenUp(io.BytesIO):
+            def write(self, data: bytes) -> int:  # type: ignore[override]
+                n = super().write(data)
+                if self.getvalue().count(b"up") >= 2 and not killed:
+                    killed.append(j.state.hosts[1].pid)
+                    os.kill(j.state.hosts[1].pid, signal.SIGKILL)
+                return n
+
+        killed: list[int] = []
+        out = KillWhenUp()
+        result = j.run_spmd(["torchrun", "--nproc-per-node=1", str(script)], stdout=out, stderr=out)
+    finally:
+        j.stop()
+    text = out.getvalue().decode(errors="replace")
+    assert killed, text
+    assert "[rank0] Traceback" in text and "gloo" in text  # rank 0 did fail first, in gloo
+    first = result.first_failure
+    assert first is not None and first.host == "local1" and first.lost, result.ranks
+    assert result.exit_code == 255
+    capsys.readouterr()
+    render_result(result)
+    headline = capsys.readouterr().err.splitlines()[0]
+    assert "host local1 stopped answering" in headline and "rank 0" not in headline, headline

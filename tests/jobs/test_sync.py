@@ -197,3 +197,32 @@ def test_a_big_file_streams_in_parts_with_bounded_memory(far_job: tuple[Job, Pat
     (ws / "weights.bin").unlink()
     job.sync(ws)
     assert not copy.exists()
+
+
+def test_unreadable_files_and_directories_are_named_and_the_rest_is_synced(far_job: tuple[Job, Path, Path]) -> None:
+    """As root reads everything, the client runs without the capabilities that let it (setpriv)."""
+    job, ws, _ = far_job
+    (ws / "locked_dir").mkdir()
+    (ws / "locked_dir" / "inside.py").write_text("x = 1\n")
+    (ws / "locked.py").write_text("secret = 1\n")
+    (ws / "readable_next_to_them.py").write_text("y = 2\n")
+    unprivileged = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    unprivileged += ["--inh-caps", "-dac_override,-dac_read_search"]
+    os.chmod(ws / "locked_dir", 0)
+    os.chmod(ws / "locked.py", 0)
+    try:
+        sync = [*unprivileged, sys.executable, "-m", "monarch_cli", "sync"]
+        said = subprocess.run(sync, cwd=ws, capture_output=True, text=True, timeout=120)
+        data = json.loads(subprocess.run([*sync, "--json"], cwd=ws, capture_output=True, text=True, timeout=120).stdout)
+    finally:
+        os.chmod(ws / "locked_dir", 0o755)
+        os.chmod(ws / "locked.py", 0o644)
+    assert said.returncode == 0, said.stderr
+    lines = said.stderr.splitlines()
+    assert f"! not synced: {ws}/locked.py is an unreadable file (permission denied)" in lines, said.stderr
+    assert f"! not synced: {ws}/locked_dir/ is an unreadable directory (permission denied)" in lines, said.stderr
+    assert "Traceback" not in said.stderr
+    assert data["unreadable"] == ["locked.py", "locked_dir/"]
+    mirror = Path(data["directories"]["1"])
+    assert (mirror / "readable_next_to_them.py").read_text() == "y = 2\n"
+    assert not (mirror / "locked.py").exists() and not (mirror / "locked_dir").exists()

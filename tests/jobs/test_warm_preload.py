@@ -10,8 +10,10 @@ imported, saying whether a rank or the warm process (no $RANK) imported it.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,3 +264,57 @@ def test_ddp_scripts_that_destroy_the_group_before_the_model_exit_warm(
             assert done.returncode == 0 and done.stdout.count("clean exit") == 2, (attempt, done.stdout, done.stderr)
     finally:
         job.stop()
+
+
+SLOW_IN_WARM = """
+import os, time
+if "RANK" not in os.environ:  # the warm process that learned it takes a while to import it
+    time.sleep(float(os.environ.get("SLOW_WARM_SECONDS", "0")))
+"""
+
+
+def test_a_run_started_as_the_next_warm_process_becomes_ready_still_starts(tmp_path: Path) -> None:
+    """The race behind test_debug's 'only 2 ranks paused' under load: ranks asked of the warm process
+    just before the next one (importing what the last run taught) became ready. The old one was
+    retired with no children counted yet (they count once forked), so it was killed with the forks
+    in flight: those ranks never started and their run waited for them for good. Stopping the old
+    warm process (SIGSTOP) holds its forks in flight for as long as the test needs."""
+    site, work = tmp_path / "site", tmp_path / "work"
+    write_script(site, "slowwarm.py", SLOW_IN_WARM)
+    teach = write_script(work, "teach.py", "import slowwarm\nprint('taught')\n")
+    later = write_script(work, "later.py", "print('later run ran')\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(site)])))
+        mp.setenv("MONARCH_CACHE_DIR", str(tmp_path / "cache"))
+        mp.setenv("MONARCH_LEARN_PRELOAD", "1")
+        mp.setenv("SLOW_WARM_SECONDS", "8")
+        mp.chdir(work)
+        job = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
+        try:
+            assert spmd(job, teach, nproc=1).result.exit_code == 0
+
+            def warm() -> dict:
+                return job.status()["hosts"][0]["warm"]
+
+            deadline = time.monotonic() + 30
+            while not warm()["warming"]:  # the next warm process is importing slowwarm (8 s)
+                assert time.monotonic() < deadline, warm()
+                time.sleep(0.05)
+            old = warm()["pid"]
+            os.kill(old, signal.SIGSTOP)  # its forks stay in flight
+            results: list = []
+            runner = threading.Thread(target=lambda: results.append(spmd(job, later, nproc=1)), daemon=True)
+            runner.start()
+            deadline = time.monotonic() + 60
+            while warm()["warming"]:  # until the next one is ready and the old one is retired
+                assert time.monotonic() < deadline, warm()
+                time.sleep(0.05)
+            assert warm()["pid"] != old
+            if psutil.pid_exists(old):
+                os.kill(old, signal.SIGCONT)
+            runner.join(60)
+            assert results, "the run whose rank was asked of the retired warm process never ended"
+            run = results[0]
+            assert run.result.exit_code == 0 and b"later run ran" in run.out, run.text()
+        finally:
+            job.stop()

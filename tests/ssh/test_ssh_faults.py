@@ -4,6 +4,7 @@ whose disk fills up. Real sshd hosts in network namespaces (tests/ssh/conftest.p
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,44 @@ def test_a_full_remote_disk_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp
     finally:
         job.stop()
         _on_host(ssh_hosts, 1, f"umount {small}; rmdir {small}")
+
+
+def _cut_ssh_sessions(hosts: SshHosts, i: int) -> int:
+    """Kill host ``i``'s sshd session processes (every connection into it drops, as when sshd dies);
+    its listener stays, so later tests still reach the host."""
+    killed = 0
+    for pid in subprocess.run(
+        ["ip", "netns", "pids", hosts.hosts[i].name], capture_output=True, text=True
+    ).stdout.split():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "sshd" in cmd and " -D " not in cmd:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):
+            continue
+    return killed
+
+
+def test_sshd_dying_during_serve_is_one_line_naming_the_host(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+    config = _ssh_config(ssh_hosts, tmp_path / "ssh_config", ssh_hosts.known_hosts)
+    cut: list[int] = []
+
+    def progress(message: str) -> None:
+        if message.startswith("h2: starting the agent") and not cut:
+            cut.append(_cut_ssh_sessions(ssh_hosts, 1))
+
+    with pytest.raises(MonarchError) as failed:
+        serve(
+            None,
+            "ssh",
+            state=tmp_path / ".monarch" / "s.pkl",
+            hosts="h1,h2",
+            ssh_config=str(config),
+            python=PYTHON,
+            progress=progress,
+        )
+    assert cut and cut[0] > 0
+    message = str(failed.value)
+    assert message.startswith(f"host h2 ({ssh_hosts.hosts[1].address}:22): the SSH connection was lost"), message
+    assert "\n" not in message

@@ -215,6 +215,8 @@ class RankHost:
             req = self.agent.next_request()
             self.pending[req] = rank
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
+            if spec["warm"]:
+                self.agent.warm.fork_asked(zygote)
             for fd in (devnull, out_w, err_w):
                 os.close(fd)
             if debug_ours is not None:

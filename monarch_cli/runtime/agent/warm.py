@@ -33,7 +33,7 @@ class _Warm:
     started: float
     ready_file: str
     ready: dict[str, Any] | None = None
-    children: int = 0
+    children: int = 0  # ranks asked of it and not yet exited
     retired: bool = False
 
 
@@ -249,9 +249,7 @@ class WarmRanks:
         if warm is None:
             return False
         kind = msg.KIND
-        if kind == "forked":
-            warm.children += 1
-        elif kind == "exit":
+        if kind == "exit":
             warm.children -= 1
             if warm.retired and warm.children <= 0:
                 self._drop(warm, kill=True)
@@ -259,6 +257,14 @@ class WarmRanks:
             self._ready(warm)
             return True
         return False
+
+    def fork_asked(self, zygote: Any) -> None:
+        """A rank was asked of ``zygote``: it counts as a child from now, not from its ``forked`` reply,
+        so a zygote retired meanwhile (the next one became ready) is not killed with forks in flight
+        (those ranks would never start, and their run would wait for them for good)."""
+        warm = next((w for w in self._all() if w.zygote is zygote), None)
+        if warm is not None:
+            warm.children += 1
 
     def _ready(self, warm: _Warm) -> None:
         try:

@@ -20,6 +20,7 @@ import getpass
 import logging
 import os
 import shlex
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -131,6 +132,29 @@ def resolve(alias: str, opts: dict[str, Any]) -> SshTarget:
 
 def _host_error(target: SshTarget, what: str) -> SchedulerError:
     return SchedulerError(f"host {target.alias} ({target.hostname}:{target.port}): {what}")
+
+
+def _connection_lost(target: SshTarget, client: Any, e: BaseException) -> SchedulerError | None:
+    """The error to raise for ``e`` when ``client``'s connection has dropped (sshd died, the link
+    went down); paramiko says only ``EOFError`` or ``SSH session not active``. None when it has not."""
+    if isinstance(e, SchedulerError) or not isinstance(e, Exception):
+        return None
+    if not isinstance(e, (EOFError, ConnectionError)):
+        import paramiko
+
+        transport = client.get_transport()
+        # paramiko's own errors may come a moment before its reader thread sees the connection drop;
+        # an SFTP status (a file not there yet) is an answer: the connection is up.
+        waits = 10 if isinstance(e, paramiko.SSHException) else 0
+        for i in range(waits + 1):
+            if transport is None or not transport.is_active():
+                break
+            if i < waits:
+                time.sleep(0.1)
+        else:
+            return None
+    why = str(e) or type(e).__name__
+    return _host_error(target, f"the SSH connection was lost during serve ({why}): is sshd still running there?")
 
 
 class _KeyPolicy:
@@ -506,13 +530,21 @@ class SshScheduler(Scheduler):
                     raise _host_error(target, f"could not start the agent: {text.strip()[-300:] or f'status {code}'}")
                 record["pid"] = int(_read(sftp, f"{path}/agent.pid").strip())
             except OSError as e:  # SFTP: a full disk, a read-only home, permissions
-                raise _host_error(target, f"cannot set up {directory}: {e.strerror or e}") from None
+                raise _connection_lost(target, client, e) or _host_error(
+                    target, f"cannot set up {directory}: {e.strerror or e}"
+                ) from None
             finally:
                 sftp.close()
-        except BaseException:
+        except BaseException as e:
+            lost = _connection_lost(target, client, e)
             if made:
-                _stop_host(client, record)
+                try:
+                    _stop_host(client, record)
+                except Exception:  # noqa: BLE001 - the connection is gone: release asks again over a new one
+                    pass
             client.close()
+            if lost is not None:
+                raise lost from None
             raise
         started[index] = {"client": client, "record": record, "target": target}
 
@@ -523,7 +555,12 @@ class SshScheduler(Scheduler):
                 if "sftp" not in entry:
                     entry["sftp"] = entry["client"].open_sftp()
                 text = _read(entry["sftp"], f"{entry['record']['directory']}/agent.addr")
-            except (OSError, EOFError):
+            except Exception as e:  # noqa: BLE001 - not there yet, unless the connection is gone
+                lost = _connection_lost(entry["target"], entry["client"], e)
+                if lost is not None:
+                    raise lost from None
+                if not isinstance(e, OSError):
+                    raise
                 continue
             if text.startswith(READY_PREFIX) and text.endswith("\n"):
                 found[names[i]] = text[len(READY_PREFIX) :].strip()
@@ -533,9 +570,15 @@ class SshScheduler(Scheduler):
         """Raise, naming the host, when an agent exited at start-up."""
         for _i, entry in started.items():
             rec, target = entry["record"], entry["target"]
-            if _run(entry["client"], f"kill -0 {int(rec['pid'])}", timeout=15)[0] != 0:
-                code, log = _run(entry["client"], f"tail -n 3 {shlex.quote(rec['directory'] + '/agent.log')}", 15)
-                raise _host_error(target, f"the agent exited at start-up: {log.strip() or 'no log'}")
+            try:
+                if _run(entry["client"], f"kill -0 {int(rec['pid'])}", timeout=15)[0] != 0:
+                    code, log = _run(entry["client"], f"tail -n 3 {shlex.quote(rec['directory'] + '/agent.log')}", 15)
+                    raise _host_error(target, f"the agent exited at start-up: {log.strip() or 'no log'}")
+            except Exception as e:
+                lost = _connection_lost(target, entry["client"], e)
+                if lost is not None:
+                    raise lost from None
+                raise
 
     # ---------------------------------------------------------------- the reservation
     def can_serve(self, reservation: ReservationRecord, request: ReserveRequest) -> str | None:
@@ -655,7 +698,9 @@ def _ship(
                 names.append(name)
                 shipped += part.size
         except OSError as e:
-            raise _host_error(target, f"cannot upload the bundle to {bundles}: {e.strerror or e}") from None
+            raise _connection_lost(target, client, e) or _host_error(
+                target, f"cannot upload the bundle to {bundles}: {e.strerror or e}"
+            ) from None
         finally:
             sftp.close()
         code, text = _run(client, bundle.unpack_command(python, _shell_path(bundles), names), timeout=300)
@@ -685,7 +730,15 @@ def _cross_check(started: dict[int, dict[str, Any]], found: list[HostRecord], py
         entry = started[i]
         me = entry["target"].alias
         others = {name: address for name, address in where.items() if name != me}
-        code, text = _run(entry["client"], f"{python} -c {shlex.quote(_CROSS_CHECK)} {shlex.join(others.values())}", 30)
+        try:
+            code, text = _run(
+                entry["client"], f"{python} -c {shlex.quote(_CROSS_CHECK)} {shlex.join(others.values())}", 30
+            )
+        except Exception as e:
+            lost = _connection_lost(entry["target"], entry["client"], e)
+            if lost is not None:
+                return [str(lost)]
+            raise
         failed = dict(line.split(" ", 1) for line in text.strip().splitlines() if " " in line) if code == 0 else {}
         return [
             f"host {me} cannot reach host {name} at {address} ({failed[address]}): the ranks' rendezvous "
