@@ -17,7 +17,7 @@ from ..jobs.debug import DebugClient, PausedRank, select_ranks, vscode_config
 from ..jobs.errors import JobError
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out
 from .interrupts import reliable_ctrl_c
-from .results import cast_json, paused_json
+from .results import cast_json, paused_json, paused_summary
 
 debug_app = typer.Typer(help="Inspect ranks paused in breakpoint() / pdb, from any terminal.", no_args_is_help=False)
 app.add_typer(debug_app, name="debug")
@@ -66,13 +66,6 @@ def _table(rows: list[PausedRank]) -> Table:
             escape(r.holder or "-"),
         )
     return table
-
-
-def _intro(rows: list[PausedRank]) -> str:
-    """How many ranks wait in pdb; ranks that already finished are listed too, but are not paused."""
-    paused = sum(r.state == "paused" for r in rows)
-    others = [f"{n} {state}" for state in ("running", "exited") if (n := sum(r.state == state for r in rows))]
-    return ", ".join([f"{paused} rank(s) paused" if paused else "no rank is paused yet", *others])
 
 
 def _split_prompt(text: str) -> tuple[str, str | None]:
@@ -240,7 +233,7 @@ def debug_main(
         _load_history()
         shell = DebugShell(client)
         rows = client.list()
-        intro = _intro(rows)
+        intro = paused_summary(rows)
         out.print(f"monarch debug: {intro}; type `help` for commands")
         if rows:
             out.print(_table(rows))

@@ -80,6 +80,14 @@ def paused_json(rows: list[PausedRank]) -> list[dict[str, Any]]:
     return [r.to_json() for r in rows]
 
 
+def paused_summary(rows: list[PausedRank]) -> str:
+    """How many ranks wait in pdb; ranks that already finished are listed too (to inspect), but
+    are not paused."""
+    paused = sum(r.state == "paused" for r in rows)
+    others = [f"{n} {state}" for state in ("running", "exited") if (n := sum(r.state == state for r in rows))]
+    return ", ".join([f"{paused} rank(s) paused" if paused else "no rank is paused yet", *others])
+
+
 def cast_json(results: dict[int, Any]) -> dict[str, Any]:
     """``monarch debug cast --json``: per rank, its pdb output or ``{"error"}``."""
     return {str(r): ({"error": str(v)} if isinstance(v, Exception) else v) for r, v in results.items()}

@@ -326,7 +326,7 @@ def debug_list(s: Session, a: dict[str, Any]) -> Reply:
     if not rows:
         return Reply(data, "no rank is paused (ranks pause at breakpoint(), or on a crash with post_mortem)")
     text = "\n".join(f"rank {r.rank} on {r.host}: {r.state} at {r.where} in {r.function}" for r in rows)
-    return Reply(data, text)
+    return Reply(data, f"{results.paused_summary(rows)}\n{text}")
 
 
 def debug_cast(s: Session, a: dict[str, Any]) -> Reply:
