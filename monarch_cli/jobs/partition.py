@@ -103,3 +103,20 @@ class PartitionWatch:
                 if n >= self.confirm and self.found is None:
                     a, b = self.hosts[i].name, self.hosts[j].name
                     self.found = f"network partition: {a} cannot reach {b} ({a} -> {b}: {why})"
+
+
+def partition_now(mb: Mailbox, hosts: Sequence[HostRecord], timeout: float = 3.0) -> str | None:
+    """One probe round, waited for (``monarch diagnose`` on a live run): the first pair of
+    ``hosts`` that cannot reach each other, in one line, or None. An agent that does not answer
+    is not judged here (the liveness checks name it)."""
+    if len(hosts) < 2:
+        return None
+    watch = PartitionWatch(mb, hosts, [h.agent for h in hosts], timeout=timeout, confirm=1)
+    watch._ask()
+    for _, fut in watch._asked:
+        try:
+            fut.get(timeout=timeout + 10)
+        except Exception:  # noqa: BLE001 - _collect skips it
+            pass
+    watch._collect()
+    return watch.found

@@ -537,6 +537,17 @@ class Inspector:
         ordered.sort(key=lambda r: (not r.suspect, -(r.output_age or 0.0), r.rank))
         return run_id, ordered
 
+    def _partition(self) -> str | None:
+        """A host-to-host probe of the reservation's agents, where they reach each other at the
+        addresses this client has (not through a backend's forwards)."""
+        from .partition import partition_now
+
+        try:
+            hs = self._hostset()
+        except Exception:  # noqa: BLE001 - the stacks below say the hosts do not answer
+            return None
+        return partition_now(hs.mb, hs.hosts) if hs.peers_reachable else None
+
     def diagnose(self, silence: float = 60.0) -> Diagnosis:
         """One verdict: 0 healthy, 1 a suspect found, 2 cannot tell."""
         try:
@@ -558,6 +569,17 @@ class Inspector:
             return Diagnosis("suspect", 1, run_id, why, suspects, {str(partition[0]["kind"]): why})
         if run["ended_at"] is not None:
             return self._diagnose_ended(run)
+        found = self._partition()
+        if found is not None:  # probed now: the run's client may not have noticed yet
+            ranks = self.sql("SELECT rank, host FROM ranks WHERE run_id = ? ORDER BY rank", (run_id,))
+            return Diagnosis(
+                "suspect",
+                1,
+                run_id,
+                found,
+                [Suspect(r["rank"], r["host"], [found]) for r in ranks],
+                {"partition": found},
+            )
         try:
             report = self.stacks(run_id=run_id)
             _, rows = self.top()

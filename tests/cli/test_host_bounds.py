@@ -21,7 +21,7 @@ def test_serve_refuses_a_huge_host_count_in_one_line(tmp_path: Path, dry: bool) 
         env={**os.environ},
     )  # fmt: skip
     assert done.returncode != 0 and done.stdout == ""
-    local_max = max(16, 8 * (os.cpu_count() or 1))
+    local_max = max(128, 16 * (os.cpu_count() or 1))
     assert done.stderr.strip().splitlines() == [
         f"monarch: error: --hosts 99999999999 is more than the local scheduler takes (at most {local_max})"
     ]
@@ -29,7 +29,7 @@ def test_serve_refuses_a_huge_host_count_in_one_line(tmp_path: Path, dry: bool) 
 
 
 def test_each_backend_has_its_own_bound() -> None:
-    assert get_scheduler("local").max_hosts() == max(16, 8 * (os.cpu_count() or 1))
+    assert get_scheduler("local").max_hosts() == max(128, 16 * (os.cpu_count() or 1))
     assert get_scheduler("slurm").max_hosts() >= 10_000
     with pytest.raises(JobError, match="at most 65536"):
         dryrun(None, "slurm", hosts=70_000)

@@ -48,8 +48,9 @@ class LocalScheduler(Scheduler):
     options = ()
 
     def max_hosts(self) -> int:
-        """Local "hosts" are agents on this machine: a few per core is already more than useful."""
-        return max(16, 8 * (os.cpu_count() or 1))
+        """Local "hosts" are agents on this machine (about 50 MB each, agent and warm process): 128
+        at least (a scale rehearsal on a laptop), 16 per core beyond that."""
+        return max(128, 16 * (os.cpu_count() or 1))
 
     def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
         self.check_options(request.options)
