@@ -109,7 +109,7 @@ from pathlib import Path
 from monarch_cli.jobs import job_load
 job = job_load(Path(sys.argv[1]))
 t, c = time.monotonic(), time.process_time()
-hs = job._hostset()
+hs = job.hostset()
 connect, connect_cpu = time.monotonic() - t, time.process_time() - c
 from monarch_cli.jobs.spmd import SpmdRunner, plan_spmd, new_run_id
 from monarch_cli.jobs.torchrun import parse_command
