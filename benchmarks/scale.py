@@ -109,7 +109,7 @@ from pathlib import Path
 from monarch_cli.jobs import job_load
 job = job_load(Path(sys.argv[1]))
 t, c = time.monotonic(), time.process_time()
-hs = job._hostset()
+hs = job.hostset()
 connect, connect_cpu = time.monotonic() - t, time.process_time() - c
 from monarch_cli.jobs.spmd import SpmdRunner, plan_spmd, new_run_id
 from monarch_cli.jobs.torchrun import parse_command
@@ -258,14 +258,22 @@ def write_svg(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--real", default="1,4,16,64,128", help="host counts run as real local agents")
+    parser.add_argument(
+        "--real", default="1,4,16,64,128", help="host counts run as real local agents (up to 8 per core)"
+    )
     parser.add_argument("--emulated", default="1024,4096", help="host counts run emulated")
     parser.add_argument("--svg", default=str(REPO / "docs" / "img" / "scale.svg"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="monarch-scale-"))
     rows: list[dict[str, Any]] = []
     try:
+        from monarch_cli.schedulers.local.scheduler import LocalScheduler
+
+        cap = LocalScheduler().max_hosts()  # 8 per core: 16 on a 2-core machine
         for n in [int(x) for x in args.real.split(",") if x]:
+            if n > cap:
+                print(f"real agents: {n} hosts skipped: the local scheduler takes at most {cap} here", file=sys.stderr)
+                continue
             print(f"real agents: {n} host(s)...", file=sys.stderr, flush=True)
             rows.append(bench_real(n, work))
             print(f"  {rows[-1]}", file=sys.stderr, flush=True)

@@ -201,7 +201,7 @@ class _Emulator:
 
         self._reply(agent, msg.reply_to, msg.cid, True, {"made_cold": [], "notices": []})
         for spec in specs:
-            env, rank = spec["env"], spec["rank"]
+            env, rank = {**spec.get("env_base", {}), **spec["env"]}, spec["rank"]
             text = env.get("EMULATED_OUTPUT", "")
             if text:
                 data = text.replace("{rank}", str(rank)).encode()

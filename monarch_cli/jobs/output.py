@@ -44,6 +44,8 @@ MAX_HELD_LINE = 1 << 20
 #: Per-rank log files a sink keeps open at once.
 MAX_OPEN_LOGS = 256
 _CREATE_ALL = -1  # (a log-thread request, not a rank)
+#: Silent ranks' logs made per turn of the log thread before it looks at what else is queued.
+_CREATE_CHUNK = 256
 #: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
 DEFAULT_KEEP_RUNS = 20
 _LOG_MODE = 0o600
@@ -102,6 +104,8 @@ class OutputSink:
         self._log_queue: queue.SimpleQueue[tuple[int, bytes | None] | None] = queue.SimpleQueue()
         self._log_thread: threading.Thread | None = None
         self._log_error: OSError | None = None
+        self._made: set[int] = set()  # ranks whose log file exists (log thread only)
+        self._to_make: list[int] = []  # ranks whose (still empty) logs the log thread makes between writes
         # Every rank's log exists from the start (`monarch logs -f` lists the files when it starts):
         # made here for a small run, first thing by the log thread for a large one.
         if len(labels) <= MAX_OPEN_LOGS:
@@ -180,8 +184,10 @@ class OutputSink:
                 self._log_thread.join()
                 self._log_thread = None
             for rank in self.labels:  # every rank has its log, a silent one too
+                if rank in self.logs or rank in self._made:
+                    continue
                 path = self.log_dir / f"rank{rank}.log"
-                if rank not in self.logs and not path.exists():
+                if not path.exists():
                     _open_private(path).close()
             self._closed = True
             self.partial.clear()
@@ -205,11 +211,20 @@ class OutputSink:
                 return
             rank, data = item
             if rank == _CREATE_ALL:
-                for r in self.labels:
-                    try:
-                        _open_private(self.log_dir / f"rank{r}.log").close()
-                    except OSError:
-                        pass
+                # A chunk at a time, behind what ranks write meanwhile: a rank that writes gets its
+                # file then, and this skips it (one file creation per rank, not two).
+                if not self._to_make and not self._made:
+                    self._to_make = sorted(self.labels, reverse=True)
+                for _ in range(min(_CREATE_CHUNK, len(self._to_make))):
+                    r = self._to_make.pop()
+                    if r not in self._made:
+                        self._made.add(r)
+                        try:
+                            os.close(_open_fd(self.log_dir, f"rank{r}.log"))
+                        except OSError:
+                            pass
+                if self._to_make:
+                    self._log_queue.put((_CREATE_ALL, b""))
                 continue
             if data is None:
                 log = self.logs.pop(rank, None)
@@ -221,7 +236,8 @@ class OutputSink:
                 if log is not None:
                     self.logs.move_to_end(rank)
                 else:
-                    log = self.logs[rank] = _open_private(self.log_dir / f"rank{rank}.log")
+                    log = self.logs[rank] = open(_open_fd(self.log_dir, f"rank{rank}.log"), "ab", buffering=0)  # noqa: SIM115
+                    self._made.add(rank)
                     if len(self.logs) > MAX_OPEN_LOGS:
                         self.logs.popitem(last=False)[1].close()
                 log.write(data)
@@ -372,9 +388,41 @@ def _private_dir(path: Path) -> None:
 
 def _open_private(path: Path) -> BinaryIO:
     """Open for appending, unbuffered, readable by its owner only (also if it existed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, _LOG_MODE)
+    return open(_open_fd(path.parent, path.name), "ab", buffering=0)  # noqa: SIM115
+
+
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
+
+
+def _open_fd(directory: Path, name: str) -> int:
+    """``directory/name`` opened for appending, owner-only; a new file is made so (no chmod
+    needed unless the umask took the owner's bits), an existing one is made so."""
+    path = f"{directory}/{name}"  # (no pathlib: 32,768 of these per run)
+    try:
+        fd = os.open(path, _APPEND | os.O_CREAT | os.O_EXCL, _LOG_MODE)
+    except FileExistsError:
+        fd = os.open(path, _APPEND)
+    else:
+        if not _UMASK & _LOG_MODE:
+            return fd
     os.fchmod(fd, _LOG_MODE)
-    return open(fd, "ab", buffering=0)  # noqa: SIM115
+    return fd
+
+
+def _current_umask() -> int:
+    """This process's umask, read without setting it (``os.umask`` would, racing other threads'
+    file creation); unknown: as if it took every bit, so every log is chmod-ed."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o777
+
+
+_UMASK = _current_umask()
 
 
 def list_runs(logs_root: Path) -> list[Path]:

@@ -332,6 +332,8 @@ class _RunState:
         self.last_progress = self.started  # a rank's output or step last arrived (monotonic)
         self.lock = threading.Lock()
         self.owed = {l.node: 0 for l in launches}  # node -> output bytes printed, not yet credited
+        #: Ranks without an exit yet, and their hosts' names: kept as exits come, not rebuilt on each tick.
+        self._running = {l.rank: hostset.hosts[l.node].name for l in launches}
 
     def handlers(
         self, on_pause: Callable[[int, str, dict[str, Any]], None] | None
@@ -354,7 +356,7 @@ class _RunState:
         self.telemetry.on_agent_event(event, body)
 
     def running(self) -> dict[int, str]:
-        return {l.rank: self.hs.hosts[l.node].name for l in self.launches if l.rank not in self.exits}
+        return dict(self._running)
 
     def gone(self, rank: int, *, lost: str = "", stopped: str = "") -> RankExit:
         """The exit of a rank that will not report one itself."""
@@ -369,6 +371,7 @@ class _RunState:
             self.sink.end_of_rank(rank)
             exit_.tail = self.sink.tail(rank)
             self.exits[rank] = exit_
+            self._running.pop(rank, None)
             self.telemetry.rank_exit(exit_)
             self.control.exited(rank, exit_.ok, time.monotonic())
             if not exit_.ok and self.first_failure is None:
@@ -535,28 +538,28 @@ def plan_spmd(
     for node in range(nnodes):
         node_base = (node_environ or {}).get(node, base)
         for local in range(nproc):
-            env = {
-                **node_base,
-                **rank_environment(
-                    spec,
-                    node_rank=node,
-                    nnodes=nnodes,
-                    local_rank=local,
-                    nproc_per_node=nproc,
-                    master_addr=master_addr,
-                    master_port=port,
-                    run_id=spec.rdzv_id or run_id,
-                    restart_count=restart_count,
-                    cpus_on_host=hostset.infos[node]["cpus"],
-                    environ=node_base,
-                ),
-            }
+            # Only what differs from the host's base: the base is one dict shared by its ranks
+            # (pickled once per host, kept once in memory), which the agent merges under this.
+            env = rank_environment(
+                spec,
+                node_rank=node,
+                nnodes=nnodes,
+                local_rank=local,
+                nproc_per_node=nproc,
+                master_addr=master_addr,
+                master_port=port,
+                run_id=spec.rdzv_id or run_id,
+                restart_count=restart_count,
+                cpus_on_host=hostset.infos[node]["cpus"],
+                environ=node_base,
+            )
             rank = node * nproc + local
             if host_store:
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # rank 0 serves the store we reserved
             launch_spec: protocol.RankSpec = {
                 "rank": rank,
                 "env": env,
+                "env_base": node_base,
                 "cwd": (node_cwd or {}).get(node, cwd),
                 "mode": spec.mode,
                 "program": spec.program,

@@ -137,3 +137,21 @@ def test_stack_on_every_host_groups_what_is_the_same(cluster: tuple[Job, Emulate
     runner.join(120)
     result = box["run"][0]  # type: ignore[index]
     assert result.exit_code == 254 and len(result.ranks) == WORLD
+
+
+def test_partition_probes_stay_few_per_host_and_still_cross_every_split() -> None:
+    """At thousands of hosts each agent probes ~log2(N) peers, not all N-1 (16.7 M connections
+    every few seconds at 4,096), and a split of the hosts into two sides is still probed across."""
+    import random
+
+    from monarch_cli.jobs.partition import ALL_PAIRS_UP_TO, probe_targets
+
+    small = ALL_PAIRS_UP_TO
+    assert all(sorted(probe_targets(i, small)) == [j for j in range(small) if j != i] for i in range(small))
+    n = 4096
+    targets = [probe_targets(i, n) for i in range(n)]
+    assert max(len(t) for t in targets) == 12 and all(i not in t for i, t in enumerate(targets))
+    rng = random.Random(23)
+    for size in (1, 2, 7, 100, 2048):  # a lone host cut off, a rack, half the cluster
+        side = set(rng.sample(range(n), size))
+        assert any((i in side) != (j in side) for i in range(n) for j in targets[i])

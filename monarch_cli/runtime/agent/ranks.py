@@ -172,7 +172,8 @@ class RankHost:
         notices: list[str] = []
         warm_zygote: Any = None
         for spec in specs:
-            spec["env"] = {**base, **spec["env"], lineage.RUN_ENV: run_id}  # the controller's view wins
+            # The controller's view wins: its host-wide base, then the rank's own variables.
+            spec["env"] = {**base, **spec.pop("env_base", {}), **spec["env"], lineage.RUN_ENV: run_id}
             network.set_socket_ifname(spec["env"])  # unless the user set them
             bundle_site.keep_importable(spec["env"])  # a user's PYTHONPATH still finds shipped code
             differ = [

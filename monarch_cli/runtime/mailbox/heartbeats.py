@@ -24,6 +24,10 @@ from .. import protocol
 from ..transport import wire
 from ..transport.keys import Keys
 
+# Plain ints: the enum flags cost ~0.6 µs an operation, twice per host every beat.
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+
 #: Seconds per watched agent that a new connection may take to bring its first answer before
 #: its silence counts (thousands of CURVE handshakes at once take a while on one client).
 _CONNECT_ALLOWANCE = 0.02
@@ -105,11 +109,14 @@ class AgentHeartbeats:
                 self._wake.wait()
             if zmq.zmq_poll(watch, max(1, int(min(next_beat - time.monotonic(), 0.1) * 1000))):
                 now = time.monotonic()
-                while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    route, *_ = self._sock.recv_multipart()  # protocol.HEARTBEAT_ACK
-                    name = route.decode()
-                    self._answered.add(name)
-                    agent = self._agents.get(name)
+                sock, agents, answered = self._sock, self._agents, self._answered
+                # Plain ints and single-frame reads: at 4,096 hosts this loop reads ~8,000 acks a second.
+                while sock.getsockopt(_EVENTS) & _POLLIN:
+                    name = sock.recv().decode()
+                    while sock.getsockopt(_RCVMORE):
+                        sock.recv()  # protocol.HEARTBEAT_ACK
+                    answered.add(name)
+                    agent = agents.get(name)
                     if agent is not None:
                         agent.last_ack = now
                         agent.unanswered_since = None
@@ -125,6 +132,7 @@ class AgentHeartbeats:
         wanted = self._wanted()
         # Connections all come up at once, in no particular order: each gets the grace of them all.
         grace = limit + _CONNECT_ALLOWANCE * len(self._agents)
+        sock = self._sock
         for agent, watch in list(self._agents.items()):
             if agent not in wanted:
                 self._unwatch(agent)
@@ -143,7 +151,8 @@ class AgentHeartbeats:
                     self._sock.connect(agent)
                     self._connected.add(agent)
                 try:
-                    self._sock.send_multipart([agent.encode(), beat], zmq.NOBLOCK)
+                    sock.send(agent.encode(), _SNDMORE_NOBLOCK)
+                    sock.send(beat, _NOBLOCK)
                 except zmq.ZMQError:  # not routable (its connection went): the beat goes unanswered
                     pass
                 if watch.unanswered_since is None:

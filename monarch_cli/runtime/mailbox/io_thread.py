@@ -12,8 +12,10 @@ not one per agent: at thousands of hosts, polling and draining one socket costs 
 costs for one host, where a socket per agent cost a Python loop over all of them per
 wake-up (and ZeroMQ's 1,024-socket limit). A message for a link not connected yet (a
 ROUTER cannot queue for a peer it has not met) waits in :attr:`_unsent` and is retried. Other threads hand their
-sends to the I/O thread over an inproc queue, and the I/O thread reads the links, so a
-future for an agent request is resolved by the I/O thread (its waiter does not ``pump``).
+sends to the I/O thread through a deque, waking it only when it may be asleep (a run's start
+to 4,096 hosts is one wake-up, not 4,096 socket sends, each a GIL hand-off), and the I/O
+thread reads the links, so a future for an agent request is resolved by the I/O thread (its
+waiter does not ``pump``).
 One TCP port per host is enough, reached directly or through a forward.
 
 Who reads that ROUTER: a thread blocked in ``Future.get()`` reads it itself (``pump``), so a
@@ -69,10 +71,9 @@ class MailboxIO:
         self._connected: set[str] = set()
         #: Per agent, frames not yet accepted by the links' ROUTER (its connection is not up yet).
         self._unsent: dict[str, collections.deque[list[Any]]] = {}
-        self._out_addr = f"inproc://mailbox-out-{id(self)}"
-        self._out_rx = self.transport.ctx.socket(zmq.PULL)
-        self._out_rx.rcvhwm = 0
-        self._out_rx.bind(self._out_addr)
+        #: (address, frames) other threads send on the links, in order; the I/O thread drains it.
+        self._outbox: collections.deque[tuple[str, list[Any]]] = collections.deque()
+        self._outbox_wake = False  # a wake-up for the outbox is on its way (the I/O thread clears it first)
         self._watching = zmq.Poller()
         self._backing_off = zmq.Poller()
         self._thread = threading.Thread(target=self._io_loop, name="monarch-mailbox", daemon=True)
@@ -97,13 +98,11 @@ class MailboxIO:
         if threading.current_thread() is self._thread:
             self._link_send(address, frames)
             return
-        out = getattr(self._tls, "out", None)
-        if out is None:
-            out = self._tls.out = self.transport.ctx.socket(zmq.PUSH)
-            out.sndhwm = 0
-            out.linger = 2000
-            out.connect(self._out_addr)
-        out.send_multipart([address.encode(), *frames], copy=False)
+        self._outbox.append((address, frames))
+        # The I/O thread clears the flag before it drains: either it sees this entry, or this sees False.
+        if not self._outbox_wake:
+            self._outbox_wake = True
+            self._send_wake()
 
     def _links_socket(self) -> zmq.Socket:
         """The ROUTER holding every link (I/O thread only), made on first use."""
@@ -194,7 +193,6 @@ class MailboxIO:
         for p in (watching, backing_off):
             p.register(self.transport.zap, zmq.POLLIN)
             p.register(self._wake_rx, zmq.POLLIN)
-            p.register(self._out_rx, zmq.POLLIN)
         watching.register(reply_fd, zmq.POLLIN)
         links_more = False
         while not self._closing:
@@ -214,8 +212,7 @@ class MailboxIO:
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
-            if self._out_rx in events:
-                self._forward_out()
+            self._forward_out()  # (always: a wake flag may be up with nothing left to send)
             if self._unsent:
                 self._retry_unsent()
             links_more = self._drain_links()
@@ -234,11 +231,12 @@ class MailboxIO:
 
     def _forward_out(self) -> None:
         """Send what other threads queued for the links."""
-        out = self._out_rx
-        while out.getsockopt(EVENTS) & POLLIN:
-            frames = out.recv_multipart(copy=False)
+        self._outbox_wake = False
+        out = self._outbox
+        while out:
+            address, frames = out.popleft()
             try:
-                self._link_send(frames[0].bytes.decode(), frames[1:])
+                self._link_send(address, frames)
             except zmq.ZMQError:
                 traceback.print_exc()
 

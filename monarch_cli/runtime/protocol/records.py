@@ -29,6 +29,9 @@ class RankSpec(TypedDict, total=False):
 
     rank: int
     env: dict[str, str]
+    #: Under ``env`` (which wins): the environment the rank's host shares with its other ranks, one
+    #: object in the client and once in the pickle of the host's specs; the agent merges and drops it.
+    env_base: dict[str, str]
     cwd: str
     mode: str  # script | module | no_python
     program: list[str]
