@@ -161,3 +161,50 @@ def test_one_ctrl_c_during_a_partition_stops_every_rank(
     assert result.exit_code != 0 and result.interrupted
     assert ended - pressed[0] < 15, f"one Ctrl-C took {ended - pressed[0]:.1f} s to stop the ranks"
     print(f"one Ctrl-C stopped the ranks in {ended - pressed[0]:.1f} s")
+
+
+FEW_STEPS = STEPS.replace("range(100_000)", "range(40)")
+
+
+def test_diagnose_probes_the_hosts_of_a_live_run_before_its_client_has_noticed(
+    ssh_job: tuple[Job, Path], ssh_hosts: SshHosts, iptables: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's own client probes only every hour here: `monarch diagnose` from another terminal
+    probes the hosts itself and names the partition while the run hangs."""
+    from monarch_cli.jobs import job_load
+
+    job, ws = ssh_job
+    (ws / "few.py").write_text(FEW_STEPS)
+    monkeypatch.chdir(ws)
+    monkeypatch.setenv("MONARCH_PARTITION_PROBE_INTERVAL", "3600")
+    cut = threading.Event()
+
+    class CutWhenStepping(io.BytesIO):
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            n = super().write(data)
+            if self.getvalue().count(b"step 3\n") >= 2 and not cut.is_set():
+                _rules(iptables, ssh_hosts, "-I")
+                cut.set()
+            return n
+
+    out = CutWhenStepping()
+    results: list = []
+    runner = threading.Thread(
+        target=lambda: results.append(
+            job.run_spmd(
+                ["torchrun", "--nproc-per-node=1", "few.py"], stdout=out, stderr=out, env={"GLOO_SOCKET_IFNAME": "eth0"}
+            )
+        ),
+        daemon=True,
+    )
+    runner.start()
+    try:
+        assert cut.wait(120), out.getvalue()[-2000:]
+        diagnosis = job_load(job.path).diagnose()  # as from another terminal
+        assert diagnosis.verdict == "suspect" and diagnosis.exit_code == 1, diagnosis
+        assert diagnosis.summary.startswith("network partition: "), diagnosis.summary
+        assert "h1 cannot reach h2" in diagnosis.summary or "h2 cannot reach h1" in diagnosis.summary
+    finally:
+        _rules(iptables, ssh_hosts, "-D")  # the collectives resume; the run finishes its few steps
+    runner.join(timeout=180)
+    assert results and results[0].exit_code == 0, out.getvalue()[-2000:]
