@@ -216,6 +216,22 @@ def main() -> None:
         print_table(f"frameworks, {label}", columns, cells)
     for line in verdicts:
         print("  " + line)
+    start, bare = _interpreter_start(), _interpreter_start("-S")
+    print(
+        f"  interpreter start here (in every CLI run's overhead): python -c pass {start * 1000:.0f} ms, "
+        f"without site-packages' .pth files (-S) {bare * 1000:.0f} ms"
+    )
+
+
+def _interpreter_start(*flags: str) -> float:
+    """Median of 7 ``python -c pass``: the part of a CLI run's overhead that is the interpreter
+    and this environment's site-packages (``.pth`` files run at every start)."""
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, *flags, "-c", "pass"], check=True)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ print("state " + " ".join([
     f"cuda_initialized={torch.cuda.is_initialized()}",
     f"hf_level={hf_logging.get_verbosity()}",
     f"hf_handler_stderr={handler is None or handler.stream is sys.stderr}",
+    f"hf_flush_stderr={handler is None or getattr(handler.flush, '__self__', None) is sys.stderr}",
     f"hub_offline={hub.HF_HUB_OFFLINE}",
 ]), flush=True)
 print("random", random.random(), numpy.random.rand(), torch.rand(1).item(), flush=True)
@@ -164,7 +165,7 @@ def test_framework_state_is_fresh_in_every_warm_rank(jobs: dict[str, Job], fw_en
     assert all(
         "partial_state=False dist_initialized=False cuda_initialized=False hf_level=20" in s for s in warm_states
     )
-    assert all("hf_handler_stderr=True hub_offline=True" in s for s in warm_states)
+    assert all("hf_handler_stderr=True hf_flush_stderr=True hub_offline=True" in s for s in warm_states)
     # seeds: every rank and every run draws its own numbers, as fresh interpreters do
     _, again = probe(job, script)
     draws = re.findall(r"random (.*)", warm_text) + re.findall(r"random (.*)", again)

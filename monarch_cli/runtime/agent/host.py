@@ -192,7 +192,14 @@ class HostAgent:
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
         self._zygotes: dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
-        self.warm = WarmRanks(self.host, self.preload, self._start_warm, self._watch_zygote, self._unwatch_zygote)
+        self.warm = WarmRanks(
+            self.host,
+            self.preload,
+            self._start_warm,
+            self._watch_zygote,
+            self._unwatch_zygote,
+            running_since=lambda: self.ranks.running_since(),
+        )
         self.procs = ProcHost(self)
         self.ranks = RankHost(self)
         self.debug = DebugHost(self)
@@ -317,6 +324,7 @@ class HostAgent:
             self.procs.tick()
             self._reap_adopted()
             self.ranks.tick()
+            self.warm.tick()
             self._check_state_file()
             self.telemetry.tick(events)
             self.peers.tick()

@@ -439,6 +439,11 @@ class RankHost:
             if lineage.signal_exact(proc, signal.SIGTERM):
                 self.leftovers[proc] = kill_at
 
+    def running_since(self) -> float | None:
+        """When the oldest rank still running here started (``time.monotonic()``), if any."""
+        live = [r.started for r in (*self.by_pid.values(), *self.pending.values()) if r.status is None]
+        return min(live, default=None)
+
     def live_fds(self) -> set[int]:
         return set(self.by_fd)
 

@@ -22,6 +22,11 @@ from ...sysutil import cache_dir as _cache_dir
 from ...sysutil import private_tmpdir
 
 _MAX_OFFENDER_RETRIES = 5
+#: A warm-up of learned modules waits while a run younger than this is running here: it takes
+#: seconds of CPU (transformers, Lightning...), and a first run of a script on a small host
+#: was 3-4 s slower beside it (2 local hosts x 1 rank, Lightning: 9.4-10.4 s against 5.1-6.5 s
+#: without it). A longer run (real training) is not held back by it for long.
+POSTPONE_WHILE_RUN_YOUNGER_S = 30.0
 
 
 @dataclasses.dataclass
@@ -126,9 +131,12 @@ class WarmRanks:
         start: Callable[[str, str | None, str], Any],
         watch: Callable[[Any], None],
         unwatch: Callable[[Any], None],
+        running_since: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.preload = preload
         self._start, self._watch, self._unwatch = start, watch, unwatch
+        self._running_since = running_since  # time.monotonic() the oldest live rank here started
+        self._postponed = False
         self.store = LearnedStore(host)
         self.current: _Warm | None = None
         self.next: _Warm | None = None
@@ -229,6 +237,11 @@ class WarmRanks:
         a zygote importing competes with the runs for the host's CPUs)."""
         if not self.learning or self._retries > _MAX_OFFENDER_RETRIES:
             return  # (until a run teaches something new: each try costs a whole warm-up)
+        since = self._running_since()
+        if since is not None and time.monotonic() - since < POSTPONE_WHILE_RUN_YOUNGER_S:
+            self._postponed = True  # tick() tries again once the run has ended or grown old
+            return
+        self._postponed = False
         cur = self.current
         if self.next is not None or (cur is not None and cur.ready is None):
             self._again = True
@@ -242,6 +255,11 @@ class WarmRanks:
             if all(n in have for n, _ in wanted):
                 return
         self.next = self._spawn(wanted)
+
+    def tick(self) -> None:
+        """A warm-up postponed for a run: start it once that run has ended or grown old."""
+        if self._postponed:
+            self._maybe_warm()
 
     def on_message(self, zygote: Any, msg: Any) -> bool:
         """A message from one of our zygotes; True if it was ours to handle (not a fork/exit)."""

@@ -266,6 +266,11 @@ def _service() -> None:
             _serve_dap(msg)
 
 
+def installed() -> bool:
+    """Whether this rank's breakpoints go to its agent (warm ranks import this module anyway)."""
+    return _chan is not None
+
+
 def install(fd: int) -> None:
     """Route this rank's breakpoints to the agent over ``fd`` (one end of a socketpair)."""
     global _chan

@@ -12,8 +12,24 @@ nothing for a script that does not use them.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
+
+#: Found once in the warm process (:func:`prepare`), so that a rank does not go through every
+#: logger (a forked rank that touches an object copies the page it lives on).
+_stream_handlers: list[Any] | None = None
+#: What transformers configured its logger from, in the warm process.
+_HF_LOGGING_ENV = ("TRANSFORMERS_VERBOSITY", "CI")
+_hf_logging_env: dict[str, str | None] = {}
+
+
+def prepare() -> None:
+    """In the warm process, once before its first fork (it runs no user code, so what it holds
+    then is what every rank starts with)."""
+    global _stream_handlers, _hf_logging_env
+    _stream_handlers = _handlers_on((sys.stdout, sys.stderr))
+    _hf_logging_env = {k: os.environ.get(k) for k in _HF_LOGGING_ENV}
 
 
 def reset(old_streams: tuple[Any, ...]) -> None:
@@ -42,30 +58,48 @@ def _reseed() -> None:
         torch.default_generator.seed()
 
 
-def _repoint_log_handlers(old_streams: tuple[Any, ...]) -> None:
-    """``logging.StreamHandler()``s made at import hold the warm process's stdio objects: point
-    them at the rank's (as one made in a fresh interpreter would be)."""
+def _handlers_on(streams: tuple[Any, ...]) -> list[Any]:
+    """The ``logging.StreamHandler``s of every logger that write to one of ``streams``."""
     logging = sys.modules.get("logging")
     if logging is None:
-        return
-    new = {id(old): cur for old, cur in zip(old_streams, (sys.stdout, sys.stderr))}
+        return []
+    ids = {id(s) for s in streams}
     loggers = [
         logging.getLogger(),
         *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
     ]
-    for logger in loggers:
-        for handler in logger.handlers:
-            stream = getattr(handler, "stream", None)
-            if isinstance(handler, logging.StreamHandler) and id(stream) in new:
-                handler.stream = new[id(stream)]
+    return [
+        handler
+        for logger in loggers
+        for handler in logger.handlers
+        if isinstance(handler, logging.StreamHandler) and id(getattr(handler, "stream", None)) in ids
+    ]
+
+
+def _repoint_log_handlers(old_streams: tuple[Any, ...]) -> None:
+    """``logging.StreamHandler()``s made at import hold the warm process's stdio objects: point
+    them at the rank's (as one made in a fresh interpreter would be), and a ``flush`` bound to
+    the old stream too (transformers binds ``sys.stderr.flush``)."""
+    handlers = _stream_handlers if _stream_handlers is not None else _handlers_on(old_streams)
+    new = {id(old): cur for old, cur in zip(old_streams, (sys.stdout, sys.stderr))}
+    for handler in handlers:
+        stream = getattr(handler, "stream", None)
+        if id(stream) in new:
+            handler.stream = new[id(stream)]
+        flush = vars(handler).get("flush")
+        if id(getattr(flush, "__self__", None)) in new:
+            handler.flush = new[id(flush.__self__)].flush  # type: ignore[union-attr]
 
 
 def _transformers_logging() -> None:
-    """transformers sets its library logger's level from ``TRANSFORMERS_VERBOSITY`` and binds its
-    handler to ``sys.stderr`` the first time a module asks for a logger (at import)."""
+    """transformers sets its library logger's level from ``TRANSFORMERS_VERBOSITY`` (and whether
+    it propagates from ``CI``) the first time a module asks for a logger (at import): configure
+    it again if the rank's say otherwise (its handler's stream is repointed above)."""
     hf_logging = sys.modules.get("transformers.utils.logging")
     if hf_logging is None or getattr(hf_logging, "_default_handler", None) is None:
         return
+    if _hf_logging_env and all(os.environ.get(k) == v for k, v in _hf_logging_env.items()):
+        return  # configured as a fresh interpreter would (saves clearing every logger's cache)
     try:
         hf_logging._reset_library_root_logger()
         hf_logging._configure_library_root_logger()

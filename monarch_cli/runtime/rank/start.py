@@ -218,9 +218,8 @@ def run_program(spec: RankSpec) -> int:
         return 128 + signal.SIGINT
     except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: traceback, status 1
         _print_traceback()
-        if spec.get("post_mortem") and "monarch_cli.runtime.rank.debug" in sys.modules:
-            from . import debug as rank_debug
-
+        rank_debug = sys.modules.get("monarch_cli.runtime.rank.debug")
+        if spec.get("post_mortem") and rank_debug is not None and rank_debug.installed():
             sys.stderr.flush()
             rank_debug.post_mortem(sys.exc_info()[2])
         return _finish(1)
@@ -242,7 +241,6 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
     """
     from . import fresh, preload
 
-    preload.mark_start()
     conflict = preload.env_conflict(spec["env"])
     if conflict is not None:  # a fresh interpreter is the only way to give the rank what it asks for
         os.write(2, f"monarch: rank {spec['rank']} starts cold: {conflict}\n".encode())
