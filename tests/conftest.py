@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,14 @@ from monarch_cli.runtime.mailbox.mailbox import Mailbox
 from monarch_cli.runtime.transport.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A suite started as a background job of a non-interactive shell (`.ci/run &`) inherits SIGINT
+# and SIGQUIT ignored, and would hand that to every process it starts: the Ctrl-C tests would
+# then test the shell. (tests/jobs/test_inherited_signals.py covers a client started so.)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -353,9 +353,11 @@ def cold_command(spec: RankSpec) -> list[str]:
 
 
 def _default_signals() -> None:
-    """Dispositions as a fresh process has them: the agent ignores SIGUSR1/2 (Slurm signals
-    every step), and an ignored signal would be inherited across fork and exec."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+    """Dispositions as a fresh process from a terminal has them: an ignored signal is inherited
+    across fork and exec. The agent ignores SIGUSR1/2 (Slurm signals every step); one served
+    from a background job or under nohup inherited SIGINT/SIGQUIT/SIGHUP ignored (a cold rank
+    would then shrug off Ctrl-C's SIGINT)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
 
 
@@ -365,7 +367,9 @@ def exec_cold(spec: RankSpec, extra: dict[str, int]) -> None:
     _default_signals()
     os.chdir(spec["cwd"])
     env = dict(spec["env"])
-    if spec["mode"] == "no_python":
+    if spec["mode"] == "no_python":  # Python ignores these (a Python rank ignores them again itself);
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # a program expects them as subprocess restores them
+            signal.signal(sig, signal.SIG_DFL)
         _exec(spec, extra)
     for fd in extra.values():
         os.set_inheritable(fd, True)
