@@ -397,7 +397,8 @@ class Inspector:
     def __init__(self, state_dir: Path, hostset: Callable[[], HostSet]) -> None:
         """``state_dir`` holds the reservation's store; ``hostset`` connects to its agents (only when asked)."""
         self.db = db_path(state_dir)
-        self._hostset = hostset
+        self._connect = hostset
+        self._hs: HostSet | None = None
 
     # ------------------------------------------------------------------- store
     def sql(self, statement: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
@@ -414,6 +415,12 @@ class Inspector:
         return rows[0] if rows else None
 
     # ------------------------------------------------------------------- agents
+    def _hostset(self) -> HostSet:
+        """The agents, connected once per inspection (``diagnose`` probes them, then asks their stacks)."""
+        if self._hs is None:
+            self._hs = self._connect()
+        return self._hs
+
     def _ask(self, make: Any, timeout: float) -> list[Any]:
         hs = self._hostset()
         futs = [hs.mb.request(h.agent, make(hs.mb)) for h in hs.hosts]
