@@ -394,6 +394,7 @@ class _Handler(BaseHTTPRequestHandler):
     @staticmethod
     def _relay(ws: Any, conn: socket.socket, target: socket.socket) -> None:
         from websockets.frames import Opcode
+        from websockets.protocol import State
 
         conn.sendall(b"".join(ws.data_to_send()))
         while True:
@@ -407,7 +408,7 @@ class _Handler(BaseHTTPRequestHandler):
                         target.sendall(frame.data[1:])
                     done = done or frame.opcode is Opcode.CLOSE
                 done = done or not data
-            if target in readable:
+            if target in readable and ws.state is State.OPEN:  # (a client that began closing gets no more)
                 data = target.recv(1 << 16)
                 if data:
                     ws.send_binary(b"\x00" + data)
