@@ -136,6 +136,30 @@ def test_version(tmp_path):
     assert json.loads(info.stdout)["monarch_cli"] == __version__
 
 
+def test_a_profiled_command_still_writes_its_profile(tmp_path):
+    """Commands end with os._exit (cli._exit), skipping the interpreter's finalization; under a
+    profiler they exit normally, so ``python -m cProfile -o`` gets to write what it measured
+    (cProfile itself swallows the exit status: 0 either way)."""
+    import pstats
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in (
+        ["stop", "--state", str(tmp_path / "none.pkl")],
+        ["exec", "--state", str(tmp_path / "none.pkl"), "true"],
+    ):
+        out = tmp_path / f"{args[0]}.prof"
+        done = subprocess.run(
+            [sys.executable, "-m", "cProfile", "-o", str(out), "-m", "monarch_cli", *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            timeout=120,
+        )
+        assert ("nothing to stop" if args[0] == "stop" else "no reservation") in done.stderr, done.stderr
+        assert any("monarch_cli" in f for f, *_ in pstats.Stats(str(out)).stats), args  # type: ignore[attr-defined]
+
+
 def test_bash_completion_is_printed_installed_and_completes(tmp_path):
     """`--show-completion` prints the bash script; `--install-completion` installs it, and a real
     bash that sources its ~/.bashrc then completes `monarch ru<TAB>` and `monarch stop --<TAB>`."""

@@ -50,6 +50,8 @@ def _exit(code: int) -> None:
     import atexit
     import threading
 
+    if sys.getprofile() is not None or sys.gettrace() is not None:  # cProfile, a debugger: let them finish
+        sys.exit(code)
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - as the interpreter: exit anyway

@@ -182,7 +182,6 @@ class Mailbox(MailboxIO):
         actor: str | None = None,
     ) -> Future[Any]:
         """Send the request ``make(cid)`` that expects one ``result``; the future fails if ``proc_id`` dies."""
-        """Send a message that expects one ``result``; the future fails if ``proc_id`` dies."""
         fut: Future[Any] = Future()
         if address not in self._linked:  # an agent's answer comes to the I/O thread, not to a pump
             fut._mailbox = self
