@@ -25,16 +25,15 @@ def main() -> None:
         code = fast.main(argv)
         if code is not None:
             _exit(code)
+    status: str | int | None = 0
     try:
         _app(_only_module(argv))(prog_name="monarch")  # under `python -m monarch_cli` too: help says `monarch`
     except SystemExit as e:
-        code = e.code
-    else:
-        code = 0
-    if code is not None and not isinstance(code, int):  # sys.exit("message"), as the interpreter prints it
-        print(code, file=sys.stderr)
-        code = 1
-    _exit(code or 0)
+        status = e.code
+    if isinstance(status, str):  # sys.exit("message"), as the interpreter prints it
+        print(status, file=sys.stderr)
+        status = 1
+    _exit(status or 0)
 
 
 def _exit(code: int) -> None:
