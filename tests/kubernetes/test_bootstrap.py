@@ -21,7 +21,7 @@ import pytest
 
 from monarch_cli.runtime.launch import bundle
 from monarch_cli.runtime.transport.keys import Keys
-from monarch_cli.schedulers.kubernetes import bootstrap
+from monarch_cli.schedulers import bootstrap
 
 #: Stands for the agent: importing monarch_cli appends the bundle's dependencies (zmq) to sys.path.
 AGENT = "import sys, monarch_cli, zmq; print('agent', zmq.__file__, monarch_cli.__file__, sys.argv[1:], flush=True)"

@@ -17,7 +17,7 @@ from typing import Any
 from ...errors import OptionError
 from ...runtime.launch.command import AgentCommand
 from .. import yaml_text
-from . import bootstrap
+from .. import bootstrap
 
 #: Label on every object of a reservation (the selector ``stop`` and the pod watch use).
 RESERVATION_LABEL = "monarch-cli/reservation"
