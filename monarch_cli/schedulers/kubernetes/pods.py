@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import SchedulerError
-from ..base import Progress
 from .. import bootstrap
+from ..base import Progress
 from . import manifests
 from .api import api_error
 from .manifests import RESERVATION_LABEL

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import OptionError, PlanError, SchedulerError
 from ...runtime.launch import bundle
+from .. import bootstrap
 from ..agents import wait_for_agents
 from ..base import (
     HostRecord,
@@ -35,7 +36,6 @@ from ..base import (
     ReserveRequest,
     Scheduler,
 )
-from .. import bootstrap
 from . import manifests
 from .api import INSTALL_HINT, api_error, apis
 from .manifests import RESERVATION_LABEL
