@@ -133,6 +133,7 @@ def test_kubernetes_dry_run_mounts_the_keys_secret_runs_the_bootstrap_and_holds_
     assert request.count("mountPath: /var/lib/monarch-cli") == 2  # the emptyDir the bundle is unzipped into
     assert request.count("exec python3 -c 'import hashlib, hmac") == 2  # the bootstrap, not our agent
     assert "value: /etc/monarch/keys/keys" in request  # MONARCH_KEY_FILE names the mounted file, nothing more
+    assert request.count("fieldPath: status.podIP") == 2  # each agent's own address, from the pod
     steps = " ".join(plan["steps"])
     assert f"create Secret default/{secret}" in steps and "HMAC" in steps
     assert not state.exists() and not (tmp_path / ".monarch" / "torchx").exists()  # a dry run starts nothing

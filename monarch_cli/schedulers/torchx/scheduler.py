@@ -89,6 +89,8 @@ class TorchxScheduler(Scheduler):
         env = {"MONARCH_KEY_FILE": key_file, "PYTHONUNBUFFERED": "1"}
         if sched == "local_cwd":
             env["MONARCH_HOST"] = "127.0.0.1"
+        elif sched == "kubernetes":
+            env["MONARCH_HOST"] = shipping.POD_IP  # the address the agent gives its peers and ranks
         bundles_dir = None
         if ship:
             bundles_dir = {

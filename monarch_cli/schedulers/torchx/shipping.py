@@ -29,6 +29,9 @@ KEYS_DIR = "/etc/monarch/keys"
 KEY_FILE_IN_CONTAINER = f"{KEYS_DIR}/keys"
 #: Where local_docker's replicas unzip the bundle: the container's own layer, gone with it.
 DOCKER_BUNDLES_DIR = "/tmp/monarch-cli/bundles"
+#: torchx's kubernetes scheduler turns an env value with this prefix into a ``fieldRef`` (its
+#: ``PLACEHOLDER_FIELD_PATH``): each agent learns its own pod IP, as the native backend's pods do.
+POD_IP = "[FIELD_PATH]status.podIP"
 #: torchx scheduler -> how the keys reach its replicas when they do not share our filesystem.
 KEY_CHANNELS = {"kubernetes": "secret", "local_docker": "bind mount"}
 _SECRET_VOLUME = "monarch-keys"
@@ -164,6 +167,7 @@ __all__ = [
     "KEY_CHANNELS",
     "KEY_FILE_IN_CONTAINER",
     "KEYS_DIR",
+    "POD_IP",
     "create_secret",
     "delete_secret",
     "mount_secret",
