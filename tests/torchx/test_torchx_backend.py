@@ -227,3 +227,21 @@ def test_replicas_without_our_code_get_the_bundle_shipped_and_run_a_two_host_job
     assert wait_until(lambda: not _agents_of(rid), 30), [p.cmdline() for p in _agents_of(rid)]
     left = sorted(p.name for p in (tmp_path / ".monarch" / "torchx" / rid).iterdir())
     assert left == ["logs"], left  # the key file and the shipped bundles go with the reservation; torchx's logs stay
+
+
+def test_local_docker_dry_run_bind_mounts_the_key_file_and_runs_the_bootstrap(tmp_path: Path) -> None:
+    """No docker daemon here: the plan only. The containers get the 0600 key file read-only (the daemon is
+    on this machine) and the image's python3 runs the bootstrap; no key exists yet, so none is printed."""
+    done = monarch(
+        "serve", "--scheduler", "torchx:local_docker", "--hosts", "2", "--dry-run", "--json",
+        "-o", "agent_image=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime", "--", "python", "t.py", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    request = plan["artifacts"]["torchx local_docker dry run"]
+    keys = f"{tmp_path}/.monarch/torchx/{plan['reservation_id']}/keys"
+    assert request.count(f"Source: {keys}") == 1 and "Target: /etc/monarch/keys/keys" in request  # one anchor
+    assert request.count("ReadOnly: true") == 1 and request.count("mounts: *") == 1  # ...shared by both
+    assert request.count("exec python3 -c 'import hashlib, hmac") == 2
+    assert "(0600), bind-mounted read-only" in " ".join(plan["steps"])
+    assert not (tmp_path / ".monarch" / "torchx").exists()
