@@ -245,3 +245,39 @@ def test_local_docker_dry_run_bind_mounts_the_key_file_and_runs_the_bootstrap(tm
     assert request.count("exec python3 -c 'import hashlib, hmac") == 2
     assert "(0600), bind-mounted read-only" in " ".join(plan["steps"])
     assert not (tmp_path / ".monarch" / "torchx").exists()
+
+
+def test_a_registered_scheduler_without_a_key_channel_plans_but_refuses_to_reserve_in_one_line(tmp_path: Path) -> None:
+    """A scheduler another package registers with torchx (here a torchx plugin named ``elsewhere``): monarch
+    knows no secure way to hand its replicas the keys, so the plan says so and serve refuses, naming what to
+    use instead; ``-o agent_shared_fs=true`` (its hosts do share this filesystem) makes it reservable."""
+    plugins = tmp_path / "plugins" / "torchx_plugins" / "schedulers"
+    plugins.mkdir(parents=True)
+    (plugins / "elsewhere.py").write_text(
+        "from torchx.plugins import register\n"
+        "from torchx.schedulers.local_scheduler import create_scheduler\n\n\n"
+        "@register.scheduler()\n"
+        "def elsewhere(session_name, **kwargs):\n"
+        "    return create_scheduler(session_name, **kwargs)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "plugins"), os.environ.get("PYTHONPATH", "")])}
+
+    def monarch_here(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "monarch_cli", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+            env={**env, "MONARCH_STATE": str(tmp_path / ".monarch" / "job_state.pkl")}, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    planned = monarch_here(
+        "serve", "--scheduler", "torchx:elsewhere", "--hosts", "2", "--dry-run", "--", "python", "t.py"
+    )
+    assert planned.returncode == 0, planned.stderr
+    assert "no secure way to hand them the reservation keys" in planned.stdout
+    refused = monarch_here("serve", "--scheduler", "torchx:elsewhere", "--hosts", "2", "--", "python", "t.py")
+    one_line_error(refused, "torchx elsewhere", "no secure way", "-o agent_shared_fs=true")
+    assert not (tmp_path / ".monarch" / "job_state.pkl").exists()
+    shared = monarch_here(
+        "serve", "--scheduler", "torchx:elsewhere", "--hosts", "2", "--dry-run", "-o", "agent_shared_fs=true",
+        "--", "python", "t.py",
+    )  # fmt: skip
+    assert shared.returncode == 0 and "no secure way" not in shared.stdout, shared.stderr
