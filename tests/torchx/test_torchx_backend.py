@@ -281,3 +281,26 @@ def test_a_registered_scheduler_without_a_key_channel_plans_but_refuses_to_reser
         "--", "python", "t.py",
     )  # fmt: skip
     assert shared.returncode == 0 and "no secure way" not in shared.stdout, shared.stderr
+
+
+def test_a_replica_address_without_a_route_from_here_is_said_once_while_waiting() -> None:
+    """torchx:kubernetes gives pod IPs; from outside a cluster they may have no route: serve says so at once
+    (once per replica), rather than only timing out minutes later. A refused port (not listening yet) is quiet."""
+    from monarch_cli.schedulers.torchx.shipping import BundleShipper
+
+    if os.geteuid() != 0:
+        pytest.skip("an unreachable route needs root")
+    subnet = "10.219.77.0/24"
+    subprocess.run(["ip", "route", "del", "unreachable", subnet], capture_output=True)
+    subprocess.run(["ip", "route", "add", "unreachable", subnet], check=True)
+    said: list[str] = []
+    try:
+        shipper = BundleShipper(b"key", None, "/bundles", said.append)
+        assert not shipper.answers(0, "10.219.77.5", 26600) and not shipper.answers(0, "10.219.77.5", 26600)
+        assert not shipper.answers(1, "127.0.0.1", 1)  # refused: nothing listens there yet
+    finally:
+        subprocess.run(["ip", "route", "del", "unreachable", subnet], capture_output=True)
+    assert said == [
+        "replica 0: 10.219.77.5:26600 does not answer from here (No route to host); its address must be routable "
+        "from this client (torchx:kubernetes: run serve in the cluster)"
+    ], said

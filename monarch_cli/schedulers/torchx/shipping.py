@@ -16,6 +16,7 @@ Another scheduler has no channel we trust: reserving there is refused in one lin
 from __future__ import annotations
 
 import base64
+import errno
 import socket
 import threading
 from typing import Any
@@ -35,6 +36,7 @@ POD_IP = "[FIELD_PATH]status.podIP"
 #: torchx scheduler -> how the keys reach its replicas when they do not share our filesystem.
 KEY_CHANNELS = {"kubernetes": "secret", "local_docker": "bind mount"}
 _SECRET_VOLUME = "monarch-keys"
+_UNREACHABLE = (errno.EHOSTUNREACH, errno.ENETUNREACH)
 _NO_CHANNEL = (
     "torchx {sched}: its replicas do not share this machine's filesystem and monarch has no secure way to hand "
     "them the reservation keys there (a Kubernetes Secret on torchx:kubernetes, a bind-mounted 0600 file on "
@@ -115,6 +117,7 @@ class BundleShipper:
         #: replica id -> {"code", "deps", "shipped"}: the parts it runs and the bytes sent to it.
         self.shipped: dict[int, dict[str, Any]] = {}
         self.errors: list[str] = []
+        self.unreachable: set[int] = set()
 
     def answers(self, index: int, host: str, port: int) -> bool:
         """Whether replica ``index``'s agent answers at ``host:port`` (ZeroMQ's greeting)."""
@@ -123,7 +126,13 @@ class BundleShipper:
             return False
         try:
             sock = socket.create_connection((host, port), timeout=1.0)
-        except OSError:
+        except OSError as e:
+            if index not in self.unreachable and (isinstance(e, TimeoutError) or e.errno in _UNREACHABLE):
+                self.unreachable.add(index)  # said once: a pod IP this client has no route to
+                self.progress(
+                    f"replica {index}: {host}:{port} does not answer from here ({e.strerror or 'timed out'}); "
+                    "its address must be routable from this client (torchx:kubernetes: run serve in the cluster)"
+                )
             return False
         kind, hello = bootstrap.greeting(sock)
         if kind != "bootstrap" or hello is None:
