@@ -25,6 +25,10 @@ API server proxies to the kubelet and the kubelet connects to the pod's localhos
 connection is reported on the error channel. The websocket itself is the ``websockets``
 library's sans-I/O protocol (handshake and framing), driven over the handler's socket.
 
+Volcano's ``Job`` (``/apis/batch.volcano.sh/v1alpha1/.../jobs``, stored as ``vcjobs``), as torchx's
+kubernetes scheduler uses it: create, get, get and replace its ``/status`` subresource (torchx
+cancels by writing ``Aborted`` there), delete; :mod:`.volcano` stands in for its controller.
+
 What it does not do: schema validation and admission (but for a namespace that does not
 exist), RBAC, field selectors on watches, patch,
 server-side apply. The objects' statuses are written by the test-side kubelet
@@ -56,11 +60,16 @@ KINDS = {
     "services": ("v1", "Service"),
     "jobs": ("batch/v1", "Job"),
     "events": ("v1", "Event"),
+    "vcjobs": ("batch.volcano.sh/v1alpha1", "Job"),
 }
 _PATH = re.compile(
     r"^/(?:api/v1|apis/batch/v1)/namespaces/(?P<ns>[a-z0-9-]+)/"
     r"(?P<plural>pods|secrets|services|jobs|events)"
     r"(?:/(?P<name>[a-z0-9.-]+))?/?$"
+)
+_VOLCANO = re.compile(
+    r"^/apis/batch\.volcano\.sh/v1alpha1/namespaces/(?P<ns>[a-z0-9-]+)/jobs"
+    r"(?:/(?P<name>[a-z0-9.-]+)(?P<status>/status)?)?/?$"
 )
 _PORT_FORWARD = re.compile(r"^/api/v1/namespaces/(?P<ns>[a-z0-9-]+)/pods/(?P<name>[a-z0-9.-]+)/portforward$")
 #: The kubelet's port-forward websocket subprotocol (it offers no v5 for port-forward).
@@ -277,9 +286,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self) -> tuple[str, str, str | None, dict[str, list[str]]]:
         url = urlparse(self.path)
         m = _PATH.match(url.path)
+        if m:
+            return m["plural"], m["ns"], m["name"], parse_qs(url.query)
+        m = _VOLCANO.match(url.path)
         if not m:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({url.path})")
-        return m["plural"], m["ns"], m["name"], parse_qs(url.query)
+        return "vcjobs", m["ns"], m["name"], parse_qs(url.query)
 
     def _body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
@@ -315,6 +327,9 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             if method == "POST" and not name:
                 return self._send(201, self.store.create(plural, ns, self._body(), dry_run=one("dryRun") == "All"))
+            if method == "PUT" and name and plural == "vcjobs" and self.path.split("?")[0].endswith("/status"):
+                body = self._body()
+                return self._send(200, self.store.update(plural, ns, name, lambda o: o.update(status=body["status"])))
             if method == "DELETE" and name:
                 body = self._body()
                 return self._send(200, self.store.delete(plural, ns, name, body.get("propagationPolicy", "")))
@@ -424,6 +439,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self._handle("DELETE")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
 
 
 class ApiServer:

@@ -538,10 +538,12 @@ def _expand(text: str, env: dict[str, str]) -> str:
 
 
 def _at_mounts(value: str, mounts: dict[str, Path]) -> str:
-    """A path under a volume's mount path, at the private directory that stands for it here."""
+    """A path under a volume's mount path, at the private directory that stands for it here; inside a
+    shell line too (a word that starts with it: torchx's ``sh -c`` roles name their paths that way)."""
     for mount_path, local in mounts.items():
         if value == mount_path or value.startswith(mount_path + "/"):
             return str(local) + value[len(mount_path) :]
+        value = value.replace(f" {mount_path}/", f" {local}/")
     return value
 
 

@@ -1,4 +1,6 @@
-"""The pod's bootstrap (the manifest's ``python3 -c``) and the client's side of it, without a cluster.
+"""The bootstrap (a pod's or a torchx replica's ``python3 -c``) and the client's side of it, without a cluster.
+
+Shared by the kubernetes and torchx backends (monarch_cli/schedulers/bootstrap.py): tested once, here.
 
 The bootstrap runs as a real process under a stock interpreter (torch, nothing of ours), with
 the reservation keys in a 0400 file as the Secret volume gives them; the client talks to it
@@ -21,7 +23,7 @@ import pytest
 
 from monarch_cli.runtime.launch import bundle
 from monarch_cli.runtime.transport.keys import Keys
-from monarch_cli.schedulers.kubernetes import bootstrap
+from monarch_cli.schedulers import bootstrap
 
 #: Stands for the agent: importing monarch_cli appends the bundle's dependencies (zmq) to sys.path.
 AGENT = "import sys, monarch_cli, zmq; print('agent', zmq.__file__, monarch_cli.__file__, sys.argv[1:], flush=True)"
@@ -47,9 +49,8 @@ def test_the_bootstrap_takes_only_a_signed_bundle_and_runs_the_agent_from_it(sto
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     where = tmp_path / "volume" / "bundles"
-    argv = bootstrap.command(stock, port, ["python3", "-c", AGENT, "--name", "h0"])
+    argv = bootstrap.command(stock, port, ["python3", "-c", AGENT, "--name", "h0"], where=str(where))
     env = {"PATH": "/usr/bin:/bin", "MONARCH_KEY_FILE": str(secret), "MONARCH_HOST": "127.0.0.1"}
-    argv[4] = str(where)  # the emptyDir's mount path, here
     proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None

@@ -26,7 +26,7 @@ import pytest
 
 from monarch_cli.errors import SchedulerError
 from monarch_cli.jobs import job_load, serve
-from monarch_cli.schedulers.kubernetes import bootstrap
+from monarch_cli.schedulers import bootstrap
 
 from .apiserver import ApiServer
 from .kubelet import Kubelet

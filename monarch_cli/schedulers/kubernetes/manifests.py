@@ -16,8 +16,7 @@ from typing import Any
 
 from ...errors import OptionError
 from ...runtime.launch.command import AgentCommand
-from .. import yaml_text
-from . import bootstrap
+from .. import bootstrap, yaml_text
 
 #: Label on every object of a reservation (the selector ``stop`` and the pod watch use).
 RESERVATION_LABEL = "monarch-cli/reservation"

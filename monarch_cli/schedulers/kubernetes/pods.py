@@ -1,6 +1,6 @@
 """The kubernetes backend's view of a reservation's pods while serve waits: which agents answer
 (at the pod IP, or through a port-forward), shipping our bundle to each pod's bootstrap on the
-way (:mod:`.bootstrap`), and why waiting is pointless (one-line reasons)."""
+way (:mod:`..bootstrap`), and why waiting is pointless (one-line reasons)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import SchedulerError
+from .. import bootstrap
 from ..base import Progress
-from . import bootstrap, manifests
+from . import manifests
 from .api import api_error
 from .manifests import RESERVATION_LABEL
 
@@ -50,7 +51,7 @@ class PodWatch:
         key: bytes = b"",
         wheelhouse: str | None = None,
     ) -> None:
-        """``key``: the bundle's HMAC key (:func:`.bootstrap.hmac_key`); ``wheelhouse``: where the pods'
+        """``key``: the bundle's HMAC key (:func:`..bootstrap.hmac_key`); ``wheelhouse``: where the pods'
         dependency wheels come from (default: this client's cache and package index)."""
         self.core, self.batch, self.ns, self.job, self.hosts, self.port = core, batch, namespace, job, hosts, port
         self.progress, self.said = progress, ""

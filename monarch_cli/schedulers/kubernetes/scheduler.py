@@ -3,7 +3,7 @@
 ``plan()`` builds every manifest (:mod:`.manifests`) without contacting a cluster;
 ``reserve(plan)`` creates the Secret (the reservation keys, mounted read-only), the headless
 Service and the Job, then watches the pods (:mod:`.pods`): each pod's stdlib-only bootstrap
-gets our bundle from the client (:mod:`.bootstrap`: any image with python3 will do) and execs
+gets our bundle from the client (:mod:`..bootstrap`: any image with python3 will do) and execs
 the agent; host rank = completion index, ready once every pod's agent answers. Pending pods say why (Unschedulable, image pulls);
 terminal reasons are one-line errors. ``release`` deletes the Job (foreground propagation),
 the Secret and the Service and waits until no pod is left. The client reaches agents by pod
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import OptionError, PlanError, SchedulerError
 from ...runtime.launch import bundle
+from .. import bootstrap
 from ..agents import wait_for_agents
 from ..base import (
     HostRecord,
@@ -35,7 +36,7 @@ from ..base import (
     ReserveRequest,
     Scheduler,
 )
-from . import bootstrap, manifests
+from . import manifests
 from .api import INSTALL_HINT, api_error, apis
 from .manifests import RESERVATION_LABEL
 from .pods import PodWatch, exit_reason, job_ended, pending_reason

@@ -31,7 +31,12 @@ INSTALL_HINT = f"the torchx backends need torchx: pip install '{PACKAGE}'"
 ROLE = "monarch-agent"
 #: Options of ours beside the torchx scheduler's runopts (prefixed so they never shadow one of torchx's).
 OWN_OPTIONS: tuple[Option, ...] = (
-    Option("agent_python", str, None, "the interpreter on the hosts (default: this one, for a shared filesystem)"),
+    Option(
+        "agent_python",
+        str,
+        None,
+        "the interpreter on the hosts (default: this one on a shared filesystem, else python3, which gets our bundle)",
+    ),
     Option("agent_image", str, None, "the role's image (container schedulers; default: torchx's own default)"),
     Option("agent_cpu", int, None, "CPUs to request per host (default: torchx's; Slurm: none asked)"),
     Option("agent_gpu", int, None, "GPUs to request per host"),
@@ -42,6 +47,14 @@ OWN_OPTIONS: tuple[Option, ...] = (
         None,
         "the replicas see this machine's filesystem (keys and monarch-cli come from it); on for local_cwd and slurm",
     ),
+    Option(
+        "agent_ship_bundle",
+        bool,
+        None,
+        "ship our zero-install bundle to a stock interpreter on the replicas even where the filesystem is shared "
+        "(always done where it is not)",
+    ),
+    Option("agent_wheelhouse", str, None, "where the bundle's wheels come from (default: this client's cache/index)"),
 )
 #: torchx schedulers whose replicas share the client's filesystem (Slurm: the cluster's shared home, as
 #: the native slurm backend assumes too).
@@ -137,13 +150,24 @@ class AgentRole:
     mem_mb: int | None = None
     #: Agents get ``--name host<replica id>`` (all replicas on one machine) instead of their hostname.
     named: bool = False
+    #: Where the replica's bootstrap unzips the bundle the client ships (None: the agent runs from the
+    #: shared filesystem as it is); may hold ``${replica_id}``.
+    bundles_dir: str | None = None
+    #: Read-only bind mounts ``{"src", "dst"}`` (torchx's BindMount: the key file on local_docker).
+    mounts: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
-    def shell_line(self) -> str:
-        """What each replica runs: the agent on ``port_base + replica id`` (torchx substitutes the id)."""
-        line = shlex.join([self.python, *self.agent_args])
+    def shell_line(self, bootstrap_script: str = "...") -> str:
+        """What each replica runs: the agent on ``port_base + replica id`` (torchx substitutes the id), or
+        the stdlib-only bootstrap on that port that execs the agent once the client shipped the bundle."""
+        port = f"$(({self.port_base} + ${{replica_id}}))"
+        if self.bundles_dir is None:
+            line = shlex.join([self.python, *self.agent_args])
+        else:
+            line = f"{shlex.join([self.python, '-c', bootstrap_script])} {port} {shlex.quote(self.bundles_dir)} "
+            line += shlex.join(self.agent_args)
         if self.named:
             line += " --name host${replica_id}"
-        return f"exec {line} --port $(({self.port_base} + ${{replica_id}}))"
+        return f"exec {line} --port {port}"
 
     def to_appdef(self) -> AppDef:
         from torchx import specs
@@ -157,13 +181,20 @@ class AgentRole:
             name=ROLE,
             image=self.image or "",
             entrypoint="/bin/sh",
-            args=["-c", self.shell_line()],
+            args=["-c", self.shell_line(_bootstrap_script())],
             env=dict(self.env),
             num_replicas=self.replicas,
             resource=resource,
             max_retries=0,
+            mounts=[specs.BindMount(m["src"], m["dst"], read_only=True) for m in self.mounts],
         )
         return specs.AppDef(name=self.app_name, roles=[role])
+
+
+def _bootstrap_script() -> str:
+    from ..bootstrap import BOOTSTRAP
+
+    return BOOTSTRAP.strip() + "\n"
 
 
 def dryrun(runner: Runner, role: AgentRole, scheduler: str, cfg: dict[str, Any]) -> Any:

@@ -6,8 +6,11 @@ host agent on a fixed port (``port_base + replica id``), submitted through torch
 holds the role as data and torchx's own dry-run print of exactly that AppDef; ``reserve``
 rebuilds the same AppDef and submits it. Hosts are found through torchx's ``describe``
 (replica hostnames) and the fixed ports; an agent counts as up once its port accepts a
-connection. Keys reach the replicas as a 0600 file on the filesystem they share with the
-client (``$MONARCH_KEY_FILE`` names the path; the secret is never in the AppDef). Stop
+connection. Where the replicas share the client's filesystem, keys reach them as a 0600 file
+on it (``$MONARCH_KEY_FILE`` names the path; the secret is never in the AppDef) and the agent
+runs from this client's code as it is. Where they do not (or with ``-o
+agent_ship_bundle=true``), each replica runs the stdlib-only bootstrap and the client ships
+it the zero-install bundle (:mod:`.shipping`, which also says how the keys travel). Stop
 cancels the torchx app.
 """
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import shutil
 import socket
 import sys
 import time
@@ -23,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...errors import SchedulerError
+from ...runtime.launch import bundle
+from .. import bootstrap
 from ..agents import wait_for_agents
 from ..base import (
     HostRecord,
@@ -35,7 +42,7 @@ from ..base import (
     ReserveRequest,
     Scheduler,
 )
-from . import local_replicas
+from . import local_replicas, shipping
 from .appdef import LOCAL_SCHEDULERS, SHARED_FILESYSTEM, AgentRole, dryrun, options_of, run_config, runopts_of
 
 if TYPE_CHECKING:
@@ -47,11 +54,6 @@ PREFIX = "torchx:"
 DEFAULT_PORT_BASE = 26600
 #: How long replicas may take to be scheduled and to listen (a queue may hold them longer: then say so).
 AGENT_START_TIMEOUT = 300.0
-_NOT_SHARED = (
-    "torchx {sched}: its replicas do not share this machine's filesystem, where the keys and monarch-cli's code "
-    "come from, so this backend can plan (--dry-run) but not reserve there yet; use the native backend "
-    "(e.g. --scheduler kubernetes), or -o agent_shared_fs=true if they do share it"
-)
 _TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -76,11 +78,26 @@ class TorchxScheduler(Scheduler):
             options["job_dir"] = str(job_dir / "slurm")  # torchx's default is the cwd: keep its files with ours
         cfg = run_config(sched, options, [Path.cwd(), Path.home()])
         port_base = request.agent_port or (_free_port_run(request.hosts) if local else DEFAULT_PORT_BASE)
+        shared = sched in SHARED_FILESYSTEM or bool(options.get("agent_shared_fs"))
+        ship = not shared or bool(options.get("agent_ship_bundle"))
+        # How the keys reach the replicas: a file on the shared filesystem, or the scheduler's own channel.
+        channel = "file" if shared else shipping.KEY_CHANNELS.get(sched)
+        python = options.get("agent_python") or ("python3" if ship else sys.executable)
         # The port is each replica's own (port_base + replica id, in the role's shell line), not the request's.
-        agent = request.agent_command(rid, python=options.get("agent_python") or sys.executable, port=None).argv()
-        env = {"MONARCH_KEY_FILE": str(job_dir / "keys"), "PYTHONUNBUFFERED": "1"}
-        if local:
+        agent = request.agent_command(rid, python=python, port=None).argv()
+        key_file = str(job_dir / "keys") if channel == "file" else shipping.KEY_FILE_IN_CONTAINER
+        env = {"MONARCH_KEY_FILE": key_file, "PYTHONUNBUFFERED": "1"}
+        if sched == "local_cwd":
             env["MONARCH_HOST"] = "127.0.0.1"
+        elif sched == "kubernetes":
+            env["MONARCH_HOST"] = shipping.POD_IP  # the address the agent gives its peers and ranks
+        bundles_dir = None
+        if ship:
+            bundles_dir = {
+                "file": str(job_dir / "bundles" / "host${replica_id}"),  # replicas may share a machine
+                "secret": bootstrap.BUNDLES_DIR,  # the emptyDir the pods get with the Secret
+            }.get(channel or "", shipping.DOCKER_BUNDLES_DIR)
+        mounts = [{"src": str(job_dir / "keys"), "dst": key_file}] if channel == "bind mount" else []
         role = AgentRole(
             app_name=rid,
             replicas=request.hosts,
@@ -93,17 +110,33 @@ class TorchxScheduler(Scheduler):
             gpu=options.get("agent_gpu"),
             mem_mb=options.get("agent_mem_mb"),
             named=local,
+            bundles_dir=bundles_dir,
+            mounts=mounts,
         )
+        secret = shipping.secret_name(rid) if channel == "secret" else None
         offline = {**cfg, "validate_spec": False} if "validate_spec" in cfg else cfg  # planning asks no cluster
         with _runner() as runner:
             info = dryrun(runner, role, sched, offline)
-        shared = sched in SHARED_FILESYSTEM or bool(options.get("agent_shared_fs"))
-        steps = [] if shared else [_NOT_SHARED.format(sched=sched)]
-        steps += [
-            f"write a fresh key pair to {job_dir / 'keys'} (0600; the replicas read it from the shared filesystem)",
-            f"submit app {rid} to torchx {sched} through torchx's Runner: role {role.replicas} x {role.shell_line()!r}",
-            f"find the replicas' hosts with torchx describe; agent i listens on port {port_base} + i",
-        ]
+            if secret:
+                shipping.mount_secret(info.request, secret)
+        steps = [] if channel else [shipping.no_channel(sched)]
+        steps += _key_steps(channel, job_dir, secret, cfg.get("namespace") or "default")
+        steps.append(
+            f"submit app {rid} to torchx {sched} through torchx's Runner: role {role.replicas} x {role.shell_line()!r}"
+        )
+        if ship:
+            wheelhouse = options.get("agent_wheelhouse")
+            _, ship_line = bundle.plan_lines(python, bundles_dir or "", wheelhouse)
+            steps += [
+                f"each replica runs a stdlib-only bootstrap ({python} -c ...; nothing of ours on the host) on port "
+                f"{port_base} + i that tells the client its platform and the bundle parts it holds",
+                f"find the replicas' hosts with torchx describe; over a connection to each: {ship_line}",
+                "the bundle goes authenticated (an HMAC keyed by the reservation's keys, over a nonce of the "
+                f"replica's), each zip checked against its SHA-256, unzipped into {bundles_dir} (0700); then the "
+                "bootstrap execs the agent from there on the same port",
+            ]
+        else:
+            steps.append(f"find the replicas' hosts with torchx describe; agent i listens on port {port_base} + i")
         summary = f"reserve {request.hosts} host(s) as replicas of a torchx app on torchx's {sched} scheduler"
         return Plan(
             self.name,
@@ -121,6 +154,11 @@ class TorchxScheduler(Scheduler):
                 "job_dir": str(job_dir),
                 "torchx_scheduler": sched,
                 "shared": shared,
+                "ship": ship,
+                "key_channel": channel,
+                "secret": secret,
+                "namespace": cfg.get("namespace") or "default",
+                "bundle": bundle.code_summary() if ship else None,
             },
         )
 
@@ -128,40 +166,63 @@ class TorchxScheduler(Scheduler):
     def reserve(self, plan: Plan, keys: Keys, progress: Progress) -> Reservation:
         self.check_plan(plan)
         sched = self.torchx_scheduler
-        if not plan.data.get("shared"):
-            raise SchedulerError(_NOT_SHARED.format(sched=sched))
+        channel = plan.data.get("key_channel", "file" if plan.data.get("shared") else None)
+        if not channel:
+            raise SchedulerError(shipping.no_channel(sched))
         role = AgentRole(**plan.data["role"])
         job_dir = Path(plan.data["job_dir"])
         job_dir.mkdir(parents=True, mode=0o700)
-        keys.write(job_dir / "keys")
         data: dict[str, Any] = {"torchx_scheduler": sched, "job_dir": str(job_dir), "options": plan.options}
+        secret = shipping.secret_name(role.app_name) if channel == "secret" else None
         try:
+            if secret:
+                progress(f"creating Secret {plan.data['namespace']}/{secret} (the reservation keys)")
+                shipping.create_secret(plan.data["namespace"], secret, role.app_name, keys.encode())
+                data.update(secret=secret, namespace=plan.data["namespace"])
+            else:
+                keys.write(job_dir / "keys")
             with _runner() as runner:
                 info = dryrun(runner, role, sched, plan.data["cfg"])
+                if secret:
+                    shipping.mount_secret(info.request, secret)
                 progress(f"submitting app {role.app_name} to torchx {sched}")
                 with local_replicas.keep_signal_handlers():
                     handle = runner.schedule(info)
                 data["app_handle"] = handle
-                if sched in LOCAL_SCHEDULERS:
+                if sched == "local_cwd":
                     data["local"] = local_replicas.detach(runner, sched, handle.rpartition("/")[2])
-            hosts = self._wait(data, role, progress)
+            shipper = None
+            if role.bundles_dir is not None:
+                key = bootstrap.hmac_key(keys.encode())
+                wheelhouse = plan.options.get("agent_wheelhouse")
+                shipper = shipping.BundleShipper(key, wheelhouse, role.bundles_dir, progress)
+            hosts = self._wait(data, role, progress, shipper)
+            if shipper is not None:
+                data["bundle"] = [shipper.shipped.get(i) for i in range(role.replicas)]
         except BaseException:
             self.release(Reservation(plan.reservation_id, [], data))
             raise
         return Reservation(plan.reservation_id, hosts, data)
 
-    def _wait(self, data: dict[str, Any], role: AgentRole, progress: Progress) -> list[HostRecord]:
+    def _wait(
+        self, data: dict[str, Any], role: AgentRole, progress: Progress, shipper: shipping.BundleShipper | None
+    ) -> list[HostRecord]:
         names = [f"host{i}" for i in range(role.replicas)]
         last_state = [""]
+        up: dict[str, str] = {}
 
         def discover() -> dict[str, str]:
-            found = {}
             for i, host in enumerate(self._replica_hosts(data, role.replicas)):
-                if host and _listening(host, role.port_base + i):
-                    found[names[i]] = f"tcp://{host}:{role.port_base + i}"
-            return found
+                port = role.port_base + i
+                if not host or names[i] in up:
+                    continue
+                if shipper.answers(i, host, port) if shipper is not None else _listening(host, port):
+                    up[names[i]] = f"tcp://{host}:{port}"
+            return dict(up)
 
         def check() -> None:
+            if shipper is not None:
+                shipper.check()
             probe = self.probe(Reservation("", [], data))
             if probe.gone:
                 raise SchedulerError(f"{probe.reason} before its agents came up{_log_hint(data)}")
@@ -182,15 +243,15 @@ class TorchxScheduler(Scheduler):
         if "local" in data:
             return ["127.0.0.1"] * replicas
         hosts: list[str | None] = [None] * replicas
-        try:
-            with _runner() as runner:
+        with _runner() as runner:
+            try:
                 status = runner.status(data["app_handle"])  # torchx's describe, with each replica's hostname
-        except Exception:  # noqa: BLE001 - torchx's describe failed (e.g. a pending Slurm job it cannot parse): not placed yet
-            return hosts
-        for role_status in getattr(status, "roles", None) or []:
-            for replica in role_status.replicas:
-                if 0 <= replica.id < replicas and replica.hostname:
-                    hosts[replica.id] = replica.hostname
+            except Exception:  # noqa: BLE001 - torchx's describe failed (e.g. a pending Slurm job it cannot parse): not placed yet
+                return hosts
+            for role_status in getattr(status, "roles", None) or []:
+                for replica in role_status.replicas:
+                    if 0 <= replica.id < replicas and replica.hostname:
+                        hosts[replica.id] = _address_of(runner, data["torchx_scheduler"], replica.hostname)
         return hosts
 
     # ------------------------------------------------------------ checking
@@ -236,6 +297,7 @@ class TorchxScheduler(Scheduler):
 
     def describe(self, reservation: ReservationRecord) -> dict[str, Any]:
         data = reservation.scheduler_data
+        shipped = data.get("bundle")
         if "local" in data:
             ups = local_replicas.alive(data["local"]["pids"])
             state = "RUNNING" if all(ups) else "FAILED" if any(ups) else "GONE"
@@ -247,13 +309,25 @@ class TorchxScheduler(Scheduler):
                 "app_handle": data.get("app_handle"),
                 "state": state,
                 "log_dir": data.get("local", {}).get("log_dir"),
+                "bundle": shipped,
+                "keys": f"Secret {data['namespace']}/{data['secret']}" if data.get("secret") else None,
             }
         }
 
     def status_lines(self, reservation: ReservationRecord) -> list[str]:
         info = self.describe(reservation)["torchx"]
         line = f"torchx: app {info['app_handle']} {info['state']}"
-        return [line + (f", logs in {info['log_dir']}" if info["log_dir"] else "")]
+        lines = [line + (f", logs in {info['log_dir']}" if info["log_dir"] else "")]
+        parts = [p for p in info["bundle"] or [] if p]
+        if parts:
+            sent = sum(p.get("shipped", 0) for p in parts)
+            lines.append(
+                f"bundle: {parts[0]['code']} and {parts[0]['deps']} shipped to {len(parts)} replica(s) "
+                f"({sent / 1e6:.1f} MB sent); each agent runs from it under the replica's own interpreter"
+            )
+        if info["keys"]:
+            lines.append(f"keys: {info['keys']}")
+        return lines
 
     # ----------------------------------------------------------- releasing
     def release(self, reservation: ReservationRecord) -> None:
@@ -274,9 +348,15 @@ class TorchxScheduler(Scheduler):
                     if state is None or state in _TERMINAL or state == "UNKNOWN_GONE":
                         break
                     time.sleep(0.5)
+        if data.get("secret"):
+            shipping.delete_secret(data["namespace"], data["secret"])
         if data.get("job_dir"):
+            job_dir = Path(data["job_dir"])
             with contextlib.suppress(OSError):
-                (Path(data["job_dir"]) / "keys").unlink()
+                (job_dir / "keys").unlink()
+            shutil.rmtree(job_dir / "bundles", ignore_errors=True)  # what was shipped to replicas on our filesystem
+            with contextlib.suppress(OSError):
+                job_dir.rmdir()  # unless torchx's logs are in it
 
 
 def scheduler_class_for(name: str) -> type[TorchxScheduler]:
@@ -315,10 +395,39 @@ def _cancel_directly(runner: Any, handle: str) -> None:
         runner._scheduler(parsed.scheduler_backend)._cancel_existing(parsed.app_id)
 
 
+def _key_steps(channel: str | None, job_dir: Path, secret: str | None, namespace: str) -> list[str]:
+    if channel == "secret":
+        return [
+            f"create Secret {namespace}/{secret}: the reservation keys (never printed), mounted read-only at "
+            f"{shipping.KEYS_DIR} in every pod of the Volcano job (torchx's request edited before it is submitted); "
+            "deleted on stop"
+        ]
+    if channel == "bind mount":
+        return [
+            f"write a fresh key pair to {job_dir / 'keys'} (0600), bind-mounted read-only at "
+            f"{shipping.KEY_FILE_IN_CONTAINER} in each container"
+        ]
+    return [f"write a fresh key pair to {job_dir / 'keys'} (0600; the replicas read it from the shared filesystem)"]
+
+
 def _role_json(role: AgentRole) -> dict[str, Any]:
     import dataclasses
 
     return dataclasses.asdict(role)
+
+
+def _address_of(runner: Any, sched: str, hostname: str) -> str:
+    """An address this client can dial for a replica's hostname: torchx's kubernetes names a pod
+    ``<ip-with-dashes>.<namespace>.pod.cluster.local`` (cluster DNS only): its IP; local_docker names the
+    container (docker's DNS only): its address on torchx's network, from the daemon."""
+    pod = re.match(r"^(\d+)-(\d+)-(\d+)-(\d+)\.[^.]+\.pod\.", hostname)
+    if pod:
+        return ".".join(pod.groups())
+    if sched == "local_docker":
+        with contextlib.suppress(Exception):  # the daemon's word; else the name as torchx gave it
+            container = runner._scheduler(sched)._docker_client.containers.get(hostname)
+            return str(container.attrs["NetworkSettings"]["Networks"]["torchx"]["IPAddress"]) or hostname
+    return hostname
 
 
 def _listening(host: str, port: int) -> bool:

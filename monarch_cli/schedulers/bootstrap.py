@@ -1,6 +1,7 @@
-"""How a stock image's pod gets our code: a stdlib-only bootstrap that the client ships the bundle to.
+"""How a host with a stock interpreter gets our code: a stdlib-only bootstrap that the client ships the bundle to.
 
-A pod's container runs :data:`BOOTSTRAP` (``python3 -c``), not the agent: it checks the
+Shared by the backends whose hosts do not see the client's filesystem (the kubernetes backend's
+pods, the torchx backends' replicas). A pod's (a replica's) container runs :data:`BOOTSTRAP` (``python3 -c``), not the agent: it checks the
 interpreter (CPython >= :data:`~...runtime.launch.bundle.MIN_PYTHON`), listens on the agent's
 port, and greets each connection with one line: its platform (what the ssh backend's probe
 learns) and the bundle parts it holds, and a fresh nonce. The client (:func:`ship`), over the
@@ -24,8 +25,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import SchedulerError
-from ...runtime.launch import bundle
+from ..errors import SchedulerError
+from ..runtime.launch import bundle
 
 #: The emptyDir volume the pod's bundle parts are unzipped into (gone with the pod).
 VOLUME = "monarch-bundle"
@@ -145,9 +146,10 @@ os.execve(sys.executable, [sys.executable] + agent, env)
 )
 
 
-def command(python: str, port: int, agent_argv: list[str]) -> list[str]:
-    """The pod's container command: the bootstrap, then (exec'd by it) the agent's arguments."""
-    return [python, "-c", BOOTSTRAP.strip() + "\n", str(port), BUNDLES_DIR, *agent_argv[1:]]
+def command(python: str, port: int | str, agent_argv: list[str], where: str = BUNDLES_DIR) -> list[str]:
+    """The pod's container command: the bootstrap, then (exec'd by it) the agent's arguments.
+    ``port`` may be a shell expression (torchx's per-replica port); ``where``: the bundles' directory."""
+    return [python, "-c", BOOTSTRAP.strip() + "\n", str(port), where, *agent_argv[1:]]
 
 
 def hmac_key(encoded_keys: str) -> bytes:
@@ -186,6 +188,9 @@ def ship(
     key: bytes,
     wheelhouse: str | None,
     say: Callable[[str], None],
+    *,
+    where: str = BUNDLES_DIR,
+    who: str = "the pod",
 ) -> dict[str, Any]:
     """Send the parts the pod lacks for its platform (built or found in this client's cache) and
     wait for its word: ``{"code", "deps", "shipped"}``. A SchedulerError says why not (no prefix); a
@@ -196,7 +201,7 @@ def ship(
     need = sum(p.size + p.unpacked for p in missing)
     if missing and isinstance(hello.get("free"), int) and hello["free"] < need:
         raise SchedulerError(
-            f"not enough space for our code and wheels in {BUNDLES_DIR}: {hello['free'] / 1e6:.1f} MB free, "
+            f"not enough space for our code and wheels in {where}: {hello['free'] / 1e6:.1f} MB free, "
             f"{need / 1e6:.1f} MB needed"
         )
     parts: list[dict[str, Any]] = [
@@ -223,9 +228,9 @@ def ship(
     except OSError as e:
         raise ConnectionError(f"the connection ended while shipping the bundle ({e.strerror or e})") from None
     if not answer:
-        raise ConnectionError("the connection ended before the pod took the bundle")
+        raise ConnectionError(f"the connection ended before {who} took the bundle")
     if answer != "ok":
-        raise SchedulerError(f"the pod did not take the bundle: {answer.removeprefix('error: ')}")
+        raise SchedulerError(f"{who} did not take the bundle: {answer.removeprefix('error: ')}")
     return {"code": built.code.name, "deps": built.deps.name, "shipped": sum(p["size"] for p in parts)}
 
 
