@@ -97,8 +97,8 @@ class AgentCore(Protocol):
     def next_request(self) -> int:
         """A fresh request id for a fork server."""
 
-    def register_client(self, addr: str, heartbeat_timeout: float, renew: bool = False) -> None:
-        """Watch a client's heartbeats: what it owns dies with it."""
+    def register_client(self, addr: str, heartbeat_timeout: float) -> None:
+        """Watch a client's heartbeats (its clock restarts now): what it owns dies with it."""
 
     def watch_fd(self, fd: int) -> None:
         """Add ``fd`` to the agent's poller; its handler is called when it is readable."""

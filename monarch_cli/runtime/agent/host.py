@@ -369,11 +369,13 @@ class HostAgent:
         self.reply(msg.reply_to, msg.cid, True, None)
         self.running = False
 
-    def register_client(self, addr: str, heartbeat_timeout: float, renew: bool = False) -> None:
+    def register_client(self, addr: str, heartbeat_timeout: float) -> None:
         """Track ``addr``'s heartbeats; when they stop, it is reaped (its procs, ranks and holds
-        go). ``renew``: start its clock and timeout afresh if it is tracked already."""
-        if renew or addr not in self.clients:
-            self.clients[addr] = _Client(time.monotonic(), heartbeat_timeout)
+        go). The request that registers it is itself a sign of life, so its clock starts afresh
+        even if it is tracked already: a client heartbeats only while it has something running
+        here, and a run asked for just under the timeout after its last heartbeat was otherwise
+        reaped at the next check, its new ranks SIGKILLed as they started (seen in the suite)."""
+        self.clients[addr] = _Client(time.monotonic(), heartbeat_timeout)
 
     def info(self) -> dict[str, Any]:
         from ...config import advertised_host

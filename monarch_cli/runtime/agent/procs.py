@@ -64,7 +64,7 @@ class ProcHost:
         relay: bool,
     ) -> None:
         agent = self.agent
-        agent.register_client(owner, float(client_settings.get("heartbeat_timeout", 5.0)), renew=True)
+        agent.register_client(owner, float(client_settings.get("heartbeat_timeout", 5.0)))
         for proc_id, ready_cid in specs:
             req = agent.next_request()
             boot: protocol.ProcBoot = {
