@@ -64,8 +64,9 @@ class EventBatches:
         heads = [h for h, _ in held]
         sizes = [-1 if d is None else len(d) for _, d in held]
         joined = b"".join(d for _, d in held if d is not None)
-        batch = protocol.Batch(heads, sizes)
-        self._send_frames(address, wire.frames((batch.KIND, *batch), [joined] if joined else []))
+        self._send_frames(
+            address, wire.frames(protocol.header(protocol.Batch(heads, sizes)), [joined] if joined else [])
+        )
 
     def flush_all(self) -> None:
         """The end of a round: send everything held, client by client."""
