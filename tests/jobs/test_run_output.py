@@ -240,3 +240,30 @@ def test_two_runs_at_once_from_one_process_each_get_only_their_own_ranks(job: Jo
         ranks = sorted(e.rank for e in r.result.ranks)
         assert ranks == list(range(len(job.state.hosts))), "a rank's exit went to the other run, or was lost"
         assert r.by_rank() == {f"rank{n}": [f"{tag} rank {n} line {i}".encode() for i in range(200)] for n in ranks}
+
+
+def test_batched_events_keep_each_ranks_order_and_its_exit_after_its_output(job: Job, tmp_path: Path) -> None:
+    """Eight ranks that print a burst and exit at once: an agent sends what a round of its loop
+    read (several ranks' output and exits) as one batch; each rank's lines still arrive whole and
+    in order, and its exit only after them (its last line is in the exit's tail)."""
+    script = write_script(
+        tmp_path,
+        "burst.py",
+        """
+        import os
+        rank = int(os.environ["RANK"])
+        for i in range(200):
+            os.write(1, f"rank {rank} line {i:03d}\\n".encode())
+        os.write(2, f"rank {rank} done\\n".encode())
+        os._exit(0)
+    """,
+    )
+    run = spmd(job, script, nproc=4)
+    assert sorted(r.rank for r in run.result.ranks) == list(range(8))
+    assert run.result.exit_code == 0, run.text()
+    out, err = console_by_rank(run.out), console_by_rank(run.err)
+    for rank in range(8):
+        assert out[f"rank{rank}"].splitlines() == [f"rank {rank} line {i:03d}".encode() for i in range(200)]
+        assert err[f"rank{rank}"] == f"rank {rank} done\n".encode()
+        # The exit came after every byte the rank wrote: its tail ends with its last line.
+        assert run.result.ranks[rank].tail[-1] == f"rank {rank} done", run.result.ranks[rank].tail
