@@ -3,7 +3,8 @@
 Each emulated agent is a real CURVE ROUTER on its own TCP port, authenticated with the
 reservation's keys by a real ZAP handler, speaking the real wire protocol
 (:mod:`monarch_cli.runtime.protocol`, :mod:`monarch_cli.runtime.transport.wire`): the client cannot tell
-it from a real agent. What it does not do is run anything: a rank "runs" as its environment
+it from a real agent. It batches a run's events as a real agent does
+(:mod:`monarch_cli.runtime.agent.batches`): what one round of its socket produced, one message. What it does not do is run anything: a rank "runs" as its environment
 says and ends at once:
 
 * ``EMULATED_OUTPUT``: what every rank prints on stdout (``{rank}`` is replaced by its rank);
@@ -49,11 +50,23 @@ def raise_fd_limit() -> None:
 # ----------------------------------------------------------------------- the emulator
 class _Agent:
     def __init__(self, name: str, sock: Any, address: str) -> None:
+        from monarch_cli.runtime.agent.batches import EventBatches
+
         self.name = name
         self.sock = sock
         self.address = address
         self.muted = False
         self.hung: dict[str, list[tuple[int, str]]] = {}  # run_id -> [(rank, owner)]
+        #: As a real agent: a run's events of one round (all it read from its socket) in one message.
+        self.batches = EventBatches(self._send_now)
+
+    def _send_now(self, to: str, frames: list[Any]) -> None:
+        import zmq
+
+        try:
+            self.sock.send_multipart([to.encode(), *frames], copy=False)
+        except zmq.ZMQError:  # that client is gone
+            pass
 
 
 class _Emulator:
@@ -115,6 +128,7 @@ class _Emulator:
                             self._handle(agent, wire.recv_frames(item))
                         except Exception as e:  # noqa: BLE001 - as a real agent: keep serving
                             print(f"emulated agent {agent.name}: {type(e).__name__}: {e}", file=sys.stderr)
+                    agent.batches.flush_all()  # the end of this agent's round
 
     def _control(self, words: list[str]) -> None:
         if len(words) == 2 and words[0] in ("mute", "unmute"):
@@ -126,10 +140,9 @@ class _Emulator:
     def _send(self, agent: _Agent, to: str, msg: Any, body: list[Any] = ()) -> None:  # type: ignore[assignment]
         from monarch_cli.runtime.transport import wire
 
-        try:
-            agent.sock.send_multipart([to.encode(), *wire.frames((msg.KIND, *msg), body)], copy=False)
-        except self.zmq.ZMQError:  # that client is gone
-            pass
+        if not agent.batches.add(to, msg, body):
+            agent.batches.flush(to)  # what is held goes first, as a real agent's does
+            agent._send_now(to, wire.frames((msg.KIND, *msg), body))
 
     def _reply(self, agent: _Agent, to: str, cid: int, ok: bool, value: Any) -> None:
         from monarch_cli.runtime import protocol

@@ -56,7 +56,7 @@ def rank_ranges(ranks: Iterable[int]) -> str:
 
 
 class _Group:
-    __slots__ = ("born", "joined", "ranks", "seq", "stream", "text")
+    __slots__ = ("born", "joined", "live", "printed", "ranks", "seq", "stream", "text")
 
     def __init__(self, seq: int, stream: int, text: bytes, born: float) -> None:
         self.seq = seq
@@ -65,6 +65,8 @@ class _Group:
         self.born = born
         self.joined = born
         self.ranks: list[int] = []
+        self.live = 0  # of its ranks, those still running: all the live ranks have joined when it is len(_live)
+        self.printed = False
 
 
 class LineGrouper:
@@ -95,6 +97,7 @@ class LineGrouper:
         self._waiting: collections.deque[_Group] = collections.deque()
         self._latest: dict[tuple[int, bytes], _Group] = {}  # the newest waiting group of each line
         self._last_seq: dict[int, int] = {}  # rank -> seq of the group holding its newest waiting line
+        self._joined: dict[int, collections.deque[_Group]] = {}  # rank -> the groups it joined, not yet printed
         self._seq = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -117,6 +120,14 @@ class LineGrouper:
                 group.ranks.append(rank)
                 group.joined = now
                 self._last_seq[rank] = group.seq
+                if rank in self._live:
+                    group.live += 1
+                    joined = self._joined.get(rank)
+                    if joined is None:
+                        joined = self._joined[rank] = collections.deque()
+                    while joined and joined[0].printed:  # printed in order: a prefix of its groups
+                        joined.popleft()
+                    joined.append(group)
             self._print_due(now)
             if wake:
                 self._cond.notify()
@@ -124,7 +135,10 @@ class LineGrouper:
     def rank_ended(self, rank: int) -> None:
         """``rank`` prints no more: groups need not wait for it."""
         with self._cond:
-            self._live.discard(rank)
+            if rank in self._live:
+                self._live.discard(rank)
+                for group in self._joined.pop(rank, ()):
+                    group.live -= 1
             self._print_due(time.monotonic())
 
     def close(self) -> None:
@@ -155,9 +169,12 @@ class LineGrouper:
         while waiting:
             head = waiting[0]
             due = now - head.joined >= self._window or now - head.born >= self._max_hold
-            if not (due or len(head.ranks) >= live or len(waiting) > MAX_WAITING):
+            # Complete: every rank still running has joined it (ranks that ended count for nothing:
+            # a group of ended ranks still waits for live ranks printing the same line).
+            if not (due or head.live >= live or len(waiting) > MAX_WAITING):
                 break
             waiting.popleft()
+            head.printed = True
             if self._latest.get((head.stream, head.text)) is head:
                 del self._latest[(head.stream, head.text)]
             out.setdefault(head.stream, []).append(self._label(head.ranks) + head.text)

@@ -127,3 +127,16 @@ def test_outcome_summary_groups_ranks_by_how_they_ended() -> None:
     assert outcome_summary(exits) == "4,094 exited 0; ranks 17, 802: killed by SIGSEGV"
     exits = [RankExit(r, f"rank{r}", "h", 1 if r < 10 else 0, None, 1.0) for r in range(20)]
     assert outcome_summary(exits) == "10 exited 0; 10 ranks: exit 1"
+
+
+def test_ranks_that_ended_do_not_complete_a_group_the_running_ranks_have_not_joined(tmp_path: Path) -> None:
+    """Each host's output and exits arrive together (batched): half the ranks print a line and
+    end before the other half print it. The line still prints once, with every rank: a group is
+    complete when every running rank has joined it, not when it has as many ranks as are running."""
+    n = 64
+    sink, out, _ = _sink(tmp_path, n)
+    for r in range(n):
+        sink.write(r, 1, b"epoch 3 loss 2.31\n")
+        sink.end_of_rank(r)
+    sink.close()
+    assert out.getvalue().splitlines() == [b"[rank 0-63] epoch 3 loss 2.31"]

@@ -240,3 +240,39 @@ def test_two_runs_at_once_from_one_process_each_get_only_their_own_ranks(job: Jo
         ranks = sorted(e.rank for e in r.result.ranks)
         assert ranks == list(range(len(job.state.hosts))), "a rank's exit went to the other run, or was lost"
         assert r.by_rank() == {f"rank{n}": [f"{tag} rank {n} line {i}".encode() for i in range(200)] for n in ranks}
+
+
+def test_batched_events_keep_each_ranks_order_and_its_exit_after_its_output(job: Job, tmp_path: Path) -> None:
+    """Eight ranks that start printing together and exit at once: an agent sends what a round of
+    its loop read (several ranks' output and exits) as one batch; each rank's lines still arrive
+    whole and in order, and its exit only after them (its last line is in the exit's tail).
+    Real agents batch only when a round finds several events (here 1-3 batches a run, checked by
+    hand); tests/runtime/test_batches.py and the emulated cluster batch every time."""
+    script = write_script(
+        tmp_path,
+        "burst.py",
+        """
+        import os, sys, time
+        rank = int(os.environ["RANK"])
+        # All eight start writing together, so an agent's round finds several ranks' output.
+        open(os.path.join(sys.argv[1], str(rank)), "w").close()
+        while len(os.listdir(sys.argv[1])) < 8:
+            time.sleep(0.001)
+        for i in range(2000):
+            os.write(1, f"rank {rank} line {i:04d}\\n".encode())
+        os.write(1, f"rank {rank} done\\n".encode())
+        os._exit(0)
+    """,
+    )
+    (tmp_path / "arrived").mkdir()
+    run = spmd(job, script, str(tmp_path / "arrived"), nproc=4)
+    assert sorted(r.rank for r in run.result.ranks) == list(range(8))
+    assert run.result.exit_code == 0, run.text()
+    assert run.err == b""
+    out = console_by_rank(run.out)
+    for rank in range(8):
+        want = [f"rank {rank} line {i:04d}".encode() for i in range(2000)] + [f"rank {rank} done".encode()]
+        assert out[f"rank{rank}"].splitlines() == want
+        # The exit came after every byte the rank wrote (one stream: two pipes have no order
+        # between them): its tail ends with its last line.
+        assert run.result.ranks[rank].tail[-1] == f"rank {rank} done", run.result.ranks[rank].tail

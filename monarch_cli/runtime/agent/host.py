@@ -53,6 +53,7 @@ from ..transport import wire
 from ..transport.keys import Keys, keys_from_environment
 from ..transport.sockets import Transport
 from . import lineage, registry, sync
+from .batches import EventBatches
 from .debug import DebugHost
 from .peers import PeerProbes
 from .procs import ProcHost
@@ -185,6 +186,7 @@ class HostAgent:
         # or one that never linked) is sent to directly, as before.
         self.inbox.router_mandatory = True
         self.inbox.router_handover = True  # a client's reconnection (a restarted tunnel) takes its route over
+        self.batches = EventBatches(self._send_now)
         self.host = name or socket.gethostname()
         self.label = f"{reservation} host {self.host}" if reservation else f"host {self.host}"
         lineage.become_subreaper()
@@ -232,11 +234,18 @@ class HostAgent:
     # ------------------------------------------------------------------ sending
     def send(self, address: str, msg: Any, body: list[Any] = ()) -> None:  # type: ignore[assignment]
         """A :mod:`..protocol` message to ``address``, through the connection it opened to us,
-        else by connecting to it."""
-        self.send_frames(address, wire.frames((msg.KIND, *msg), body))
+        else by connecting to it; a run's events are held to the round's end (:mod:`.batches`)."""
+        if not self.batches.add(address, msg, body):
+            self.send_frames(address, wire.frames((msg.KIND, *msg), body))
 
     def send_frames(self, address: str, frames: list[Any]) -> None:
-        """A message's frames, as they are, to ``address`` (as :meth:`send`): the relay's path."""
+        """A message's frames, as they are, to ``address`` (as :meth:`send`): the relay's path.
+        What is held for ``address`` goes first."""
+        if address in self.batches:
+            self.batches.flush(address)
+        self._send_now(address, frames)
+
+    def _send_now(self, address: str, frames: list[Any]) -> None:
         try:
             self.inbox.send_multipart([address.encode(), *frames], copy=False)
             return
@@ -320,6 +329,7 @@ class HostAgent:
                         self._handle(frames)
                     except Exception as e:  # noqa: BLE001 - keep serving the other clients
                         print(f"monarch agent: bad request: {type(e).__name__}: {e}", file=sys.stderr)
+            self.batches.flush_all()  # this round's output and exits, one message per client
             self._check_clients()
             self.procs.tick()
             self._reap_adopted()
@@ -328,6 +338,7 @@ class HostAgent:
             self._check_state_file()
             self.telemetry.tick(events)
             self.peers.tick()
+            self.batches.flush_all()  # what the ticks reported (exits after the EOF grace, telemetry)
         self.telemetry.close()
         self.procs.kill_all()
         self.ranks.kill_all()

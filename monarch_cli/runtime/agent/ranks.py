@@ -14,7 +14,9 @@ Output is flow-controlled per run: at most :data:`OUTPUT_WINDOW` bytes travel ah
 client's ``output_credit`` messages (sent as it prints them). Past that, the ranks' pipes
 are not read, so a rank writing faster than the client's console takes it blocks in
 ``write()``, as it would under torchrun, instead of every process between them buffering
-without bound.
+without bound. Output and exits leave through ``agent.send``, which holds them to the end of
+the loop's round and sends them to each client as one message (:mod:`.batches`); the byte
+count above is taken as they are read, so batching does not change it.
 """
 
 from __future__ import annotations

@@ -317,6 +317,21 @@ class Mailbox(MailboxIO):
     # ------------------------------------------------------------------ receiving
     def _handle_message(self, frames: list[zmq.Frame]) -> None:
         head, body = wire.parse(frames)
+        if head and head[0] == "batch":  # an agent's events of one round: each as if sent alone
+            try:
+                batch = protocol.decode(head)
+            except TypeError:
+                batch = None
+            if batch is not None:
+                for event_head, event_body in protocol.unbatch(batch, body):
+                    try:
+                        self._dispatch(event_head, event_body)
+                    except Exception:  # noqa: BLE001 - as for a message alone: the others still count
+                        traceback.print_exc()
+                return
+        self._dispatch(head, body)
+
+    def _dispatch(self, head: tuple[Any, ...], body: list[Any]) -> None:
         try:
             msg = protocol.decode(head)
         except (KeyError, TypeError):  # from a newer agent or proc: say so once per kind, go on

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import Failure
@@ -19,6 +20,9 @@ __all__ = [
     "DebugDapToIde",
     "DebugDapClosed",
     "ProcExited",
+    "Batch",
+    "BATCHED",
+    "unbatch",
 ]
 
 
@@ -120,3 +124,35 @@ class ProcExited(NamedTuple):
     proc_id: str
     failure: Failure
     expected: bool
+
+
+# ------------------------------------------------------------------------ batches
+@_message("batch", AGENT_CLIENT)
+class Batch(NamedTuple):
+    """Several events for one client from one round of an agent's loop, in the order they were
+    sent: one message (one receive, one CURVE decryption, one parse) instead of one per rank event.
+
+    ``events`` holds each event's header tuple; ``sizes`` the byte length of each event's body
+    (one frame, -1 for none); the bodies travel concatenated in one body frame, in order.
+    """
+
+    events: list[tuple[Any, ...]]
+    sizes: list[int]
+
+
+#: The kinds an agent may put in a :class:`Batch` (each with at most one body frame): a run's
+#: routed events. Anything else to the same client first sends what is batched, so the order
+#: a client sees is the order the agent sent.
+BATCHED = frozenset({"output", "rank_exit", "telemetry"})
+
+
+def unbatch(batch: Batch, body: Sequence[Any]) -> Iterator[tuple[tuple[Any, ...], list[Any]]]:
+    """``(header, body frames)`` of each event in ``batch``, in order; bodies are views of the frame, not copies."""
+    view = memoryview(body[0]) if body else memoryview(b"")
+    at = 0
+    for head, size in zip(batch.events, batch.sizes):
+        if size < 0:
+            yield head, []
+        else:
+            yield head, [view[at : at + size]]
+            at += size
