@@ -228,17 +228,21 @@ def test_a_live_run_in_the_browser(job: Job, dashboard: Served, browser, tmp_pat
 
         # stacks, captured on demand, grouped: ranks 0-2 in train_step's sleep, rank 3 in slow_rank
         _go(browser, dashboard, "#/stacks")
-        groups = wait_for(
-            "two stack groups",
-            lambda: (
-                [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#stack-groups .group summary")]
-                if len(browser.find_elements(By.CSS_SELECTOR, "#stack-groups .group")) == 2
-                else None
-            ),
-            timeout=90,
-        )
-        assert groups[0].startswith("3 ranks (0-2)") and groups[1].startswith("1 rank (3)"), groups
-        assert "slow_rank" in groups[1]
+
+        def two_groups() -> list[str] | None:
+            """The groups once a capture caught every rank in its sleep; else capture again (a
+            rank sampled inside train_step, as a loaded machine sometimes catches it, is a group
+            of its own, which the page shows faithfully)."""
+            groups = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#stack-groups .group summary")]
+            if len(groups) == 2 and groups[0].startswith("3 ranks (0-2)") and "slow_rank" in groups[1]:
+                return groups
+            button = browser.find_elements(By.ID, "capture")
+            if groups and button and button[0].is_enabled():
+                button[0].click()
+            return None
+
+        groups = wait_for("two stack groups", two_groups, timeout=90)
+        assert groups[1].startswith("1 rank (3)") and "slow_rank" in groups[1], groups
         _shoot(browser, "stacks", tmp_path)
 
         _go(browser, dashboard, "#/diagnose")
