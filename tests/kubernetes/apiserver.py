@@ -123,6 +123,34 @@ def _matches(obj: dict[str, Any], selector: str) -> bool:
     return True
 
 
+class ControlLoop:
+    """What the stand-ins for cluster controllers (the kubelet, Volcano's) share: ``_sync`` every
+    50 ms on a thread of their own until :meth:`stop_loop`; an exception is a test failure kept
+    in ``errors`` (the fixtures assert it is empty), not a dead thread."""
+
+    def start_loop(self, name: str) -> None:
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self.thread.start()
+
+    def stop_loop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as e:  # noqa: BLE001 - a test failure, not a dead thread
+                if f"{type(e).__name__}: {e}" not in self.errors:
+                    self.errors.append(f"{type(e).__name__}: {e}")
+            time.sleep(0.05)
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+
 class Store:
     """Objects by (plural, namespace, name), a resourceVersion counter and the event history watches replay."""
 

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .apiserver import Store, now
+from .apiserver import ControlLoop, Store, now
 
 INDEX = "batch.kubernetes.io/job-completion-index"
 _PASS_ENV = ("PYTHONPATH", "HOME", "LANG", "MONARCH_CACHE_DIR", "TMPDIR")
@@ -63,7 +63,7 @@ class _Container:
         self.proc, self.root = proc, root
 
 
-class Kubelet:
+class Kubelet(ControlLoop):
     """Runs in a thread beside the emulator; :meth:`close` kills every process it started."""
 
     def __init__(
@@ -96,21 +96,9 @@ class Kubelet:
         self._next_ip = 1
         #: A loopback /24 of its own, so kubelets of concurrent test runs never share a pod IP.
         self._ip_prefix = f"127.{random.randrange(10, 250)}.{random.randrange(1, 250)}"
-        self._stop = threading.Event()
-        self.errors: list[str] = []
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="kubelet")
-        self.thread.start()
+        self.start_loop("kubelet")
 
     # ------------------------------------------------------------------ loop
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._sync()
-            except Exception as e:  # noqa: BLE001 - a test failure, not a dead thread
-                if f"{type(e).__name__}: {e}" not in self.errors:
-                    self.errors.append(f"{type(e).__name__}: {e}")
-            time.sleep(0.05)
-
     def _sync(self) -> None:
         jobs, _ = self.store.list("jobs", None)
         pods, _ = self.store.list("pods", None)
@@ -517,8 +505,7 @@ class Kubelet:
         return [c.proc.pid for c in self.running.values()]
 
     def close(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=5)
+        self.stop_loop()
         for container in self.running.values():
             _kill(container.proc)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -11,34 +11,20 @@ scheduling (``minAvailable``), retries, plugins (the ``svc`` plugin's headless S
 from __future__ import annotations
 
 import copy
-import threading
-import time
 from typing import Any
 
-from .apiserver import ApiError, Store
+from .apiserver import ApiError, ControlLoop, Store
 
 JOB_LABEL = "volcano.sh/job-name"
 TASK_LABEL = "volcano.sh/task-spec"
 
 
-class VolcanoController:
+class VolcanoController(ControlLoop):
     """Runs in a thread; :meth:`close` stops it (the kubelet kills the pods' processes)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="volcano")
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._sync()
-            except Exception as e:  # noqa: BLE001 - a test failure, not a dead thread
-                if f"{type(e).__name__}: {e}" not in self.errors:
-                    self.errors.append(f"{type(e).__name__}: {e}")
-            time.sleep(0.05)
+        self.start_loop("volcano")
 
     def _sync(self) -> None:
         jobs, _ = self.store.list("vcjobs", None)
@@ -90,8 +76,7 @@ class VolcanoController:
                 pass
 
     def close(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=5)
+        self.stop_loop()
 
 
 def _task_phases(job: dict[str, Any]) -> dict[str, str]:
