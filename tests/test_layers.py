@@ -1,6 +1,6 @@
 """The package's shape: every module imports on its own, dependencies run one way, commands import little.
 
-cli -> jobs -> schedulers -> runtime -> (config, errors, sysutil, templates, version)
+cli -> jobs -> schedulers -> runtime -> (config, errors, shutdown, sysutil, templates, version)
 
 Inside runtime/: agent -> actor -> mailbox -> launch -> rank -> protocol -> transport -> (its leaf modules).
 No import cycle between any two modules of the package.
@@ -27,6 +27,7 @@ LAYERS = {
     "config": 0,
     "errors": 0,
     "sysutil": 0,
+    "shutdown": 0,
     "templates": 0,
     "telemetry_store": 0,
     "version": 0,

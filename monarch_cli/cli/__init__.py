@@ -46,21 +46,11 @@ def _exit(code: int) -> None:
     wherever they are, killed ``monarch stop`` with SIGABRT once (CI, not reproduced in 25 tries)
     after its work was done and printed. What a command must leave behind is written before it
     returns (the suite checks each command's files and exit status through this path)."""
-    import atexit
-    import threading
-
     if sys.getprofile() is not None or sys.gettrace() is not None:  # cProfile, a debugger: let them finish
         sys.exit(code)
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - as the interpreter: exit anyway
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a reader gone (EPIPE) was handled where it was written
-            pass
+    from ..shutdown import run_exit_steps
+
+    run_exit_steps()
     os._exit(code)
 
 

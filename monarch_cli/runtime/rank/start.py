@@ -14,7 +14,6 @@ port is never chosen by binding, closing and hoping (torchrun's agent-store cont
 
 from __future__ import annotations
 
-import atexit
 import functools
 import io
 import json
@@ -22,10 +21,10 @@ import os
 import runpy
 import signal
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...shutdown import run_exit_steps
 from ..title import rank_title, set_title
 
 if TYPE_CHECKING:
@@ -115,16 +114,7 @@ def _apply_threads(env: dict[str, str]) -> None:
 
 def _finish(code: int) -> int:
     """What interpreter shutdown does: join threads, run atexit, flush."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
+    run_exit_steps()
     return code
 
 
