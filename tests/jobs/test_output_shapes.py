@@ -206,18 +206,23 @@ def test_failure_table_shows_a_bounded_tail(job: Job, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_console_that_stops_reading_holds_the_ranks_back(job: Job, tmp_path: Path) -> None:
     """As under torchrun, a rank that writes faster than the console takes blocks in write():
-    output does not pile up in memory between them (hosts send only a window ahead)."""
-    marker = tmp_path / "finished-writing"
+    output does not pile up in memory between them (hosts send only a window ahead).
+
+    The reservation has two hosts, so the run has two ranks; only rank 0 is shown. Rank 1's
+    output goes to its log alone and is not held back by the console, so each rank marks
+    its own end and only rank 0's mark is watched (one shared mark once let rank 1, done
+    before rank 0 reached the console, pass for rank 0)."""
+    marker = tmp_path / "finished-writing-0"
     script = write_script(
         tmp_path,
         "flood.py",
         f"""
-        import sys
+        import os, sys
         block = b"f" * 65536
         for _ in range(512):  # 32 MiB
             sys.stdout.buffer.write(block)
         sys.stdout.flush()
-        open({str(marker)!r}, "w").close()
+        open({str(tmp_path)!r} + "/finished-writing-" + os.environ["RANK"], "w").close()
     """,
     )
     seen_during_stall: list[bool] = []
@@ -234,6 +239,7 @@ def test_a_console_that_stops_reading_holds_the_ranks_back(job: Job, tmp_path: P
     out = StalledConsole()
     result = job.run_spmd(["torchrun", "--nproc-per-node=1", str(script)], stdout=out, stderr=io.BytesIO(), ranks={0})
     assert result.exit_code == 0, [r.how for r in result.ranks]
+    assert len(result.ranks) == 2  # what the docstring says: rank 1 runs too, unseen
     assert seen_during_stall == [False]  # the rank could not finish writing while the console stalled
     assert marker.exists()
     assert (result.log_dir / "rank0.log").read_bytes() == b"f" * (32 << 20)
