@@ -140,6 +140,10 @@ class DebugHost:
     def _from_rank(self, s: _Session, msg: Any) -> None:
         """One :data:`~..protocol.RankDebugMessage` from the rank's debugger channel."""
         kind = msg["type"]
+        if kind == "exiting":  # the rank's last word: its status, before the kernel tears it down
+            if s.pid is not None:
+                self.agent.ranks.exiting(s.pid, int(msg["status"]))
+            return
         if kind == "output":
             s.transcript += msg["data"]
             if len(s.transcript) > _TRANSCRIPT_CHARS:

@@ -105,6 +105,13 @@ class _Zygote:
             return
         self._queued.append((data, [os.dup(fd) for fd in fds]))
 
+    def spares(self, count: int) -> None:
+        """Ask a warm zygote to keep ``count`` rank children forked ahead (see :mod:`.zygote`)."""
+        data = pickle.dumps(protocol.header(protocol.Spares(count)))
+        if not self._queued and self._send(data, []):
+            return
+        self._queued.append((data, []))
+
     def _send(self, data: bytes, fds: list[int]) -> bool:
         try:
             # (socket.send_fds ignores its flags before Python 3.12)

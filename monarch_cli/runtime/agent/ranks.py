@@ -112,6 +112,7 @@ class RankHost:
         self.port_held_at: dict[str, float] = {}
         self.tracked: dict[str, set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
         self.leftovers: dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
+        self.warm_forks: dict[str, tuple[Any, int]] = {}  # run id -> (warm zygote, ranks forked from it)
         self._next_scan = 0.0
 
     # ---------------------------------------------------------------- requests
@@ -220,6 +221,7 @@ class RankHost:
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
             if spec["warm"]:
                 self.agent.warm.fork_asked(zygote)
+                self.warm_forks[run_id] = (zygote, self.warm_forks.get(run_id, (None, 0))[1] + 1)
             for fd in (devnull, out_w, err_w):
                 os.close(fd)
             if debug_ours is not None:
@@ -326,6 +328,18 @@ class RankHost:
         self._maybe_report(rank)
         return True
 
+    def exiting(self, pid: int, status: int) -> None:
+        """A warm rank said, as its last act, that it exits with ``status`` and has closed its
+        output: it is reported as soon as its pipes say so too. Tearing down a process forked
+        from a warm process of hundreds of MB takes the kernel 3-10 ms, and the fork server's
+        ``exit`` comes after that (and is then not needed: it finds the rank reported)."""
+        rank = self.by_pid.get(pid)
+        if rank is None or rank.status is not None:
+            return
+        rank.status = (status & 0xFF) << 8  # a wait status, as ``waitpid`` would give it
+        rank.exited_at = time.monotonic()
+        self._maybe_report(rank)
+
     def readable(self, fd: int) -> bool:
         rank = self.by_fd.get(fd)
         if rank is None:
@@ -426,6 +440,9 @@ class RankHost:
         if any(r.run_id == run_id for r in (*self.by_pid.values(), *self.pending.values())):
             return
         self.agent.warm.learn(run_id)
+        zygote, forked = self.warm_forks.pop(run_id, (None, 0))
+        if zygote is not None:  # the next run, likely the same, starts from spares
+            self.agent.warm.keep_spares(zygote, forked)
         self.in_flight.pop(run_id, None)
         self.held.pop(run_id, None)
         self.unthrottled.discard(run_id)

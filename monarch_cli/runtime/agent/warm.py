@@ -20,6 +20,7 @@ from typing import Any
 
 from ...sysutil import cache_dir as _cache_dir
 from ...sysutil import private_tmpdir
+from .filewatch import FileWatch
 
 _MAX_OFFENDER_RETRIES = 5
 #: A warm-up of learned modules waits while a run younger than this is running here: it takes
@@ -40,6 +41,7 @@ class _Warm:
     ready: dict[str, Any] | None = None
     children: int = 0  # ranks asked of it and not yet exited
     retired: bool = False
+    files: FileWatch | None = None  # the files it loaded, watched from when it is ready
 
 
 class LearnedStore:
@@ -188,7 +190,9 @@ class WarmRanks:
             self._drop(cur)
             cur = None
         if cur is not None and cur.ready is not None:
-            changed = _changed_file(cur.ready.get("files", {}))
+            if cur.files is None:
+                cur.files = FileWatch(cur.ready.get("files", {}))
+            changed = cur.files.changed()
             if changed is not None:
                 notices.append(f"{changed} changed since the warm process loaded it; starting from a fresh one")
                 self._retire(cur)
@@ -276,6 +280,13 @@ class WarmRanks:
             return True
         return False
 
+    def keep_spares(self, zygote: Any, count: int) -> None:
+        """A run that forked ``count`` ranks from ``zygote`` ended: if runs still fork from it, have
+        that many forked ahead for the next one (:mod:`.zygote`'s spares)."""
+        cur = self.current
+        if cur is not None and cur.zygote is zygote and cur.ready is not None and count > 0:
+            zygote.spares(count)
+
     def fork_asked(self, zygote: Any) -> None:
         """A rank was asked of ``zygote``: it counts as a child from now, not from its ``forked`` reply,
         so a zygote retired meanwhile (the next one became ready) is not killed with forks in flight
@@ -290,6 +301,7 @@ class WarmRanks:
                 warm.ready = json.load(f)
         except (OSError, ValueError):
             warm.ready = {"modules": 0, "held": [], "left_out": {}, "files": {}, "at": time.time()}
+        warm.files = FileWatch(warm.ready.get("files", {}))  # (a stat of each once, here, not in a run)
         for name, why in warm.ready.get("left_out", {}).items():
             self.store.exclude(name, why)
         offender = warm.ready.get("offender")
@@ -330,6 +342,8 @@ class WarmRanks:
             self.retired.append(warm)
 
     def _drop(self, warm: _Warm, kill: bool = False) -> None:
+        if warm.files is not None:
+            warm.files.close()
         if kill:
             warm.zygote.kill()
         try:
@@ -376,17 +390,6 @@ class WarmRanks:
             "learning": self.learning,
             "store": self.store.path,
         }
-
-
-def _changed_file(files: dict[str, Any]) -> str | None:
-    for path, (mtime, size) in files.items():
-        try:
-            st = os.stat(path)
-        except OSError:
-            return path
-        if st.st_mtime_ns != mtime or st.st_size != size:
-            return path
-    return None
 
 
 def _rss(pid: int) -> int | None:

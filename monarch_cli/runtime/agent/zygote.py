@@ -4,10 +4,18 @@ Forking it makes a ready proc in a few milliseconds instead of paying interprete
 and imports each time. It never creates a ZeroMQ context (not fork-safe) or a thread.
 Children get SIGKILL when the zygote dies (PR_SET_PDEATHSIG), and the zygote gets it when
 its agent dies, so a killed agent leaves no procs behind.
+
+A warm zygote (torch and what runs imported: hundreds of MB) takes ~5-10 ms to fork, and
+forks a run's ranks one after the other. After a run the agent asks it for spares
+(:class:`~..protocol.Spares`): children forked then, each idle on a socket of its own, that
+the next run's ranks are handed to (their boot record and fds, as a fork would give them), so
+that run's ranks start at once instead of one fork apart. An idle spare runs nothing of
+anyone's and dies with the zygote; its exit is not reported (it was never a rank).
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import ctypes
 import errno
@@ -39,18 +47,25 @@ def die_with_parent() -> None:
         pass
 
 
-def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: dict[str, Any], fds: list[int]) -> None:
+def _leave_the_zygote(inherited: list[Any]) -> None:
+    """First thing in a child: the zygote's signal set-up and its descriptors are not its own."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    die_with_parent()
+    for f in inherited:
+        try:
+            f.close() if isinstance(f, socket.socket) else os.close(f)
+        except OSError:
+            pass
+
+
+def _child(inherited: list[Any], kind: str, boot: dict[str, Any], fds: list[int]) -> None:
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         parent = boot.pop("_zygote_pid")
-        die_with_parent()
+        _leave_the_zygote(inherited)
         if os.getppid() != parent:
             os._exit(1)
-        sock.close()
-        os.close(wake_r)
-        os.close(wake_w)
         extra = {role: fds[i] for role, i in boot.pop("_fd_roles", {}).items()}  # listen, debug
         for target, fd in zip((0, 1, 2), fds[:3]):
             os.dup2(fd, target)
@@ -75,8 +90,95 @@ def _child(sock: socket.socket, wake_r: int, wake_w: int, kind: str, boot: dict[
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            if kind == "rank":
+                _say_exiting(code)
         finally:
             os._exit(code)
+
+
+def _say_exiting(code: int) -> None:
+    """A warm rank's last act: close its output and tell its agent the status (``RankHost.exiting``)."""
+    rank_debug = sys.modules.get("monarch_cli.runtime.rank.debug")
+    if rank_debug is None or not rank_debug.installed():
+        return
+    for fd in (0, 1, 2):  # what _exit would close: the agent sees the ends of output now
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    rank_debug.say_exiting(code)
+
+
+class _Spares:
+    """The zygote's idle spare children, by pid, each with the zygote's end of its socket."""
+
+    def __init__(self, title: str) -> None:
+        #: ``monarch spare local-1a2b host h0`` for the zygote ``monarch warm local-1a2b host h0``
+        self.title = "monarch spare " + title.split(" ", 2)[-1]
+        self.idle: dict[int, socket.socket] = {}
+        self.lost: set[int] = set()  # spares found dead when handed a rank, not reaped yet
+
+    def fill(self, count: int, inherited: list[Any], children: set[int]) -> None:
+        """Fork spares until ``count`` are idle (at most :data:`MAX_SPARES`)."""
+        while len(self.idle) < min(count, MAX_SPARES):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            gc.freeze()
+            pid = os.fork()
+            if pid == 0:
+                _spare(theirs, [*inherited, ours, *self.idle.values()], self.title)
+            theirs.close()
+            self.idle[pid] = ours
+            children.add(pid)
+
+    def hand_over(self, data: bytes, fds: list[int]) -> int | None:
+        """Give a rank's fork request to an idle spare; its pid, or None when none could take it."""
+        while self.idle:
+            pid, ours = self.idle.popitem()
+            try:
+                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+                ours.sendmsg([data], ancillary)
+            except OSError:  # it died meanwhile: its exit is reaped (and not reported) as a spare's
+                self.lost.add(pid)
+                continue
+            finally:
+                ours.close()
+            return pid
+        return None
+
+    def exited(self, pid: int) -> bool:
+        """A spare died before it was a rank (killed from outside): forget it; True if it was one."""
+        ours = self.idle.pop(pid, None)
+        if ours is not None:
+            ours.close()
+            return True
+        if pid in self.lost:
+            self.lost.discard(pid)
+            return True
+        return False
+
+
+#: Spares a zygote keeps at most (one per rank the last run had here, up to this).
+MAX_SPARES = 64
+
+
+def _spare(own: socket.socket, inherited: list[Any], title: str) -> None:
+    """A spare child: wait, running nothing, for a rank's fork request; then be that rank."""
+    data, fds = b"", []
+    try:
+        _leave_the_zygote(inherited)
+        from ..title import set_title
+
+        set_title(title)
+        data, fds, _, _ = socket.recv_fds(own, 1 << 20, 16)
+    except BaseException:  # noqa: BLE001 - a signal from outside: an idle spare just goes
+        os._exit(1)
+    own.close()
+    if not data:  # the zygote went, or let it go
+        os._exit(0)
+    fork = protocol.decode(pickle.loads(data))
+    _child([], fork.kind, fork.boot, list(fds))
 
 
 def _exit_if_orphaned(parent: int, done: threading.Event) -> None:
@@ -125,6 +227,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set = set()
+    spares = _Spares(title)
     # Replies never block: with hundreds of forks asked at once, a blocking reply while the agent
     # is still sending requests would deadlock both ends of the socket pair. They wait here and
     # go as the socket takes them, while requests keep being read.
@@ -148,7 +251,8 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 if pid == 0:
                     break
                 children.discard(pid)
-                replies.append(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
+                if not spares.exited(pid):
+                    replies.append(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
         if sock in ready:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
@@ -160,22 +264,30 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 for pid in children:
                     signal_if_alive(pid, signal.SIGKILL)
                 os._exit(0)
-            fork = protocol.decode(pickle.loads(data))
-            req_id, kind, boot = fork.req_id, fork.kind, fork.boot
+            msg = protocol.decode(pickle.loads(data))
+            if isinstance(msg, protocol.Spares):
+                spares.fill(msg.wanted, [sock, wake_r, wake_w], children)
+                _send_replies(sock, replies)
+                continue
+            req_id, kind, boot = msg.req_id, msg.kind, msg.boot
             boot["_zygote_pid"] = os.getpid()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            # What the zygote holds never becomes garbage a rank could collect: leave it out of
-            # the rank's collections. A full one (HF Trainer calls gc.collect()) otherwise writes
-            # to every object, copying ~130 MB of the zygote's pages into the rank (~0.3-1 s) and
-            # freeing them at its exit. (The CPython docs' advice for a process that forks.)
-            gc.freeze()
-            pid = os.fork()
-            if pid == 0:
-                _child(sock, wake_r, wake_w, kind, boot, fds)
+            pid = None
+            if kind == "rank" and spares.idle:
+                pid = spares.hand_over(pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot))), fds)
+            if pid is None:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                # What the zygote holds never becomes garbage a rank could collect: leave it out of
+                # the rank's collections. A full one (HF Trainer calls gc.collect()) otherwise writes
+                # to every object, copying ~130 MB of the zygote's pages into the rank (~0.3-1 s) and
+                # freeing them at its exit. (The CPython docs' advice for a process that forks.)
+                gc.freeze()
+                pid = os.fork()
+                if pid == 0:
+                    _child([sock, wake_r, wake_w, *spares.idle.values()], kind, boot, fds)
+                children.add(pid)
             for f in fds:
                 os.close(f)
-            children.add(pid)
             replies.append(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
         _send_replies(sock, replies)
 

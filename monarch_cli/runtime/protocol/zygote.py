@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 from .base import AGENT_ZYGOTE, ZYGOTE_AGENT, _message
 
-__all__ = ["Fork", "Forked", "ChildExited", "WarmReady"]
+__all__ = ["Fork", "Spares", "Forked", "ChildExited", "WarmReady"]
 
 
 # ---------------------------------------------------------------- agent ↔ zygote
@@ -17,6 +17,14 @@ class Fork(NamedTuple):
     req_id: int
     kind: str
     boot: dict[str, Any]
+
+
+@_message("spares", AGENT_ZYGOTE)
+class Spares(NamedTuple):
+    """Keep ``wanted`` rank children forked ahead, idle until a ``fork`` of kind rank takes one
+    (a warm zygote, after a run: the next run's ranks start without a fork each)."""
+
+    wanted: int
 
 
 @_message("forked", ZYGOTE_AGENT)

@@ -266,6 +266,12 @@ def _service() -> None:
             _serve_dap(msg)
 
 
+def say_exiting(status: int) -> None:
+    """Tell the agent this rank exits with ``status`` now (its output closed already), so it need
+    not wait for the kernel to tear the process down (see ``RankHost.exiting``)."""
+    _send({"type": "exiting", "status": status})
+
+
 def installed() -> bool:
     """Whether this rank's breakpoints go to its agent (warm ranks import this module anyway)."""
     return _chan is not None
