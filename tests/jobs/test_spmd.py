@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pprint
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -342,6 +343,7 @@ def probes(job: Job, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         stdin=subprocess.DEVNULL,
         capture_output=True,
         timeout=120,
+        preexec_fn=_as_from_a_terminal,
     )
     plain = load_probes(plain_out)["plain"]
     plain["env"]["RANK"] = "1"
@@ -372,6 +374,14 @@ def test_warm_and_cold_ranks_see_the_same_process(probes: dict[str, Any], rank: 
     cold = comparable(probes["cold"]["ranks"][rank])
     diff = differences(warm, cold)
     assert not diff, "warm | cold differ:\n" + pprint.pformat(diff)
+
+
+def _as_from_a_terminal() -> None:
+    """The plain interpreter gets the dispositions of one started from a terminal, as ranks do
+    (``rank.start._default_signals``), not what this test process inherited: under ``nohup``
+    SIGHUP arrives ignored, and the comparison was of the test's launcher, not of the ranks."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("mode", ["warm", "learned", "cold"])

@@ -268,8 +268,17 @@ def _service() -> None:
 
 def say_exiting(status: int) -> None:
     """Tell the agent this rank exits with ``status`` now (its output closed already), so it need
-    not wait for the kernel to tear the process down (see ``RankHost.exiting``)."""
-    _send({"type": "exiting", "status": status})
+    not wait for the kernel to tear the process down (see ``RankHost.exiting``). Never waits: a
+    thread of the script's still sending (it is a daemon, about to die) just means the agent
+    learns the status from ``waitpid`` instead."""
+    if _chan is None or not _send_lock.acquire(timeout=0.05):
+        return
+    try:
+        _chan.send(json.dumps({"type": "exiting", "status": status}).encode(), socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+    finally:
+        _send_lock.release()
 
 
 def installed() -> bool:
