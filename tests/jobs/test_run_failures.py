@@ -24,13 +24,14 @@ OK = "import os\nprint('ok', os.environ['RANK'])\n"
 
 
 def rank_processes(job: Job) -> list[str]:
-    """Processes under the reservation's agents other than their zygotes (i.e. ranks)."""
+    """Processes under the reservation's agents other than their zygotes and the warm processes'
+    idle spares (i.e. ranks)."""
     found = []
     for host in job.state.hosts:
         for p in psutil.Process(host.pid).children(recursive=True):
             try:
                 cmd = " ".join(p.cmdline())
-                zygote = cmd.startswith(("monarch warm ", "monarch fork-server "))
+                zygote = cmd.startswith(("monarch warm ", "monarch fork-server ", "monarch spare "))
                 if not zygote and p.status() != psutil.STATUS_ZOMBIE:
                     found.append(f"{p.pid}: {cmd}")
             except psutil.NoSuchProcess:

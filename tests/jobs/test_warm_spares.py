@@ -42,11 +42,16 @@ def _spares(job: Job) -> dict[int, list[int]]:
         except psutil.NoSuchProcess:
             continue
         found[warm["pid"]] = [
-            c.pid
-            for c in children
-            if " ".join(c.cmdline()).startswith(f"monarch spare {job.state.reservation_id} host ")
+            c.pid for c in children if _title(c).startswith(f"monarch spare {job.state.reservation_id} host ")
         ]
     return found
+
+
+def _title(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # gone, or a rank that just exited (a zombie until its warm process reaps it)
+        return ""
 
 
 def _wait_spares(job: Job, per_host: int, timeout: float = 60.0) -> dict[int, list[int]]:

@@ -140,7 +140,7 @@ def _children_of_agents() -> set:
     found = set()
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if cmd.startswith(("monarch agent ", "monarch fork-server ", "monarch warm ")):
+        if cmd.startswith(("monarch agent ", "monarch fork-server ", "monarch warm ", "monarch spare ")):
             found.add(p.pid)
     return found
 
