@@ -314,7 +314,9 @@ class HostAgent:
         poller.register(self.transport.zap, zmq.POLLIN)
         poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
         while self.running:
-            events = dict(poller.poll(200))
+            due = self.ranks.next_due()
+            wait_ms = 200 if due is None else max(0, min(200, int((due - time.monotonic()) * 1000) + 1))
+            events = dict(poller.poll(wait_ms))
             if self.transport.zap in events:
                 self.transport.serve_zap()
             if self.zygote.sock.fileno() in events:
