@@ -189,9 +189,7 @@ class WarmRanks:
         if cur is not None and cur.zygote.process.poll() is not None:
             self._drop(cur)
             cur = None
-        if cur is not None and cur.ready is not None:
-            if cur.files is None:
-                cur.files = FileWatch(cur.ready.get("files", {}))
+        if cur is not None and cur.files is not None:  # (it is ready: its files are watched from then)
             changed = cur.files.changed()
             if changed is not None:
                 notices.append(f"{changed} changed since the warm process loaded it; starting from a fresh one")
@@ -301,7 +299,6 @@ class WarmRanks:
                 warm.ready = json.load(f)
         except (OSError, ValueError):
             warm.ready = {"modules": 0, "held": [], "left_out": {}, "files": {}, "at": time.time()}
-        warm.files = FileWatch(warm.ready.get("files", {}))  # (a stat of each once, here, not in a run)
         for name, why in warm.ready.get("left_out", {}).items():
             self.store.exclude(name, why)
         offender = warm.ready.get("offender")
@@ -314,6 +311,7 @@ class WarmRanks:
             self._retries += 1
             self._maybe_warm()
             return
+        warm.files = FileWatch(warm.ready.get("files", {}))  # (a stat of each once, here, not in a run)
         if warm is self.next:
             if self.current is not None:
                 self._retire(self.current)
