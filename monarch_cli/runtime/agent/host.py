@@ -100,17 +100,18 @@ class _Zygote:
 
     def fork(self, req_id: int, boot: dict[str, Any], fds: list[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
         """Ask for a fork; the caller may close ``fds`` on return (a queued request holds duplicates)."""
-        data = pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot)))
-        if not self._queued and self._send(data, list(fds)):
-            return
-        self._queued.append((data, [os.dup(fd) for fd in fds]))
+        self._ask(protocol.Fork(req_id, kind, boot), list(fds))
 
     def spares(self, count: int) -> None:
         """Ask a warm zygote to keep ``count`` rank children forked ahead (see :mod:`.zygote`)."""
-        data = pickle.dumps(protocol.header(protocol.Spares(count)))
-        if not self._queued and self._send(data, []):
+        self._ask(protocol.Spares(count), [])
+
+    def _ask(self, msg: Any, fds: list[int]) -> None:
+        """Send now if nothing is queued before it and the socket takes it, else queue it."""
+        data = pickle.dumps(protocol.header(msg))
+        if not self._queued and self._send(data, fds):
             return
-        self._queued.append((data, []))
+        self._queued.append((data, [os.dup(fd) for fd in fds]))
 
     def _send(self, data: bytes, fds: list[int]) -> bool:
         try:
