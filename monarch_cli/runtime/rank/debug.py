@@ -33,19 +33,23 @@ _dap_configured = threading.Event()  # the first IDE has configured debugpy (or 
 _dap_failed = False
 
 
-def _send(msg: dict[str, Any]) -> None:
-    """One JSON message per packet; long output is split into several output messages."""
+def _send(msg: dict[str, Any], wait: bool = True) -> None:
+    """One JSON message per packet; long output is split into several output messages.
+    ``wait=False``: give up at once rather than wait for the lock or the socket."""
     if _chan is None:
         return
     if msg["type"] == "output" and len(msg["data"]) > _CHUNK:
         for i in range(0, len(msg["data"]), _CHUNK):
-            _send({"type": "output", "data": msg["data"][i : i + _CHUNK]})
+            _send({"type": "output", "data": msg["data"][i : i + _CHUNK]}, wait)
         return
-    with _send_lock:
-        try:
-            _chan.send(json.dumps(msg).encode())
-        except OSError:
-            pass
+    if not _send_lock.acquire(timeout=-1 if wait else 0.05):
+        return
+    try:
+        _chan.send(json.dumps(msg).encode(), 0 if wait else socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+    finally:
+        _send_lock.release()
 
 
 class _Input:
@@ -271,14 +275,7 @@ def say_exiting(status: int) -> None:
     not wait for the kernel to tear the process down (see ``RankHost.exiting``). Never waits: a
     thread of the script's still sending (it is a daemon, about to die) just means the agent
     learns the status from ``waitpid`` instead."""
-    if _chan is None or not _send_lock.acquire(timeout=0.05):
-        return
-    try:
-        _chan.send(json.dumps({"type": "exiting", "status": status}).encode(), socket.MSG_DONTWAIT)
-    except OSError:
-        pass
-    finally:
-        _send_lock.release()
+    _send({"type": "exiting", "status": status}, wait=False)
 
 
 def installed() -> bool:
