@@ -54,6 +54,13 @@ def _title(p: psutil.Process) -> str:
         return ""
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _wait_spares(job: Job, per_host: int, timeout: float = 60.0) -> dict[int, list[int]]:
     deadline = time.monotonic() + timeout
     while True:
@@ -106,6 +113,12 @@ def test_a_spare_killed_while_idle_does_not_break_the_next_run(settled) -> None:
     warm_pids = set(spares)
     victim = next(iter(spares.values()))[0]
     psutil.Process(victim).send_signal(signal.SIGKILL)
+    # Dead, not dying: the kernel closes a process's sockets only after tearing down its memory,
+    # and a rank handed to a spare in that window dies with it (as a rank killed at its start).
+    deadline = time.monotonic() + 30
+    while _alive(victim):
+        assert time.monotonic() < deadline, f"spare {victim} survived SIGKILL"
+        time.sleep(0.02)
 
     run = spmd(job, script, nproc=2)
     assert run.result.exit_code == 0, run.text()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import REPO
 from ..netns import add_hosts, remove_hosts
 
 PREFIX = "mssh"  # hosts mssh-h1.., bridge mssh-br0 (tests/netns.py)
@@ -29,6 +30,7 @@ BRIDGE = f"{PREFIX}-br0"
 SUBNET = "10.214.0"
 CLIENT_ADDRESS = f"{SUBNET}.1"
 KEEP = "/run/mssh-keep"  # where the interpreter's tree is bound while /root is replaced
+KEEP_CHECKOUT = "/run/mssh-keep-checkout"  # the same for this checkout, when /root or /tmp would hide it
 
 _SSHD_CONFIG = """\
 Port 22
@@ -105,6 +107,24 @@ def _pyroot() -> str:
     return "/root/" + exe.split("/")[2]
 
 
+def _hidden_checkout() -> str:
+    """This checkout, when it lies under /root or /tmp (a fresh clone in a temporary folder): the
+    shared interpreter's editable install imports monarch_cli from it, so the hosts get it bound
+    back, as a site-packages on a shared file system would be. The tests' workspaces (pytest's
+    directories in /tmp) stay hidden."""
+    checkout = str(REPO.resolve())
+    return checkout if checkout.startswith(("/root/", "/tmp/")) else ""
+
+
+def _bind_checkout_back(script: str, checkout: str) -> str:
+    """``_HOST_SCRIPT`` with ``checkout`` bound aside before /root and /tmp are replaced, and back after."""
+    aside = f'mkdir -p {KEEP_CHECKOUT}\nmount --rbind "{checkout}" {KEEP_CHECKOUT}\n'
+    back = f'mkdir -p "{checkout}"\nmount --rbind {KEEP_CHECKOUT} "{checkout}"\n'
+    return script.replace("set -e\n", "set -e\n" + aside, 1).replace(
+        "exec /usr/sbin/sshd", back + "exec /usr/sbin/sshd", 1
+    )
+
+
 @pytest.fixture(scope="session")
 def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     if os.geteuid() != 0:
@@ -131,6 +151,8 @@ def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
                     .replace('mkdir -p "/nonexistent-pyroot" ', "mkdir -p ")
                     .replace(f'mount --rbind {KEEP} "/nonexistent-pyroot"\n', "")
                 )
+            if _hidden_checkout():
+                script = _bind_checkout_back(script, _hidden_checkout())
             log = open(base / f"{ns}.sshd.log", "wb")
             sshd = subprocess.Popen(
                 [
