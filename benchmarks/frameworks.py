@@ -12,8 +12,8 @@ each on 1 host x 2 ranks and on 2 local hosts x 1 rank. For each, in this order 
   its warm process holds torch only, as on any first run of a new script;
 * **warm re-run**: after the warm processes have learned the script's imports (runs until
   ``monarch warm --json`` says they settled), ``--repeats`` whole CLI processes;
-* **script's own work**: the least ``script-seconds`` a rank prints (from its first line, in a
-  warm rank that imported everything already; the rank that started last waited for no other,
+* **script's own work**: the least ``script-seconds`` a rank prints (from its first line to its
+  end, its ``atexit`` teardown included, in a warm rank that imported everything already; the rank that started last waited for no other,
   while rank 0's time includes waiting for it in the rendezvous); **overhead** is the warm
   re-run minus it;
 * **checksums**: every run's ``param-checksum`` must equal cold torchrun's, else the benchmark fails.

@@ -6,6 +6,7 @@ Each script prints ``param-checksum <sha256>`` on rank 0: the SHA-256 of its fin
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import time
@@ -36,9 +37,18 @@ def checksum(named: Iterable[tuple[str, object]]) -> str:
 
 
 def report(named: Iterable[tuple[str, object]], rank: int) -> None:
-    """Rank 0 prints the checksum; every rank its own time (from its first line, imports
-    included; the rank that started last waited for no other: its time is the script's work)."""
+    """Rank 0 prints the checksum; every rank prints its own time when it ends (below)."""
     value = checksum(named)
     if rank == 0:
         print(f"param-checksum {value}", flush=True)
+
+
+def _own_time() -> None:
+    """The script's time, from its first line to its end: its teardown (``destroy_process_group``,
+    the frameworks' own ``atexit`` handlers) is its own work too. Registered first, so run last
+    (``atexit`` is last in, first out). Imports included; the rank that started last waited for no
+    other, so its time is the script's work."""
     print(f"script-seconds {time.perf_counter() - _STARTED:.3f}", flush=True)
+
+
+atexit.register(_own_time)

@@ -124,7 +124,7 @@ def test_stop_force_on_a_corrupt_state_file_stops_its_agents(tmp_path: Path):
     state = tmp_path / ".monarch" / "job_state.pkl"
     job = serve(None, hosts=2, state=state, preload="")
     pids = reservation_pids(job)
-    assert len(pids) >= 6  # two agents, each with two fork servers
+    assert len(pids) >= 4  # two agents, each with its warm process (the plain fork server waits for a first need)
     # Corrupt, but still naming the reservation: only `stop --force` can end these agents.
     state.write_bytes(b"\x80\x04 garbage " + job.state.reservation_id.encode())
     with pytest.raises(JobError, match="corrupt"):
@@ -220,5 +220,11 @@ def test_processes_are_titled_by_what_they_are(job: Job, tmp_path: Path):
     assert ranks() == ["monarch rank 0: train.py 3 --lr 0.1", "monarch rank 1: train.py 3 --lr 0.1"]
     assert cmdline(agent0) == f"monarch agent {rid} host local0"
     titles = sorted(cmdline(c.pid) for c in psutil.Process(agent0).children())
-    assert titles == [f"monarch fork-server {rid} host local0", f"monarch warm {rid} host local0"]
+    # Warm ranks only: the plain fork server (~15 MB) has not been started.
+    assert titles == [f"monarch warm {rid} host local0"]
     run.join(timeout=30)
+    # A cold run needs it: it starts then, and stays for the next one.
+    quick = write_script(tmp_path, "quick.py", "print('cold')\n")
+    assert spmd(job, quick, cold=True).result.exit_code == 0
+    titles = sorted(cmdline(c.pid) for c in psutil.Process(agent0).children())
+    assert titles == [f"monarch fork-server {rid} host local0", f"monarch warm {rid} host local0"]

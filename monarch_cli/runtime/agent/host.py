@@ -4,12 +4,12 @@ Start it from any scheduler as ``python -m monarch_cli.runtime.agent --address-f
 with the reservation keys in ``$MONARCH_KEYS``/``$MONARCH_KEY_FILE`` or on stdin. It binds
 a free port, writes its address, and then:
 
-* forks procs from its zygote on request and reports each proc's exit (code or signal) to
+* forks procs from its fork server (zygote, started at the first need) on request and reports each proc's exit (code or signal) to
   the process that owns it at once;
 * kills a client's procs when the client says it exits or stops heartbeating, so no mesh
   outlives its owner;
 * is a child subreaper: when a fork server (zygote) dies, its ranks and procs, killed with it,
-  are re-parented here, reaped and reported with the cause, and a new fork server starts;
+  are re-parented here, reaped and reported with the cause, and the next need starts a new one;
 * with ``--state-file``, registers itself (see :mod:`.registry`) and exits on its own
   once that state file no longer records its reservation.
 
@@ -198,7 +198,9 @@ class HostAgent:
         self.host = name or socket.gethostname()
         self.label = f"{reservation} host {self.host}" if reservation else f"host {self.host}"
         lineage.become_subreaper()
-        self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
+        # The plain fork server (cold ranks, actor procs) starts when first asked for: a host
+        # that only runs warm ranks never pays its ~15 MB.
+        self._fork_server: _Zygote | None = None
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
         self._zygotes: dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
@@ -290,8 +292,16 @@ class HostAgent:
             self.poller.unregister(zygote.sock.fileno())
             zygote.sock.close()
 
+    def fork_server(self) -> _Zygote:
+        """The plain fork server, started now if none is running (first use, or after it died)."""
+        if self._fork_server is None:
+            self._fork_server = _Zygote(title=f"monarch fork-server {self.label}")
+            self.poller.register(self._fork_server.sock.fileno(), zmq.POLLIN)
+        return self._fork_server
+
     def _own_zygotes(self) -> list[_Zygote]:
-        return [self.zygote, *self.warm.zygotes()]
+        plain = [] if self._fork_server is None else [self._fork_server]
+        return [*plain, *self.warm.zygotes()]
 
     def zygote_pids(self) -> set[int]:
         return {z.process.pid for z in self._own_zygotes()}
@@ -313,15 +323,15 @@ class HostAgent:
         poller = self.poller
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.transport.zap, zmq.POLLIN)
-        poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
         while self.running:
             due = self.ranks.next_due()
             wait_ms = 200 if due is None else max(0, min(200, int((due - time.monotonic()) * 1000) + 1))
             events = dict(poller.poll(wait_ms))
             if self.transport.zap in events:
                 self.transport.serve_zap()
-            if self.zygote.sock.fileno() in events:
-                self._from_zygote(self.zygote)
+            plain = self._fork_server
+            if plain is not None and plain.sock.fileno() in events:
+                self._from_zygote(plain)
             for fd in [fd for fd in self._zygotes if fd in events]:
                 if fd in self._zygotes:
                     self._from_zygote(self._zygotes[fd])
@@ -353,7 +363,8 @@ class HostAgent:
         self.procs.kill_all()
         self.ranks.kill_all()
         lineage.kill_tree()  # whatever else is below us, even in sessions of its own
-        self.zygote.kill()
+        if self._fork_server is not None:
+            self._fork_server.kill()
         self.warm.close()
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
@@ -443,8 +454,8 @@ class HostAgent:
 
     def _zygote_died(self, zygote: _Zygote) -> None:
         """Its children die with it (PDEATHSIG) and come to us to be reaped: report them with
-        the cause, and start a new fork server for what comes next."""
-        warm = zygote is not self.zygote
+        the cause; what comes next starts a new one."""
+        warm = zygote is not self._fork_server
         if not warm:
             self.poller.unregister(zygote.sock.fileno())
             zygote.sock.close()
@@ -457,8 +468,7 @@ class HostAgent:
                 self.rank_zygote()
             return
         self.procs.zygote_died(cause)
-        self.zygote = _Zygote(title=f"monarch fork-server {self.label}")
-        self.poller.register(self.zygote.sock.fileno(), zmq.POLLIN)
+        self._fork_server = None  # the next cold rank or proc starts one
 
     def _reap_adopted(self) -> None:
         own = {z.process.pid: z.process for z in self._own_zygotes()}
@@ -520,7 +530,9 @@ def _count_gpus() -> int:
 def _watch_stdin(agent: HostAgent) -> None:
     while sys.stdin.buffer.read(4096):
         pass
-    agent.zygote.kill()  # its procs follow (PDEATHSIG)
+    plain = agent._fork_server  # (its procs follow it, PDEATHSIG; warm processes follow us)
+    if plain is not None:
+        plain.kill()
     os._exit(0)
 
 

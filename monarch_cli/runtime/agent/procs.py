@@ -81,7 +81,7 @@ class ProcHost:
             self.forking[req] = (proc_id, owner)
             if relay:
                 self.relayed[proc_id] = None
-            agent.zygote.fork(req, boot)
+            agent.fork_server().fork(req, boot)
 
     # ------------------------------------------------------------------ events
     def forked(self, req: int, pid: int) -> bool:

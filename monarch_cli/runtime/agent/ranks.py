@@ -211,7 +211,7 @@ class RankHost:
                     warm_zygote, notices = self.agent.warm.for_run()
                 if self.agent.warm.learning:
                     spec[preload.REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
-            zygote = warm_zygote if spec["warm"] else self.agent.zygote
+            zygote = warm_zygote if spec["warm"] else self.agent.fork_server()
             rank = _Rank(
                 run_id,
                 spec["rank"],
