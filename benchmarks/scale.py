@@ -73,8 +73,51 @@ def _vm_hwm_kb(pid: int) -> int:
         return 0
 
 
+def _own_bytes(pids: list[int]) -> int | None:
+    """Physical memory mapped by ``pids`` and by no other process, each page counted once.
+
+    Summing USS would miss the pages a warm process shares with its spares (forked from it:
+    mapped twice, unique to neither), and summing PSS would add shares of libraries every
+    Python on the machine maps. A page is the host's own when the kernel's map count for it
+    (``/proc/kpagecount``) is no more than the times these processes map it. Needs root (page
+    frame numbers); None without."""
+    import collections
+    import struct
+
+    mapped: collections.Counter[int] = collections.Counter()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                ranges = [line.split()[0] for line in f if not line.rstrip().endswith("[vsyscall]")]
+            fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            for r in ranges:
+                lo, hi = (int(x, 16) for x in r.split("-"))
+                data = os.pread(fd, (hi - lo) // 4096 * 8, lo // 4096 * 8)
+                for (entry,) in struct.iter_unpack("<Q", data):
+                    if entry >> 63 and entry & ((1 << 55) - 1):  # present, frame number visible
+                        mapped[entry & ((1 << 55) - 1)] += 1
+        finally:
+            os.close(fd)
+    if not mapped:
+        return None
+    own = 0
+    try:
+        with open("/proc/kpagecount", "rb") as counts:
+            for pfn, n in mapped.items():
+                counts.seek(pfn * 8)
+                if struct.unpack("<Q", counts.read(8))[0] <= n:
+                    own += 4096
+    except OSError:
+        return None
+    return own
+
+
 def _agents_footprint(state: Path) -> tuple[float, float]:
-    """(mean CPU % of a core per agent over 10 s idle, mean MB of agent + its children per host)."""
+    """(mean CPU % of a core per agent over 10 s idle, mean MB of agent + its children per host:
+    what they map and no other process does, or the sum of their PSS where that cannot be read)."""
     import psutil
 
     from monarch_cli.jobs.state import load_state
@@ -88,7 +131,8 @@ def _agents_footprint(state: Path) -> tuple[float, float]:
     mem = []
     for p in procs:
         tree = [p, *p.children(recursive=True)]
-        mem.append(sum(q.memory_full_info().uss for q in tree) / 2**20)
+        own = _own_bytes([q.pid for q in tree])
+        mem.append((own if own is not None else sum(q.memory_full_info().pss for q in tree)) / 2**20)
     return cpu, sum(mem) / len(mem)
 
 
