@@ -29,6 +29,9 @@ class Settings:
     stop_grace: float = 5.0
     #: Keep every TCP port this process (and the procs it spawns) listens on within [lo, hi].
     port_range: tuple[int, int] | None = None
+    #: From this many hosts, a question to every host (``status``, ``stack``) goes through ~√N of
+    #: them (relays) instead of a connection per host (:mod:`monarch_cli.jobs.fanout`).
+    relay_from_hosts: int = 256
 
 
 _settings = Settings()

@@ -12,12 +12,12 @@ says and ends at once:
   the others exit 0;
 * ``EMULATED_HANG=1``: ranks run until signalled (``signal_ranks``), then die of that signal.
 
-It answers ``ping`` (host info), heartbeats, ``reserve_port``/``release_port``, ``run_ranks``,
+It answers ``ping`` (host info), ``fan_out`` (relaying as a real agent does), heartbeats, ``reserve_port``/``release_port``, ``run_ranks``,
 ``signal_ranks``, ``stopping``, ``telemetry_stacks``/``telemetry_sample``, ``client_exit``,
 ``forget_preload`` and ``shutdown``. A process serves up to :data:`PER_PROCESS` agents; it is
 titled ``monarch agent ...`` so the local backend's probe sees a live agent, and it reads
 control lines on stdin after the keys: ``mute NAME`` stops that agent answering heartbeats (a
-lost host), ``unmute NAME`` undoes it; so does a line ``NAME`` in ``<address file>.mute``
+lost host), ``freeze NAME`` stops it answering anything, ``unmute NAME`` undoes either; so does a line ``NAME`` in ``<address file>.mute``
 (checked every 0.1-0.2 s, for a process that does not hold the stdin). It exits when its stdin
 closes or on SIGTERM.
 
@@ -56,6 +56,7 @@ class _Agent:
         self.sock = sock
         self.address = address
         self.muted = False
+        self.frozen = False  # answers nothing (``freeze NAME``): a host hung or gone
         self.hung: dict[str, list[tuple[int, str]]] = {}  # run_id -> [(rank, owner)]
         #: As a real agent: a run's events of one round (all it read from its socket) in one message.
         self.batches = EventBatches(self._send_now)
@@ -89,12 +90,19 @@ class _Emulator:
             self.by_sock[sock] = agent
         self.running = True
         self.started = time.time()
+        # Relaying (``fan_out``), as runtime/agent/relay.py: kept DEALERs to the targets.
+        self.poller = zmq.Poller()
+        self.relay_socks: dict[Any, _Agent] = {}
+        self._relay_by: dict[tuple[str, str], Any] = {}
+        self._waiting: dict[int, tuple[dict[str, Any], int]] = {}
+        self._questions: list[dict[str, Any]] = []
+        self._next_cid = 0
 
     def serve(self, control_fd: int, mute_file: Path | None = None) -> None:
         zmq = self.zmq
         from monarch_cli.runtime.transport import wire
 
-        poller = zmq.Poller()
+        poller = self.poller
         poller.register(self.transport.zap, zmq.POLLIN)
         poller.register(control_fd, zmq.POLLIN)
         for a in self.agents:
@@ -109,8 +117,10 @@ class _Emulator:
                         self._control(["mute", name])
                 except OSError:
                     pass
-            for item, _ in poller.poll(200 if mute_file is not None else 1000):
-                if item is self.transport.zap:
+            for item, _ in poller.poll(200 if mute_file is not None or self._questions else 1000):
+                if item in self.relay_socks:
+                    self._relayed(item)
+                elif item is self.transport.zap:
                     while self.transport.zap.poll(0):
                         self.transport.serve_zap()
                 elif item == control_fd:
@@ -129,12 +139,80 @@ class _Emulator:
                         except Exception as e:  # noqa: BLE001 - as a real agent: keep serving
                             print(f"emulated agent {agent.name}: {type(e).__name__}: {e}", file=sys.stderr)
                     agent.batches.flush_all()  # the end of this agent's round
+            self._relay_tick()
 
     def _control(self, words: list[str]) -> None:
-        if len(words) == 2 and words[0] in ("mute", "unmute"):
+        if len(words) == 2 and words[0] in ("mute", "unmute", "freeze"):
             for a in self.agents:
                 if a.name == words[1]:
-                    a.muted = words[0] == "mute"
+                    a.muted = words[0] != "unmute"
+                    a.frozen = words[0] == "freeze"
+
+    # ------------------------------------------------------------------ relaying
+    def _fan_out(self, agent: _Agent, msg: Any, body: list[Any]) -> None:
+        from monarch_cli.runtime import protocol
+        from monarch_cli.runtime.transport import wire
+
+        inner = protocol.decode(tuple(msg.inner))
+        if inner.KIND not in protocol.FAN_OUT_KINDS:
+            self._reply(agent, msg.reply_to, msg.cid, False, f"a relay does not pass on {inner.KIND!r} requests")
+            return
+        name = f"{agent.address}/relay"
+        q: dict[str, Any] = {
+            "agent": agent,
+            "to": msg.reply_to,
+            "cid": msg.cid,
+            "deadline": time.monotonic() + float(msg.timeout),
+            "answers": [None] * len(msg.targets),
+            "left": len(msg.targets),
+            "cids": [],
+        }
+        data = [bytes(f) for f in body]
+        for i, target in enumerate(msg.targets):
+            sock = self._relay_by.get((agent.name, target))
+            if sock is None:
+                sock = self._relay_by[(agent.name, target)] = self.transport.dealer(target, name.encode())
+                sock.linger = 0
+                self.relay_socks[sock] = agent
+                self.poller.register(sock, self.zmq.POLLIN)
+            self._next_cid += 1
+            q["cids"].append(self._next_cid)
+            self._waiting[self._next_cid] = (q, i)
+            sock.send_multipart(wire.frames(protocol.header(inner._replace(cid=self._next_cid, reply_to=name)), data))
+        self._questions.append(q)
+        if not msg.targets:
+            self._relay_answer(q)
+
+    def _relayed(self, sock: Any) -> None:
+        from monarch_cli.runtime import protocol
+        from monarch_cli.runtime.transport import wire
+
+        while sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN:
+            head, body = wire.parse(wire.recv_frames(sock))
+            if head[0] != "result":
+                continue
+            result = protocol.decode(head)
+            entry = self._waiting.pop(result.cid, None)
+            if entry is not None:
+                q, i = entry
+                q["answers"][i] = (bool(result.ok), [bytes(f) for f in body])
+                q["left"] -= 1
+                if q["left"] == 0:
+                    self._relay_answer(q)
+
+    def _relay_tick(self) -> None:
+        now = time.monotonic()
+        for q in [q for q in self._questions if q["deadline"] <= now]:
+            for cid in q["cids"]:
+                self._waiting.pop(cid, None)
+            self._relay_answer(q)
+
+    def _relay_answer(self, q: dict[str, Any]) -> None:
+        if any(q is other for other in self._questions):
+            self._questions = [other for other in self._questions if other is not q]
+            agent = q["agent"]
+            self._reply(agent, q["to"], q["cid"], True, q["answers"])
+            agent.batches.flush_all()
 
     # ------------------------------------------------------------------ messages
     def _send(self, agent: _Agent, to: str, msg: Any, body: list[Any] = ()) -> None:  # type: ignore[assignment]
@@ -157,11 +235,15 @@ class _Emulator:
         head, body = wire.parse(frames[1:])
         msg = protocol.decode(head)
         kind = msg.KIND
+        if agent.frozen:  # a host that answers nothing at all
+            return
         if kind == "heartbeat":
             if not agent.muted:
                 agent.sock.send_multipart([frames[0].bytes, protocol.HEARTBEAT_ACK])
         elif kind == "ping":
             self._reply(agent, msg.reply_to, msg.cid, True, self._info(agent))
+        elif kind == "fan_out":
+            self._fan_out(agent, msg, body)
         elif kind == "reserve_port":
             self._reply(agent, msg.reply_to, msg.cid, True, 29500)
         elif kind in ("release_port", "forget_preload", "shutdown"):
@@ -300,10 +382,11 @@ class EmulatedCluster:
         for i, h in enumerate(hosts):
             self._owner[h.name] = procs[i // PER_PROCESS]
 
-    def mute(self, name: str) -> None:
+    def mute(self, name: str, how: str = "mute") -> None:
+        """``mute``: no more heartbeat answers (a lost host); ``freeze``: no answers at all."""
         proc = self._owner[name]
         assert proc.stdin is not None
-        proc.stdin.write(f"mute {name}\n".encode())
+        proc.stdin.write(f"{how} {name}\n".encode())
         proc.stdin.flush()
 
     def close(self) -> None:
@@ -322,8 +405,10 @@ class EmulatedCluster:
                 p.wait()
 
 
-def emulated_job(hosts: int, state: Path, timeout: float = 120.0) -> tuple[Any, EmulatedCluster]:
-    """A :class:`~monarch_cli.jobs.Job` whose ``hosts`` agents are emulated, and the cluster."""
+def emulated_job(hosts: int, state: Path, timeout: float = 120.0, check: bool = True) -> tuple[Any, EmulatedCluster]:
+    """A :class:`~monarch_cli.jobs.Job` whose ``hosts`` agents are emulated, and the cluster;
+    ``check``: ask every host once, as ``serve`` does (through relays from
+    ``settings().relay_from_hosts`` hosts: see :meth:`~monarch_cli.jobs.Job.check_relays`)."""
     from monarch_cli.jobs import job_load
     from monarch_cli.jobs.state import JobState, save_state
     from monarch_cli.runtime.transport.keys import Keys
@@ -381,7 +466,10 @@ def emulated_job(hosts: int, state: Path, timeout: float = 120.0) -> tuple[Any, 
         ),
         state,
     )
-    return job_load(state), EmulatedCluster(procs, records)
+    job = job_load(state)
+    if check:
+        job.check_relays()  # as `serve` does: from here on the relays hold their connections
+    return job, EmulatedCluster(procs, records)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from ..config import configure
 from ..errors import OptionError, PlanError
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
 from ..schedulers.agents import controller_host
+from . import fanout
 from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
 from .lifecycle import RunControl, shutdown_timeout_from, stall_timeout_from
@@ -117,9 +118,11 @@ class Job:
     def scheduler(self) -> Scheduler:
         return get_scheduler(self.state.scheduler)
 
-    def hostset(self, require_all: bool = True) -> HostSet:
+    def hostset(self, require_all: bool = True, questions_only: bool = False) -> HostSet:
         """Connect to the reservation's agents. Every one must answer unless not ``require_all`` (then a host
-        that does not has None for its info); a reservation its scheduler says is gone is a StaleReservation."""
+        that does not has None for its info); a reservation its scheduler says is gone is a StaleReservation.
+        ``questions_only``: the caller only asks every host questions (``HostSet.ask_all``), which
+        thousands of hosts answer through relays (:mod:`.fanout`)."""
         probe = self.scheduler.probe(self.state) if require_all else None
         if probe is not None and probe.gone:
             raise StaleReservation(
@@ -128,10 +131,17 @@ class Job:
             )
         hosts = self._reachable_hosts()
         dead = [] if require_all else self.scheduler.dead_hosts(self.state)
-        hs = HostSet(hosts, self.keys, require_all=require_all, known_dead=dead)
-        # Agents reached at their own addresses can probe each other there (a partition between hosts).
-        hs.peers_reachable = all(h.agent == rec.agent for h, rec in zip(hosts, self.state.hosts))
-        return hs
+        # Agents reached at their own addresses reach each other there: they can probe each other
+        # (a partition between hosts) and relay questions (not through a backend's forwards).
+        reachable = all(h.agent == rec.agent for h, rec in zip(hosts, self.state.hosts))
+        return HostSet(
+            hosts,
+            self.keys,
+            require_all=require_all,
+            known_dead=dead,
+            peers_reachable=reachable,
+            questions_only=questions_only,
+        )
 
     def _reachable_hosts(self) -> list[HostRecord]:
         """The hosts with the agent addresses this process reaches them at (a backend's forward, or
@@ -461,7 +471,7 @@ class Job:
     # --------------------------------------------------------------- control
     def status(self) -> dict[str, Any]:
         """Scheduler, hosts with agent liveness, age and the last run; never raises for a stale job."""
-        hostset = self.hostset(require_all=False)  # each host answers, or not, for itself
+        hostset = self.hostset(require_all=False, questions_only=True)  # each host answers, or not, for itself
         dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
         stale = None
         probe = self.scheduler.probe(self.state)  # cheap; the scheduler may know better than a ping
@@ -504,6 +514,16 @@ class Job:
             **self.scheduler.describe(self.state),
         }
 
+    def check_relays(self) -> list[str]:
+        """Ask every host through the relays later questions (``status``, ``stack``) will use,
+        so that those relays hold their connections from now on (``serve`` does this for a
+        reservation of ``settings().relay_from_hosts`` hosts or more); the hosts that did not answer."""
+        try:
+            hs = self.hostset(require_all=False, questions_only=True)
+        except JobError:  # the first command says what is wrong
+            return [h.name for h in self.state.hosts]
+        return [h.name for h, info in zip(self.state.hosts, hs.infos) if info is None]
+
     def wait_warm(self, timeout: float = 60.0) -> bool:
         """Wait until every host's warm process holds what past runs taught it (learning runs in
         the background after each run); False if that takes longer than ``timeout``."""
@@ -521,9 +541,9 @@ class Job:
     def forget_preload(self) -> dict[str, int]:
         """Forget the modules each host's warm process learned from past runs (per host: how
         many); runs fork from one holding only the explicit preload until they teach it again."""
-        hs = self.hostset()
-        futures = [hs.mb.request(h.agent, lambda cid: protocol.ForgetPreload(cid, hs.mb.address)) for h in hs.hosts]
-        return {h.name: f.get(timeout=10) for h, f in zip(hs.hosts, futures)}
+        hs = self.hostset(questions_only=True)
+        counts = hs.ask_all(lambda cid: protocol.ForgetPreload(cid, hs.mb.address), 10.0)
+        return {h.name: n for h, n in zip(hs.hosts, counts)}
 
     def stop(self, by: str = "monarch stop", **options: Any) -> list[str]:
         """Release the reservation and forget it; returns the runs that were in progress.
@@ -564,7 +584,7 @@ class Job:
 
     # ------------------------------------------------------------- telemetry
     def _inspector(self) -> Inspector:
-        return Inspector(self.path.parent, self.hostset)
+        return Inspector(self.path.parent, lambda: self.hostset(questions_only=True))
 
     def sql(self, statement: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """A read-only query of the reservation's telemetry store (``monarch sql --schema``)."""
@@ -848,7 +868,11 @@ def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], No
         default_cwd=served_in,
     )
     save_state(job_state, path)
-    return Job(job_state, path)
+    job = Job(job_state, path)
+    if fanout.relayed(len(job_state.hosts)):
+        say(f"checking {len(job_state.hosts)} hosts through their relays")
+        job.check_relays()
+    return job
 
 
 def dryrun(

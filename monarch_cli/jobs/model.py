@@ -8,16 +8,17 @@ none of them needs another.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..runtime import protocol
+from ..runtime.errors import CallTimeout
 from ..runtime.exit_status import describe_status, signal_name
 from ..runtime.mailbox.mailbox import Mailbox
 from ..runtime.transport.keys import Keys
 from ..version import __version__
+from . import fanout
 from .errors import JobError
 from .lifecycle import DEFAULT_STRAGGLER_GRACE, EXIT_LOST, EXIT_STOPPED
 from .state import HostRecord
@@ -137,26 +138,33 @@ class HostSet:
         *,
         require_all: bool = True,
         known_dead: Sequence[str] = (),
+        peers_reachable: bool = False,
+        questions_only: bool = False,
     ) -> None:
+        """``peers_reachable``: the agents reach each other at the addresses in ``hosts``.
+        ``questions_only``: this command only asks every host questions (:meth:`ask_all`), so
+        from ``settings().relay_from_hosts`` hosts it asks them through relays
+        (:mod:`.fanout`) and links only those."""
         self.hosts = hosts
-        self.peers_reachable = False  # the agents can reach each other at the addresses in ``hosts``
+        self.peers_reachable = peers_reachable
         self.mb = Mailbox.for_keys(keys)
-        for h in hosts:  # one connection per host: everything comes back on it
-            self.mb.link(h.agent)
-        pings = [
-            None if h.name in known_dead else self.mb.request(h.agent, lambda cid: protocol.Ping(cid, self.mb.address))
-            for h in hosts
-        ]
-        self.infos: list[dict[str, Any]] = []
+        self.through_relays = questions_only and peers_reachable and fanout.relayed(len(hosts))
+        addresses = [h.agent for h in hosts]
+        for address in fanout.links(addresses, self.through_relays):  # everything comes back on its link
+            self.mb.link(address)
         # The hosts are asked at once and answer independently; thousands of CURVE handshakes
         # (a few ms each on a busy client) take longer than a few, so the wait grows with them.
-        deadline = time.monotonic() + timeout + _HANDSHAKE_ALLOWANCE * len(hosts)
-        for host, fut in zip(hosts, pings):
-            try:
-                if fut is None:
-                    raise LookupError(host.name)  # no need to wait for an answer that cannot come
-                info = fut.get(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - any failure to answer means the same thing here
+        linked = len(hosts) if not self.through_relays else len(fanout.relay_groups(len(hosts)))
+        answers = fanout.ask_each(
+            self.mb,
+            [None if h.name in known_dead else h.agent for h in hosts],
+            lambda cid: protocol.Ping(cid, self.mb.address),
+            timeout + _HANDSHAKE_ALLOWANCE * linked,
+            self.through_relays,
+        )
+        self.infos: list[dict[str, Any]] = []
+        for host, (ok, info) in zip(hosts, answers):
+            if not ok:  # any failure to answer means the same thing here
                 if not require_all:  # `status`: this host is dead, the others may be fine
                     self.infos.append(None)  # type: ignore[arg-type]
                     continue
@@ -166,6 +174,17 @@ class HostSet:
                 ) from None
             _check_version(host, info)
             self.infos.append(info)
+
+    def ask_all(self, make: Callable[[int], Any], timeout: float) -> list[Any]:
+        """``make(cid)``'s answer from every host, in order (through relays where this set was
+        made with ``questions_only``); raises the first host's failure, as ``gather`` does."""
+        answers = fanout.ask_each(self.mb, [h.agent for h in self.hosts], make, timeout, self.through_relays)
+        for host, (ok, value) in zip(self.hosts, answers):
+            if not ok:
+                if isinstance(value, fanout.NoAnswer):
+                    raise CallTimeout(f"host {host.name} did not answer within {timeout:g} s")
+                raise value
+        return [value for _, value in answers]
 
 
 def _check_version(host: HostRecord, info: dict[str, Any]) -> None:

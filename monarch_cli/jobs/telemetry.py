@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..runtime import protocol
-from ..runtime.mailbox.future import gather
 from ..telemetry_queries import sql as named_sql
 from ..telemetry_store import StoreError, TelemetryWriter, _connect_rw, db_path, query
 from .errors import JobError
@@ -423,8 +422,7 @@ class Inspector:
 
     def _ask(self, make: Any, timeout: float) -> list[Any]:
         hs = self._hostset()
-        futs = [hs.mb.request(h.agent, make(hs.mb)) for h in hs.hosts]
-        return gather(futs).get(timeout=timeout)
+        return hs.ask_all(make(hs.mb), timeout)
 
     def stacks(self, ranks: set[int] | None = None, native: bool = False, run_id: str | None = None) -> StackReport:
         """Every live rank's stack, captured by the agents in parallel, grouped, and stored."""

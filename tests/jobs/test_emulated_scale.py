@@ -123,6 +123,61 @@ def test_a_silent_host_is_named_and_the_others_are_stopped(cluster: tuple[Job, E
     assert len(others) == WORLD - 2 and all(r.how == "killed by SIGTERM" for r in others)
 
 
+def test_questions_to_every_host_go_through_relays_and_come_back_to_the_right_host(
+    cluster: tuple[Job, EmulatedCluster, Path],
+) -> None:
+    """256 hosts: `status` links 16 relays, each asks 15 others; every answer is its own host's."""
+    job, _, state = cluster
+    hs = job.hostset(require_all=False, questions_only=True)
+    assert hs.through_relays
+    assert [info["host"] for info in hs.infos] == [h.name for h in job.state.hosts]
+    # A fresh client holds 16 connections, to the relays, not 256.
+    probe = (
+        "import sys, psutil; from monarch_cli.jobs import job_load; "
+        "hs = job_load(sys.argv[1]).hostset(require_all=False, questions_only=True); "
+        "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
+        "print(len(ports), sum(i is not None for i in hs.infos))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(state)], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    relays = {int(h.agent.rpartition(":")[2]) for h in job.state.hosts[::16]}
+    assert done.stdout.split() == [str(len(relays)), str(HOSTS)] and len(relays) == 16
+    done = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", "status", "--state", str(state), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    hosts = json.loads(done.stdout)["hosts"]
+    assert [h["name"] for h in hosts if h["alive"]] == [f"emu{i}" for i in range(HOSTS)]
+
+
+@pytest.mark.parametrize("frozen", ["emu16", "emu17"])  # a relay; a host a relay asks
+def test_a_host_that_answers_nothing_is_the_only_one_missing(
+    cluster: tuple[Job, EmulatedCluster, Path], frozen: str
+) -> None:
+    job, cl, _ = cluster
+    cl.mute(frozen, "freeze")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            dead = [h["name"] for h in job.status()["hosts"] if not h["alive"]]
+            if dead:
+                break
+            assert time.monotonic() < deadline, f"{frozen} kept answering"
+        # A frozen relay's hosts were asked directly: only the frozen host is missing.
+        assert dead == [frozen]
+    finally:
+        cl.mute(frozen, "unmute")
+    deadline = time.monotonic() + 120
+    while not all(h["alive"] for h in job.status()["hosts"]):
+        assert time.monotonic() < deadline, f"{frozen} did not answer again"
+
+
 def test_stack_on_every_host_groups_what_is_the_same(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
     job, _, _ = cluster
     box: dict[str, object] = {}

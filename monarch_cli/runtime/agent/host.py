@@ -58,6 +58,7 @@ from .debug import DebugHost
 from .peers import PeerProbes
 from .procs import ProcHost
 from .ranks import RankHost
+from .relay import FanOutRelay
 from .telemetry import TelemetryHost
 from .warm import WarmRanks
 
@@ -217,6 +218,7 @@ class HostAgent:
         self.debug = DebugHost(self)
         self.telemetry = TelemetryHost(self)
         self.peers = PeerProbes(self)
+        self.relay = FanOutRelay(self, lambda sock: self.poller.register(sock, zmq.POLLIN), self.poller.unregister)
         #: What this agent answers, by message kind: the core's own, then each part's.
         self.handlers: dict[str, Callable[[Any, list[Any]], None]] = {}
         for part in (
@@ -226,6 +228,7 @@ class HostAgent:
             self.debug.handlers(),
             self.telemetry.handlers(),
             self.peers.handlers(),
+            self.relay.handlers(),
             sync.handlers(self),
         ):
             for cls, handler in part.items():
@@ -324,7 +327,7 @@ class HostAgent:
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.transport.zap, zmq.POLLIN)
         while self.running:
-            due = self.ranks.next_due()
+            due = min((d for d in (self.ranks.next_due(), self.relay.next_due()) if d is not None), default=None)
             wait_ms = 200 if due is None else max(0, min(200, int((due - time.monotonic()) * 1000) + 1))
             events = dict(poller.poll(wait_ms))
             if self.transport.zap in events:
@@ -339,6 +342,8 @@ class HostAgent:
                 self.ranks.readable(fd)
             for fd in set(self.debug.by_fd) & events.keys():
                 self.debug.readable(fd)
+            for sock in [s for s in self.relay.socks if s in events]:
+                self.relay.readable(sock)
             if self.inbox in events:
                 while True:
                     try:
@@ -358,8 +363,10 @@ class HostAgent:
             self._check_state_file()
             self.telemetry.tick(events)
             self.peers.tick()
+            self.relay.tick()
             self.batches.flush_all()  # what the ticks reported (exits after the EOF grace, telemetry)
         self.telemetry.close()
+        self.relay.close()
         self.procs.kill_all()
         self.ranks.kill_all()
         lineage.kill_tree()  # whatever else is below us, even in sessions of its own

@@ -15,6 +15,8 @@ __all__ = [
     "RunRanks",
     "ForgetPreload",
     "ProbePeers",
+    "FanOut",
+    "FAN_OUT_KINDS",
     "OutputCredit",
     "SignalRanks",
     "Stopping",
@@ -89,6 +91,27 @@ class RunRanks(NamedTuple):
 class ForgetPreload(NamedTuple):
     cid: int
     reply_to: str
+
+
+@_message("fan_out", CLIENT_AGENT)
+class FanOut(NamedTuple):
+    """Ask ``targets`` (other agents of the reservation) the request ``inner`` (its header, with
+    any ``cid`` and ``reply_to``: the relaying agent puts its own) and answer with one list, in
+    ``targets``' order: ``None`` for a target that did not answer within ``timeout``, else
+    ``(ok, frames)``, the target's answer as it sent it (the client decodes it). A client of
+    thousands of hosts links ~√N agents and asks each for its share, instead of a CURVE
+    handshake and a request per host (docs/architecture.md, "At scale"). Only the kinds in
+    :data:`FAN_OUT_KINDS` are passed on; the body goes with each."""
+
+    cid: int
+    reply_to: str
+    targets: list[str]
+    timeout: float
+    inner: tuple
+
+
+#: What a relaying agent passes on: questions, whose answers it need not understand.
+FAN_OUT_KINDS = frozenset({"ping", "telemetry_stacks", "telemetry_sample", "forget_preload"})
 
 
 @_message("probe_peers", CLIENT_AGENT)

@@ -1,0 +1,92 @@
+"""Questions to every host through relays, on real agents (jobs/fanout.py, runtime/agent/relay.py).
+
+The threshold is lowered to 2 hosts so that three local agents relay as thousands would: host 0
+asks host 1 for the client, host 2 answers for itself. tests/jobs/test_emulated_scale.py covers
+256 emulated hosts, a relay that answers nothing and the connections a client holds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from monarch_cli.config import configure, settings
+from monarch_cli.jobs import Job, serve
+from monarch_cli.jobs.fanout import relay_groups
+from monarch_cli.runtime import protocol
+from monarch_cli.runtime.errors import ActorError
+
+from ..conftest import wait_until, write_script
+from .conftest import spmd
+
+
+@pytest.fixture(scope="module")
+def relayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Job, list[str]]]:
+    before = settings().relay_from_hosts
+    configure(relay_from_hosts=2)
+    said: list[str] = []
+    state = tmp_path_factory.mktemp("relays") / ".monarch" / "job_state.pkl"
+    job = serve(None, hosts=3, state=state, preload="", progress=said.append)
+    try:
+        yield job, said
+    finally:
+        job.stop()
+        configure(relay_from_hosts=before)
+
+
+def test_groups_cover_every_host_once() -> None:
+    for n in (1, 2, 3, 10, 256, 1000, 4096):
+        groups = relay_groups(n)
+        seen = [i for relay, members in groups for i in (relay, *members)]
+        assert seen == list(range(n))
+        assert len(groups) <= int(n**0.5) + 1 and all(len(m) < len(groups) + 1 for _, m in groups)
+
+
+def test_status_goes_through_a_relay_and_each_answer_is_its_own_hosts(relayed: tuple[Job, list[str]]) -> None:
+    job, said = relayed
+    assert "checking 3 hosts through their relays" in said  # serve warmed the relays' connections
+    hs = job.hostset(require_all=False, questions_only=True)
+    assert hs.through_relays
+    assert [(info["host"], info["pid"]) for info in hs.infos] == [(h.name, h.pid) for h in job.state.hosts]
+    status = job.status()
+    assert status["alive"] and [h["name"] for h in status["hosts"] if h["alive"]] == ["local0", "local1", "local2"]
+    assert job.forget_preload() == {"local0": 0, "local1": 0, "local2": 0}
+
+
+def test_stacks_of_every_rank_come_through_the_relay(relayed: tuple[Job, list[str]], tmp_path: Path) -> None:
+    job, _ = relayed
+    flag = tmp_path / "go"
+    script = write_script(
+        tmp_path,
+        "waits.py",
+        f"import os, time\ndef waiting_for_the_flag():\n    while not os.path.exists({str(flag)!r}):\n"
+        "        time.sleep(0.02)\nwaiting_for_the_flag()\n",
+    )
+    box: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("run", spmd(job, script, nproc=1)), daemon=True)
+    runner.start()
+    try:
+        assert wait_until(lambda: sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) == 3, 60)
+        report = job.stacks()
+    finally:
+        flag.touch()
+        runner.join(60)
+    assert sorted((s.rank, s.host) for s in report.stacks) == [(0, "local0"), (1, "local1"), (2, "local2")]
+    for s in report.stacks:
+        assert any(f["function"] == "waiting_for_the_flag" for t in s.threads for f in t["frames"]), s
+    assert len(report.groups) == 1  # the same stack on every host: one group
+    assert box["run"].result.exit_code == 0  # type: ignore[attr-defined]
+
+
+def test_a_relay_passes_on_questions_only(relayed: tuple[Job, list[str]]) -> None:
+    job, _ = relayed
+    hs = job.hostset()
+    relay, target = job.state.hosts[0].agent, job.state.hosts[1].agent
+    run = protocol.header(protocol.ForgetPreload(0, hs.mb.address))[:1] + ("x",)  # a malformed inner header
+    for inner in (protocol.header(protocol.Stopping(0, hs.mb.address, "me")), run):
+        fut = hs.mb.request(relay, lambda cid, i=inner: protocol.FanOut(cid, hs.mb.address, [target], 5.0, i))
+        with pytest.raises(ActorError, match="fan_out refused"):
+            fut.get(timeout=30)
