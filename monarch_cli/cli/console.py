@@ -16,10 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +134,8 @@ def explain(e: BaseException, as_json: bool) -> int:
     known = describe_error(e)
     if known is not None:
         if _debug["on"] and isinstance(e, MonarchError) and not isinstance(e, UserError):
+            import traceback  # (here: a run that goes well never loads it)
+
             traceback.print_exception(type(e), e, e.__traceback__)
         report(*known[:2], as_json)
         return known[2]
@@ -172,6 +172,8 @@ def internal_error(e: BaseException, as_json: bool = False) -> int:
 
 def internal_message(e: BaseException, hint: str = "rerun with --debug to see it") -> str:
     """The one line for a bug; its traceback is saved in a private file (and shown with --debug)."""
+    import traceback
+
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     where = _save_traceback(text)
     saved = f"traceback in {where}" if where else "the traceback could not be saved"
@@ -181,6 +183,8 @@ def internal_message(e: BaseException, hint: str = "rerun with --debug to see it
 
 
 def _save_traceback(text: str) -> str | None:
+    import tempfile
+
     directory = Path(tempfile.gettempdir()) / f"monarch-{os.getuid()}" / "errors"
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from .sql import run_sql
 if TYPE_CHECKING:  # the job API loads the runtime: only the commands that run import it
     from rich.console import RenderableType
 
-    from ..jobs.telemetry import Diagnosis, RankRow, StackReport
+    from ..jobs.inspector import Diagnosis, RankRow, StackReport
 
 
 def _job(state: Path | None):  # type: ignore[no-untyped-def]
@@ -138,7 +138,7 @@ def _render_stacks(report: StackReport, full: bool) -> None:
 
 
 def _render_diagnosis(d: Diagnosis) -> None:
-    from ..jobs.telemetry import compress
+    from ..jobs.inspector import compress
 
     mark = {"healthy": "[green]healthy[/]", "suspect": "[red]suspect[/]", "unknown": "[yellow]cannot tell[/]"}[
         d.verdict

@@ -199,7 +199,7 @@ class Views:
 
     def stored_stacks(self, run_id: str | None) -> dict[str, Any]:
         """The newest capture stored for a run, grouped like ``monarch stack`` (no agent is asked)."""
-        from ..jobs.telemetry import compress
+        from ..jobs.inspector import compress
 
         rid = self.run_id(run_id)
         threads = self._rows("latest_capture", (rid,)) if rid else []

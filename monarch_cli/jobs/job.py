@@ -20,6 +20,7 @@ from ..runtime.transport.keys import Keys
 
 if TYPE_CHECKING:
     from ..runtime.actor.mesh import HostMesh
+    from .inspector import Diagnosis, Inspector, RankRow, StackReport
 from ..config import configure
 from ..errors import OptionError, PlanError
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
@@ -34,7 +35,7 @@ from .rendezvous import unreachable_rendezvous
 from .spmd import SpmdRunner, new_run_id, plan_exec, plan_spmd, remote_environment, user_environment
 from .state import HostRecord, JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
 from .sync import SyncReport, sync_workspace
-from .telemetry import NO_TELEMETRY, Diagnosis, Inspector, RankRow, RunRecorder, RunTelemetry, StackReport
+from .telemetry import NO_TELEMETRY, RunRecorder, RunTelemetry
 from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, parse_command
 
@@ -584,6 +585,8 @@ class Job:
 
     # ------------------------------------------------------------- telemetry
     def _inspector(self) -> Inspector:
+        from .inspector import Inspector  # (here: a run does not load the inspection side)
+
         return Inspector(self.path.parent, lambda: self.hostset(questions_only=True))
 
     def sql(self, statement: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from monarch_cli.jobs import Job, serve
-from monarch_cli.jobs.telemetry import RankRow, _suspicions, compress
+from monarch_cli.jobs.inspector import RankRow, _suspicions, compress
 from monarch_cli.runtime.agent.telemetry import py_spy_path
 from monarch_cli.telemetry_store import TelemetryWriter, db_path, query, schema_json, schema_text
 
