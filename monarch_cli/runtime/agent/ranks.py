@@ -444,9 +444,8 @@ class RankHost:
         live = [r for r in self.by_pid.values() if r.status is None and r.pid is not None]
         if not live:
             return
-        table = lineage.children_map()
         for rank in live:
-            self.tracked.setdefault(rank.run_id, set()).update(lineage.descendants([rank.pid], table))  # type: ignore[list-item]
+            self.tracked.setdefault(rank.run_id, set()).update(lineage.descendants([rank.pid]))  # type: ignore[list-item]
 
     def _end_run(self, run_id: str) -> None:
         """Once every rank of a run here has ended, end what they left running, as torchrun
