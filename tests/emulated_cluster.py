@@ -57,6 +57,7 @@ class _Agent:
         self.address = address
         self.muted = False
         self.frozen = False  # answers nothing (``freeze NAME``): a host hung or gone
+        self.relay: Any = None  # its FanOutRelay, made at its first ``fan_out``
         self.hung: dict[str, list[tuple[int, str]]] = {}  # run_id -> [(rank, owner)]
         #: As a real agent: a run's events of one round (all it read from its socket) in one message.
         self.batches = EventBatches(self._send_now)
@@ -68,6 +69,19 @@ class _Agent:
             self.sock.send_multipart([to.encode(), *frames], copy=False)
         except zmq.ZMQError:  # that client is gone
             pass
+
+
+class _RelayCore:
+    """What runtime/agent/relay.py needs of an agent (``core.AgentCore``'s part), for an emulated one."""
+
+    def __init__(self, emulator: _Emulator, agent: _Agent) -> None:
+        self._emulator = emulator
+        self._agent = agent
+        self.address = agent.address
+        self.transport = emulator.transport
+
+    def reply(self, address: str, cid: int, ok: bool, value: Any) -> None:
+        self._emulator._reply(self._agent, address, cid, ok, value)
 
 
 class _Emulator:
@@ -90,13 +104,9 @@ class _Emulator:
             self.by_sock[sock] = agent
         self.running = True
         self.started = time.time()
-        # Relaying (``fan_out``), as runtime/agent/relay.py: kept DEALERs to the targets.
+        # Relaying (``fan_out``): each agent's real FanOutRelay, its DEALERs in this poller.
         self.poller = zmq.Poller()
         self.relay_socks: dict[Any, _Agent] = {}
-        self._relay_by: dict[tuple[str, str], Any] = {}
-        self._waiting: dict[int, tuple[dict[str, Any], int]] = {}
-        self._questions: list[dict[str, Any]] = []
-        self._next_cid = 0
 
     def serve(self, control_fd: int, mute_file: Path | None = None) -> None:
         zmq = self.zmq
@@ -117,7 +127,7 @@ class _Emulator:
                         self._control(["mute", name])
                 except OSError:
                     pass
-            for item, _ in poller.poll(200 if mute_file is not None or self._questions else 1000):
+            for item, _ in poller.poll(200):
                 if item in self.relay_socks:
                     self._relayed(item)
                 elif item is self.transport.zap:
@@ -149,70 +159,27 @@ class _Emulator:
                     a.frozen = words[0] == "freeze"
 
     # ------------------------------------------------------------------ relaying
-    def _fan_out(self, agent: _Agent, msg: Any, body: list[Any]) -> None:
-        from monarch_cli.runtime import protocol
-        from monarch_cli.runtime.transport import wire
+    def _relay(self, agent: _Agent) -> Any:
+        """The agent's relay: the real one (runtime/agent/relay.py), on this process's loop."""
+        if agent.relay is None:
+            from monarch_cli.runtime.agent.relay import FanOutRelay
 
-        inner = protocol.decode(tuple(msg.inner))
-        if inner.KIND not in protocol.FAN_OUT_KINDS:
-            self._reply(agent, msg.reply_to, msg.cid, False, f"a relay does not pass on {inner.KIND!r} requests")
-            return
-        name = f"{agent.address}/relay"
-        q: dict[str, Any] = {
-            "agent": agent,
-            "to": msg.reply_to,
-            "cid": msg.cid,
-            "deadline": time.monotonic() + float(msg.timeout),
-            "answers": [None] * len(msg.targets),
-            "left": len(msg.targets),
-            "cids": [],
-        }
-        data = [bytes(f) for f in body]
-        for i, target in enumerate(msg.targets):
-            sock = self._relay_by.get((agent.name, target))
-            if sock is None:
-                sock = self._relay_by[(agent.name, target)] = self.transport.dealer(target, name.encode())
-                sock.linger = 0
+            def watch(sock: Any) -> None:
                 self.relay_socks[sock] = agent
                 self.poller.register(sock, self.zmq.POLLIN)
-            self._next_cid += 1
-            q["cids"].append(self._next_cid)
-            self._waiting[self._next_cid] = (q, i)
-            sock.send_multipart(wire.frames(protocol.header(inner._replace(cid=self._next_cid, reply_to=name)), data))
-        self._questions.append(q)
-        if not msg.targets:
-            self._relay_answer(q)
+
+            agent.relay = FanOutRelay(_RelayCore(self, agent), watch, self.poller.unregister)  # type: ignore[arg-type]
+        return agent.relay
 
     def _relayed(self, sock: Any) -> None:
-        from monarch_cli.runtime import protocol
-        from monarch_cli.runtime.transport import wire
-
-        while sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN:
-            head, body = wire.parse(wire.recv_frames(sock))
-            if head[0] != "result":
-                continue
-            result = protocol.decode(head)
-            entry = self._waiting.pop(result.cid, None)
-            if entry is not None:
-                q, i = entry
-                q["answers"][i] = (bool(result.ok), [bytes(f) for f in body])
-                q["left"] -= 1
-                if q["left"] == 0:
-                    self._relay_answer(q)
+        agent = self.relay_socks[sock]
+        agent.relay.readable(sock)
+        agent.batches.flush_all()
 
     def _relay_tick(self) -> None:
-        now = time.monotonic()
-        for q in [q for q in self._questions if q["deadline"] <= now]:
-            for cid in q["cids"]:
-                self._waiting.pop(cid, None)
-            self._relay_answer(q)
-
-    def _relay_answer(self, q: dict[str, Any]) -> None:
-        if any(q is other for other in self._questions):
-            self._questions = [other for other in self._questions if other is not q]
-            agent = q["agent"]
-            self._reply(agent, q["to"], q["cid"], True, q["answers"])
-            agent.batches.flush_all()
+        for agent in self.agents:
+            if agent.relay is not None:
+                agent.relay.tick()
 
     # ------------------------------------------------------------------ messages
     def _send(self, agent: _Agent, to: str, msg: Any, body: list[Any] = ()) -> None:  # type: ignore[assignment]
@@ -243,7 +210,7 @@ class _Emulator:
         elif kind == "ping":
             self._reply(agent, msg.reply_to, msg.cid, True, self._info(agent))
         elif kind == "fan_out":
-            self._fan_out(agent, msg, body)
+            self._relay(agent).handlers()[protocol.FanOut](msg, body)
         elif kind == "reserve_port":
             self._reply(agent, msg.reply_to, msg.cid, True, 29500)
         elif kind in ("release_port", "forget_preload", "shutdown"):
