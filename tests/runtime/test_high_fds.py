@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from monarch_cli.runtime.agent.host import _Zygote
+from monarch_cli.runtime.agent.forkserver import ForkServerHandle
 from monarch_cli.sysutil import ready_fds
 
 
@@ -31,7 +31,7 @@ def fds_above_1024() -> Iterator[None]:
 
 
 def test_a_fork_server_whose_socket_is_numbered_above_1024_serves(fds_above_1024: None) -> None:
-    zygote = _Zygote()
+    zygote = ForkServerHandle()
     try:
         assert zygote.sock.fileno() > 1024  # (the zygote gets its end with the same high number)
         zygote.sock.close()  # the agent is gone: a serving zygote sees EOF and exits 0

@@ -4,8 +4,8 @@ Start it from any scheduler as ``python -m monarch_cli.runtime.agent --address-f
 with the reservation keys in ``$MONARCH_KEYS``/``$MONARCH_KEY_FILE`` or on stdin. It binds
 a free port, writes its address, and then:
 
-* forks procs from its fork server (zygote, started at the first need) on request and reports each proc's exit (code or signal) to
-  the process that owns it at once;
+* forks procs from its fork server (zygote, started at the first need) on request and reports
+  each proc's exit (code or signal) to the process that owns it at once;
 * kills a client's procs when the client says it exits or stops heartbeating, so no mesh
   outlives its owner;
 * is a child subreaper: when a fork server (zygote) dies, its ranks and procs, killed with it,
@@ -13,26 +13,22 @@ a free port, writes its address, and then:
 * with ``--state-file``, registers itself (see :mod:`.registry`) and exits on its own
   once that state file no longer records its reservation.
 
-This module is the core: the poll loop, clients and their heartbeats, the zygotes. What the
+This module is the core: the poll loop, clients and their heartbeats, the zygotes (each
+through a :class:`~.forkserver.ForkServerHandle`). What the
 agent answers is a table from message kind (:mod:`..protocol`) to handler, built at start-up
 from what each part registers: :mod:`.procs` (procs), :mod:`.ranks` (SPMD runs),
-:mod:`.debug`, :mod:`.telemetry`, :mod:`.sync`. A request of a kind nobody
+:mod:`.debug`, :mod:`.telemetry`, :mod:`.sync`, :mod:`.relay`. A request of a kind nobody
 registered is answered with an error naming it.
 """
 
 from __future__ import annotations
 
 import argparse
-import array
-import collections
 import dataclasses
-import errno
 import os
-import pickle
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -47,7 +43,6 @@ from ...sysutil import atomic_write
 from ...version import __version__
 from .. import protocol
 from ..launch import command
-from ..rank.preload import LEARNED_ENV, READY_ENV
 from ..title import set_title
 from ..transport import wire
 from ..transport.keys import Keys, keys_from_environment
@@ -55,6 +50,7 @@ from ..transport.sockets import Transport
 from . import lineage, registry, sync
 from .batches import EventBatches
 from .debug import DebugHost
+from .forkserver import ForkServerHandle
 from .peers import PeerProbes
 from .procs import ProcHost
 from .ranks import RankHost
@@ -70,112 +66,6 @@ _STATE_FIRST_SEEN = 120.0  # seconds `serve` has to record a new agent in its st
 class _Client:
     last_seen: float
     timeout: float
-
-
-class _Zygote:
-    """The agent's handle on a fork server (``preload``: modules it imports up front; ``learned``
-    and ``ready``: a warm-rank zygote's learned modules and report file, see :mod:`..rank.preload`)."""
-
-    def __init__(
-        self,
-        preload: str = "",
-        title: str = "monarch fork-server",
-        learned: str | None = None,
-        ready: str | None = None,
-    ) -> None:
-        self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "MONARCH_PRELOAD": preload}
-        env.update({k: v for k, v in ((READY_ENV, ready), (LEARNED_ENV, learned)) if v})
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "monarch_cli.runtime.agent.zygote", str(child.fileno()), title],
-            pass_fds=[child.fileno()],
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        child.close()
-        self.started = time.monotonic()
-        # Requests the socket did not take yet (their fds duplicated): sent as the zygote answers,
-        # so asking for hundreds of forks never blocks the agent's loop (nor deadlocks with the
-        # zygote's replies).
-        self._queued: collections.deque[tuple[bytes, list[int]]] = collections.deque()
-
-    def fork(self, req_id: int, boot: dict[str, Any], fds: list[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
-        """Ask for a fork; the caller may close ``fds`` on return (a queued request holds duplicates)."""
-        self._ask(protocol.Fork(req_id, kind, boot), list(fds))
-
-    def spares(self, count: int) -> None:
-        """Ask a warm zygote to keep ``count`` rank children forked ahead (see :mod:`.zygote`)."""
-        self._ask(protocol.Spares(count), [])
-
-    def _ask(self, msg: Any, fds: list[int]) -> None:
-        """Send now if nothing is queued before it and the socket takes it, else queue it."""
-        data = pickle.dumps(protocol.header(msg))
-        if not self._queued and self._send(data, fds):
-            return
-        self._queued.append((data, [os.dup(fd) for fd in fds]))
-
-    def _send(self, data: bytes, fds: list[int]) -> bool:
-        try:
-            # (socket.send_fds ignores its flags before Python 3.12)
-            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-            self.sock.sendmsg([data], ancillary, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as e:
-            if e.errno == errno.ETOOMANYREFS:  # too many fds in flight: the zygote is reading them
-                return False
-            raise
-        return True
-
-    def _flush(self) -> None:
-        while self._queued:
-            data, fds = self._queued[0]
-            try:
-                if not self._send(data, fds):
-                    return
-            except OSError:  # it is gone: its socket closing says so
-                return
-            self._queued.popleft()
-            for fd in fds:
-                os.close(fd)
-
-    def _drop_queued(self) -> None:
-        while self._queued:
-            for fd in self._queued.popleft()[1]:
-                os.close(fd)
-
-    def receive(self) -> Any | None:
-        """The zygote's next message (:class:`~..protocol.Forked`, ``ChildExited``, ``WarmReady``);
-        None once it is gone."""
-        try:
-            data = self.sock.recv(1 << 16)
-        except ConnectionResetError:  # it died with our last request unread
-            data = b""
-        if not data:
-            self._drop_queued()
-            return None
-        self._flush()  # it read a request (or a child exited): room for what waits
-        return protocol.decode(pickle.loads(data))
-
-    def kill(self) -> None:
-        try:
-            self.process.kill()
-        except ProcessLookupError:
-            pass
-
-    def how_it_died(self) -> str:
-        """``signal SIGKILL`` or ``exit 1``, once its socket has closed."""
-        try:
-            code = self.process.wait(timeout=2)
-        except subprocess.TimeoutExpired:  # closed its socket but lives on: useless, end it
-            self.kill()
-            code = self.process.wait()
-        if code < 0:
-            try:
-                return f"signal {signal.Signals(-code).name}"
-            except ValueError:
-                return f"signal {-code}"
-        return f"exit {code}"
 
 
 class HostAgent:
@@ -201,10 +91,10 @@ class HostAgent:
         lineage.become_subreaper()
         # The plain fork server (cold ranks, actor procs) starts when first asked for: a host
         # that only runs warm ranks never pays its ~15 MB.
-        self._fork_server: _Zygote | None = None
+        self._fork_server: ForkServerHandle | None = None
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
-        self._zygotes: dict[int, _Zygote] = {}  # warm-rank fork servers by socket fd
+        self._zygotes: dict[int, ForkServerHandle] = {}  # warm-rank fork servers by socket fd
         self.warm = WarmRanks(
             self.host,
             self.preload,
@@ -283,27 +173,27 @@ class HostAgent:
         """Start the fork server for warm ranks now rather than at the first run."""
         self.warm.warm_up()
 
-    def _start_warm(self, preload: str, learned: str | None, ready: str) -> _Zygote:
+    def _start_warm(self, preload: str, learned: str | None, ready: str) -> ForkServerHandle:
         # Every warm process, the first and each re-warmed one, carries the same title.
-        return _Zygote(preload, title=f"monarch warm {self.label}", learned=learned, ready=ready)
+        return ForkServerHandle(preload, title=f"monarch warm {self.label}", learned=learned, ready=ready)
 
-    def _watch_zygote(self, zygote: _Zygote) -> None:
+    def _watch_zygote(self, zygote: ForkServerHandle) -> None:
         self._zygotes[zygote.sock.fileno()] = zygote
         self.poller.register(zygote.sock.fileno(), zmq.POLLIN)
 
-    def _unwatch_zygote(self, zygote: _Zygote) -> None:
+    def _unwatch_zygote(self, zygote: ForkServerHandle) -> None:
         if self._zygotes.pop(zygote.sock.fileno(), None) is not None:
             self.poller.unregister(zygote.sock.fileno())
             zygote.sock.close()
 
-    def fork_server(self) -> _Zygote:
+    def fork_server(self) -> ForkServerHandle:
         """The plain fork server, started now if none is running (first use, or after it died)."""
         if self._fork_server is None:
-            self._fork_server = _Zygote(title=f"monarch fork-server {self.label}")
+            self._fork_server = ForkServerHandle(title=f"monarch fork-server {self.label}")
             self.poller.register(self._fork_server.sock.fileno(), zmq.POLLIN)
         return self._fork_server
 
-    def _own_zygotes(self) -> list[_Zygote]:
+    def _own_zygotes(self) -> list[ForkServerHandle]:
         plain = [] if self._fork_server is None else [self._fork_server]
         return [*plain, *self.warm.zygotes()]
 
@@ -468,7 +358,7 @@ class HostAgent:
         except zmq.ZMQError:  # its connection closed meanwhile
             pass
 
-    def _from_zygote(self, zygote: _Zygote) -> None:
+    def _from_zygote(self, zygote: ForkServerHandle) -> None:
         msg = zygote.receive()
         if msg is None:
             self._zygote_died(zygote)
@@ -485,7 +375,7 @@ class HostAgent:
         if not self.ranks.exited(pid, status):
             self.procs.exited(pid, status)
 
-    def _zygote_died(self, zygote: _Zygote) -> None:
+    def _zygote_died(self, zygote: ForkServerHandle) -> None:
         """Its children die with it (PDEATHSIG) and come to us to be reaped: report them with
         the cause; what comes next starts a new one."""
         warm = zygote is not self._fork_server
