@@ -8,6 +8,7 @@ asks host 1 for the client, host 2 answers for itself. tests/jobs/test_emulated_
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,3 +91,51 @@ def test_a_relay_passes_on_questions_only(relayed: tuple[Job, list[str]]) -> Non
         fut = hs.mb.request(relay, lambda cid, i=inner: protocol.FanOut(cid, hs.mb.address, [target], 5.0, i))
         with pytest.raises(ActorError, match="fan_out refused"):
             fut.get(timeout=30)
+
+
+def test_a_relay_keeps_a_bounded_number_of_connections(
+    relayed: tuple[Job, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay itself, in this process against the three real agents: at most MAX_KEPT kept
+    connections, the least recently asked one let go, every question still answered."""
+    import zmq
+
+    from monarch_cli.runtime.agent import relay as relay_module
+    from monarch_cli.runtime.transport import wire
+    from monarch_cli.runtime.transport.keys import Keys
+    from monarch_cli.runtime.transport.sockets import Transport
+
+    job, _ = relayed
+    monkeypatch.setattr(relay_module, "MAX_KEPT", 2)
+    poller = zmq.Poller()
+    answers: list[tuple[int, bool, object]] = []
+
+    class Core:
+        address = "tcp://127.0.0.1:1"  # (only names the relay)
+        transport = Transport(Keys.decode(job.state.keys), zap=False)
+
+        def reply(self, address: str, cid: int, ok: bool, value: object) -> None:
+            answers.append((cid, ok, value))
+
+    core = Core()
+    r = relay_module.FanOutRelay(core, lambda s: poller.register(s, zmq.POLLIN), poller.unregister)  # type: ignore[arg-type]
+    ask = r.handlers()[protocol.FanOut]
+    try:
+        for cid, host in enumerate([*job.state.hosts, job.state.hosts[0]], start=1):
+            inner = protocol.header(protocol.Ping(0, "x"))
+            ask(protocol.FanOut(cid, "me", [host.agent], 30.0, inner), [])
+            assert len(r.socks) <= 2
+            deadline = time.monotonic() + 60
+            while not any(a[0] == cid for a in answers):
+                assert time.monotonic() < deadline, "no answer through the relay"
+                for sock, _ in poller.poll(100):
+                    r.readable(sock)
+                r.tick()
+            (got,) = [a for a in answers if a[0] == cid]
+            assert got[1] and got[2][0][0] is True  # type: ignore[index]
+            assert wire.loads(got[2][0][1])["host"] == host.name  # type: ignore[index]
+        # local0 was asked first, let go for local2, and asked again: a new connection, still 2 kept.
+        assert sorted(r.socks.values()) == sorted([job.state.hosts[2].agent, job.state.hosts[0].agent])
+    finally:
+        r.close()
+        core.transport.close()

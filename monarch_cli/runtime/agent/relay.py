@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 #: Targets one question may name: a relay keeps a connection to each (sockets, not threads).
 MAX_TARGETS = 1000
+#: Connections a relay keeps; past it, the least recently asked target with nothing pending is let go.
+MAX_KEPT = 2 * MAX_TARGETS
 _MAX_TIMEOUT = 120.0
 
 
@@ -36,6 +38,7 @@ class _Question:
     reply_to: str
     cid: int
     deadline: float
+    targets: list[str]
     answers: list[tuple[bool, list[bytes]] | None]
     left: int
     cids: list[int]  # ours, one per target
@@ -70,7 +73,9 @@ class FanOutRelay:
         except (KeyError, TypeError, ValueError) as e:
             self.agent.reply(msg.reply_to, msg.cid, False, f"fan_out refused: {e}")
             return
-        q = _Question(msg.reply_to, msg.cid, time.monotonic() + timeout, [None] * len(targets), len(targets), [])
+        q = _Question(
+            msg.reply_to, msg.cid, time.monotonic() + timeout, targets, [None] * len(targets), len(targets), []
+        )
         data = [bytes(f) for f in body]
         for i, target in enumerate(targets):
             self._next_cid += 1
@@ -84,13 +89,27 @@ class FanOutRelay:
             self._answer(q)
 
     def _socket(self, target: str) -> Any:
-        sock = self._by_target.get(target)
+        sock = self._by_target.pop(target, None)
         if sock is None:  # kept: the next question to this target pays no handshake
-            sock = self._by_target[target] = self.agent.transport.dealer(target, self.name.encode())
+            if len(self._by_target) >= MAX_KEPT:
+                self._let_go()
+            sock = self.agent.transport.dealer(target, self.name.encode())
             sock.linger = 0
             self.socks[sock] = target
             self._watch(sock)
+        self._by_target[target] = sock  # (re)inserted last: the dict's order is least recently asked first
         return sock
+
+    def _let_go(self) -> None:
+        """Close the least recently asked connection that no question waits on."""
+        busy = {q_i[0].targets[q_i[1]] for q_i in self._waiting.values()}
+        for target, sock in self._by_target.items():
+            if target not in busy:
+                del self._by_target[target]
+                del self.socks[sock]
+                self._unwatch(sock)
+                sock.close(0)
+                return
 
     def readable(self, sock: Any) -> None:
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
