@@ -21,9 +21,16 @@ STEPS = int(os.environ.get("FW_STEPS", "8"))
 
 def deterministic() -> None:
     """One thread and deterministic kernels: 1 host x 2 ranks and 2 hosts x 1 rank must agree
-    (torchrun sets OMP_NUM_THREADS=1 only when ranks share a host)."""
+    (torchrun sets OMP_NUM_THREADS=1 only when ranks share a host).
+
+    ``OMP_NUM_THREADS`` too: where it is unset, Accelerate (under HF's Trainer as well) sets
+    torch's threads to the physical cores / local ranks when it starts its process group,
+    undoing ``set_num_threads(1)``. On 2 hosts x 1 rank emulated on one 2-core machine that was
+    2 threads per rank, 4 on 2 cores, cold and warm alike: the Trainer's own work there varied
+    from 0.45 to 1.9 s."""
     import torch
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
 
