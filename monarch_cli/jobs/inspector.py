@@ -364,7 +364,10 @@ class Inspector:
             hs = self._hostset()
         except Exception:  # noqa: BLE001 - the stacks below say the hosts do not answer
             return None
-        return partition_now(hs.mb, hs.hosts) if hs.peers_reachable else None
+        if not hs.peers_reachable:
+            return None
+        hs.link_all()  # each host is asked to probe its own peers: not a question a relay passes on
+        return partition_now(hs.mb, hs.hosts)
 
     def diagnose(self, silence: float = 60.0) -> Diagnosis:
         """One verdict: 0 healthy, 1 a suspect found, 2 cannot tell."""

@@ -175,6 +175,12 @@ class HostSet:
             _check_version(host, info)
             self.infos.append(info)
 
+    def link_all(self) -> None:
+        """Link every host (a set made through relays linked only those), for requests that
+        differ from host to host."""
+        for h in self.hosts:
+            self.mb.link(h.agent)
+
     def ask_all(self, make: Callable[[int], Any], timeout: float) -> list[Any]:
         """``make(cid)``'s answer from every host, in order (through relays where this set was
         made with ``questions_only``); raises the first host's failure, as ``gather`` does."""
