@@ -7,6 +7,7 @@ asks host 1 for the client, host 2 answers for itself. tests/jobs/test_emulated_
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -29,13 +30,19 @@ def relayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Job, lis
     before = settings().relay_from_hosts
     configure(relay_from_hosts=2)
     said: list[str] = []
-    state = tmp_path_factory.mktemp("relays") / ".monarch" / "job_state.pkl"
-    job = serve(None, hosts=3, state=state, preload="", progress=said.append)
+    root = tmp_path_factory.mktemp("relays")
+    cache = os.environ.get("MONARCH_CACHE_DIR")
+    os.environ["MONARCH_CACHE_DIR"] = str(root / "cache")  # the agents learn nothing from other tests' runs
+    job = serve(None, hosts=3, state=root / ".monarch" / "job_state.pkl", preload="", progress=said.append)
     try:
         yield job, said
     finally:
         job.stop()
         configure(relay_from_hosts=before)
+        if cache is None:
+            os.environ.pop("MONARCH_CACHE_DIR", None)
+        else:
+            os.environ["MONARCH_CACHE_DIR"] = cache
 
 
 def test_groups_cover_every_host_once() -> None:
@@ -54,7 +61,9 @@ def test_status_goes_through_a_relay_and_each_answer_is_its_own_hosts(relayed: t
     assert [(info["host"], info["pid"]) for info in hs.infos] == [(h.name, h.pid) for h in job.state.hosts]
     status = job.status()
     assert status["alive"] and [h["name"] for h in status["hosts"] if h["alive"]] == ["local0", "local1", "local2"]
-    assert job.forget_preload() == {"local0": 0, "local1": 0, "local2": 0}
+    forgotten = job.forget_preload()  # each host answers for itself, through the relay or not
+    assert sorted(forgotten) == ["local0", "local1", "local2"] and all(isinstance(n, int) for n in forgotten.values())
+    assert job.forget_preload() == {"local0": 0, "local1": 0, "local2": 0}  # nothing left to forget
 
 
 def test_stacks_of_every_rank_come_through_the_relay(relayed: tuple[Job, list[str]], tmp_path: Path) -> None:
