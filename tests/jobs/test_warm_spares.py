@@ -146,3 +146,26 @@ def test_stop_leaves_no_spare_behind(tmp_path: Path) -> None:
     while living(pids):
         assert time.monotonic() < deadline, f"left after stop: {living(pids)}"
         time.sleep(0.1)
+
+
+def test_a_warm_process_that_replaces_the_last_one_has_its_spares_before_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first run of a script, the warm process is rebuilt with what it imported and
+    swapped in: the next run forks from that one, so that is where its spares must be (else that
+    run's ranks each wait for a fork of a process of hundreds of MB)."""
+    monkeypatch.setenv("MONARCH_CACHE_DIR", str(tmp_path / "cache"))  # nothing learned before: a swap will come
+    job = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
+    try:
+        first = job.status()["hosts"][0]["warm"]["pid"]
+        script = write_script(tmp_path, "spares.py", _SCRIPT)
+        assert spmd(job, script, nproc=2).result.exit_code == 0
+        (warm,) = wait_warm(job)
+        assert warm["pid"] != first, "the run taught nothing: no warm process was swapped in"
+        spares = _wait_spares(job, per_host=2)
+        assert list(spares) == [warm["pid"]]
+        run = spmd(job, script, nproc=2)
+        assert run.result.exit_code == 0
+        assert sorted(i["pid"] for i in _infos(run.out)) == sorted(spares[warm["pid"]])  # the ranks were those spares
+    finally:
+        job.stop()

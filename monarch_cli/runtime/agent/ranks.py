@@ -117,7 +117,7 @@ class RankHost:
         self.tracked: dict[str, set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
         self.leftovers: dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
         self.warm_forks: dict[str, tuple[Any, int]] = {}  # run id -> (warm zygote, ranks forked from it)
-        self.spares_due: list[tuple[float, Any, int]] = []  # (when, warm zygote, how many) to ask for
+        self.spares_due: list[tuple[float, int]] = []  # (when, how many warm ranks the run had) to ask for
         self._next_scan = 0.0
 
     # ---------------------------------------------------------------- requests
@@ -370,17 +370,16 @@ class RankHost:
 
     def next_due(self) -> float | None:
         """When :meth:`tick` has something to do before its usual round (spares to ask for)."""
-        return min((due for due, _, _ in self.spares_due), default=None)
+        return min((due for due, _ in self.spares_due), default=None)
 
     def tick(self) -> None:
         """Report ranks whose pipes a grandchild still holds open after the grace period;
         SIGKILL what is left of finished runs; note the live ranks' descendants; ask for spares."""
         now = time.monotonic()
         while self.spares_due and self.spares_due[0][0] <= now:
-            _, zygote, count = self.spares_due.pop(0)
-            busy = (*self.pending.values(), *self.by_pid.values())
-            if not any(r.zygote_pid == zygote.process.pid for r in busy):  # else: at the end of the run now
-                self.agent.warm.keep_spares(zygote, count)
+            _, count = self.spares_due.pop(0)
+            busy = {r.zygote_pid for r in (*self.pending.values(), *self.by_pid.values())}
+            self.agent.warm.keep_spares(count, busy)  # (a busy warm process: at the end of that run)
         for run_id, held_at in list(self.port_held_at.items()):
             if now - held_at > _PORT_HOLD:
                 self.release_port(run_id)
@@ -455,7 +454,7 @@ class RankHost:
         self.agent.warm.learn(run_id)
         zygote, forked = self.warm_forks.pop(run_id, (None, 0))
         if zygote is not None:  # the next run, likely the same, starts from spares
-            self.spares_due.append((time.monotonic() + SPARES_AFTER_S, zygote, forked))
+            self.spares_due.append((time.monotonic() + SPARES_AFTER_S, forked))
         self.in_flight.pop(run_id, None)
         self.held.pop(run_id, None)
         self.unthrottled.discard(run_id)

@@ -138,6 +138,7 @@ class WarmRanks:
         self.preload = preload
         self._start, self._watch, self._unwatch = start, watch, unwatch
         self._running_since = running_since  # time.monotonic() the oldest live rank here started
+        self._spares = 0  # warm ranks the last run had here: spares to keep
         self._postponed = False
         self.store = LearnedStore(host)
         self.current: _Warm | None = None
@@ -278,12 +279,17 @@ class WarmRanks:
             return True
         return False
 
-    def keep_spares(self, zygote: Any, count: int) -> None:
-        """A run that forked ``count`` ranks from ``zygote`` ended: if runs still fork from it, have
-        that many forked ahead for the next one (:mod:`.zygote`'s spares)."""
+    def keep_spares(self, count: int, busy: set[int]) -> None:
+        """A run that forked ``count`` warm ranks here ended: have that many forked ahead for the
+        next one (:mod:`.zygote`'s spares), in the warm process it will fork from: the current
+        one, which may have replaced the run's own meanwhile. Not while ranks of it run
+        (``busy``: zygote pids); that run's end asks again."""
+        if count <= 0:
+            return
+        self._spares = count
         cur = self.current
-        if cur is not None and cur.zygote is zygote and cur.ready is not None and count > 0:
-            zygote.spares(count)
+        if cur is not None and cur.ready is not None and cur.zygote.process.pid not in busy:
+            cur.zygote.spares(count)
 
     def fork_asked(self, zygote: Any) -> None:
         """A rank was asked of ``zygote``: it counts as a child from now, not from its ``forked`` reply,
@@ -316,6 +322,10 @@ class WarmRanks:
             if self.current is not None:
                 self._retire(self.current)
             self.current, self.next = warm, None
+            if self._spares and self._running_since() is None:
+                # The next run forks from this one: its spares now, as the last run's end would
+                # have asked of the one it replaces (else that run's ranks wait for forks).
+                warm.zygote.spares(self._spares)
         if self._again:
             self._again = False
             self._maybe_warm()
