@@ -107,6 +107,7 @@ class _Emulator:
         # Relaying (``fan_out``): each agent's real FanOutRelay, its DEALERs in this poller.
         self.poller = zmq.Poller()
         self.relay_socks: dict[Any, _Agent] = {}
+        self.relays: list[Any] = []  # the relays made so far (ticked each round; most agents never relay)
 
     def serve(self, control_fd: int, mute_file: Path | None = None) -> None:
         zmq = self.zmq
@@ -169,6 +170,7 @@ class _Emulator:
                 self.poller.register(sock, self.zmq.POLLIN)
 
             agent.relay = FanOutRelay(_RelayCore(self, agent), watch, self.poller.unregister)  # type: ignore[arg-type]
+            self.relays.append(agent.relay)
         return agent.relay
 
     def _relayed(self, sock: Any) -> None:
@@ -177,9 +179,8 @@ class _Emulator:
         agent.batches.flush_all()
 
     def _relay_tick(self) -> None:
-        for agent in self.agents:
-            if agent.relay is not None:
-                agent.relay.tick()
+        for relay in self.relays:
+            relay.tick()
 
     # ------------------------------------------------------------------ messages
     def _send(self, agent: _Agent, to: str, msg: Any, body: list[Any] = ()) -> None:  # type: ignore[assignment]

@@ -473,7 +473,7 @@ class Job:
     def status(self) -> dict[str, Any]:
         """Scheduler, hosts with agent liveness, age and the last run; never raises for a stale job."""
         hostset = self.hostset(require_all=False, questions_only=True)  # each host answers, or not, for itself
-        dead = [h.name for h, info in zip(self.state.hosts, hostset.infos) if info is None]
+        dead = hostset.unanswered()
         stale = None
         probe = self.scheduler.probe(self.state)  # cheap; the scheduler may know better than a ping
         if probe.gone and not dead:  # e.g. Slurm ended the job while its agents still answer
@@ -523,7 +523,7 @@ class Job:
             hs = self.hostset(require_all=False, questions_only=True)
         except JobError:  # the first command says what is wrong
             return [h.name for h in self.state.hosts]
-        return [h.name for h, info in zip(self.state.hosts, hs.infos) if info is None]
+        return hs.unanswered()
 
     def wait_warm(self, timeout: float = 60.0) -> bool:
         """Wait until every host's warm process holds what past runs taught it (learning runs in

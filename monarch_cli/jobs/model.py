@@ -175,6 +175,10 @@ class HostSet:
             _check_version(host, info)
             self.infos.append(info)
 
+    def unanswered(self) -> list[str]:
+        """The hosts that did not answer this set's ping (made with ``require_all=False``)."""
+        return [h.name for h, info in zip(self.hosts, self.infos) if info is None]
+
     def link_all(self) -> None:
         """Link every host (a set made through relays linked only those), for requests that
         differ from host to host."""

@@ -94,7 +94,7 @@ class HostAgent:
         self._fork_server: ForkServerHandle | None = None
         self.preload = _default_preload() if preload is None else preload
         self.poller = zmq.Poller()
-        self._zygotes: dict[int, ForkServerHandle] = {}  # warm-rank fork servers by socket fd
+        self._zygotes: dict[int, ForkServerHandle] = {}  # every fork server watched, by socket fd
         self.warm = WarmRanks(
             self.host,
             self.preload,
@@ -190,7 +190,7 @@ class HostAgent:
         """The plain fork server, started now if none is running (first use, or after it died)."""
         if self._fork_server is None:
             self._fork_server = ForkServerHandle(title=f"monarch fork-server {self.label}")
-            self.poller.register(self._fork_server.sock.fileno(), zmq.POLLIN)
+            self._watch_zygote(self._fork_server)
         return self._fork_server
 
     def _own_zygotes(self) -> list[ForkServerHandle]:
@@ -248,9 +248,6 @@ class HostAgent:
                 self._drain_signals()
             if self.transport.zap in events:
                 self.transport.serve_zap()
-            plain = self._fork_server
-            if plain is not None and plain.sock.fileno() in events:
-                self._from_zygote(plain)
             for fd in [fd for fd in self._zygotes if fd in events]:
                 if fd in self._zygotes:
                     self._from_zygote(self._zygotes[fd])
@@ -380,8 +377,7 @@ class HostAgent:
         the cause; what comes next starts a new one."""
         warm = zygote is not self._fork_server
         if not warm:
-            self.poller.unregister(zygote.sock.fileno())
-            zygote.sock.close()
+            self._unwatch_zygote(zygote)
         cause = f"{'warm process' if warm else 'fork server'} on {self.host} died ({zygote.how_it_died()})"
         print(f"monarch agent: the {cause}; a new one takes its place", file=sys.stderr, flush=True)
         self.ranks.zygote_died(zygote.process.pid, cause)

@@ -116,7 +116,7 @@ class RankHost:
         self.port_held_at: dict[str, float] = {}
         self.tracked: dict[str, set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
         self.leftovers: dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
-        self.warm_forks: dict[str, tuple[Any, int]] = {}  # run id -> (warm zygote, ranks forked from it)
+        self.warm_forks: dict[str, int] = {}  # run id -> its warm ranks here (the spares to keep after it)
         self.spares_due: list[tuple[float, int]] = []  # (when, how many warm ranks the run had) to ask for
         self._next_scan = 0.0
 
@@ -226,7 +226,7 @@ class RankHost:
             zygote.fork(req, spec, fds, kind="rank" if spec["warm"] else "cold")
             if spec["warm"]:
                 self.agent.warm.fork_asked(zygote)
-                self.warm_forks[run_id] = (zygote, self.warm_forks.get(run_id, (None, 0))[1] + 1)
+                self.warm_forks[run_id] = self.warm_forks.get(run_id, 0) + 1
             for fd in (devnull, out_w, err_w):
                 os.close(fd)
             if debug_ours is not None:
@@ -452,8 +452,8 @@ class RankHost:
         if any(r.run_id == run_id for r in (*self.by_pid.values(), *self.pending.values())):
             return
         self.agent.warm.learn(run_id)
-        zygote, forked = self.warm_forks.pop(run_id, (None, 0))
-        if zygote is not None:  # the next run, likely the same, starts from spares
+        forked = self.warm_forks.pop(run_id, 0)
+        if forked:  # the next run, likely the same, starts from spares
             self.spares_due.append((time.monotonic() + SPARES_AFTER_S, forked))
         self.in_flight.pop(run_id, None)
         self.held.pop(run_id, None)
