@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import glob
 import io
 import os
 import pickle
 import select
 import shutil
-import socket
 import stat
 import tempfile
 from collections.abc import Sequence
@@ -109,6 +107,8 @@ def source_address_towards(host: str) -> str | None:
 
     None when ``host`` cannot be resolved or no route leads there.
     """
+    import socket  # here: a run-spmd whose controller address is fine never loads it (~2 ms)
+
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((socket.gethostbyname(host), 9))
@@ -123,6 +123,8 @@ def private_tmpdir(kind: str) -> str:
     A process killed with SIGKILL cannot remove its own; so each new one first removes this
     user's directories of the same kind whose process is gone (the pid in the name).
     """
+    import glob  # rarely needed: not at import
+
     base = tempfile.gettempdir()
     for old in glob.glob(os.path.join(base, f"monarch-{kind}-*-*")):
         try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -179,6 +178,8 @@ class RunExport:
 
     def _probe(self) -> None:
         """Is anything listening at the collector's address? (Off the run's path; decides whether its end waits.)"""
+        import socket  # only a run that exports needs it, and every run-spmd imports this module
+
         parts = urlsplit(self.endpoint)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
@@ -195,6 +196,7 @@ class _Sdk:
 
     def __init__(self, endpoint: str, reservation: str, run_id: str) -> None:
         import logging
+        import socket
 
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import uuid
 
 import zmq
 from zmq.utils import z85
@@ -64,6 +63,8 @@ class Transport:
         sock.curve_publickey = self.keys.public
         sock.zap_domain = _DOMAIN
         if settings().transport == "ipc":
+            import uuid  # the ipc transport only: a tcp client (every run-spmd) does without it
+
             sock.bind(f"ipc://{_ipc_dir()}/{uuid.uuid4().hex[:16]}")
             return sock, sock.last_endpoint.decode()
         host = listen_host()

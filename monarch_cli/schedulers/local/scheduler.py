@@ -16,7 +16,6 @@ import shlex
 import shutil
 import signal
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,6 +52,8 @@ class LocalScheduler(Scheduler):
         return max(128, 16 * (os.cpu_count() or 1))
 
     def plan(self, request: ReserveRequest, workdir: Path) -> Plan:
+        import uuid  # plan() (serve) only: every run-spmd loads this module to probe its agents
+
         self.check_options(request.options)
         rid = f"local-{uuid.uuid4().hex[:8]}"
         root = workdir.resolve() / "agents"
