@@ -4,7 +4,7 @@
 
 Heartbeats and everything else share the agent's one port (issue 9): the agent answers a
 heartbeat from its I/O loop, between reads of its ranks' output. This measures the
-heartbeat round trip (a DEALER of its own, as the client's heartbeat thread has) on a
+heartbeat round trip (on a DEALER of its own, so this is the agent's answer time, not the client's) on a
 1-host local reservation, idle (the reference, same run) and while a rank writes
 ``--megabytes`` of short lines through the same agent to this process. The figure that
 matters is the worst answer against the heartbeat timeout (5 s by default).

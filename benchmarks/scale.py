@@ -222,9 +222,9 @@ done = {}
 th = threading.Thread(target=lambda: done.setdefault("exits", runner.run(launches, run_id, sink)))
 run_started = time.monotonic()
 th.start()
-beats = hs.mb._heartbeats
+beats = hs.mb._beats
 deadline = time.monotonic() + 300
-while len(beats._answered) < len(hs.hosts) and time.monotonic() < deadline:
+while len(beats.answered) < len(hs.hosts) and time.monotonic() < deadline:
     time.sleep(0.05)
 from tests.emulated_cluster import PER_PROCESS
 victim_index = len(hs.hosts) // 2

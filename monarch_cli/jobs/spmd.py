@@ -156,9 +156,12 @@ class SpmdRunner:
         state = _RunState(self.hs, launches, run_id, sink, telemetry, control)
         handlers = state.handlers(on_pause)
         telemetry.started(launches, self.hs, attempt)
-        subscription = self.mb.subscribe(run_id, handlers)  # this run's events only, until it ends
+        # This run's events only, until it ends, on a thread of their own: printing may block (a
+        # paused terminal), and the mailbox's I/O thread must go on heartbeating the agents.
+        subscription = self.mb.subscribe(run_id, handlers, thread="monarch-run-events")
+        on_lost = lambda agent, silence: subscription.call_soon(state.on_lost, agent, silence)  # noqa: E731
         for n in nodes:
-            self.mb.watch_agent(self.hs.hosts[n].agent, state.on_lost)
+            self.mb.watch_agent(self.hs.hosts[n].agent, on_lost)
         # Ctrl-C, torchrun's death signals, plus what the caller forwards (e.g. Slurm's SIGUSR1).
         relay = SignalRelay([signal.SIGINT, *DEATH_SIGNALS, *forward_signals])
         try:
@@ -306,7 +309,7 @@ class SpmdRunner:
 
 
 class _RunState:
-    """One attempt's ranks as their events arrive (on the mailbox's I/O thread) and the runner waits."""
+    """One attempt's ranks as their events arrive (on the run's event thread) and the runner waits."""
 
     def __init__(
         self,

@@ -286,34 +286,82 @@ def test_a_console_that_fails_does_not_stall_the_ranks(job: Job, tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_heartbeats_go_on_while_a_handler_holds_the_io_thread(job: Job) -> None:
-    """A handler busy for longer than the heartbeat timeout (say, output to a terminal the
-    user paused) must not make a live agent look lost: heartbeats have their own thread."""
+def test_heartbeats_go_on_while_a_run_handler_blocks(job: Job) -> None:
+    """A run's handler blocked for longer than the heartbeat timeout (output to a terminal the
+    user paused) must not make a live agent look lost, nor the agent reap the client: a run's
+    events have a thread of their own, and heartbeats ride the links on the I/O thread."""
     from monarch_cli.jobs.model import HostSet
 
     hs = HostSet(job.state.hosts, job.keys)
     mb, host = hs.mb, job.state.hosts[0]
     lost: list[float] = []
-    handled = threading.Event()
+    blocked, handled = threading.Event(), threading.Event()
 
     def slow(_header, _body) -> None:
-        time.sleep(3 * settings().heartbeat_timeout)
+        blocked.set()
+        time.sleep(5 * settings().heartbeat_timeout)
         handled.set()
 
     old = settings().heartbeat_timeout
     configure(heartbeat_timeout=1.0)
-    subscription = mb.subscribe("slow-test-run", {protocol.Output: slow})
+    subscription = mb.subscribe("slow-test-run", {protocol.Output: slow}, thread="test-run-events")
     try:
         mb.watch_agent(host.agent, lambda _agent, silence: lost.append(silence))
-        time.sleep(0.3)
         mb.send(mb.address, protocol.Output("slow-test-run", 0, 1), [b"x"])  # handled by the I/O thread: nobody waits
-        assert handled.wait(10)
+        assert blocked.wait(10)
+        # While the handler blocks, the agent's answers on the same link are still read ...
+        assert hs.ask_all(lambda cid: protocol.Ping(cid, mb.address), timeout=2)[0]["host"]
+        assert not handled.is_set()
+        assert handled.wait(30)
         time.sleep(2 * settings().heartbeat_interval)
-        assert lost == []
+        assert lost == []  # ... and its heartbeats were answered all along
     finally:
         mb.unwatch_agent(host.agent)
         subscription.close()
         configure(heartbeat_timeout=old)
+
+
+def test_a_run_holds_one_connection_per_host(job: Job, tmp_path: Path) -> None:
+    """Heartbeats ride the links: while a run is going, this client has exactly one TCP
+    connection to each host's agent (a second one per host was a CURVE handshake per host per
+    command, and ~25-60 KB of libzmq buffers: ~100 MB at 4,096 hosts)."""
+    import psutil
+
+    go = tmp_path / "go"
+    script = write_script(
+        tmp_path,
+        "wait.py",
+        f"""
+        import os, time
+        print("ready", flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.02)
+        """,
+    )
+    ports = {int(h.agent.rsplit(":", 1)[1]) for h in job.state.hosts}
+    console = io.BytesIO()
+    runner = threading.Thread(
+        target=lambda: job.run_spmd(
+            ["torchrun", "--nproc-per-node=1", str(script)], stdout=console, stderr=io.BytesIO()
+        ),
+        daemon=True,
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while console.getvalue().count(b"ready") < len(ports) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert console.getvalue().count(b"ready") == len(ports), console.getvalue()
+        time.sleep(3 * settings().heartbeat_interval)  # heartbeats have gone out meanwhile
+        to_agents = [
+            c.raddr.port
+            for c in psutil.Process().net_connections(kind="tcp")
+            if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED
+        ]
+        assert sorted(to_agents) == sorted(ports), to_agents
+    finally:
+        go.touch()
+        runner.join(60)
 
 
 # ------------------------------------------------------------------- private, pruned logs

@@ -9,12 +9,17 @@ debugger, which follows whichever run is paused). An event nobody subscribed to 
 and counted (a late output line of a run that has ended, say).
 
 Handlers run on whichever thread reads the mailbox (its I/O thread or a waiter), one event
-at a time: they must be quick and must not wait for another reply.
+at a time: they must be quick and must not wait for another reply. A subscription whose
+handlers may block (a run's, which print to a console the user may have paused) asks for a
+thread of its own (``thread=``): its events are then handed over in order and handled there,
+so the I/O thread, which also sends and reads the agents' heartbeats, never waits on them.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,9 +36,12 @@ class EventRouter:
         #: Events that reached no subscription, by kind.
         self.dropped: dict[str, int] = {}
 
-    def subscribe(self, run_id: str | None, handlers: Mapping[type[Any], Handler]) -> Subscription:
-        """Deliver ``run_id``'s events of these types (every run's, with None) until closed."""
-        sub = Subscription(self, run_id, {cls.KIND: h for cls, h in handlers.items()})
+    def subscribe(
+        self, run_id: str | None, handlers: Mapping[type[Any], Handler], thread: str | None = None
+    ) -> Subscription:
+        """Deliver ``run_id``'s events of these types (every run's, with None) until closed; with
+        ``thread``, on a thread of that name, in the order they arrived."""
+        sub = Subscription(self, run_id, {cls.KIND: h for cls, h in handlers.items()}, thread)
         with self._lock:
             routes = dict(self._routes)
             for kind, handler in sub.handlers.items():
@@ -63,19 +71,62 @@ class EventRouter:
             handler(event, body)
 
 
+_END = object()  # (the last item of a subscription's queue)
+
+
+def _queueing(q: queue.SimpleQueue[Any], handler: Handler) -> Handler:
+    return lambda event, body: q.put((handler, event, body))
+
+
 class Subscription:
     """One run's (or one debugger's) share of a mailbox's events; a context manager."""
 
-    def __init__(self, router: EventRouter, run_id: str | None, handlers: dict[str, Handler]) -> None:
+    def __init__(
+        self, router: EventRouter, run_id: str | None, handlers: dict[str, Handler], thread: str | None = None
+    ) -> None:
         self._router = router
         self.run_id = run_id
-        self.handlers = handlers
         self._closed = False
+        self._queue: queue.SimpleQueue[Any] | None = None
+        self._thread: threading.Thread | None = None
+        if thread is not None:
+            q = self._queue = queue.SimpleQueue()
+            # Registered handlers only queue: what they were given runs on the subscription's thread.
+            handlers = {kind: _queueing(q, h) for kind, h in handlers.items()}
+            self._thread = threading.Thread(target=self._serve, name=thread, daemon=True)
+            self._thread.start()
+        self.handlers = handlers
+
+    def call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` where this subscription's handlers run, after the events already
+        received (a lost host's ranks end after the output that came from them first)."""
+        if self._queue is not None:
+            self._queue.put((fn, *args))
+        else:
+            fn(*args)
 
     def close(self) -> None:
+        """No more events; a thread of its own finishes what it was given first."""
         if not self._closed:
             self._closed = True
             self._router._unsubscribe(self)
+            if self._queue is not None and self._thread is not None:
+                self._queue.put(_END)
+                if self._thread is not threading.current_thread():
+                    self._thread.join()
+
+    def _serve(self) -> None:
+        q = self._queue
+        assert q is not None
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            fn, *args = item
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one failed handler must not end the run's events
+                traceback.print_exc()
 
     def __enter__(self) -> Subscription:
         return self

@@ -37,12 +37,16 @@ from typing import Any
 
 import zmq
 
+from .. import protocol
 from ..transport import wire
 from ..transport.keys import Keys
 from .future import Future
+from .heartbeats import LinkHeartbeats
 
 # Plain ints: `getsockopt(zmq.EVENTS) & zmq.POLLIN` builds enum flags, ~0.6 µs a time on the hot path.
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+_ACK_SIZE = len(protocol.HEARTBEAT_ACK)
 
 #: Messages one reader handles before others get their turn.
 _DRAIN_BATCH = 64
@@ -74,12 +78,20 @@ class MailboxIO:
         #: (address, frames) other threads send on the links, in order; the I/O thread drains it.
         self._outbox: collections.deque[tuple[str, list[Any]]] = collections.deque()
         self._outbox_wake = False  # a wake-up for the outbox is on its way (the I/O thread clears it first)
+        #: Heartbeats on the links, sent and judged by the I/O thread.
+        self._beats = LinkHeartbeats(self.address, self._wanted_agents, self._agent_lost, self._link_send)
         self._watching = zmq.Poller()
         self._backing_off = zmq.Poller()
         self._thread = threading.Thread(target=self._io_loop, name="monarch-mailbox", daemon=True)
         self._thread.start()
 
     def _handle_message(self, frames: list[zmq.Frame]) -> None:
+        raise NotImplementedError
+
+    def _wanted_agents(self) -> set[str]:
+        raise NotImplementedError
+
+    def _agent_lost(self, agent: str, silent_for: float) -> None:
         raise NotImplementedError
 
     def link(self, address: str) -> None:
@@ -99,10 +111,19 @@ class MailboxIO:
             self._link_send(address, frames)
             return
         self._outbox.append((address, frames))
-        # The I/O thread clears the flag before it drains: either it sees this entry, or this sees False.
+        self._wake_once()
+
+    def _wake_once(self) -> None:
+        """Wake the I/O thread for what was just queued for it, unless a wake-up is on its way.
+        It clears the flag before it looks at its queues: either it sees the new entry, or this sees False."""
         if not self._outbox_wake:
             self._outbox_wake = True
             self._send_wake()
+
+    def heartbeat(self, agent: str) -> None:
+        """Beat ``agent`` on its link from now on (until the mailbox no longer wants it)."""
+        self._beats.watch(agent)
+        self._wake_once()
 
     def _links_socket(self) -> zmq.Socket:
         """The ROUTER holding every link (I/O thread only), made on first use."""
@@ -197,7 +218,7 @@ class MailboxIO:
         links_more = False
         while not self._closing:
             now = time.monotonic()
-            timeout = 0.0 if self._more or links_more else 1.0  # more queued: read it now
+            timeout = 0.0 if self._more or links_more else self._beats.wait(now)  # more queued: read it now
             if self._unsent:  # links still connecting: look again soon
                 timeout = min(timeout, 0.005)
             if now < self._backoff_until:
@@ -216,6 +237,7 @@ class MailboxIO:
             if self._unsent:
                 self._retry_unsent()
             links_more = self._drain_links()
+            self._beats.tick(time.monotonic(), drained=not links_more)
             if poller is watching and (reply_fd in events or not events or self._more):
                 if self._reader.acquire(blocking=False):
                     try:
@@ -245,6 +267,9 @@ class MailboxIO:
         return self._links is not None and _drain(self._links, self._handle)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) == 2 and len(frames[1]) == _ACK_SIZE and frames[1].bytes == protocol.HEARTBEAT_ACK:
+            self._beats.acked(frames[0].bytes.decode())
+            return
         self._handle_message(frames[1:])
 
 

@@ -4,7 +4,7 @@ Every process of the runtime (controller, proc) has exactly one :class:`Mailbox`
 and their futures, supervision of the procs it owns, and the events agents send it, routed
 to per-run subscriptions (:meth:`Mailbox.subscribe`). What runs where underneath:
 :mod:`.io_thread` (the I/O thread, the links to agents, who reads the reply socket),
-:mod:`.heartbeats` (the heartbeat thread), :mod:`.events` (the routing).
+:mod:`.heartbeats` (heartbeats on the links), :mod:`.events` (the routing).
 Every message is defined in :mod:`..protocol`.
 """
 
@@ -28,7 +28,6 @@ from ..transport import wire
 from ..transport.keys import Keys, keys_from_environment
 from .events import EventRouter, Handler, Subscription
 from .future import Future
-from .heartbeats import AgentHeartbeats
 from .io_thread import MailboxIO
 
 
@@ -66,7 +65,6 @@ class Mailbox(MailboxIO):
             protocol.EndpointError.KIND: self._on_endpoint_error,
         }
         super().__init__(keys)
-        self._heartbeats = AgentHeartbeats(keys, self.address, self._wanted_agents, self._agent_lost)
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -130,13 +128,12 @@ class Mailbox(MailboxIO):
         ``release``, also free the sockets and context once both threads have ended."""
         if self._closing:
             return
-        for agent in self._heartbeats.agents:
+        for agent in self._beats.agents:
             try:
                 self.send(agent, protocol.ClientExit(self.address))
             except zmq.ZMQError:
                 pass
         self._closing = True
-        self._heartbeats.close()
         try:
             self._send_wake()
             self._thread.join(timeout=2.0)
@@ -145,11 +142,9 @@ class Mailbox(MailboxIO):
         for sock in getattr(self._tls, "socks", {}).values():
             sock.close(linger=500)
         if release:
-            beats_ended = self._heartbeats.join(timeout=2.0)
             # zmq_close is not thread-safe: free the sockets only when no thread of ours can be
-            # using them (both loops ended, nobody waiting on a reply); else leave them to exit.
-            if not self._thread.is_alive() and beats_ended and self._reader.acquire(timeout=1.0):
-                self._heartbeats.release()
+            # using them (the I/O loop ended, nobody waiting on a reply); else leave them to exit.
+            if not self._thread.is_alive() and self._reader.acquire(timeout=1.0):
                 self.transport.close()
 
     # ------------------------------------------------------------------- sending
@@ -233,23 +228,26 @@ class Mailbox(MailboxIO):
         self.send(address, protocol.Result(call_id, ok), body)
 
     # ------------------------------------------------------------------- events
-    def subscribe(self, run_id: str | None, handlers: Mapping[type[Any], Handler]) -> Subscription:
+    def subscribe(
+        self, run_id: str | None, handlers: Mapping[type[Any], Handler], thread: str | None = None
+    ) -> Subscription:
         """Receive ``run_id``'s events of these :mod:`..protocol` types (every run's, with None)
-        until the subscription is closed; use it as a context manager."""
-        return self.events.subscribe(run_id, handlers)
+        until the subscription is closed; use it as a context manager. Handlers that may block
+        (on a console) name a ``thread`` of their own: the I/O thread keeps the heartbeats."""
+        return self.events.subscribe(run_id, handlers, thread)
 
     # ------------------------------------------------------------- supervision
     def track_proc(self, proc_id: str, agent: str, host: str, mesh: Any, owner_actor: str | None) -> None:
         """Own ``proc_id``: its exit is supervised here, and its agent is heartbeated."""
         self._procs[proc_id] = _OwnedProc(agent, host, weakref.ref(mesh) if mesh is not None else None, owner_actor)
         self.link(agent)
-        self._heartbeats.watch(agent)
+        self.heartbeat(agent)
 
     def watch_agent(self, agent: str, on_lost: Callable[[str, float], None]) -> None:
         """Heartbeat ``agent`` until :meth:`unwatch_agent`; call ``on_lost(agent, silence)`` if it goes quiet."""
         self._watchers[agent] = on_lost
         self.link(agent)
-        self._heartbeats.watch(agent)
+        self.heartbeat(agent)
 
     def unwatch_agent(self, agent: str) -> None:
         self._watchers.pop(agent, None)

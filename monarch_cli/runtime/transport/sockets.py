@@ -120,8 +120,8 @@ _fd_limit_raised = False
 
 def raise_fd_limit() -> None:
     """Raise this process's open-file soft limit to its hard limit, once: a client of 4,096
-    hosts holds two TCP connections per host (its link and its heartbeats), over the usual
-    soft limit of 1,024."""
+    hosts holds a TCP connection per host (its link, heartbeats included), and a run a log file
+    per rank besides, over the usual soft limit of 1,024."""
     global _fd_limit_raised
     if _fd_limit_raised:
         return
