@@ -32,7 +32,7 @@ class VersionMismatch(JobError):
     """The reservation's agents run another monarch-cli version than this client."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # (no __dict__: a client of 32,768 ranks holds one per rank)
 class RankExit:
     """How one rank ended."""
 
@@ -113,7 +113,7 @@ class RunResult:
         }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Launch:
     """One process to start: a rank of the SPMD run, or a host's shell for ``exec``."""
 

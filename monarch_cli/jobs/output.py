@@ -92,7 +92,9 @@ class OutputSink:
         self.partial: dict[tuple[int, int], bytearray] = {}
         #: Streams whose current line was already written out in part (it was too long to hold).
         self.continued: set[tuple[int, int]] = set()
-        self.tails: dict[int, collections.deque[str]] = {r: collections.deque(maxlen=_TAIL_LINES) for r in labels}
+        #: Each rank's last lines, made at its first line: a list (~100 B), not a deque (760 B), per
+        #: rank, 25 MB of a 32,768-rank client.
+        self.tails: dict[int, list[str]] = {}
         #: Opened at a rank's first output (a silent rank's empty file is made at close): creating
         #: 32,768 files before a run would cost more than the run.
         #: At most :data:`MAX_OPEN_LOGS` stay open (the least recently written is closed, and
@@ -263,7 +265,16 @@ class OutputSink:
             else:
                 self._print(stream, self.prefix[rank] + piece + b"\n")
         if first and piece.strip():
-            self.tails[rank].append(_tail_text(piece, cut_short=True))
+            self._note_tail(rank, _tail_text(piece, cut_short=True))
+
+    def _note_tail(self, rank: int, text: str) -> None:
+        tail = self.tails.get(rank)
+        if tail is None:
+            self.tails[rank] = [text]
+            return
+        tail.append(text)
+        if len(tail) > _TAIL_LINES:
+            del tail[0]
 
     def _shown(self, rank: int, stream: int) -> bool:
         return (self.console is None or rank in self.console) and stream not in self.hidden.get(rank, ())
@@ -292,7 +303,7 @@ class OutputSink:
         if continued:  # the first segment ends a line whose start is already in the tail
             start = _first_segment_end(block)
         for line, cut_short in _last_lines(block, start):
-            self.tails[rank].append(_tail_text(line, cut_short))
+            self._note_tail(rank, _tail_text(line, cut_short))
 
 
 def _first_segment_end(block: bytes) -> int:

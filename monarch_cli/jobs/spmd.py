@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MO
 def new_run_id() -> str:
     """Sortable to the millisecond, unique by its suffix."""
     now = time.time()
-    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"{int(now * 1000) % 1000:03d}-" + uuid.uuid4().hex[:4]
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"{int(now * 1000) % 1000:03d}-" + os.urandom(2).hex()
 
 
 def user_environment() -> dict[str, str]:

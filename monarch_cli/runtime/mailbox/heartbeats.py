@@ -7,9 +7,11 @@ per command and ~100 MB of libzmq buffers). Liveness still never depends on how 
 process's handlers are: nothing that may block runs on the I/O thread (a run's events, which
 print to a console the user may pause, have a thread of their own: ``subscribe(thread=)``),
 and silence is judged only right after the links were drained, so an ack queued behind a
-flood of output is never mistaken for silence. An agent counts as lost only when a beat this
-process *sent* has gone unanswered for the timeout: a process too busy to send beats does not
-make its agents look dead.
+flood of output is never mistaken for silence. An agent counts as lost once nothing came from
+it for the timeout (5 s) *and* a beat this process sent has gone unanswered for all but one
+interval of it: a process too busy to send beats does not make its agents look dead, and a
+host that vanishes is named within the timeout of its last answer (judged at that deadline,
+not at the next round of beats).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ _CONNECT_ALLOWANCE = 0.02
 @dataclasses.dataclass
 class _AgentWatch:
     watched_at: float  # until its first answer, silence counts only after a grace (its connection may be coming up)
+    last_ack: float  # (watched_at until the first)
     unanswered_since: float | None = None  # when the oldest beat not yet answered was sent
 
 
@@ -53,6 +56,7 @@ class LinkHeartbeats:
         self._new: collections.deque[str] = collections.deque()  # watched by other threads, not taken yet
         self.answered: set[str] = set()  # agents whose link has brought an ack (a lost one leaves)
         self._next_beat = 0.0
+        self._next_judgement = float("inf")  # the earliest moment an agent may be found silent
 
     @property
     def agents(self) -> set[str]:
@@ -62,11 +66,12 @@ class LinkHeartbeats:
         """Beat ``agent`` (at the I/O thread's next turn) for as long as it is wanted."""
         self._new.append(agent)
 
-    def acked(self, agent: str) -> None:
+    def acked(self, agent: str, now: float) -> None:
         self.answered.add(agent)
         watch = self._agents.get(agent)
         if watch is not None:
             watch.unanswered_since = None
+            watch.last_ack = now
 
     def wait(self, now: float) -> float:
         """Seconds the I/O thread may sleep before the next beat is due."""
@@ -74,7 +79,7 @@ class LinkHeartbeats:
             return 1.0
         if self._new:
             return 0.0
-        return max(0.0, self._next_beat - now)
+        return max(0.0, min(self._next_beat, self._next_judgement) - now)
 
     def tick(self, now: float, drained: bool) -> None:
         """Beat the agents whose turn it is; judge silence only when the links were just drained."""
@@ -82,11 +87,15 @@ class LinkHeartbeats:
         while new:
             agent = new.popleft()
             if agent not in self._agents:
-                self._agents[agent] = _AgentWatch(now)
+                self._agents[agent] = _AgentWatch(now, now)
                 self._beat_one(agent, self._agents[agent], now)  # now, not at the next round
-        if now < self._next_beat or not drained:
+        if (now < self._next_beat and now < self._next_judgement) or not drained:
             return
-        self._next_beat = now + settings().heartbeat_interval
+        interval = settings().heartbeat_interval
+        beat = now >= self._next_beat
+        if beat:
+            self._next_beat = now + interval
+        self._next_judgement = float("inf")
         limit = settings().heartbeat_timeout
         wanted = self._wanted()
         # Connections all come up at once, in no particular order: each gets the grace of them all.
@@ -94,17 +103,20 @@ class LinkHeartbeats:
         for agent, watch in list(self._agents.items()):
             if agent not in wanted:
                 del self._agents[agent]  # its link stays: the next run watches it again, no new handshake
-            elif (
-                watch.unanswered_since is not None
-                and now - watch.unanswered_since > limit
-                and (agent in self.answered or now - watch.watched_at > grace)
-            ):
-                # Silence counted from a beat we sent, not from the last answer we got round to
-                # reading: a busy process does not make its agents look dead.
-                del self._agents[agent]
-                self.answered.discard(agent)
-                self._lost(agent, now - watch.unanswered_since)
-            else:
+                continue
+            if watch.unanswered_since is not None:
+                # Nothing heard for the timeout, and a beat we sent unanswered for all but one
+                # interval of it (not merely the last answer we got round to reading).
+                due = max(watch.last_ack + limit, watch.unanswered_since + limit - interval)
+                if agent not in self.answered:
+                    due = max(due, watch.watched_at + grace)
+                if now >= due:
+                    del self._agents[agent]
+                    self.answered.discard(agent)
+                    self._lost(agent, now - watch.last_ack)
+                    continue
+                self._next_judgement = min(self._next_judgement, due)
+            if beat:
                 self._beat_one(agent, watch, now)
 
     def _beat_one(self, agent: str, watch: _AgentWatch, now: float) -> None:

@@ -268,7 +268,7 @@ class MailboxIO:
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) == 2 and len(frames[1]) == _ACK_SIZE and frames[1].bytes == protocol.HEARTBEAT_ACK:
-            self._beats.acked(frames[0].bytes.decode())
+            self._beats.acked(frames[0].bytes.decode(), time.monotonic())
             return
         self._handle_message(frames[1:])
 
