@@ -567,7 +567,16 @@ class TelemetryWriter:
                         )
                         last[rank] = (ts, last.get(rank, (0.0, 0))[1] + 1)
             elif kind == "sql":
-                conn.execute(*item)
+                statement, params = item
+                # A run of the same statement (a rank's end, per rank: 32,768 at 4,096 hosts) is one executemany.
+                many = [params]
+                queue = self._queue
+                while queue and queue[0][0] == "sql" and queue[0][1][0] == statement:
+                    many.append(queue.popleft()[1][1])
+                if len(many) == 1:
+                    conn.execute(statement, params)
+                else:
+                    conn.executemany(statement, many)
             elif kind == "rows":
                 table, rows = item
                 marks = ",".join("?" * len(rows[0]))

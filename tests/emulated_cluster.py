@@ -122,13 +122,14 @@ class _Emulator:
         next_check = 0.0
         while self.running:
             if mute_file is not None and time.monotonic() >= next_check:
-                next_check = time.monotonic() + 0.1
+                # Often: the benchmark times a lost host from the moment it writes this file.
+                next_check = time.monotonic() + 0.02
                 try:
                     for name in mute_file.read_text().split():
                         self._control(["mute", name])
                 except OSError:
                     pass
-            for item, _ in poller.poll(200):
+            for item, _ in poller.poll(200 if mute_file is None else 20):
                 if item in self.relay_socks:
                     self._relayed(item)
                 elif item is self.transport.zap:

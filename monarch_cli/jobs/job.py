@@ -432,7 +432,9 @@ class Job:
         shown = set(labels) if opts.ranks is None else set(opts.ranks)
         if spec.local_ranks_filter is not None:
             shown = {r for r in shown if r % nproc in spec.local_ranks_filter}
-        hidden = {r: _streams(spec.redirects, r % nproc) for r in labels}
+        # Only ranks with streams kept off the console, one set per local rank (not per rank: 32,768 of them).
+        per_local = {local: _streams(spec.redirects, local) for local in range(nproc)}
+        hidden = {r: per_local[r % nproc] for r in labels if per_local[r % nproc]}
         extra = {}
         if spec.log_dir:  # torchrun's layout, as well as ours
             base = Path(run.cwd or ".") / spec.log_dir / run.run_id / f"attempt_{attempt}"  # relative to the ranks' cwd

@@ -537,8 +537,19 @@ def plan_spmd(
         raise JobError("no master port")
     launches = []
     cwd = cwd or os.getcwd()
+    telemetry_on = telemetry_enabled()
     for node in range(nnodes):
         node_base = (node_environ or {}).get(node, base)
+        # One dict for the host's ranks (as the base environment is), not one per rank.
+        node_telemetry = (
+            {
+                "run_id": run_id,
+                "agent_pid": hostset.infos[node].get("pid"),
+                "dir": hostset.infos[node].get("telemetry_dir"),
+            }
+            if telemetry_on
+            else None
+        )
         for local in range(nproc):
             # Only what differs from the host's base: the base is one dict shared by its ranks
             # (pickled once per host, kept once in memory), which the agent merges under this.
@@ -570,11 +581,7 @@ def plan_spmd(
                 "host_store": host_store and rank == 0,
                 "post_mortem": post_mortem,
             }
-            if telemetry_enabled():  # lets the rank's agent trace it, dump its stack, time its steps
-                launch_spec["telemetry"] = {
-                    "run_id": run_id,
-                    "agent_pid": hostset.infos[node].get("pid"),
-                    "dir": hostset.infos[node].get("telemetry_dir"),
-                }
+            if node_telemetry is not None:  # lets the rank's agent trace it, dump its stack, time its steps
+                launch_spec["telemetry"] = node_telemetry
             launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
     return launches

@@ -158,6 +158,26 @@ def test_ranks_filter_shows_rank_0_but_logs_every_rank(job: Job, tmp_path: Path)
     assert all(r.tail for r in run.result.ranks)  # tails are kept for hidden ranks too
 
 
+def test_redirects_keep_a_local_ranks_streams_off_the_console_but_in_its_log(job: Job, tmp_path: Path) -> None:
+    """torchrun's ``--redirects 0:1,1:2``: local rank 0's stdout and local rank 1's stderr are
+    kept off the console (on each host), and every line is still in the rank's log."""
+    script = write_script(
+        tmp_path,
+        "both.py",
+        """
+        import os, sys
+        print("out of", os.environ["RANK"], flush=True)
+        print("err of", os.environ["RANK"], file=sys.stderr, flush=True)
+    """,
+    )
+    run = spmd(job, script, flags=["--redirects=0:1,1:2"])
+    assert run.result.exit_code == 0
+    assert sorted(run.lines("out")) == [b"[rank1] out of 1", b"[rank3] out of 3"]
+    assert sorted(run.lines("err")) == [b"[rank0] err of 0", b"[rank2] err of 2"]
+    for rank in range(4):
+        assert sorted(run.log(rank).splitlines()) == [f"err of {rank}".encode(), f"out of {rank}".encode()]
+
+
 def test_logs_live_under_the_state_directory(job: Job, tmp_path: Path) -> None:
     script = write_script(tmp_path, "ok.py", "print('ok')\n")
     run = spmd(job, script)
