@@ -21,6 +21,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import zmq
+
 from ...config import settings
 from .. import protocol
 from ..transport import wire
@@ -57,6 +59,7 @@ class LinkHeartbeats:
         self.answered: set[str] = set()  # agents whose link has brought an ack (a lost one leaves)
         self._next_beat = 0.0
         self._next_judgement = float("inf")  # the earliest moment an agent may be found silent
+        self._undrained_since: float | None = None  # since when the I/O thread has had more to read
 
     @property
     def agents(self) -> set[str]:
@@ -82,20 +85,31 @@ class LinkHeartbeats:
         return max(0.0, min(self._next_beat, self._next_judgement) - now)
 
     def tick(self, now: float, drained: bool) -> None:
-        """Beat the agents whose turn it is; judge silence only when the links were just drained."""
+        """Beat the agents when their turn comes; judge silence only when the links were just drained."""
         new = self._new
         while new:
             agent = new.popleft()
             if agent not in self._agents:
                 self._agents[agent] = _AgentWatch(now, now)
                 self._beat_one(agent, self._agents[agent], now)  # now, not at the next round
-        if (now < self._next_beat and now < self._next_judgement) or not drained:
+        beat = now >= self._next_beat  # beats go out even while the links are not drained: the agents
+        # reap a client whose beats stop, and a flood of output may last longer than the timeout
+        if drained:
+            self._undrained_since = None
+        elif self._undrained_since is None:
+            self._undrained_since = now
+        # Silence is judged right after the links were drained; under a flood that never drains,
+        # after a timeout of it (each connection is read in turn, so a live agent's ack is never
+        # more than its own output window behind: a dead host must still be named).
+        readable = drained or now - (self._undrained_since or now) >= settings().heartbeat_timeout
+        judge = readable and (beat or now >= self._next_judgement)
+        if not beat and not judge:
             return
         interval = settings().heartbeat_interval
-        beat = now >= self._next_beat
         if beat:
             self._next_beat = now + interval
-        self._next_judgement = float("inf")
+        if judge:
+            self._next_judgement = float("inf")
         limit = settings().heartbeat_timeout
         wanted = self._wanted()
         # Connections all come up at once, in no particular order: each gets the grace of them all.
@@ -104,7 +118,7 @@ class LinkHeartbeats:
             if agent not in wanted:
                 del self._agents[agent]  # its link stays: the next run watches it again, no new handshake
                 continue
-            if watch.unanswered_since is not None:
+            if judge and watch.unanswered_since is not None:
                 # Nothing heard for the timeout, and a beat we sent unanswered for all but one
                 # interval of it (not merely the last answer we got round to reading).
                 due = max(watch.last_ack + limit, watch.unanswered_since + limit - interval)
@@ -120,6 +134,9 @@ class LinkHeartbeats:
                 self._beat_one(agent, watch, now)
 
     def _beat_one(self, agent: str, watch: _AgentWatch, now: float) -> None:
-        self._send(agent, self._beat)
+        try:
+            self._send(agent, self._beat)
+        except zmq.ZMQError:  # (the context is closing): the beat goes unanswered, the I/O loop goes on
+            pass
         if watch.unanswered_since is None:
             watch.unanswered_since = now
