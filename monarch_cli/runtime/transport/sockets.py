@@ -25,10 +25,16 @@ _DOMAIN = b"monarch"
 class Transport:
     """Socket factory bound to one ZeroMQ context and one set of reservation keys."""
 
-    def __init__(self, keys: Keys, zap: bool = True) -> None:
+    def __init__(self, keys: Keys, zap: bool = True, link_thread: bool = False) -> None:
         raise_fd_limit()
         self.keys = keys
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context(io_threads=2 if link_thread else 1)
+        self._link_thread = link_thread
+        if link_thread:
+            # The links (to agents, heartbeats included) get a ZeroMQ I/O thread of their own and
+            # every other socket the first: libzmq encrypts a message whole, in its I/O thread, so a
+            # 1 GiB transfer to a proc would otherwise hold the heartbeats up for seconds.
+            self.ctx.setsockopt(zmq.AFFINITY, 1)
         self._client_key = z85.decode(keys.public)
         # The ZAP handler must exist before any server socket binds, or libzmq lets
         # CURVE clients in without asking. A client-only context needs none.
@@ -101,6 +107,8 @@ class Transport:
         each, addressed by the routing id given with ``connect_rid`` before each ``connect``; a
         send to a peer not connected (yet) raises EHOSTUNREACH instead of being dropped."""
         sock = self.ctx.socket(zmq.ROUTER)
+        if self._link_thread:
+            sock.affinity = 2  # (the second I/O thread: see __init__)
         sock.routing_id = identity
         sock.router_mandatory = True
         sock.linger = 2000
