@@ -6,8 +6,9 @@ a heartbeat connection (at 4,096 hosts that second connection was a CURVE handsh
 per command and ~100 MB of libzmq buffers). Liveness still never depends on how busy this
 process's handlers are: nothing that may block runs on the I/O thread (a run's events, which
 print to a console the user may pause, have a thread of their own: ``subscribe(thread=)``),
-and silence is judged only right after the links were drained, so an ack queued behind a
-flood of output is never mistaken for silence. An agent counts as lost once nothing came from
+and silence is judged right after the links were drained, so an ack queued behind a flood
+of output is never mistaken for silence (under a flood that never drains, once it has lasted
+a timeout; beats then go out every third of the timeout, not every interval). An agent counts as lost once nothing came from
 it for the timeout (5 s) *and* a beat this process sent has gone unanswered for all but one
 interval of it: a process too busy to send beats does not make its agents look dead, and a
 host that vanishes is named within the timeout of its last answer (judged at that deadline,
