@@ -428,7 +428,7 @@ class Job:
         torchrun's ``--log-dir`` layout when it was given."""
         spec, opts = run.spec, run.opts
         labels = {l.rank: l.label for l in launches}
-        nproc = 1 + max(int(l.spec["env"]["LOCAL_RANK"]) for l in launches)
+        nproc = 1 + max(l.local for l in launches)
         shown = set(labels) if opts.ranks is None else set(opts.ranks)
         if spec.local_ranks_filter is not None:
             shown = {r for r in shown if r % nproc in spec.local_ranks_filter}

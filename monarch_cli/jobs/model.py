@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from ..runtime import protocol
 from ..runtime.errors import CallTimeout
@@ -113,6 +113,23 @@ class RunResult:
         }
 
 
+class HostRanks(Protocol):
+    """What a host's ranks are given: each rank's spec, built when it is sent, from what the
+    host's ranks share (32,768 ranks' dicts held for a whole run were ~30 MB of a client)."""
+
+    def spec(self, local: int) -> protocol.RankSpec: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FixedSpec:
+    """A spec made whole beforehand (``exec``'s one shell per host)."""
+
+    whole: protocol.RankSpec
+
+    def spec(self, local: int) -> protocol.RankSpec:
+        return self.whole
+
+
 @dataclasses.dataclass(slots=True)
 class Launch:
     """One process to start: a rank of the SPMD run, or a host's shell for ``exec``."""
@@ -120,7 +137,13 @@ class Launch:
     rank: int
     label: str
     node: int
-    spec: protocol.RankSpec
+    local: int  # its index among its host's ranks (torchrun's LOCAL_RANK)
+    plan: HostRanks
+
+    @property
+    def spec(self) -> protocol.RankSpec:
+        """Built anew at each use: send it once, keep none."""
+        return self.plan.spec(self.local)
 
 
 #: Seconds per host added to the wait for the agents' first answers (their connections' handshakes).

@@ -9,6 +9,7 @@ How a run is ended from outside (Ctrl-C, SIGTERM, ``monarch stop``) is decided i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -24,7 +25,7 @@ from ..runtime.mailbox.future import Future, gather
 from ..runtime.transport import wire
 from .errors import JobError
 from .lifecycle import DEATH_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STRAGGLER_GRACE, RunControl, SignalRelay
-from .model import HostSet, Launch, RankExit
+from .model import FixedSpec, HostSet, Launch, RankExit
 from .output import OutputSink
 from .partition import PartitionWatch
 from .telemetry import NO_TELEMETRY, RunRecorder
@@ -180,16 +181,17 @@ class SpmdRunner:
         """Hand every host its ranks, at once; each agent's acknowledgement, in ``nodes`` order."""
         mb = self.mb
         acks = []
-        specs_of: dict[int, list[protocol.RankSpec]] = {n: [] for n in nodes}
+        launches_of: dict[int, list[Launch]] = {n: [] for n in nodes}
         for l in launches:  # one pass: a loop over hosts per host is quadratic at thousands
-            specs_of[l.node].append(l.spec)
+            launches_of[l.node].append(l)
         for n in nodes:
-            specs = specs_of[n]
+            # A host's specs are built, pickled and dropped here: none is held for the run.
+            body = wire.dumps_data([l.spec for l in launches_of.pop(n)])
             acks.append(
                 mb.request(
                     self.hs.hosts[n].agent,
                     lambda cid: protocol.RunRanks(cid, mb.address, run_id, settings().heartbeat_timeout),
-                    wire.dumps_data(specs),
+                    body,
                 )
             )
         return acks
@@ -478,16 +480,19 @@ def plan_exec(
             node,
             host.name,
             node,
-            {
-                "rank": node,
-                "env": {**(node_environ or {}).get(node, env), "GROUP_RANK": str(node), "NODE_RANK": str(node)},
-                "cwd": (node_cwd or {}).get(node, os.getcwd()),
-                "mode": "no_python",
-                "program": shell,
-                "python_args": [],
-                "warm": False,
-                "host_store": False,
-            },
+            0,
+            FixedSpec(
+                {
+                    "rank": node,
+                    "env": {**(node_environ or {}).get(node, env), "GROUP_RANK": str(node), "NODE_RANK": str(node)},
+                    "cwd": (node_cwd or {}).get(node, os.getcwd()),
+                    "mode": "no_python",
+                    "program": shell,
+                    "python_args": [],
+                    "warm": False,
+                    "host_store": False,
+                }
+            ),
         )
         for node, host in enumerate(hostset.hosts)
     ]
@@ -538,8 +543,8 @@ def plan_spmd(
     launches = []
     cwd = cwd or os.getcwd()
     telemetry_on = telemetry_enabled()
+    warm = not cold and warm_capable(spec)
     for node in range(nnodes):
-        node_base = (node_environ or {}).get(node, base)
         # One dict for the host's ranks (as the base environment is), not one per rank.
         node_telemetry = (
             {
@@ -550,38 +555,80 @@ def plan_spmd(
             if telemetry_on
             else None
         )
+        plan = _SpmdHostRanks(
+            spec,
+            node,
+            nnodes,
+            nproc,
+            master_addr,
+            port,
+            spec.rdzv_id or run_id,
+            restart_count,
+            hostset.infos[node]["cpus"],
+            (node_environ or {}).get(node, base),
+            (node_cwd or {}).get(node, cwd),
+            warm,
+            host_store,
+            post_mortem,
+            node_telemetry,
+        )
         for local in range(nproc):
-            # Only what differs from the host's base: the base is one dict shared by its ranks
-            # (pickled once per host, kept once in memory), which the agent merges under this.
-            env = rank_environment(
-                spec,
-                node_rank=node,
-                nnodes=nnodes,
-                local_rank=local,
-                nproc_per_node=nproc,
-                master_addr=master_addr,
-                master_port=port,
-                run_id=spec.rdzv_id or run_id,
-                restart_count=restart_count,
-                cpus_on_host=hostset.infos[node]["cpus"],
-                environ=node_base,
-            )
             rank = node * nproc + local
-            if host_store:
-                env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # rank 0 serves the store we reserved
-            launch_spec: protocol.RankSpec = {
-                "rank": rank,
-                "env": env,
-                "env_base": node_base,
-                "cwd": (node_cwd or {}).get(node, cwd),
-                "mode": spec.mode,
-                "program": spec.program,
-                "python_args": spec.python_args,
-                "warm": not cold and warm_capable(spec),
-                "host_store": host_store and rank == 0,
-                "post_mortem": post_mortem,
-            }
-            if node_telemetry is not None:  # lets the rank's agent trace it, dump its stack, time its steps
-                launch_spec["telemetry"] = node_telemetry
-            launches.append(Launch(rank, f"rank{rank}", node, launch_spec))
+            launches.append(Launch(rank, f"rank{rank}", node, local, plan))
     return launches
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SpmdHostRanks:
+    """What one host's ranks share; a rank's spec is built from it as it is sent (:class:`HostRanks`)."""
+
+    command: SpmdSpec
+    node: int
+    nnodes: int
+    nproc: int
+    master_addr: str
+    port: int
+    rdzv_id: str
+    restart_count: int
+    cpus: int
+    env_base: dict[str, str]
+    cwd: str
+    warm: bool
+    host_store: bool
+    post_mortem: bool
+    telemetry: dict[str, Any] | None
+
+    def spec(self, local: int) -> protocol.RankSpec:
+        # Only what differs from the host's base: the base is one dict shared by its ranks
+        # (pickled once per host), which the agent merges under this.
+        env = rank_environment(
+            self.command,
+            node_rank=self.node,
+            nnodes=self.nnodes,
+            local_rank=local,
+            nproc_per_node=self.nproc,
+            master_addr=self.master_addr,
+            master_port=self.port,
+            run_id=self.rdzv_id,
+            restart_count=self.restart_count,
+            cpus_on_host=self.cpus,
+            environ=self.env_base,
+        )
+        rank = self.node * self.nproc + local
+        if self.host_store:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # rank 0 serves the store we reserved
+        out: protocol.RankSpec = {
+            "rank": rank,
+            "env": env,
+            "env_base": self.env_base,
+            "cwd": self.cwd,
+            "mode": self.command.mode,
+            "program": self.command.program,
+            "python_args": self.command.python_args,
+            "warm": self.warm,
+            "host_store": self.host_store and rank == 0,
+            "post_mortem": self.post_mortem,
+        }
+        if self.telemetry is not None:  # lets the rank's agent trace it, dump its stack, time its steps
+            out["telemetry"] = self.telemetry
+        return out

@@ -133,7 +133,7 @@ class RunTelemetry:
                 (
                     self.run_id,
                     l.rank,
-                    int(l.spec["env"].get("LOCAL_RANK", 0)),
+                    l.local,
                     l.node,
                     hostset.hosts[l.node].name,
                     None,
@@ -151,7 +151,7 @@ class RunTelemetry:
         )
         if self.export is not None:
             self.export.ranks_started(
-                [(l.rank, hostset.hosts[l.node].name, int(l.spec["env"].get("LOCAL_RANK", 0))) for l in launches]
+                [(l.rank, hostset.hosts[l.node].name, l.local) for l in launches]
             )
 
     def start(self) -> None:

@@ -97,3 +97,16 @@ def test_beats_go_on_under_a_flood_and_a_host_lost_meanwhile_is_still_named() ->
     assert c.lost == []  # silence is not judged within a timeout of undrained links
     c.run(10, answering={"a"}, drained=False)
     assert [agent for _, agent, _ in c.lost] == ["b"]
+
+
+def test_a_host_whose_output_is_still_being_read_is_not_lost_while_its_acks_wait_behind_it() -> None:
+    """A client that reads slower than its agents write has each host's ack queued behind that
+    host's output for longer than the timeout; every message read from the host shows it alive."""
+    c = Clock(["a", "b"])
+    c.run(1, answering={"a", "b"})
+    for _ in range(200):  # 10 s of flood: b's acks never come through, its output does
+        c.run(0.05, answering={"a"}, step=0.05, drained=False)
+        c.beats.heard("b", c.now)
+    assert c.lost == []
+    c.run(10, answering={"a"}, drained=False)  # b's output stops too: b is named
+    assert [agent for _, agent, _ in c.lost] == ["b"]

@@ -67,12 +67,23 @@ class LinkHeartbeats:
     def agents(self) -> set[str]:
         return set(self._agents) | set(self._new)
 
+    @property
+    def watching(self) -> bool:
+        return bool(self._agents)
+
     def watch(self, agent: str) -> None:
         """Beat ``agent`` (at the I/O thread's next turn) for as long as it is wanted."""
         self._new.append(agent)
 
     def acked(self, agent: str, now: float) -> None:
         self.answered.add(agent)
+        self.heard(agent, now)
+
+    def heard(self, agent: str, now: float) -> None:
+        """Anything read from ``agent``'s link shows it alive, not only an ack. Under a flood its
+        ack waits behind its own output, and a slow reader reads each connection in turn: a
+        client that read slower than its agents wrote (measured: 4,096 hosts x 8 ranks, client
+        under ``tracemalloc``) named 1,500 live hosts lost while it was still reading their output."""
         watch = self._agents.get(agent)
         if watch is not None:
             watch.unanswered_since = None

@@ -270,6 +270,8 @@ class MailboxIO:
         if len(frames) == 2 and len(frames[1]) == _ACK_SIZE and frames[1].bytes == protocol.HEARTBEAT_ACK:
             self._beats.acked(frames[0].bytes.decode(), time.monotonic())
             return
+        if self._beats.watching:
+            self._beats.heard(frames[0].bytes.decode(errors="replace"), time.monotonic())
         self._handle_message(frames[1:])
 
 
