@@ -29,6 +29,9 @@ from pathlib import Path
 
 from _common import print_table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from monarch_cli.jobs.run_log import rank_log  # noqa: E402
+
 WORKLOADS: dict[str, str] = {
     "empty script (fixed cost)": "pass\n",
     # 50 MB of short lines, one print() each: ~1.1 M lines of ~45 bytes.
@@ -85,7 +88,7 @@ def main() -> None:
                     via.append(wall)
                     cpu.append(used)
                     inside.append(json.loads((_latest_run(cwd) / "result.json").read_text())["duration"])
-                logged = _latest_run(cwd) / "rank0.log"
+                logged = rank_log(_latest_run(cwd), 0)
                 if logged.stat().st_size != _expected_size(script, cwd, env):
                     raise SystemExit(f"{name}: the rank's log has {logged.stat().st_size} bytes, not what python wrote")
                 rows.append((name, plain, via, cpu, inside))

@@ -245,6 +245,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from monarch_cli.jobs import job_load
+    from monarch_cli.jobs.run_log import rank_log
 
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
@@ -337,7 +338,7 @@ def main() -> None:
                 elapsed = time.perf_counter() - t0
                 if result.exit_code != 0:
                     raise SystemExit(f"the loop failed: exit {result.exit_code}")
-                text = "".join((result.log_dir / f"rank{r}.log").read_text() for r in (0, 1))
+                text = "".join(rank_log(result.log_dir, r).read_text() for r in (0, 1))
                 walls = [float(v) for v in re.findall(r"loop_s ([\d.]+)", text)]
                 cpus = [float(v) for v in re.findall(r"loop_cpu_s ([\d.]+)", text)]
                 return max(walls), sum(cpus), self_cpu() - c0, cpu_of(agents) - a0, elapsed

@@ -12,6 +12,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
+from ..jobs.run_log import split as split_run_log
 from ..jobs.state import NoReservation, StateError, state_path
 from . import results, runs
 from .backend_options import BackendOptionsCommand, BackendStopOptionsCommand, backend_options
@@ -463,6 +464,8 @@ def _print_logs(run_dir: Path, files: list[Path], raw: bool, follow: bool) -> No
     offsets = {f: 0 for f in files}
     sink = sys.stdout.buffer
     while True:
+        if follow:
+            split_run_log(run_dir)  # what the run wrote since
         for f in files:
             with open(f, "rb") as fh:
                 fh.seek(offsets[f])

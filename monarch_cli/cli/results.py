@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
 from ..jobs.output import list_runs
+from ..jobs.run_log import split as split_run_log
 from ..jobs.state import state_path
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ def run_logs(root: Path, run: str | None, rank: int | None) -> tuple[Path, list[
     run_dir = (root / run) if run else runs[-1]
     if not run_dir.is_dir():
         raise UserError(f"no run {run!r} under {root}; latest runs: {', '.join(p.name for p in runs[-5:])}")
+    split_run_log(run_dir)  # (the rank files are made from the run's log when first asked for)
     files = sorted(run_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
     if rank is not None:
         files = [f for f in files if f.stem == f"rank{rank}"]

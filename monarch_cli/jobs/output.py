@@ -1,11 +1,13 @@
-"""Where rank output goes: prefixed whole lines on the console, raw bytes in per-rank logs.
+"""Where rank output goes: prefixed whole lines on the console, raw bytes in the run's log.
 
 The console gets one ``[rankN]``-prefixed segment per line (a ``\\r`` ends a segment too,
 so progress bars redraw in place); bytes are written as they came, so invalid UTF-8 is
-kept. Log files are unbuffered (``monarch logs -f`` reads them while the run goes on) and
-get exactly what the rank wrote, nothing added, a segment at a time: stdout
-and stderr arrive through separate pipes, so an unfinished line of one stream is held back
-until it ends rather than having the other stream's lines written into its middle.
+kept. The run's log (``output.log``, one file for all ranks: :mod:`.run_log`, which splits
+it into ``rankN.log`` files when they are first read) is written as output comes
+(``monarch logs -f`` reads it while the run goes on) and gets exactly what each rank wrote,
+nothing added, a segment at a time: stdout and stderr arrive through separate pipes, so an
+unfinished line of one stream is held back until it ends rather than having the other
+stream's lines written into its middle.
 
 Every byte is looked at a bounded number of times, whatever the shape of the output: only
 the new chunk is searched for line ends, never the held-back part, and a line longer than
@@ -19,7 +21,6 @@ when a new run starts.
 
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import re
@@ -29,6 +30,7 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
+from . import run_log
 from .errors import JobError
 from .output_groups import LineGrouper, grouping_wanted
 
@@ -41,14 +43,10 @@ _TAIL_BYTES = 4 * TAIL_WIDTH  # enough bytes for TAIL_WIDTH characters of UTF-8
 _TAIL_SCAN = 64  # segments looked at, from the end of a chunk, to find non-blank tail lines
 #: An unfinished line held back longer than this is written out (logged, shown wrapped).
 MAX_HELD_LINE = 1 << 20
-#: Per-rank log files a sink keeps open at once.
-MAX_OPEN_LOGS = 256
-_CREATE_ALL = -1  # (a log-thread request, not a rank)
-#: Silent ranks' logs made per turn of the log thread before it looks at what else is queued.
-_CREATE_CHUNK = 256
 #: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
 DEFAULT_KEEP_RUNS = 20
 _LOG_MODE = 0o600
+_LOG_BATCH = 1 << 20  # bytes of records the log thread joins into one write
 _DIR_MODE = 0o700
 
 
@@ -95,26 +93,15 @@ class OutputSink:
         #: Each rank's last lines, made at its first line: a list (~100 B), not a deque (760 B), per
         #: rank, 25 MB of a 32,768-rank client.
         self.tails: dict[int, list[str]] = {}
-        #: Opened at a rank's first output (a silent rank's empty file is made at close): creating
-        #: 32,768 files before a run would cost more than the run.
-        #: At most :data:`MAX_OPEN_LOGS` stay open (the least recently written is closed, and
-        #: reopened for appending if more comes): 32,768 ranks must not take 32,768 descriptors.
-        self.logs: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
         self._closed = False
-        #: Log writes go through this queue to a thread of their own (started at the first): making
-        #: a file costs ~0.1-4 ms, which the thread reading the agents' messages must not wait for.
-        self._log_queue: queue.SimpleQueue[tuple[int, bytes | None] | None] = queue.SimpleQueue()
+        #: The run's log, one file for every rank, its first line naming them (so a silent rank's
+        #: file is made when the log is split); written by a thread of its own, started at the
+        #: first output, so the thread handling the agents' events never waits on the disk.
+        self.log = _open_private(log_dir / run_log.LOG_NAME)
+        self.log.write(run_log.header(labels))
+        self._log_queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._log_thread: threading.Thread | None = None
         self._log_error: OSError | None = None
-        self._made: set[int] = set()  # ranks whose log file exists (log thread only)
-        self._to_make: list[int] = []  # ranks whose (still empty) logs the log thread makes between writes
-        # Every rank's log exists from the start (`monarch logs -f` lists the files when it starts):
-        # made here for a small run, first thing by the log thread for a large one.
-        if len(labels) <= MAX_OPEN_LOGS:
-            for r in labels:
-                self.logs[r] = _open_private(log_dir / f"rank{r}.log")
-        else:
-            self._to_log(_CREATE_ALL, b"")
         self.extra: dict[tuple[int, int], BinaryIO] = {}
         for key, path in (extra_logs or {}).items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +136,7 @@ class OutputSink:
                 self.partial[key] = bytearray(rest)
             else:
                 self.partial.pop(key, None)
-            self._to_log(rank, block)
+            self._to_log(rank, stream, block)
             self._emit(rank, stream, block, continued=key in self.continued)
             self.continued.discard(key)
             if len(rest) >= MAX_HELD_LINE:
@@ -162,11 +149,9 @@ class OutputSink:
                 rest = self.partial.pop((rank, stream), None)
                 if rest:
                     if rank in self.labels and not self._closed:
-                        self._to_log(rank, bytes(rest))  # as written: no line end added to the log
+                        self._to_log(rank, stream, bytes(rest))  # as written: no line end added to the log
                     self._emit(rank, stream, bytes(rest) + b"\n", continued=(rank, stream) in self.continued)
                 self.continued.discard((rank, stream))
-            if self._log_thread is not None:  # it is done: its descriptor is better used by a live rank
-                self._log_queue.put((rank, None))
             if self.grouper is not None:
                 self.grouper.rank_ended(rank)
 
@@ -178,75 +163,56 @@ class OutputSink:
         if self.grouper is not None:
             self.grouper.close()
         with self._lock:
-            for (rank, _), rest in self.partial.items():  # ranks that never reported an end
+            for (rank, stream), rest in self.partial.items():  # ranks that never reported an end
                 if rank in self.labels and not self._closed:
-                    self._to_log(rank, bytes(rest))
+                    self._to_log(rank, stream, bytes(rest))
             if self._log_thread is not None:
                 self._log_queue.put(None)
                 self._log_thread.join()
                 self._log_thread = None
-            for rank in self.labels:  # every rank has its log, a silent one too
-                if rank in self.logs or rank in self._made:
-                    continue
-                path = self.log_dir / f"rank{rank}.log"
-                if not path.exists():
-                    _open_private(path).close()
             self._closed = True
             self.partial.clear()
-            for f in (*self.logs.values(), *self.extra.values()):
+            for f in (self.log, *self.extra.values()):
                 f.close()
-            self.logs.clear()
             self.extra.clear()
 
-    def _to_log(self, rank: int, data: bytes) -> None:
-        """Append to ``rank``'s log, from the log thread (lock held)."""
+    def _to_log(self, rank: int, stream: int, data: bytes) -> None:
+        """Append to the run's log, from the log thread (lock held)."""
         if self._log_thread is None:
             self._log_thread = threading.Thread(target=self._write_logs, name="monarch-rank-logs", daemon=True)
             self._log_thread.start()
-        self._log_queue.put((rank, data))
+        self._log_queue.put(run_log.record(rank, stream, data))
 
     def _write_logs(self) -> None:
-        """The log thread: writes in order; ``(rank, None)`` closes a rank's file, None ends."""
+        """The log thread: writes records in order, what has queued up meanwhile in one write; None ends."""
+        get, get_now = self._log_queue.get, self._log_queue.get_nowait
         while True:
-            item = self._log_queue.get()
+            item = get()
+            batch: list[bytes] = []
+            size = 0
+            while item is not None:
+                batch.append(item)
+                size += len(item)
+                if size >= _LOG_BATCH:
+                    break
+                try:
+                    item = get_now()
+                except queue.Empty:
+                    break
+            if batch:
+                self._append(b"".join(batch) if len(batch) > 1 else batch[0])
             if item is None:
                 return
-            rank, data = item
-            if rank == _CREATE_ALL:
-                # A chunk at a time, behind what ranks write meanwhile: a rank that writes gets its
-                # file then, and this skips it (one file creation per rank, not two).
-                if not self._to_make and not self._made:
-                    self._to_make = sorted(self.labels, reverse=True)
-                for _ in range(min(_CREATE_CHUNK, len(self._to_make))):
-                    r = self._to_make.pop()
-                    if r not in self._made:
-                        self._made.add(r)
-                        try:
-                            os.close(_open_fd(self.log_dir, f"rank{r}.log"))
-                        except OSError:
-                            pass
-                if self._to_make:
-                    self._log_queue.put((_CREATE_ALL, b""))
-                continue
-            if data is None:
-                log = self.logs.pop(rank, None)
-                if log is not None:
-                    log.close()
-                continue
-            try:
-                log = self.logs.get(rank)
-                if log is not None:
-                    self.logs.move_to_end(rank)
-                else:
-                    log = self.logs[rank] = open(_open_fd(self.log_dir, f"rank{rank}.log"), "ab", buffering=0)  # noqa: SIM115
-                    self._made.add(rank)
-                    if len(self.logs) > MAX_OPEN_LOGS:
-                        self.logs.popitem(last=False)[1].close()
-                log.write(data)
-            except OSError as e:  # a full disk: say so once, keep the run going
-                if self._log_error is None:
-                    self._log_error = e
-                    print(f"monarch: cannot write rank logs in {self.log_dir}: {e}", file=sys.stderr, flush=True)
+
+    def _append(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self.log.write(view) or 0 :]
+        except OSError as e:  # a full disk: say so once, keep the run going
+            if self._log_error is None:
+                self._log_error = e
+                print(f"monarch: cannot write the run's log in {self.log_dir}: {e}", file=sys.stderr, flush=True)
 
     def _write_held(self, rank: int, stream: int) -> None:
         """Write out a held line grown too long: all of it to the log, a wrapped piece to the console."""
@@ -256,7 +222,7 @@ class OutputSink:
         piece = bytes(held[:cut])
         del held[:cut]  # at most 3 bytes are left
         self.scanned += len(piece)
-        self._to_log(rank, piece)
+        self._to_log(rank, stream, piece)
         first = key not in self.continued
         self.continued.add(key)
         if self._shown(rank, stream):

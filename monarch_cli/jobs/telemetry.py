@@ -150,9 +150,7 @@ class RunTelemetry:
             ],
         )
         if self.export is not None:
-            self.export.ranks_started(
-                [(l.rank, hostset.hosts[l.node].name, l.local) for l in launches]
-            )
+            self.export.ranks_started([(l.rank, hostset.hosts[l.node].name, l.local) for l in launches])
 
     def start(self) -> None:
         self.writer.start()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from monarch_cli.jobs import serve
+from monarch_cli.jobs.run_log import rank_log
 
 from ..conftest import all_gone, wait_until
 
@@ -82,7 +83,7 @@ def test_head_closing_the_pipe_ends_the_run_quietly_with_logs_kept(work: Path) -
     assert "reader went away" in result["ending"]
     shown_rank = int(shown.split(b"]")[0][len(b"[rank") :])
     for rank in range(4):  # every line a rank printed before it was stopped is in its log, in order
-        lines = (run_dir / f"rank{rank}.log").read_text().splitlines()
+        lines = rank_log(run_dir, rank).read_text().splitlines()
         assert lines == [f"rank {rank} line {i}" for i in range(len(lines))]
         assert rank != shown_rank or lines  # what head printed is logged too
 

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from monarch_cli.jobs import Job, RunResult, serve
+from monarch_cli.jobs.run_log import rank_log
 
 PREFIX = re.compile(rb"^\[(rank\d+|local\d+)\] ")  # labels of equal width: one space
 
@@ -46,7 +47,7 @@ class Run:
     elapsed: float
 
     def log(self, rank: int) -> bytes:
-        return (self.result.log_dir / f"rank{rank}.log").read_bytes()
+        return rank_log(self.result.log_dir, rank).read_bytes()
 
     def lines(self, stream: str = "out") -> list[bytes]:
         return (self.out if stream == "out" else self.err).splitlines()

@@ -23,6 +23,7 @@ import pytest
 
 from monarch_cli.jobs import Job
 from monarch_cli.jobs.output_groups import outcome_summary
+from monarch_cli.jobs.run_log import rank_log
 from tests.emulated_cluster import EmulatedCluster, emulated_job
 
 HOSTS = 256
@@ -79,7 +80,7 @@ def test_every_exit_is_collected_and_output_grouped(cluster: tuple[Job, Emulated
     assert out.count(b"epoch 3 loss 2.31") < WORLD // 8, "the shared line is grouped, not printed per rank"
     assert own == {r: [f"rank {r} done".encode()] for r in range(WORLD)}  # distinct lines: each rank's own
     for r in (0, 17, WORLD - 1):  # and the logs keep everything, in order
-        assert (result.log_dir / f"rank{r}.log").read_bytes() == f"epoch 3 loss 2.31\nrank {r} done\n".encode()
+        assert rank_log(result.log_dir, r).read_bytes() == f"epoch 3 loss 2.31\nrank {r} done\n".encode()
 
 
 def test_grouping_off_and_ranks_filter(cluster: tuple[Job, EmulatedCluster, Path]) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from monarch_cli.jobs.output import OutputSink
 from monarch_cli.jobs.output_groups import LineGrouper, outcome_summary, rank_ranges
+from monarch_cli.jobs.run_log import rank_log
 from monarch_cli.jobs.spmd import RankExit
 
 GROUP = re.compile(rb"^\[rank ([0-9,-]+)\] (.*)$")
@@ -49,7 +50,7 @@ def test_many_ranks_print_a_shared_line_once_and_log_everything(tmp_path: Path) 
     assert lines[3].startswith(b"[rank17]") and lines[3].endswith(b"only me")
     assert len(lines) == 4
     for r in (0, 17, 255):  # the logs keep every rank's every line
-        log = (tmp_path / f"rank{r}.log").read_bytes()
+        log = rank_log(tmp_path, r).read_bytes()
         assert log.count(b"loss 2.31\n") == 3
 
 

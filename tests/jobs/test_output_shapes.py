@@ -22,6 +22,7 @@ from monarch_cli.config import configure, settings
 from monarch_cli.jobs import Job
 from monarch_cli.jobs.errors import JobError
 from monarch_cli.jobs.output import MAX_HELD_LINE, TAIL_WIDTH, OutputSink, list_runs, new_run_dir
+from monarch_cli.jobs.run_log import rank_log
 from monarch_cli.runtime import protocol
 
 from ..conftest import write_script
@@ -60,7 +61,7 @@ def test_sink_cost_is_linear_for_one_long_line_in_many_chunks(tmp_path: Path) ->
     sink.close()
     total = n * len(chunk) + 4
     assert sink.scanned <= 3 * total, f"{sink.scanned} bytes scanned for {total} written"
-    assert (tmp_path / "run" / "rank0.log").read_bytes() == chunk * n + b"end\n"
+    assert rank_log(tmp_path / "run", 0).read_bytes() == chunk * n + b"end\n"
     pieces = out.getvalue().split(b"\n")[:-1]
     assert all(p.startswith(b"[rank0] ") for p in pieces)
     assert b"".join(p[len(b"[rank0] ") :] for p in pieces) == chunk * n + b"end"
@@ -80,7 +81,7 @@ def test_sink_cost_is_linear_for_many_short_lines_and_tiny_writes(tmp_path: Path
     sink.close()
     total = len(lines) + 3000
     assert sink.scanned <= 3 * total
-    assert (tmp_path / "run" / "rank0.log").read_bytes() == lines + b"." * 3000
+    assert rank_log(tmp_path / "run", 0).read_bytes() == lines + b"." * 3000
     assert (
         out.getvalue() == b"".join(b"[rank0] line %d\n" % i for i in range(100_000)) + b"[rank0] " + b"." * 3000 + b"\n"
     )
@@ -200,7 +201,7 @@ def test_failure_table_shows_a_bounded_tail(job: Job, tmp_path: Path) -> None:
     assert len(table.splitlines()) < 40, table[-3000:]  # the 200 KB line once, cut, not ~2,500 rows
     assert "…" in table
     run_dir = job.runs()[-1]
-    assert (run_dir / "rank1.log").read_bytes() == b"starting\n{" + b"y" * 200_000 + b"}\n"
+    assert rank_log(run_dir, 1).read_bytes() == b"starting\n{" + b"y" * 200_000 + b"}\n"
 
 
 @pytest.mark.slow
@@ -242,7 +243,7 @@ def test_a_console_that_stops_reading_holds_the_ranks_back(job: Job, tmp_path: P
     assert len(result.ranks) == 2  # what the docstring says: rank 1 runs too, unseen
     assert seen_during_stall == [False]  # the rank could not finish writing while the console stalled
     assert marker.exists()
-    assert (result.log_dir / "rank0.log").read_bytes() == b"f" * (32 << 20)
+    assert rank_log(result.log_dir, 0).read_bytes() == b"f" * (32 << 20)
     assert out.getvalue().replace(b"[rank0] ", b"").replace(b"\n", b"") == b"f" * (32 << 20)
 
 
@@ -282,7 +283,7 @@ def test_a_console_that_fails_does_not_stall_the_ranks(job: Job, tmp_path: Path,
     result = results[0]
     assert result.exit_code == 0, [r.how for r in result.ranks]
     want = "".join(f"line {i:06d} {'x' * 40}\n" for i in range(300_000)).encode()
-    assert (result.log_dir / "rank0.log").read_bytes() == want  # > OUTPUT_WINDOW: credit kept flowing
+    assert rank_log(result.log_dir, 0).read_bytes() == want  # > OUTPUT_WINDOW: credit kept flowing
 
 
 @pytest.mark.slow
@@ -372,8 +373,9 @@ def test_logs_are_private(job: Job, tmp_path: Path) -> None:
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     assert mode(job.logs_root) == 0o700
     assert mode(run.result.log_dir) == 0o700
+    assert mode(run.result.log_dir / "output.log") == 0o600
     for rank in range(4):
-        assert mode(run.result.log_dir / f"rank{rank}.log") == 0o600
+        assert mode(rank_log(run.result.log_dir, rank)) == 0o600
     torchrun_logs = list((tmp_path / "torchrun-logs").rglob("*.log"))
     assert torchrun_logs and all(mode(p) == 0o600 for p in torchrun_logs)
 

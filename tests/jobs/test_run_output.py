@@ -1,5 +1,5 @@
 """Rank output as a user sees it: ``[rankN]``-prefixed whole lines on the console, exactly
-the bytes written in ``<state dir>/logs/<run-id>/rank<N>.log``; plus ``Job.exec``.
+the bytes written in the run's log (``<state dir>/logs/<run-id>/output.log``, split into ``rank<N>.log``); plus ``Job.exec``.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from monarch_cli.jobs import Job
+from monarch_cli.jobs.run_log import rank_log
 
 from ..conftest import write_script
 from .conftest import PREFIX, Run, spmd
@@ -208,7 +209,7 @@ def test_exec_runs_a_shell_command_on_every_host(job: Job) -> None:
     ]
     assert sorted(err.getvalue().splitlines()) == [b"[local0] oops 0", b"[local1] oops 1"]
     # Both streams go to the log; their order between two pipes is whichever the agent read first.
-    assert sorted((result.log_dir / "rank0.log").read_bytes().splitlines()) == sorted(
+    assert sorted(rank_log(result.log_dir, 0).read_bytes().splitlines()) == sorted(
         [f"host 0 of {hostname}".encode(), b"oops 0"]
     )
 

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from monarch_cli.jobs import Job, JobError, RunOptions, serve
+from monarch_cli.jobs.run_log import rank_log
 
 from ..conftest import write_script
 from .conftest import Run, spmd, wait_warm
@@ -162,7 +163,7 @@ def test_run_options_as_an_object_with_keywords_on_top(job: Job, tmp_path: Path)
     result = job.run_spmd(["torchrun", "--nproc-per-node=2", str(script)], options, stdout=out)
     assert result.exit_code == 0
     assert out.getvalue().splitlines() == [b"[rank1] I am 1"] and unused.getvalue() == b""
-    assert (result.log_dir / "rank0.log").read_bytes() == b"I am 0\n"  # hidden from the console, still logged
+    assert rank_log(result.log_dir, 0).read_bytes() == b"I am 0\n"  # hidden from the console, still logged
     with pytest.raises(TypeError, match="colour"):
         job.run_spmd(["torchrun", "--nproc-per-node=2", str(script)], colour=True)
 

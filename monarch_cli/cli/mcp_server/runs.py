@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UserError
+from ...jobs.run_log import split as split_run_log
 from ...jobs.state import state_path
 from ...telemetry_store import StoreError, db_path, query
 from ..results import logs_root, run_logs
@@ -153,6 +154,7 @@ class Runs:
         run_dir = self.logs / run_id
         if run_dir.is_dir():
             info["log_dir"] = str(run_dir)
+            split_run_log(run_dir)
             files = sorted(run_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
             if rows is None and files:
                 info["ranks_started"] = len(files)
@@ -226,6 +228,8 @@ def _finished(result: dict[str, Any], run_dir: Path, tail: int, rank: int | None
     pick = rank if rank is not None else result.get("first_failure")
     pick = 0 if pick is None else pick
     path = run_dir / f"rank{pick}.log"
+    if tail:
+        split_run_log(run_dir)
     if tail and path.exists():
         snap["tail"] = {"rank": pick, "lines": tail_lines(path, tail)}
     return snap

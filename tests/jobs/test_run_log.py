@@ -1,0 +1,80 @@
+"""The run's one log file and its lazy split into ``rankN.log`` (``jobs/run_log.py``).
+
+What a user relies on: every rank's file holds exactly the bytes that rank wrote, a silent rank
+has an (empty) file, a split taken while the run still writes is completed by the next one
+(never a byte twice or lost), and two readers splitting at once do not interleave.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+from pathlib import Path
+
+from monarch_cli.jobs.run_log import LOG_NAME, header, rank_log, record, split
+
+
+def _write(run_dir: Path, data: bytes) -> None:
+    with open(run_dir / LOG_NAME, "ab") as f:
+        f.write(data)
+
+
+def test_each_rank_gets_exactly_its_bytes_and_a_silent_rank_an_empty_file(tmp_path: Path) -> None:
+    chunks = [
+        (0, 1, b"step 1\n"),
+        (2, 2, b"\xff\xfe not utf-8\r"),
+        (0, 2, b"warning: 3 4\n5 6 7\n"),  # (digits and spaces that look like a header)
+        (2, 1, b""),
+        (0, 1, b"no line end"),
+    ]
+    _write(tmp_path, header([0, 1, 2]) + b"".join(record(*c) for c in chunks))
+    split(tmp_path)
+    assert (tmp_path / "rank0.log").read_bytes() == b"step 1\nwarning: 3 4\n5 6 7\nno line end"
+    assert (tmp_path / "rank1.log").read_bytes() == b""
+    assert (tmp_path / "rank2.log").read_bytes() == b"\xff\xfe not utf-8\r"
+    for r in range(3):
+        assert stat.S_IMODE((tmp_path / f"rank{r}.log").stat().st_mode) == 0o600
+
+
+def test_a_split_while_the_run_writes_takes_whole_records_and_the_next_one_the_rest(tmp_path: Path) -> None:
+    big = os.urandom(3 << 20)  # longer than one read of the splitter
+    whole = header([0, 1]) + record(0, 1, b"first\n") + record(1, 1, big) + record(0, 1, b"last\n")
+    cut = len(header([0, 1])) + len(record(0, 1, b"first\n")) + 1000  # in the middle of rank 1's record
+    _write(tmp_path, whole[:cut])
+    split(tmp_path)
+    assert rank_log(tmp_path, 0).read_bytes() == b"first\n"
+    assert (tmp_path / "rank1.log").read_bytes() == b""  # nothing of a record not yet whole
+    _write(tmp_path, whole[cut:-3])  # (a header split too)
+    split(tmp_path)
+    _write(tmp_path, whole[-3:])
+    assert rank_log(tmp_path, 1).read_bytes() == big
+    assert rank_log(tmp_path, 0).read_bytes() == b"first\nlast\n"
+    split(tmp_path)  # nothing new: nothing appended twice
+    assert (tmp_path / "rank0.log").read_bytes() == b"first\nlast\n"
+
+
+def _split(run_dir: str) -> None:
+    split(Path(run_dir))
+
+
+def test_readers_splitting_at_once_write_each_byte_once(tmp_path: Path) -> None:
+    ranks = range(64)
+    body = b"".join(record(r, 1, f"rank {r} line {i}\n".encode()) for i in range(200) for r in ranks)
+    _write(tmp_path, header(ranks) + body)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_split, args=(str(tmp_path),)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    for r in ranks:
+        want = b"".join(f"rank {r} line {i}\n".encode() for i in range(200))
+        assert (tmp_path / f"rank{r}.log").read_bytes() == want
+
+
+def test_a_run_logged_before_the_combined_log_is_left_as_it_is(tmp_path: Path) -> None:
+    (tmp_path / "rank0.log").write_bytes(b"old layout\n")
+    assert rank_log(tmp_path, 0).read_bytes() == b"old layout\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.log"]
