@@ -45,7 +45,6 @@ _TAIL_SCAN = 64  # segments looked at, from the end of a chunk, to find non-blan
 MAX_HELD_LINE = 1 << 20
 #: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
 DEFAULT_KEEP_RUNS = 20
-_LOG_MODE = 0o600
 _LOG_BATCH = 1 << 20  # bytes of records the log thread joins into one write
 _DIR_MODE = 0o700
 
@@ -365,41 +364,7 @@ def _private_dir(path: Path) -> None:
 
 def _open_private(path: Path) -> BinaryIO:
     """Open for appending, unbuffered, readable by its owner only (also if it existed)."""
-    return open(_open_fd(path.parent, path.name), "ab", buffering=0)  # noqa: SIM115
-
-
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
-
-
-def _open_fd(directory: Path, name: str) -> int:
-    """``directory/name`` opened for appending, owner-only; a new file is made so (no chmod
-    needed unless the umask took the owner's bits), an existing one is made so."""
-    path = f"{directory}/{name}"  # (no pathlib: 32,768 of these per run)
-    try:
-        fd = os.open(path, _APPEND | os.O_CREAT | os.O_EXCL, _LOG_MODE)
-    except FileExistsError:
-        fd = os.open(path, _APPEND)
-    else:
-        if not _UMASK & _LOG_MODE:
-            return fd
-    os.fchmod(fd, _LOG_MODE)
-    return fd
-
-
-def _current_umask() -> int:
-    """This process's umask, read without setting it (``os.umask`` would, racing other threads'
-    file creation); unknown: as if it took every bit, so every log is chmod-ed."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o777
-
-
-_UMASK = _current_umask()
+    return open(run_log.open_private(path, os.O_WRONLY | os.O_APPEND), "ab", buffering=0)  # noqa: SIM115
 
 
 def list_runs(logs_root: Path) -> list[Path]:

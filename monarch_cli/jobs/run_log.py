@@ -48,7 +48,7 @@ def split(run_dir: Path) -> None:
     log = run_dir / LOG_NAME
     if not log.exists():
         return
-    with open(_open_private(run_dir / _SPLIT_LOCK, os.O_RDWR), "r+b") as lock:
+    with open(open_private(run_dir / _SPLIT_LOCK, os.O_RDWR), "r+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         state = run_dir / _SPLIT_STATE
         try:
@@ -109,13 +109,13 @@ class _Splitter:
 
     def _make_all(self, ranks: list[int]) -> None:
         for r in ranks:
-            os.close(_open_private(self.run_dir / f"rank{r}.log", os.O_WRONLY))
+            os.close(open_private(self.run_dir / f"rank{r}.log", os.O_WRONLY))
 
     def _append(self, rank: int, data: bytes) -> None:
         out = self.files.get(rank)
         if out is None:
             out = self.files[rank] = open(  # noqa: SIM115
-                _open_private(self.run_dir / f"rank{rank}.log", os.O_WRONLY | os.O_APPEND), "ab", buffering=0
+                open_private(self.run_dir / f"rank{rank}.log", os.O_WRONLY | os.O_APPEND), "ab", buffering=0
             )
             if len(self.files) > _MAX_OPEN:
                 self.files.popitem(last=False)[1].close()
@@ -129,8 +129,9 @@ class _Splitter:
         self.files.clear()
 
 
-def _open_private(path: Path, flags: int) -> int:
-    """Open (making it 0600 if new) with ``flags``; an existing file is made owner-only too."""
+def open_private(path: Path, flags: int) -> int:
+    """A descriptor on ``path`` opened with ``flags``, made 0600 if new; an existing file is made
+    owner-only too (logs hold what ranks print: tokens, paths)."""
     fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, _LOG_MODE)
     if os.fstat(fd).st_mode & 0o777 != _LOG_MODE:
         os.fchmod(fd, _LOG_MODE)
