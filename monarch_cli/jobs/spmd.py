@@ -324,6 +324,11 @@ class _RunState:
         self.hs = hostset
         self.launches = launches
         self.by_rank = {l.rank: l for l in launches}
+        #: Each agent's launches: a lost host's ranks without a pass over every launch (3,456 hosts
+        #: named lost at once, each such pass over 32,768 launches, had taken a client 13 s).
+        self.by_agent: dict[str, list[Launch]] = {}
+        for l in launches:
+            self.by_agent.setdefault(hostset.hosts[l.node].agent, []).append(l)
         self.run_id = run_id
         self.sink = sink
         self.telemetry = telemetry
@@ -434,7 +439,7 @@ class _RunState:
         """A host's agent stopped answering: its ranks are lost. Ranks elsewhere that failed after it
         went quiet failed because of it (a peer's gloo "connection closed"): the run is the lost host's."""
         went_quiet = time.monotonic() - silence
-        lost = [l for l in self.launches if self.hs.hosts[l.node].agent == agent]
+        lost = self.by_agent.get(agent, [])
         for l in lost:
             why = f"lost: host {self.hs.hosts[l.node].name} stopped answering ({silence:.1f} s)"
             self.finish(l.rank, self.gone(l.rank, lost=why))

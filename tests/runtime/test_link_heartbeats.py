@@ -110,3 +110,18 @@ def test_a_host_whose_output_is_still_being_read_is_not_lost_while_its_acks_wait
     assert c.lost == []
     c.run(10, answering={"a"}, drained=False)  # b's output stops too: b is named
     assert [agent for _, agent, _ in c.lost] == ["b"]
+
+
+def test_under_a_flood_a_slow_reader_does_not_blame_hosts_it_has_not_read_in_turn() -> None:
+    """A reader that takes longer than the timeout to get round every connection (a client under
+    a profiler) names nobody whose turn has not come; once a full turn was read without a word
+    from a host, that host is named."""
+    agents = [f"h{i}" for i in range(8)]
+    c = Clock(agents)
+    c.run(1, answering=set(agents))
+    c.run(12, answering=set(), drained=False)  # 12 s of flood, nothing read from anyone
+    assert c.lost == []
+    for a in agents[1:]:  # a turn of reading: every host but h0 is heard from
+        c.beats.heard(a, c.now)
+    c.run(1, answering=set(), drained=False)
+    assert [agent for _, agent, _ in c.lost] == ["h0"]

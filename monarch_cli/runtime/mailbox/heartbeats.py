@@ -8,7 +8,9 @@ process's handlers are: nothing that may block runs on the I/O thread (a run's e
 print to a console the user may pause, have a thread of their own: ``subscribe(thread=)``),
 and silence is judged right after the links were drained, so an ack queued behind a flood
 of output is never mistaken for silence (under a flood that never drains, once it has lasted
-a timeout; beats then go out every third of the timeout, not every interval). An agent counts as lost once nothing came from
+a timeout, and only of a host not heard from while the reader took a message from every host
+in turn; beats then go out every third of the timeout, not every interval). Any message read
+from an agent counts as hearing from it, not only an ack. An agent counts as lost once nothing came from
 it for the timeout (5 s) *and* a beat this process sent has gone unanswered for all but one
 interval of it: a process too busy to send beats does not make its agents look dead, and a
 host that vanishes is named within the timeout of its last answer (judged at that deadline,
@@ -38,6 +40,7 @@ class _AgentWatch:
     watched_at: float  # until its first answer, silence counts only after a grace (its connection may be coming up)
     last_ack: float  # (watched_at until the first)
     unanswered_since: float | None = None  # when the oldest beat not yet answered was sent
+    reads_at: int = 0  # messages read from the links when it was last heard from
 
 
 class LinkHeartbeats:
@@ -62,6 +65,7 @@ class LinkHeartbeats:
         self._next_judgement = float("inf")  # the earliest moment an agent may be found silent
         self._undrained_since: float | None = None  # since when the I/O thread has had more to read
         self._last_round = 0.0  # when the last round of beats went out
+        self._reads = 0  # messages read from the links
 
     @property
     def agents(self) -> set[str]:
@@ -84,10 +88,12 @@ class LinkHeartbeats:
         ack waits behind its own output, and a slow reader reads each connection in turn: a
         client that read slower than its agents wrote (measured: 4,096 hosts x 8 ranks, client
         under ``tracemalloc``) named 1,500 live hosts lost while it was still reading their output."""
+        self._reads += 1
         watch = self._agents.get(agent)
         if watch is not None:
             watch.unanswered_since = None
             watch.last_ack = now
+            watch.reads_at = self._reads
 
     def wait(self, now: float) -> float:
         """Seconds the I/O thread may sleep before the next beat is due."""
@@ -116,8 +122,8 @@ class LinkHeartbeats:
         elif self._undrained_since is None:
             self._undrained_since = now
         # Silence is judged right after the links were drained; under a flood that never drains,
-        # after a timeout of it (each connection is read in turn, so a live agent's ack is never
-        # more than its own output window behind: a dead host must still be named).
+        # after a timeout of it, and then only of hosts not heard from for a whole turn of reading
+        # (below): a dead host must still be named.
         readable = drained or now - (self._undrained_since or now) >= limit
         judge = readable and (beat or now >= self._next_judgement)
         if not beat and not judge:
@@ -140,12 +146,16 @@ class LinkHeartbeats:
                 due = max(watch.last_ack + limit, watch.unanswered_since + limit - interval)
                 if agent not in self.answered:
                     due = max(due, watch.watched_at + grace)
-                if now >= due:
+                # Under a flood, silence also needs a whole turn of reading since its last message
+                # (as many messages as hosts): each connection is read in turn, so a live host's
+                # queued message comes within one; a reader slower than the timeout per turn (a
+                # client under a profiler: 3,456 live hosts named lost) must not blame the hosts.
+                if now >= due and (drained or self._reads - watch.reads_at >= len(self._agents)):
                     del self._agents[agent]
                     self.answered.discard(agent)
                     self._lost(agent, now - watch.last_ack)
                     continue
-                self._next_judgement = min(self._next_judgement, due)
+                self._next_judgement = min(self._next_judgement, due if due > now else now + interval)
             if beat:
                 self._beat_one(agent, watch, now)
 
