@@ -120,11 +120,13 @@ class HostRanks(Protocol):
     def spec(self, local: int) -> protocol.RankSpec: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class FixedSpec:
     """A spec made whole beforehand (``exec``'s one shell per host)."""
 
-    whole: protocol.RankSpec
+    __slots__ = ("whole",)
+
+    def __init__(self, whole: protocol.RankSpec) -> None:
+        self.whole = whole
 
     def spec(self, local: int) -> protocol.RankSpec:
         return self.whole
