@@ -422,6 +422,10 @@ def _line_text(raw: bytes) -> str:
     return text if len(raw) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + "…"
 
 
+#: Output rows a writer's transaction holds before it inserts them (it commits once per round).
+_LOG_ROWS_AT_ONCE = 2048
+
+
 class TelemetryWriter:
     """Writes one run's rows from a background thread, a batch (one transaction) at a time.
 
@@ -557,6 +561,9 @@ class TelemetryWriter:
                 if lines:
                     n = last.get(rank, (0.0, 0))[1]
                     last[rank] = (ts, n + len(lines))
+                if len(logs) >= _LOG_ROWS_AT_ONCE:  # (32,768 ranks' first lines held at once were ~10 MB)
+                    conn.executemany("INSERT INTO logs VALUES (?,?,?,?,?)", logs)
+                    logs.clear()
             elif kind == "end_rank":
                 rank, ts = item
                 for stream in (1, 2):

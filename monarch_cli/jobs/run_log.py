@@ -61,7 +61,11 @@ def split(run_dir: Path) -> None:
             done += new.feed(f)
             new.close()
         tmp = state.with_name(_SPLIT_STATE + ".tmp")
-        tmp.write_text(str(done))
+        fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, str(done).encode())
+        finally:
+            os.close(fd)
         os.replace(tmp, state)
 
 

@@ -33,8 +33,8 @@ def test_each_rank_gets_exactly_its_bytes_and_a_silent_rank_an_empty_file(tmp_pa
     assert (tmp_path / "rank0.log").read_bytes() == b"step 1\nwarning: 3 4\n5 6 7\nno line end"
     assert (tmp_path / "rank1.log").read_bytes() == b""
     assert (tmp_path / "rank2.log").read_bytes() == b"\xff\xfe not utf-8\r"
-    for r in range(3):
-        assert stat.S_IMODE((tmp_path / f"rank{r}.log").stat().st_mode) == 0o600
+    made = [p for p in tmp_path.iterdir() if p.name != LOG_NAME]  # rank files, and the split's own
+    assert len(made) > 3 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in made)
 
 
 def test_a_split_while_the_run_writes_takes_whole_records_and_the_next_one_the_rest(tmp_path: Path) -> None:
