@@ -303,6 +303,8 @@ def status_cmd(
         out.print(f"[red]{escape(info['stale'])}[/]")
     for line in info.get("scheduler_lines", []):
         out.print(escape(line))
+    if info.get("relays"):
+        out.print(f"asked {len(info['hosts']):,} hosts through {info['relays']} of them (relays)")
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
@@ -493,7 +495,9 @@ def _warm_cell(warm: dict | None) -> str:
     rss = f", {warm['rss_bytes'] / 2**20:.0f} MiB" if warm.get("rss_bytes") else ""
     learned = f" ({warm['learned_held']} learned)" if warm["learned_held"] else ""
     warming = ", warming more" if warm["warming"] else ""
-    return f"{warm['modules']} modules{learned}{rss}, up {_age(time.time() - warm['since'])}{warming}"
+    spares = warm.get("spares") or 0
+    kept = f", {spares} spare{'s' if spares != 1 else ''}" if spares else ""
+    return f"{warm['modules']} modules{learned}{rss}, up {_age(time.time() - warm['since'])}{kept}{warming}"
 
 
 def _age(seconds: float) -> str:

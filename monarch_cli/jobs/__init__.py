@@ -11,11 +11,11 @@ from .errors import JobError
 
 _HOME = {
     "Job": "job",
-    "clear_unreadable": "job",
-    "dryrun": "job",
+    "clear_unreadable": "reserve",
+    "dryrun": "reserve",
     "job_load": "job",
-    "reserve_plan": "job",
-    "serve": "job",
+    "reserve_plan": "reserve",
+    "serve": "reserve",
     "HostSet": "model",
     "RankExit": "model",
     "RunOptions": "model",

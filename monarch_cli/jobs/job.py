@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,65 +21,24 @@ if TYPE_CHECKING:
     from ..runtime.actor.mesh import HostMesh
     from .inspector import Diagnosis, Inspector, RankRow, StackReport
 from ..config import configure
-from ..errors import OptionError, PlanError
-from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
+from ..schedulers import Scheduler, get_scheduler
 from ..schedulers.agents import controller_host
 from . import fanout
+from .command import Command, command_and_hosts
 from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
 from .lifecycle import RunControl, shutdown_timeout_from, stall_timeout_from
-from .model import HostSet, Launch, RankExit, RunOptions, RunResult, StaleReservation, VersionMismatch
+from .model import HostSet, Launch, RankExit, RunOptions, RunResult, StaleReservation
 from .output import OutputSink, list_runs, new_run_dir
 from .rendezvous import unreachable_rendezvous
 from .spmd import SpmdRunner, new_run_id, plan_exec, plan_spmd, remote_environment, user_environment
-from .state import HostRecord, JobState, NoReservation, StateError, clear_state, load_state, save_state, state_path
+from .state import HostRecord, JobState, StateError, clear_state, load_state, save_state, state_path
 from .sync import SyncReport, sync_workspace
 from .telemetry import NO_TELEMETRY, RunRecorder, RunTelemetry
 from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, parse_command
 
-Command = str | Sequence[str] | Any  # a command line, an argv list, or a torchx AppDef
 _RUN_ID = re.compile(r"[0-9]{8}-[0-9]{9}-[0-9a-f]{4}")  # new_run_id()'s shape: also a directory name
-
-
-def _command_and_hosts(cmd: Command, hosts: int | None) -> tuple[list[str], int | None]:
-    """Accept an argv list, a shell string, or a torchx AppDef (its first role).
-
-    The host count is ``hosts`` if given, else the AppDef's replicas, else None (the
-    scheduler decides).
-    """
-    if cmd is None:
-        return [], hosts
-    if isinstance(cmd, str):
-        return shlex.split(cmd), hosts
-    roles = getattr(cmd, "roles", None)
-    if roles is not None:  # torchx.specs.AppDef
-        if len(roles) != 1:
-            raise JobError(
-                f"AppDef {getattr(cmd, 'name', '')!r} has {len(roles)} roles; monarch runs exactly one SPMD role"
-            )
-        role = roles[0]
-        argv = _unwrap_torchx_shell([role.entrypoint, *role.args])
-        return argv, hosts or int(role.num_replicas)
-    return [str(c) for c in cmd], hosts
-
-
-_TORCHX_MACRO = re.compile(r"\$\{(\w+)(?::=([^}]*))?\}")
-
-
-def _unwrap_torchx_shell(argv: list[str]) -> list[str]:
-    """torchx's dist.ddp wraps torchrun in ``bash -c "..."`` with ``${macros}``: unwrap it.
-
-    ``${app_id}`` becomes ``monarch`` (a run id is made per run anyway); ``${VAR:=default}``
-    takes its default, as the shell would when VAR is unset. Its rendezvous flags are then
-    served by the reservation itself.
-    """
-    if len(argv) == 3 and os.path.basename(argv[0]) in ("bash", "sh") and argv[1] == "-c":
-        text = _TORCHX_MACRO.sub(lambda m: "monarch" if m.group(1) == "app_id" else (m.group(2) or ""), argv[2])
-        inner = shlex.split(text)
-        if inner and os.path.basename(inner[0]) in ("torchrun", "python", "python3"):
-            return inner
-    return argv
 
 
 @dataclasses.dataclass
@@ -255,7 +213,7 @@ class Job:
 
     def _spmd_command(self, command: Command | None) -> tuple[list[str], str | None, SpmdSpec]:
         """The command line, the directory it runs in (None: here) and what it asks torchrun for."""
-        argv = _command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
+        argv = command_and_hosts(command, None)[0] if command is not None else list(self.state.default_command)
         cwd = self.state.default_cwd if command is None else None
         if not argv:
             raise JobError("no command to run: give one after `--`, or serve with a default command")
@@ -513,6 +471,8 @@ class Job:
             "default_command": self.state.default_command,
             "default_cwd": self.state.default_cwd,
             "last_run": self.state.last_run,
+            # Hosts that passed the question on to the others (0: every host was asked directly).
+            "relays": len(fanout.relay_groups(len(self.state.hosts))) if hostset.through_relays else 0,
             "scheduler_lines": self.scheduler.status_lines(self.state),
             **self.scheduler.describe(self.state),
         }
@@ -696,217 +656,6 @@ def _result(
         stopped_by=control.stopped_by,
         stragglers=control.stragglers,
     )
-
-
-# ---------------------------------------------------------------------- entry points
-Hosts = int | str | Sequence[str] | None  # a count, or host names ("h1,h2" or a list) for a backend that takes them
-
-
-def _host_names(backend: Scheduler, hosts: Hosts) -> tuple[int | None, list[str]]:
-    """``hosts`` as (count, names): a number (or its text) is a count; anything else names hosts."""
-    if hosts is None or isinstance(hosts, int):
-        return hosts, []
-    if isinstance(hosts, str):
-        text = hosts.strip()
-        if text.lstrip("-").isdigit():
-            return int(text), []
-        names = [h.strip() for h in text.split(",") if h.strip()]
-    else:
-        names = [str(h).strip() for h in hosts if str(h).strip()]
-    if not names:
-        raise OptionError(f"--hosts takes a number or host names (h1,h2), not {hosts!r}")
-    if not backend.takes_host_names:
-        raise OptionError(f"the {backend.name} scheduler takes a number of hosts, not names ({', '.join(names)})")
-    return len(names), names
-
-
-def _request(
-    backend: Scheduler,
-    command: Command,
-    hosts: Hosts,
-    preload: str | None,
-    agent_port: int | None,
-    port_range: tuple[int, int] | None,
-    options: dict[str, Any],
-) -> ReserveRequest:
-    count, names = _host_names(backend, hosts)
-    if count is not None and count < 1:
-        raise JobError(f"--hosts must be at least 1, not {count}")
-    argv, nhosts = _command_and_hosts(command, count)
-    nhosts = nhosts or backend.default_hosts() or 1
-    if nhosts < 1:
-        raise JobError(f"--hosts must be at least 1, not {nhosts}")
-    if nhosts > backend.max_hosts():
-        raise JobError(
-            f"--hosts {nhosts} is more than the {backend.name} scheduler takes (at most {backend.max_hosts()})"
-        )
-    if argv:
-        parse_command(argv)  # a bad default command is an error now, not at the first run
-    return ReserveRequest(
-        hosts=nhosts,
-        command=argv,
-        options=backend.check_options(options),
-        preload=preload,
-        agent_port=agent_port,
-        port_range=port_range,
-        host_names=names,
-    )
-
-
-def serve(
-    command: Command = None,
-    scheduler: str = "local",
-    *,
-    hosts: Hosts = None,
-    state: str | Path | None = None,
-    replace: bool = False,
-    preload: str | None = None,
-    agent_port: int | None = None,
-    port_range: tuple[int, int] | None = None,
-    progress: Callable[[str], None] | None = None,
-    cwd: str | Path | None = None,
-    **options: Any,
-) -> Job:
-    """Reserve hosts (or reuse a reservation that can serve this request) and return the job.
-
-    The served command will run in ``cwd`` (default: the current directory), wherever
-    ``run_spmd()`` is later called from, so its relative paths keep their meaning.
-    """
-    backend = get_scheduler(scheduler)
-    request = _request(backend, command, hosts, preload, agent_port, port_range, options)
-    path = state_path(state)
-    request.state_file = str(path.resolve())
-    say = progress or (lambda _msg: None)
-    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if request.command else None
-    existing = _existing(path, replace, say)
-    if existing is not None:
-        why_not = (
-            backend.can_serve(existing.state, request)
-            if existing.state.scheduler == backend.name
-            else f"it is a {existing.state.scheduler} reservation, not {backend.name}"
-        )
-        gone = False
-        try:
-            existing.hostset()
-        except StaleReservation:
-            why_not, gone = "its agents are gone", True  # nothing to lose: replace it without --replace
-        except VersionMismatch as e:
-            why_not = str(e).split(":")[0]  # "host h runs monarch-cli X, this client Y"
-        if why_not is None:
-            say(f"reusing reservation {existing.state.reservation_id}")
-            argv = request.command
-            if argv and (argv, served_in) != (existing.state.default_command, existing.state.default_cwd):
-                existing.state.default_command, existing.state.default_cwd = argv, served_in
-                save_state(existing.state, path)
-            return existing
-        _release_for(existing, why_not, replace or gone, path, say)
-    return _reserve(backend, backend.plan(request, path.parent), path, say, served_in)
-
-
-def reserve_plan(
-    plan: Plan | dict[str, Any] | str,
-    *,
-    state: str | Path | None = None,
-    replace: bool = False,
-    cwd: str | Path | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> Job:
-    """Carry out a plan that :func:`dryrun` returned (or its JSON, as ``serve --dry-run --json`` prints it).
-
-    The plan's command will run in ``cwd`` (default: the current directory), as with :func:`serve`.
-    """
-    if not isinstance(plan, Plan):
-        plan = Plan.from_json(plan)
-    backend = get_scheduler(plan.scheduler)
-    if plan.command:
-        parse_command(plan.command)
-    if backend.check_options(plan.options) != plan.options:
-        raise PlanError(f"the plan's options {plan.options} are not valid {plan.scheduler} options")
-    path = state_path(state)
-    say = progress or (lambda _msg: None)
-    existing = _existing(path, replace, say)
-    if existing is not None:
-        try:
-            existing.hostset()
-            gone = False
-        except StaleReservation:
-            gone = True
-        _release_for(existing, "a plan always makes a new reservation", replace or gone, path, say)
-    served_in = os.path.abspath(cwd if cwd is not None else os.getcwd()) if plan.command else None
-    return _reserve(backend, plan, path, say, served_in)
-
-
-def _existing(path: Path, replace: bool, say: Callable[[str], None]) -> Job | None:
-    try:
-        return job_load(path)
-    except NoReservation:
-        return None
-    except StateError:
-        if not replace:
-            raise
-        say(f"replacing unreadable state file {path}")
-        clear_unreadable(path)
-        return None
-
-
-def _release_for(existing: Job, why_not: str, replace: bool, path: Path, say: Callable[[str], None]) -> None:
-    if not replace:
-        raise JobError(
-            f"a reservation already exists at {path} and cannot serve this request ({why_not}); "
-            "use --replace to release it and make a new one, or --state for a second one"
-        )
-    say(f"releasing reservation {existing.state.reservation_id} ({why_not})")
-    existing.stop(by="monarch serve --replace")
-
-
-def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: str | None) -> Job:
-    keys = Keys.generate()
-    reservation = backend.reserve(plan, keys, say)
-    job_state = JobState(
-        scheduler=backend.name,
-        reservation_id=reservation.reservation_id,
-        hosts=reservation.hosts,
-        keys=keys.encode(),
-        default_command=list(plan.command),
-        created_at=time.time(),
-        scheduler_data=reservation.scheduler_data,
-        default_cwd=served_in,
-    )
-    save_state(job_state, path)
-    job = Job(job_state, path)
-    if fanout.relayed(len(job_state.hosts)):
-        say(f"checking {len(job_state.hosts)} hosts through their relays")
-        job.check_relays()
-    return job
-
-
-def dryrun(
-    command: Command = None,
-    scheduler: str = "local",
-    *,
-    hosts: Hosts = None,
-    state: str | Path | None = None,
-    preload: str | None = None,
-    agent_port: int | None = None,
-    port_range: tuple[int, int] | None = None,
-    **options: Any,
-) -> Plan:
-    """The plan :func:`serve` would carry out, without starting anything; :func:`reserve_plan` carries it out."""
-    backend = get_scheduler(scheduler)
-    request = _request(backend, command, hosts, preload, agent_port, port_range, options)
-    request.state_file = str(state_path(state).resolve())  # as serve() sets it: the plan is what serve runs
-    return backend.plan(request, state_path(state).parent)
-
-
-def clear_unreadable(state: str | Path | None = None) -> dict[str, Any]:
-    """What ``stop --force`` does to an unreadable state file: stop the agents registered for
-    it on this machine (local backend), then delete it."""
-    path = state_path(state)
-    stopped: list[int] = []
-    for name in sorted(set(available()) - set(ALIASES)):
-        stopped += get_scheduler(name).release_unreadable(path)
-    clear_state(path)
-    return {"cleared": str(path), "agents_stopped": stopped}
 
 
 def job_load(path: str | Path | None = None) -> Job:

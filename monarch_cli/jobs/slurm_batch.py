@@ -211,7 +211,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 # ------------------------------------------------------------------- in the allocation
 def run_main(state_dir: Path, command: list[str]) -> int:
     """Serve this allocation, run ``command`` once, stop, and return the run's exit status."""
-    from .job import serve
+    from .reserve import serve
 
     job_id = allocation_id()
     if not job_id:

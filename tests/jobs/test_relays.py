@@ -61,6 +61,7 @@ def test_status_goes_through_a_relay_and_each_answer_is_its_own_hosts(relayed: t
     assert [(info["host"], info["pid"]) for info in hs.infos] == [(h.name, h.pid) for h in job.state.hosts]
     status = job.status()
     assert status["alive"] and [h["name"] for h in status["hosts"] if h["alive"]] == ["local0", "local1", "local2"]
+    assert status["relays"] == 2  # (3 hosts, ⌈√3⌉ = 2 to a group: local0 and local2 pass it on)
     forgotten = job.forget_preload()  # each host answers for itself, through the relay or not
     assert sorted(forgotten) == ["local0", "local1", "local2"] and all(isinstance(n, int) for n in forgotten.values())
     assert job.forget_preload() == {"local0": 0, "local1": 0, "local2": 0}  # nothing left to forget

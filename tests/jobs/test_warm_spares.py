@@ -89,6 +89,7 @@ def test_a_rerun_runs_in_the_spares_forked_after_the_last_run_with_its_own_argum
     job, script = settled
     spares = _wait_spares(job, per_host=2)  # 2 ranks per host last time: 2 spares per host
     idle = {pid for pids in spares.values() for pid in pids}
+    assert [h["warm"]["spares"] for h in job.status()["hosts"]] == [2, 2]  # what `monarch status` shows
 
     out = spmd(job, script, "--lr", "0.1", nproc=2)
     assert out.result.exit_code == 0, out.text()

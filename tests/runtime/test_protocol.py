@@ -60,6 +60,48 @@ def test_an_agent_answers_an_unknown_request_with_a_clear_error(agents: list) ->
     assert ping["pid"] > 0  # and it goes on serving
 
 
+def test_a_batch_reaches_a_threaded_subscription_in_order_and_a_failing_handler_stops_nothing() -> None:
+    """An agent's batch (a run's outputs and exits of one round) is handed to the run's own thread
+    at once, in the order sent; an inline handler that raises does not stop the other events."""
+    import queue
+    import threading
+
+    mb = Mailbox.get()
+    got: queue.Queue[tuple] = queue.Queue()
+    threads: set[str] = set()
+
+    def on_output(e: protocol.Output, body: list) -> None:
+        threads.add(threading.current_thread().name)
+        got.put(("out", e.rank, bytes(body[0])))
+
+    def on_exit(e: protocol.RankExited, _body: list) -> None:
+        got.put(("exit", e.rank))
+
+    def broken(e: protocol.Output, _body: list) -> None:
+        raise RuntimeError("a handler's bug")
+
+    run = mb.subscribe("run-b1", {protocol.Output: on_output, protocol.RankExited: on_exit}, thread="test-events")
+    other = mb.subscribe("run-b2", {protocol.Output: broken})
+    try:
+        events = [
+            protocol.Output("run-b1", 0, 1),
+            protocol.Output("run-b2", 5, 1),
+            protocol.Output("run-b1", 1, 1),
+            protocol.RankExited("run-b1", 0, 0, None, 0.1, 11, ""),
+            protocol.Output("run-b1", 1, 2),
+            protocol.RankExited("run-b1", 1, 0, None, 0.1, 12, ""),
+        ]
+        bodies = [b"zero\n", b"theirs\n", b"one\n", None, b"err\n", None]
+        batch = protocol.Batch([protocol.header(e) for e in events], [-1 if b is None else len(b) for b in bodies])
+        mb.send(mb.address, batch, [b"".join(b for b in bodies if b is not None)])
+        seen = [got.get(timeout=5) for _ in range(5)]
+        assert seen == [("out", 0, b"zero\n"), ("out", 1, b"one\n"), ("exit", 0), ("out", 1, b"err\n"), ("exit", 1)]
+        assert threads == {"test-events"}
+    finally:
+        run.close()
+        other.close()
+
+
 def test_events_reach_the_subscription_of_their_run_and_no_other() -> None:
     """Sent through the mailbox's own socket: a run's events go to its subscription; a
     debugger's (every run) gets the rest; an event nobody wants is dropped and counted."""

@@ -395,6 +395,7 @@ class WarmRanks:
             "learned": len(self.store.learned),
             "excluded": dict(self.store.excluded),
             "warming": self.next is not None,
+            "spares": self._spares,  # rank children kept forked ahead for the next run
             "learning": self.learning,
             "store": self.store.path,
         }
