@@ -70,51 +70,12 @@ class EventRouter:
         for handler in handlers:
             handler(event, body)
 
-    def deliver_all(self, events: list[tuple[Any, list[Any]]]) -> None:
-        """Several events (one agent message's), in order; what goes to a subscription's own thread
-        goes as one hand-over, not one per event (a 4,096-host run's 65,536 events were as many
-        queue hand-overs, each waking that thread)."""
-        routes = self._routes
-        held: dict[int, tuple[queue.SimpleQueue[Any], _Batch]] = {}
-        for event, body in events:
-            kind = event.KIND
-            handlers = routes.get((kind, getattr(event, "run_id", None))) or routes.get((kind, None))
-            if not handlers:
-                self.dropped[kind] = self.dropped.get(kind, 0) + 1
-                continue
-            for handler in handlers:
-                if type(handler) is _Queued:
-                    entry = held.get(id(handler.queue))
-                    if entry is None:
-                        entry = held[id(handler.queue)] = (handler.queue, _Batch())
-                    entry[1].append((handler.handler, event, body))
-                else:
-                    try:
-                        handler(event, body)
-                    except Exception:  # noqa: BLE001 - as for an event alone: the others are still handled
-                        traceback.print_exc()
-        for q, batch in held.values():
-            q.put(batch)
-
 
 _END = object()  # (the last item of a subscription's queue)
 
 
-class _Queued:
-    """A handler of a subscription with a thread of its own: what it is given is queued there."""
-
-    __slots__ = ("handler", "queue")
-
-    def __init__(self, q: queue.SimpleQueue[Any], handler: Handler) -> None:
-        self.queue = q
-        self.handler = handler
-
-    def __call__(self, event: Any, body: list[Any]) -> None:
-        self.queue.put((self.handler, event, body))
-
-
-class _Batch(list[tuple[Handler, Any, list[Any]]]):
-    """Events handed to a subscription's thread at once, handled in order."""
+def _queueing(q: queue.SimpleQueue[Any], handler: Handler) -> Handler:
+    return lambda event, body: q.put((handler, event, body))
 
 
 class Subscription:
@@ -131,7 +92,7 @@ class Subscription:
         if thread is not None:
             q = self._queue = queue.SimpleQueue()
             # Registered handlers only queue: what they were given runs on the subscription's thread.
-            handlers = {kind: _Queued(q, h) for kind, h in handlers.items()}
+            handlers = {kind: _queueing(q, h) for kind, h in handlers.items()}
             self._thread = threading.Thread(target=self._serve, name=thread, daemon=True)
             self._thread.start()
         self.handlers = handlers
@@ -161,11 +122,11 @@ class Subscription:
             item = q.get()
             if item is _END:
                 return
-            for fn, *args in item if type(item) is _Batch else (item,):
-                try:
-                    fn(*args)
-                except Exception:  # noqa: BLE001 - one failed handler must not end the run's events
-                    traceback.print_exc()
+            fn, *args = item
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one failed handler must not end the run's events
+                traceback.print_exc()
 
     def __enter__(self) -> Subscription:
         return self

@@ -321,41 +321,23 @@ class Mailbox(MailboxIO):
             except TypeError:
                 batch = None
             if batch is not None:
-                events: list[tuple[Any, list[Any]]] = []  # delivered together (one hand-over per run)
                 for event_head, event_body in protocol.unbatch(batch, body):
                     try:
-                        msg = self._decode(event_head)
-                        if msg is None:
-                            continue
-                        if msg.KIND == "result" or msg.KIND in self._own_events:  # (not sent in batches today)
-                            self.events.deliver_all(events)
-                            events = []
-                            self._route(msg, event_body)
-                        else:
-                            events.append((msg, event_body))
+                        self._dispatch(event_head, event_body)
                     except Exception:  # noqa: BLE001 - as for a message alone: the others still count
                         traceback.print_exc()
-                self.events.deliver_all(events)
                 return
         self._dispatch(head, body)
 
-    def _decode(self, head: tuple[Any, ...]) -> Any:
-        """The message, or None for a kind this client does not know (said once per kind, counted)."""
+    def _dispatch(self, head: tuple[Any, ...], body: list[Any]) -> None:
         try:
-            return protocol.decode(head)
+            msg = protocol.decode(head)
         except (KeyError, TypeError):  # from a newer agent or proc: say so once per kind, go on
             kind = str(head[0]) if head else "?"
             if kind not in self.events.dropped:
                 print(f"monarch: {protocol.not_understood(head, 'this client')}", file=sys.stderr, flush=True)
             self.events.dropped[kind] = self.events.dropped.get(kind, 0) + 1
-            return None
-
-    def _dispatch(self, head: tuple[Any, ...], body: list[Any]) -> None:
-        msg = self._decode(head)
-        if msg is not None:
-            self._route(msg, body)
-
-    def _route(self, msg: Any, body: list[Any]) -> None:
+            return
         if msg.KIND == "result":
             self._on_result(msg, body)
             return
