@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..runtime import protocol
 from ..telemetry_queries import sql as named_sql
 from ..telemetry_store import StoreError, _connect_rw, db_path, query
+from .ranks import rank_ranges as compress  # (its name here, for the CLI, the dashboard and tests)
 from .telemetry import TelemetryError
 
 if TYPE_CHECKING:
@@ -105,20 +106,6 @@ class StackReport:
             "groups": [{"ranks": g.ranks, "summary": g.summary, "frames": g.frames} for g in self.groups],
             "ranks": [dataclasses.asdict(s) for s in self.stacks],
         }
-
-
-def compress(ranks: Sequence[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
-    out: list[str] = []
-    ordered = sorted(set(ranks))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _is_user(frame: dict[str, Any]) -> bool:

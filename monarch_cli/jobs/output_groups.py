@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .ranks import rank_ranges
+
 #: How long a line waits for the same line from more ranks, counted from the last rank that joined.
 GROUP_WINDOW = 0.25
 #: The longest a line waits however many ranks keep joining (a slow, steady trickle).
@@ -37,22 +39,6 @@ MAX_WAITING = 20_000
 def grouping_wanted(group: bool | None, shown: int) -> bool:
     """``--group``/``--no-group`` as given, else on for more than :data:`AUTO_MIN_RANKS` shown ranks."""
     return group if group is not None else shown > AUTO_MIN_RANKS
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``0-3,5,7-9`` for ranks 0,1,2,3,5,7,8,9."""
-    out: list[str] = []
-    run_start = prev = None
-    for r in sorted(set(ranks)):
-        if prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if run_start is not None:
-            out.append(f"{run_start}-{prev}" if prev != run_start else str(run_start))
-        run_start = prev = r
-    if run_start is not None:
-        out.append(f"{run_start}-{prev}" if prev != run_start else str(run_start))
-    return ",".join(out)
 
 
 class _Group:

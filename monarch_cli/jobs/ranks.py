@@ -1,6 +1,8 @@
-"""The one rank-list syntax, shared by ``run-spmd --ranks`` and ``monarch debug``."""
+"""The one rank-list syntax, shared by ``run-spmd --ranks``, ``monarch debug``, grouped output and the run log."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from .errors import JobError
 
@@ -39,4 +41,18 @@ def parse_rank_list(text: str, size: int | None, what: str = "ranks") -> set[int
     return out
 
 
-__all__ = ["parse_rank_list", "SYNTAX"]
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``0-3,5,7-9`` for ranks 0,1,2,3,5,7,8,9 (what :func:`parse_rank_list` reads back)."""
+    out: list[str] = []
+    ordered = sorted(set(ranks))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+__all__ = ["parse_rank_list", "rank_ranges", "SYNTAX"]

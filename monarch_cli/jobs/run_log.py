@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
+from .ranks import parse_rank_list, rank_ranges
+
 #: The run's combined log, in its run directory.
 LOG_NAME = "output.log"
 _MAGIC = b"monarch-run-log 1 ranks "
@@ -33,7 +35,7 @@ _LOG_MODE = 0o600
 
 def header(ranks: Iterable[int]) -> bytes:
     """The log's first line: its ranks, as ranges (``0-4095,5000``)."""
-    return _MAGIC + _ranges(sorted(ranks)).encode() + b"\n"
+    return _MAGIC + rank_ranges(ranks).encode() + b"\n"
 
 
 def record(rank: int, stream: int, data: bytes) -> bytes:
@@ -92,7 +94,7 @@ class _Splitter:
             if self.first:
                 self.first = False
                 if line.startswith(_MAGIC):
-                    self._make_all(_parse_ranges(line[len(_MAGIC) :].decode()))
+                    self._make_all(sorted(parse_rank_list(line[len(_MAGIC) :].decode(), None)))
                     taken += nl + 1 - at
                     at = nl + 1
                     continue
@@ -140,26 +142,6 @@ def open_private(path: Path, flags: int) -> int:
     if os.fstat(fd).st_mode & 0o777 != _LOG_MODE:
         os.fchmod(fd, _LOG_MODE)
     return fd
-
-
-def _ranges(ranks: list[int]) -> str:
-    parts: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
-def _parse_ranges(text: str) -> list[int]:
-    out: list[int] = []
-    for part in filter(None, text.strip().split(",")):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def rank_log(run_dir: Path, rank: int) -> Path:
