@@ -59,7 +59,7 @@ def split(run_dir: Path) -> None:
             done = 0
         with open(log, "rb") as f:
             f.seek(done)
-            new = _Splitter(run_dir, first=done == 0)
+            new = _Splitter(run_dir)
             done += new.feed(f)
             new.close()
         tmp = state.with_name(_SPLIT_STATE + ".tmp")
@@ -72,9 +72,8 @@ def split(run_dir: Path) -> None:
 
 
 class _Splitter:
-    def __init__(self, run_dir: Path, first: bool) -> None:
+    def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.first = first
         self.files: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
 
     def feed(self, f: BinaryIO) -> int:
@@ -91,13 +90,11 @@ class _Splitter:
                 buf, at = buf[at:] + more, 0
                 continue
             line = buf[at:nl]
-            if self.first:
-                self.first = False
-                if line.startswith(_MAGIC):
-                    self._make_all(sorted(parse_rank_list(line[len(_MAGIC) :].decode(), None)))
-                    taken += nl + 1 - at
-                    at = nl + 1
-                    continue
+            if line.startswith(_MAGIC):  # the run's first line, or a restart's (its attempts share the log)
+                self._make_all(sorted(parse_rank_list(line[len(_MAGIC) :].decode(), None)))
+                taken += nl + 1 - at
+                at = nl + 1
+                continue
             try:
                 rank, _stream, length = (int(x) for x in line.split())
             except ValueError:

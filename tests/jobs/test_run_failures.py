@@ -173,6 +173,7 @@ def test_max_restarts_restarts_the_whole_group(job: Job, tmp_path: Path) -> None
     assert run.result.restarts == 1
     lines = sorted(run.lines())
     assert lines == sorted([f"[rank{r}] attempt {a} of 2".encode() for r in range(4) for a in (0, 1)])
+    assert run.log(2) == b"attempt 0 of 2\nattempt 1 of 2\n"  # both attempts, in the run's one log
 
 
 # ----------------------------------------------------------------------------- Ctrl-C

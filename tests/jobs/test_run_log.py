@@ -78,3 +78,12 @@ def test_a_run_logged_before_the_combined_log_is_left_as_it_is(tmp_path: Path) -
     (tmp_path / "rank0.log").write_bytes(b"old layout\n")
     assert rank_log(tmp_path, 0).read_bytes() == b"old layout\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.log"]
+
+
+def test_a_restart_appends_its_own_header_and_its_output_still_reaches_the_rank_files(tmp_path: Path) -> None:
+    """A run's attempts (torchrun --max-restarts) share its directory: each starts with a header."""
+    _write(tmp_path, header([0, 1]) + record(0, 1, b"attempt 0\n") + record(1, 2, b"failed\n"))
+    split(tmp_path)
+    _write(tmp_path, header([0, 1]) + record(0, 1, b"attempt 1\n") + record(1, 1, b"ok\n"))
+    assert rank_log(tmp_path, 0).read_bytes() == b"attempt 0\nattempt 1\n"
+    assert rank_log(tmp_path, 1).read_bytes() == b"failed\nok\n"
