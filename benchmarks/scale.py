@@ -197,7 +197,8 @@ job = job_load(Path(sys.argv[1]))
 t, c = time.monotonic(), time.process_time()
 hs = job.hostset()
 connect, connect_cpu = time.monotonic() - t, time.process_time() - c
-from monarch_cli.jobs.spmd import SpmdRunner, plan_spmd, new_run_id
+from monarch_cli.jobs.plan import plan_spmd
+from monarch_cli.jobs.spmd import SpmdRunner, new_run_id
 from monarch_cli.jobs.torchrun import parse_command
 from monarch_cli.jobs.output import OutputSink
 spec = parse_command(["torchrun", "--nproc-per-node=8", "train.py"])

@@ -46,7 +46,7 @@ def run_spmd(
 ) -> int:
     """``monarch run-spmd``; returns the exit status."""
     from ..jobs import job_load
-    from ..jobs.spmd import parse_env_flags
+    from ..jobs.plan import parse_env_flags
 
     job = job_load(state)
     rank_set = parse_ranks(ranks)

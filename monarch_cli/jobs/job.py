@@ -30,8 +30,9 @@ from .errors import JobError
 from .lifecycle import RunControl, shutdown_timeout_from, stall_timeout_from
 from .model import HostSet, Launch, RankExit, RunOptions, RunResult, StaleReservation
 from .output import OutputSink, list_runs, new_run_dir
+from .plan import plan_exec, plan_spmd, remote_environment, user_environment
 from .rendezvous import unreachable_rendezvous
-from .spmd import SpmdRunner, new_run_id, plan_exec, plan_spmd, remote_environment, user_environment
+from .spmd import SpmdRunner, new_run_id
 from .state import HostRecord, JobState, StateError, clear_state, load_state, save_state, state_path
 from .sync import SyncReport, sync_workspace
 from .telemetry import NO_TELEMETRY, RunRecorder, RunTelemetry

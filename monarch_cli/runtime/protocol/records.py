@@ -23,7 +23,7 @@ __all__ = [
 
 # ---------------------------------------------------------- rank spec, proc boot
 class RankSpec(TypedDict, total=False):
-    """One rank, as the client plans it (:mod:`monarch_cli.jobs.spmd`); the agent completes
+    """One rank, as the client plans it (:mod:`monarch_cli.jobs.plan`); the agent completes
     it (``env``, ``warm``, ``cwd``, ``fd_roles``, ``module_report``) and the zygote hands it
     to :mod:`..rank.start`."""
 
