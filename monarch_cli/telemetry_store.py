@@ -424,6 +424,7 @@ def _line_text(raw: bytes) -> str:
 
 #: Output rows a writer's transaction holds before it inserts them (it commits once per round).
 _LOG_ROWS_AT_ONCE = 2048
+_INSERT_LOGS = "INSERT INTO logs VALUES (?,?,?,?,?)"
 
 
 class TelemetryWriter:
@@ -562,7 +563,7 @@ class TelemetryWriter:
                     n = last.get(rank, (0.0, 0))[1]
                     last[rank] = (ts, n + len(lines))
                 if len(logs) >= _LOG_ROWS_AT_ONCE:  # (32,768 ranks' first lines held at once were ~10 MB)
-                    conn.executemany("INSERT INTO logs VALUES (?,?,?,?,?)", logs)
+                    conn.executemany(_INSERT_LOGS, logs)
                     logs.clear()
             elif kind == "end_rank":
                 rank, ts = item
@@ -605,7 +606,7 @@ class TelemetryWriter:
                     ),
                 )
         if logs:
-            conn.executemany("INSERT INTO logs VALUES (?,?,?,?,?)", logs)
+            conn.executemany(_INSERT_LOGS, logs)
         for rank, (ts, n) in last.items():
             conn.execute(
                 "UPDATE ranks SET last_output_at = ?, lines = coalesce(lines, 0) + ? WHERE run_id = ? AND rank = ?",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UserError
+from ...jobs.run_log import rank_log
 from ...jobs.run_log import split as split_run_log
 from ...jobs.state import state_path
 from ...telemetry_store import StoreError, db_path, query
@@ -227,10 +228,7 @@ def _finished(result: dict[str, Any], run_dir: Path, tail: int, rank: int | None
         r["last_lines"] = [clip_line(l) for l in r.get("last_lines", [])]
     pick = rank if rank is not None else result.get("first_failure")
     pick = 0 if pick is None else pick
-    path = run_dir / f"rank{pick}.log"
-    if tail:
-        split_run_log(run_dir)
-    if tail and path.exists():
+    if tail and (path := rank_log(run_dir, pick)).exists():
         snap["tail"] = {"rank": pick, "lines": tail_lines(path, tail)}
     return snap
 
