@@ -111,7 +111,7 @@ class RunTelemetry:
         if attempt == 0:
             w.rows(
                 "hosts",
-                [
+                (
                     (
                         self.run_id,
                         n,
@@ -122,14 +122,15 @@ class RunTelemetry:
                         hostset.infos[n].get("gpus"),
                     )
                     for n in nodes
-                ],
+                ),
             )
         else:
             w.sql("DELETE FROM ranks WHERE run_id = ?", (self.run_id,))
             w.event("restart", None, f"attempt {attempt}")
+        # A generator: the writer thread makes each row as it inserts it (no 32,768 tuples held).
         w.rows(
             "ranks",
-            [
+            (
                 (
                     self.run_id,
                     l.rank,
@@ -147,7 +148,7 @@ class RunTelemetry:
                     0,
                 )
                 for l in launches
-            ],
+            ),
         )
         if self.export is not None:
             self.export.ranks_started([(l.rank, hostset.hosts[l.node].name, l.local) for l in launches])

@@ -125,3 +125,26 @@ def test_under_a_flood_a_slow_reader_does_not_blame_hosts_it_has_not_read_in_tur
         c.beats.heard(a, c.now)
     c.run(1, answering=set(), drained=False)
     assert [agent for _, agent, _ in c.lost] == ["h0"]
+
+
+def test_a_host_that_keeps_talking_is_beaten_only_as_often_as_it_needs_to_keep_the_client() -> None:
+    """A host whose messages already show it alive is not beaten every interval (half a
+    4,096-host run's messages were beats and their acks), but still every third of the
+    timeout, or its agent would reap the client; a quiet host is beaten every interval, and
+    once the talking host goes silent it is named as before."""
+    c = Clock(["a", "b"])
+    sent = len(c.sent)
+    for _ in range(100):  # 10 s: "a" sends something every 0.1 s
+        c.run(0.1, answering={"a", "b"})
+        c.beats.heard("a", c.now)
+    beats_a = [t for t, agent in c.sent[sent:] if agent == "a"]
+    beats_b = [t for t, agent in c.sent[sent:] if agent == "b"]
+    assert len(beats_b) >= 18
+    assert 5 <= len(beats_a) <= 8, beats_a
+    gaps = [t2 - t1 for t1, t2 in zip(beats_a, beats_a[1:])]
+    assert max(gaps) <= 5.0 / 3 + 0.06, gaps
+    assert c.lost == []
+    last = c.now
+    c.run(10, answering={"b"})  # "a" goes silent
+    assert [agent for _, agent, _ in c.lost] == ["a"]
+    assert c.lost[0][0] - last <= 5.0 + 0.06
