@@ -9,6 +9,8 @@ How a run is ended from outside (Ctrl-C, SIGTERM, ``monarch stop``) is decided i
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import threading
@@ -31,6 +33,36 @@ from .telemetry import NO_TELEMETRY, RunRecorder
 
 #: Output bytes from one host after which the runner credits them back (see ``ranks.OUTPUT_WINDOW``).
 _CREDIT_EVERY = 1 << 20
+#: Allocations between young collections while a run is in progress (Python's default: 700).
+_RUN_GC_THRESHOLD = 50_000
+_gc_lock = threading.Lock()
+_gc_runs = 0  # runs in progress in this process
+_gc_saved: tuple[int, ...] = ()
+
+
+@contextlib.contextmanager
+def _fewer_collections() -> Any:
+    """While a run is in progress, what existed before it (the hosts, the launches, the modules) is
+    not traversed again by the cyclic collector (``gc.freeze``), and young collections come every
+    50,000 allocations, not 700. A 4,096 x 8 run's client spent 0.2-0.5 s of its 1.2-1.6 s of CPU
+    in the collector, mostly in full collections over the reservation's 32,768 ranks' objects,
+    found nothing, and took 0.02-0.15 s so (measured in turns, 2026-11-26). Cycles made during the
+    run are still collected; those among the frozen objects wait until the last run here ends."""
+    global _gc_runs, _gc_saved
+    with _gc_lock:
+        _gc_runs += 1
+        if _gc_runs == 1:
+            _gc_saved = gc.get_threshold()
+            gc.freeze()
+            gc.set_threshold(max(_gc_saved[0], _RUN_GC_THRESHOLD), *_gc_saved[1:])
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_runs -= 1
+            if _gc_runs == 0:
+                gc.set_threshold(*_gc_saved)
+                gc.unfreeze()
 
 
 def new_run_id() -> str:
@@ -89,6 +121,20 @@ class SpmdRunner:
     ) -> list[RankExit]:
         """Start ``launches``, stream their output into ``sink`` (and ``telemetry``), and wait until every rank
         has ended (or is given up on); how each ended, the first failure first."""
+        with _fewer_collections():
+            return self._run(launches, run_id, sink, on_pause, on_notice, forward_signals, telemetry, attempt)
+
+    def _run(
+        self,
+        launches: list[Launch],
+        run_id: str,
+        sink: OutputSink,
+        on_pause: Callable[[int, str, dict[str, Any]], None] | None,
+        on_notice: Callable[[str], None] | None,
+        forward_signals: Sequence[int],
+        telemetry: RunRecorder,
+        attempt: int,
+    ) -> list[RankExit]:
         nodes = sorted({l.node for l in launches})
         host_of = {l.rank: self.hs.hosts[l.node].name for l in launches}
         control = self.control = RunControl(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +27,13 @@ def one_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
 def test_256_ranks_on_one_host_run_and_the_reservation_survives(one_host: Job, tmp_path: Path) -> None:
     script = tmp_path / "hello.py"
     script.write_text("import os\nprint('hello from', os.environ['RANK'], flush=True)\n")
+    thresholds = gc.get_threshold()
     for _ in range(2):  # the second run proves the agent still answers after the first
         run = spmd(one_host, script, nproc=RANKS)
         assert run.result.exit_code == 0 and [e.exitcode for e in run.result.ranks] == [0] * RANKS, run.text()[-2000:]
         said = {line.split()[-1] for line in run.lines() if b"hello from" in line}
         assert said == {str(r).encode() for r in range(RANKS)}
     assert one_host.status()["hosts"][0]["warm"] is not None
+    # A run collects less often while it is in progress (jobs/spmd.py): the process gets its
+    # collector back as it was once the run ends.
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
