@@ -161,6 +161,9 @@ class OutputSink:
     def close(self) -> None:
         if self.grouper is not None:
             self.grouper.close()
+            # The grouper holds our _print: without this the sink (and every rank's tail, 32,768
+            # lists at 4,096 hosts) waited for a full collection instead of going with its last reference.
+            self.grouper = None
         with self._lock:
             for (rank, stream), rest in self.partial.items():  # ranks that never reported an end
                 if rank in self.labels and not self._closed:
