@@ -12,7 +12,7 @@ says and ends at once:
   the others exit 0;
 * ``EMULATED_HANG=1``: ranks run until signalled (``signal_ranks``), then die of that signal.
 
-It answers ``ping`` (host info), ``fan_out`` (relaying as a real agent does), heartbeats, ``reserve_port``/``release_port``, ``run_ranks``,
+It answers ``ping`` (host info), ``fan_out`` (relaying as a real agent does), heartbeats, ``reserve_port``/``release_port``, ``probe_peers`` (every peer reached), ``run_ranks``,
 ``signal_ranks``, ``stopping``, ``telemetry_stacks``/``telemetry_sample``, ``client_exit``,
 ``forget_preload`` and ``shutdown``. A process serves up to :data:`PER_PROCESS` agents; it is
 titled ``monarch agent ...`` so the local backend's probe sees a live agent, and it reads
@@ -213,6 +213,8 @@ class _Emulator:
             self._reply(agent, msg.reply_to, msg.cid, True, self._info(agent))
         elif kind == "fan_out":
             self._relay(agent).handlers()[protocol.FanOut](msg, body)
+        elif kind == "probe_peers":  # every peer reached (a real agent connects to each): no partition here
+            self._reply(agent, msg.reply_to, msg.cid, True, {peer: "" for peer in msg.peers})
         elif kind == "reserve_port":
             self._reply(agent, msg.reply_to, msg.cid, True, 29500)
         elif kind in ("release_port", "forget_preload", "shutdown"):
