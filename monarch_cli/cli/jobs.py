@@ -273,6 +273,7 @@ def exec_cmd(
 def status_cmd(
     state: Path | None = StateOpt,
     job_id: str | None = typer.Option(None, "--job", help="A `monarch sbatch` job id: its Slurm state and run."),
+    show_all: bool = typer.Option(False, "--all", help="A row for every host, however many."),
     as_json: bool = JsonOpt,
 ) -> None:
     """The reservation: scheduler, hosts and agent liveness, age, last run."""
@@ -310,7 +311,8 @@ def status_cmd(
     table = Table(box=None, header_style="bold")
     for col in ("host", "agent", "alive", "ranks running", "warm process"):
         table.add_column(col)
-    for h in info["hosts"]:
+    shown, rest = _status_rows(info["hosts"], show_all)
+    for h in shown:
         table.add_row(
             h["name"],
             h["agent"],
@@ -319,6 +321,12 @@ def status_cmd(
             _warm_cell(h.get("warm")),
         )
     out.print(table)
+    if rest:
+        running = sum(h["ranks_running"] or 0 for h in rest)
+        out.print(
+            f"… and {len(rest):,} more hosts, all answering, {running:,} ranks running on them "
+            "(`--all` for a row each, `--json` for every field)"
+        )
     if info["default_command"]:
         where = f"  (in {info['default_cwd']})" if info.get("default_cwd") else ""
         out.print(f"default command: {escape(shlex.join(info['default_command']))}{escape(where)}")
@@ -485,6 +493,20 @@ def _print_logs(run_dir: Path, files: list[Path], raw: bool, follow: bool) -> No
         if not follow or (run_dir / "result.json").exists():
             return
         time.sleep(0.2)
+
+
+#: Hosts shown one row each by `monarch status` before the rest are summed up in a line.
+_STATUS_ROWS = 32
+
+
+def _status_rows(hosts: list[dict[str, Any]], show_all: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The hosts that get a row, and the rest (all answering): every host that does not answer
+    gets its row, whatever the count; 4,096 rows of hosts that do were a screen nobody reads."""
+    if show_all or len(hosts) <= _STATUS_ROWS:
+        return hosts, []
+    first = _STATUS_ROWS // 2
+    shown = [h for i, h in enumerate(hosts) if i < first or not h["alive"]]
+    return shown, [h for i, h in enumerate(hosts) if i >= first and h["alive"]]
 
 
 def _warm_cell(warm: dict | None) -> str:

@@ -40,8 +40,10 @@ def run_logs(root: Path, run: str | None, rank: int | None) -> tuple[Path, list[
     run_dir = (root / run) if run else runs[-1]
     if not run_dir.is_dir():
         raise UserError(f"no run {run!r} under {root}; latest runs: {', '.join(p.name for p in runs[-5:])}")
-    split_run_log(run_dir)  # (the rank files are made from the run's log when first asked for)
-    files = sorted(run_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
+    # The rank files are made from the run's log when first asked for (beside it, or in a private
+    # copy where the run directory cannot be written).
+    split_dir = split_run_log(run_dir)
+    files = sorted(split_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
     if rank is not None:
         files = [f for f in files if f.stem == f"rank{rank}"]
         if not files:

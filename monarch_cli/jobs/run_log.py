@@ -15,7 +15,9 @@ Standard library only: ``monarch logs`` must not load the runtime.
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
+import hashlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,6 +30,7 @@ LOG_NAME = "output.log"
 _MAGIC = b"monarch-run-log 1 ranks "
 _SPLIT_STATE = ".split"  # how far output.log has been split (bytes), beside it
 _SPLIT_LOCK = ".split.lock"
+_SPLIT_PENDING = ".split.pending"  # there while a split appends: a split killed then is done again
 _READ = 1 << 20
 _MAX_OPEN = 256  # rank files kept open at once while splitting
 _LOG_MODE = 0o600
@@ -43,23 +46,46 @@ def record(rank: int, stream: int, data: bytes) -> bytes:
     return b"%d %d %d\n" % (rank, stream, len(data)) + data
 
 
-def split(run_dir: Path) -> None:
-    """Bring ``run_dir``'s ``rankN.log`` files up to date with its ``output.log`` (a no-op for a
-    run logged before the combined log, whose rank files are already whole). Safe to call from
-    several readers at once (a lock), and while the run still writes (only whole records are taken)."""
+def split(run_dir: Path) -> Path:
+    """Bring the ``rankN.log`` files of ``run_dir`` up to date with its ``output.log``, and return the
+    directory that holds them: ``run_dir`` itself, or, where it cannot be written (a read-only
+    mount, a run directory of another user's), a private copy under the cache directory, split
+    there. A run logged before the combined log already has whole rank files: a no-op.
+
+    Safe to call from several readers at once (a lock), while the run still writes (only whole
+    records are taken), and after a split was killed part way (a marker left while it appends:
+    the next split starts again from the beginning, so no record is appended twice)."""
     log = run_dir / LOG_NAME
     if not log.exists():
-        return
-    with open(open_private(run_dir / _SPLIT_LOCK, os.O_RDWR), "r+b") as lock:
+        return run_dir
+    try:
+        _split_into(run_dir, log)
+        return run_dir
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+    where = _private_copy_dir(run_dir)
+    _split_into(where, log)
+    return where
+
+
+def _split_into(where: Path, log: Path) -> None:
+    with open(open_private(where / _SPLIT_LOCK, os.O_RDWR), "r+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        state = run_dir / _SPLIT_STATE
-        try:
-            done = int(state.read_text() or 0)
-        except (OSError, ValueError):
-            done = 0
+        state, pending = where / _SPLIT_STATE, where / _SPLIT_PENDING
+        killed = pending.exists()  # a split killed while appending: its rank files are made again
+        done = 0
+        if not killed:
+            try:
+                done = int(state.read_text() or 0)
+            except (OSError, ValueError):
+                done = 0
         with open(log, "rb") as f:
+            if os.fstat(f.fileno()).st_size <= done:
+                return  # nothing new (the usual case of `logs -f` between lines)
+            os.close(open_private(pending, os.O_WRONLY))
             f.seek(done)
-            new = _Splitter(run_dir)
+            new = _Splitter(where, fresh=done == 0)
             done += new.feed(f)
             new.close()
         tmp = state.with_name(_SPLIT_STATE + ".tmp")
@@ -69,11 +95,28 @@ def split(run_dir: Path) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, state)
+        pending.unlink()
+
+
+def _private_copy_dir(run_dir: Path) -> Path:
+    """Where the rank files of a run directory this user cannot write are split: under the cache
+    directory (owner-only), named by the run directory's resolved path."""
+    from ..sysutil import cache_dir
+
+    base = Path(cache_dir()) / "split-logs"
+    base.mkdir(parents=True, exist_ok=True)
+    os.chmod(base, 0o700)  # what ranks printed, from any run this user read: owner-only
+    where = base / hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:20]
+    where.mkdir(mode=0o700, exist_ok=True)
+    where = where / run_dir.name
+    where.mkdir(mode=0o700, exist_ok=True)
+    return where
 
 
 class _Splitter:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, fresh: bool) -> None:
         self.run_dir = run_dir
+        self.fresh = fresh  # from the log's start: the rank files are made empty at its first line
         self.files: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
 
     def feed(self, f: BinaryIO) -> int:
@@ -111,8 +154,13 @@ class _Splitter:
             at = end
 
     def _make_all(self, ranks: list[int]) -> None:
+        """A header: every rank's file exists (a silent rank's too). At the log's first line they
+        are emptied: what a killed split had appended is written again (a restart's header, later
+        in the log, keeps what the earlier attempts wrote)."""
+        flags = os.O_WRONLY | (os.O_TRUNC if self.fresh else 0)
+        self.fresh = False
         for r in ranks:
-            os.close(open_private(self.run_dir / f"rank{r}.log", os.O_WRONLY))
+            os.close(open_private(self.run_dir / f"rank{r}.log", flags))
 
     def _append(self, rank: int, data: bytes) -> None:
         out = self.files.get(rank)
@@ -143,5 +191,4 @@ def open_private(path: Path, flags: int) -> int:
 
 def rank_log(run_dir: Path, rank: int) -> Path:
     """``rank``'s log file, brought up to date with the run's log first."""
-    split(run_dir)
-    return run_dir / f"rank{rank}.log"
+    return split(run_dir) / f"rank{rank}.log"

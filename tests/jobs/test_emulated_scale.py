@@ -161,7 +161,7 @@ def test_questions_to_every_host_go_through_relays_and_come_back_to_the_right_ho
 def test_a_host_that_answers_nothing_is_the_only_one_missing(
     cluster: tuple[Job, EmulatedCluster, Path], frozen: str
 ) -> None:
-    job, cl, _ = cluster
+    job, cl, state = cluster
     cl.mute(frozen, "freeze")
     try:
         deadline = time.monotonic() + 120
@@ -172,11 +172,34 @@ def test_a_host_that_answers_nothing_is_the_only_one_missing(
             assert time.monotonic() < deadline, f"{frozen} kept answering"
         # A frozen relay's hosts were asked directly: only the frozen host is missing.
         assert dead == [frozen]
+        if frozen == "emu17":
+            # 256 rows are a screen nobody reads: the first hosts, every one that does not answer,
+            # then a line for the rest.
+            text = _cli("status", "--state", str(state))
+            rows = [w[0] for w in map(str.split, text.splitlines()) if w and re.fullmatch(r"emu\d+", w[0])]
+            assert rows == [f"emu{i}" for i in range(16)] + [frozen], text
+            assert f"… and {HOSTS - 17:,} more hosts, all answering" in text
+            every = _cli("status", "--state", str(state), "--all")
+            assert sum(bool(re.match(r"\s*emu\d+\s", line)) for line in every.splitlines()) == HOSTS
     finally:
         cl.mute(frozen, "unmute")
     deadline = time.monotonic() + 120
     while not all(h["alive"] for h in job.status()["hosts"]):
         assert time.monotonic() < deadline, f"{frozen} did not answer again"
+
+
+def _cli(*args: str) -> str:
+    """A `monarch` command's output (its exit status says whether every host answered: not checked)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"},
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stdout
 
 
 def test_stack_on_every_host_groups_what_is_the_same(cluster: tuple[Job, EmulatedCluster, Path]) -> None:

@@ -7,11 +7,17 @@ has an (empty) file, a split taken while the run still writes is completed by th
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+from monarch_cli.jobs import run_log
 from monarch_cli.jobs.run_log import LOG_NAME, header, rank_log, record, split
 
 
@@ -87,3 +93,52 @@ def test_a_restart_appends_its_own_header_and_its_output_still_reaches_the_rank_
     _write(tmp_path, header([0, 1]) + record(0, 1, b"attempt 1\n") + record(1, 1, b"ok\n"))
     assert rank_log(tmp_path, 0).read_bytes() == b"attempt 0\nattempt 1\n"
     assert rank_log(tmp_path, 1).read_bytes() == b"failed\nok\n"
+
+
+def test_a_split_killed_while_appending_is_done_again_without_a_record_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C on `monarch logs` between appending to the rank files and saving how far it got:
+    the next split must not append those records again."""
+    _write(tmp_path, header([0, 1]) + record(0, 1, b"one\n") + record(1, 1, b"two\n"))
+    split(tmp_path)
+    _write(tmp_path, record(0, 1, b"three\n") + record(1, 2, b"four\n"))
+
+    def killed(self: object) -> None:
+        raise KeyboardInterrupt  # after the appends, before the offset is saved
+
+    monkeypatch.setattr(run_log._Splitter, "close", killed)
+    with pytest.raises(KeyboardInterrupt):
+        split(tmp_path)
+    assert (tmp_path / "rank0.log").read_bytes() == b"one\nthree\n"  # appended, not yet recorded
+    monkeypatch.undo()
+    assert rank_log(tmp_path, 0).read_bytes() == b"one\nthree\n"
+    assert rank_log(tmp_path, 1).read_bytes() == b"two\nfour\n"
+    _write(tmp_path, header([0, 1]) + record(0, 1, b"restart\n"))  # a restart's header keeps what came before
+    assert rank_log(tmp_path, 0).read_bytes() == b"one\nthree\nrestart\n"
+
+
+def test_monarch_logs_reads_a_run_on_a_read_only_mount(tmp_path: Path) -> None:
+    """The rank files of a run directory that cannot be written (a read-only mount of a shared file
+    system) are split into a private copy under the cache directory, not refused."""
+    state = tmp_path / "job" / ".monarch" / "job_state.pkl"
+    run_dir = state.parent / "logs" / "20261126-000000-abcd"
+    run_dir.mkdir(parents=True)
+    _write(run_dir, header([0, 1]) + record(0, 1, b"hello from 0\n") + record(1, 1, b"hello from 1\n"))
+    cache = tmp_path / "cache"
+    logs = f"{sys.executable} -m monarch_cli logs --state {state}"
+    script = (
+        f"mount --bind -o ro {run_dir} {run_dir} && touch {run_dir}/probe 2>/dev/null && exit 99; "
+        f"{logs} && {logs} --rank 1 && {logs} --json"
+    )
+    env = {**os.environ, "MONARCH_CACHE_DIR": str(cache), "NO_COLOR": "1"}
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    out = proc.stdout.decode()
+    assert "[rank0] hello from 0\n[rank1] hello from 1\n" in out and "\nhello from 1\n" in out
+    listed = json.loads(out[out.index("{") :])
+    copies = [Path(f) for f in listed["logs"].values()]
+    assert copies and all(cache in f.parents for f in copies), listed
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOG_NAME]  # nothing written beside the run
+    assert stat.S_IMODE((cache / "split-logs").stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in copies)

@@ -155,13 +155,13 @@ class Runs:
         run_dir = self.logs / run_id
         if run_dir.is_dir():
             info["log_dir"] = str(run_dir)
-            split_run_log(run_dir)
-            files = sorted(run_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
+            split_dir = split_run_log(run_dir)
+            files = sorted(split_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
             if rows is None and files:
                 info["ranks_started"] = len(files)
             if files:
                 pick = rank if rank is not None else _first_failed(rows) if rows else 0
-                path = run_dir / f"rank{pick}.log"
+                path = split_dir / f"rank{pick}.log"
                 if path.exists():
                     info["tail"] = {"rank": pick, "lines": tail_lines(path, tail)}
         return info
