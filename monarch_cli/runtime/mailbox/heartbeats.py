@@ -117,9 +117,10 @@ class LinkHeartbeats:
         while new:
             agent = new.popleft()
             if agent not in self._agents:
-                # Not beaten now: the request that made it wanted is going to it, and its answer
-                # shows it alive. Its silence counts from now, as if a beat had gone.
-                self._agents[agent] = _AgentWatch(now, now, unanswered_since=now)
+                # Not beaten now: the request that made it wanted is going to it (and restarts
+                # the agent's clock for us), and its answer shows it alive. Its silence counts
+                # from now, as if a beat had gone.
+                self._agents[agent] = _AgentWatch(now, now, unanswered_since=now, beaten_at=now)
         limit = settings().heartbeat_timeout
         # Beats go out even while the links are not drained (the agents reap a client whose beats
         # stop, and a flood of output may outlast the timeout), but then only every third of the
