@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
 from ..jobs.output import list_runs
-from ..jobs.run_log import split as split_run_log
+from ..jobs.run_log import rank_logs
 from ..jobs.state import state_path
 
 if TYPE_CHECKING:
@@ -42,8 +42,7 @@ def run_logs(root: Path, run: str | None, rank: int | None) -> tuple[Path, list[
         raise UserError(f"no run {run!r} under {root}; latest runs: {', '.join(p.name for p in runs[-5:])}")
     # The rank files are made from the run's log when first asked for (beside it, or in a private
     # copy where the run directory cannot be written).
-    split_dir = split_run_log(run_dir)
-    files = sorted(split_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
+    files = rank_logs(run_dir)
     if rank is not None:
         files = [f for f in files if f.stem == f"rank{rank}"]
         if not files:

@@ -193,3 +193,8 @@ def open_private(path: Path, flags: int) -> int:
 def rank_log(run_dir: Path, rank: int) -> Path:
     """``rank``'s log file, brought up to date with the run's log first."""
     return split(run_dir) / f"rank{rank}.log"
+
+
+def rank_logs(run_dir: Path) -> list[Path]:
+    """Every rank's log file, by rank, brought up to date with the run's log first."""
+    return sorted(split(run_dir).glob("rank*.log"), key=lambda p: int(p.stem[4:]))

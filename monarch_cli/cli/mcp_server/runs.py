@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UserError
-from ...jobs.run_log import rank_log
-from ...jobs.run_log import split as split_run_log
+from ...jobs.run_log import rank_log, rank_logs
 from ...jobs.state import state_path
 from ...telemetry_store import StoreError, db_path, query
 from ..results import logs_root, run_logs
@@ -155,13 +154,12 @@ class Runs:
         run_dir = self.logs / run_id
         if run_dir.is_dir():
             info["log_dir"] = str(run_dir)
-            split_dir = split_run_log(run_dir)
-            files = sorted(split_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]))
+            files = rank_logs(run_dir)
             if rows is None and files:
                 info["ranks_started"] = len(files)
             if files:
                 pick = rank if rank is not None else _first_failed(rows) if rows else 0
-                path = split_dir / f"rank{pick}.log"
+                path = files[0].parent / f"rank{pick}.log"
                 if path.exists():
                     info["tail"] = {"rank": pick, "lines": tail_lines(path, tail)}
         return info
