@@ -225,14 +225,22 @@ run_started = time.monotonic()
 th.start()
 beats = hs.mb._beats
 deadline = time.monotonic() + 300
-while len(beats.answered) < len(hs.hosts) and time.monotonic() < deadline:
-    time.sleep(0.05)
+# Mid-run: once every host has acknowledged its ranks (a host lost before then, its request
+# lost with it, fails the run's start instead: a different path).
+sent = False
+while time.monotonic() < deadline:
+    waiting = bool(hs.mb._pending)
+    sent = sent or waiting
+    if sent and not waiting and len(beats.answered) >= len(hs.hosts):
+        break
+    time.sleep(0.01)
 from tests.emulated_cluster import PER_PROCESS
 victim_index = len(hs.hosts) // 2
 victim = hs.hosts[victim_index].name
 muted_at = time.monotonic()
 (Path(sys.argv[3]) / f"emu{victim_index // PER_PROCESS * PER_PROCESS}.addr.mute").write_text(victim + "\\n")
 th.join(600)
+(Path(sys.argv[3]) / f"emu{victim_index // PER_PROCESS * PER_PROCESS}.addr.mute").write_text("unmute " + victim)  # the CLI rows: all hosts back
 named = [e for e in done["exits"] if e.lost]
 lost_after = run_started + max(e.duration for e in named) - muted_at if named else None
 ended = time.monotonic() - muted_at

@@ -16,8 +16,8 @@ It answers ``ping`` (host info), ``fan_out`` (relaying as a real agent does), he
 ``signal_ranks``, ``stopping``, ``telemetry_stacks``/``telemetry_sample``, ``client_exit``,
 ``forget_preload`` and ``shutdown``. A process serves up to :data:`PER_PROCESS` agents; it is
 titled ``monarch agent ...`` so the local backend's probe sees a live agent, and it reads
-control lines on stdin after the keys: ``mute NAME`` stops that agent answering heartbeats (a
-lost host), ``freeze NAME`` stops it answering anything, ``unmute NAME`` undoes either; so does a line ``NAME`` in ``<address file>.mute``
+control lines on stdin after the keys: ``mute NAME`` stops that agent answering heartbeats and passing on
+what it relays (a lost host), ``freeze NAME`` stops it answering anything, ``unmute NAME`` undoes either; a line ``NAME`` in ``<address file>.mute`` mutes, a control line there acts
 (checked every 0.1-0.2 s, for a process that does not hold the stdin). It exits when its stdin
 closes or on SIGTERM.
 
@@ -58,15 +58,19 @@ class _Agent:
         self.muted = False
         self.frozen = False  # answers nothing (``freeze NAME``): a host hung or gone
         self.relay: Any = None  # its FanOutRelay, made at its first ``fan_out``
+        self.forwarder: Any = None  # its LinkForwarder, made at its first forwarded message
         self.hung: dict[str, list[tuple[int, str]]] = {}  # run_id -> [(rank, owner)]
         #: As a real agent: a run's events of one round (all it read from its socket) in one message.
         self.batches = EventBatches(self._send_now)
+        self.routes: dict[str, bytes] = {}  # clients whose last message came through a relay
 
     def _send_now(self, to: str, frames: list[Any]) -> None:
         import zmq
 
         try:
-            self.sock.send_multipart([to.encode(), *frames], copy=False)
+            relay = self.routes.get(to)
+            route = [relay, to.encode()] if relay is not None else [to.encode()]
+            self.sock.send_multipart([*route, *frames], copy=False)
         except zmq.ZMQError:  # that client is gone
             pass
 
@@ -83,6 +87,10 @@ class _RelayCore:
     def reply(self, address: str, cid: int, ok: bool, value: Any) -> None:
         self._emulator._reply(self._agent, address, cid, ok, value)
 
+    def send_frames(self, address: str, frames: list[Any]) -> None:
+        self._agent.batches.flush(address)  # what is held goes first, as a real agent's does
+        self._agent._send_now(address, frames)
+
 
 class _Emulator:
     def __init__(self, keys: Any, names: list[str]) -> None:
@@ -91,8 +99,8 @@ class _Emulator:
         from monarch_cli.runtime.transport.sockets import Transport
 
         self.zmq = zmq
-        self.transport = Transport(keys)
-        self.transport.ctx.set(zmq.MAX_SOCKETS, 4 * len(names) + 64)
+        # A socket per agent, per relay connection kept, and per host a relay forwards to for each client.
+        self.transport = Transport(keys, max_sockets=4 * len(names) + 4096)
         self.agents: list[_Agent] = []
         self.by_sock: dict[Any, _Agent] = {}
         for name in names:
@@ -108,6 +116,9 @@ class _Emulator:
         self.poller = zmq.Poller()
         self.relay_socks: dict[Any, _Agent] = {}
         self.relays: list[Any] = []  # the relays made so far (ticked each round; most agents never relay)
+        # Links carried for clients (runtime/agent/forwarding.py): each agent's real LinkForwarder.
+        self.forward_socks: dict[Any, _Agent] = {}
+        self.forwarders: list[Any] = []
 
     def serve(self, control_fd: int, mute_file: Path | None = None) -> None:
         zmq = self.zmq
@@ -125,13 +136,19 @@ class _Emulator:
                 # Often: the benchmark times a lost host from the moment it writes this file.
                 next_check = time.monotonic() + 0.02
                 try:
-                    for name in mute_file.read_text().split():
-                        self._control(["mute", name])
+                    for line in mute_file.read_text().splitlines():  # NAME, or a control line
+                        words = line.split()
+                        self._control(["mute", *words] if len(words) == 1 else words)
                 except OSError:
                     pass
-            for item, _ in poller.poll(200 if mute_file is None else 20):
+            wait = 200 if mute_file is None else 20
+            if any(f.next_due() for f in self.forwarders):  # (messages wait for a relay's connections)
+                wait = 5
+            for item, _ in poller.poll(wait):
                 if item in self.relay_socks:
                     self._relayed(item)
+                elif item in self.forward_socks:
+                    self.forward_socks[item].forwarder.readable(item)
                 elif item is self.transport.zap:
                     while self.transport.zap.poll(0):
                         self.transport.serve_zap()
@@ -151,6 +168,9 @@ class _Emulator:
                         except Exception as e:  # noqa: BLE001 - as a real agent: keep serving
                             print(f"emulated agent {agent.name}: {type(e).__name__}: {e}", file=sys.stderr)
                     agent.batches.flush_all()  # the end of this agent's round
+            for forwarder in self.forwarders:
+                if not forwarder.agent._agent.muted:  # a muted host's network is gone, both ways
+                    forwarder.flush()
             self._relay_tick()
 
     def _control(self, words: list[str]) -> None:
@@ -173,6 +193,23 @@ class _Emulator:
             agent.relay = FanOutRelay(_RelayCore(self, agent), watch, self.poller.unregister)  # type: ignore[arg-type]
             self.relays.append(agent.relay)
         return agent.relay
+
+    def _forwarder(self, agent: _Agent) -> Any:
+        """The agent's forwarder: the real one (runtime/agent/forwarding.py), on this process's loop."""
+        if agent.forwarder is None:
+            from monarch_cli.runtime.agent.forwarding import LinkForwarder
+
+            def watch(sock: Any) -> None:
+                self.forward_socks[sock] = agent
+                self.poller.register(sock, self.zmq.POLLIN)
+
+            def unwatch(sock: Any) -> None:
+                self.forward_socks.pop(sock, None)
+                self.poller.unregister(sock)
+
+            agent.forwarder = LinkForwarder(_RelayCore(self, agent), watch, unwatch)  # type: ignore[arg-type]
+            self.forwarders.append(agent.forwarder)
+        return agent.forwarder
 
     def _relayed(self, sock: Any) -> None:
         agent = self.relay_socks[sock]
@@ -201,14 +238,24 @@ class _Emulator:
         from monarch_cli.runtime import protocol
         from monarch_cli.runtime.transport import wire
 
+        if agent.frozen:  # a host that answers nothing at all
+            return
+        if len(frames) > 2 and frames[1].bytes == protocol.FORWARD:  # for a host behind this one
+            if not agent.muted:  # (its network is gone: nothing passes)
+                self._forwarder(agent).forward(frames[0].bytes, frames[1:])
+            return
         head, body = wire.parse(frames[1:])
         msg = protocol.decode(head)
         kind = msg.KIND
-        if agent.frozen:  # a host that answers nothing at all
-            return
+        route = frames[0].bytes
+        if protocol.is_relay_route(route):  # as a real agent: answer a client on its last route
+            agent.routes[getattr(msg, "reply_to", None) or msg.client] = route
+        elif agent.routes:
+            agent.routes.pop(route.decode(errors="replace"), None)
         if kind == "heartbeat":
             if not agent.muted:
-                agent.sock.send_multipart([frames[0].bytes, protocol.HEARTBEAT_ACK])
+                via = [msg.client.encode()] if protocol.is_relay_route(route) else []
+                agent.sock.send_multipart([route, *via, protocol.HEARTBEAT_ACK])
         elif kind == "ping":
             self._reply(agent, msg.reply_to, msg.cid, True, self._info(agent))
         elif kind == "fan_out":
@@ -238,6 +285,9 @@ class _Emulator:
         elif kind == "telemetry_sample":
             self._reply(agent, msg.reply_to, msg.cid, True, {"host": agent.name, "samples": [], "steps": {}})
         elif kind == "client_exit":
+            agent.routes.pop(msg.client, None)
+            if agent.forwarder is not None:
+                agent.forwarder.client_gone(msg.client)
             for run_id in [r for r, ranks in agent.hung.items() if ranks and ranks[0][1] == msg.client]:
                 del agent.hung[run_id]
         elif kind == "output_credit":

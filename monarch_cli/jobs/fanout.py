@@ -8,6 +8,10 @@ connection per host. From ``settings().relay_from_hosts`` hosts it links ~√N o
 connections to those hosts from one command to the next (``runtime/agent/relay.py``). A relay
 that does not answer in time has its hosts asked directly, so one dead host costs its group
 a second round, not an answer.
+
+A run, whose requests differ from host to host, links the relays too and reaches every other
+host through its relay's connection (:func:`link_through_relays`): the relay forwards the
+host's messages both ways, so the client holds ~√N connections, not N.
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ def links(addresses: Sequence[str], through_relays: bool) -> list[str]:
     if not through_relays:
         return list(addresses)
     return [addresses[i] for i, _ in relay_groups(len(addresses))]
+
+
+def link_through_relays(mb: Mailbox, addresses: Sequence[str], dead: set[str]) -> None:
+    """Link the relays, and every other host through its group's relay (its link forwarded
+    both ways: ``runtime/agent/forwarding.py``), for a command that sends each host its own
+    requests (a run). A relay known dead has its hosts linked directly."""
+    for relay, members in relay_groups(len(addresses)):
+        via = addresses[relay]
+        mb.link(via)
+        for i in members:
+            mb.link(addresses[i], via=None if via in dead else via)
 
 
 def ask_each(
@@ -91,7 +106,7 @@ def ask_each(
     retry = [i for i in retry if addresses[i] is not None]
     if retry:
         for i in retry:
-            mb.link(str(addresses[i]))
+            mb.link_directly(str(addresses[i]))
         _collect({i: mb.request(str(addresses[i]), make, body) for i in retry}, time.monotonic() + timeout, out)
     return out
 

@@ -173,13 +173,17 @@ class HostSet:
         self.hosts = hosts
         self.peers_reachable = peers_reachable
         self.mb = Mailbox.for_keys(keys)
-        self.through_relays = questions_only and peers_reachable and fanout.relayed(len(hosts))
+        relayed = peers_reachable and fanout.relayed(len(hosts))
+        self.through_relays = questions_only and relayed
         addresses = [h.agent for h in hosts]
-        for address in fanout.links(addresses, self.through_relays):  # everything comes back on its link
-            self.mb.link(address)
+        if relayed and not questions_only:  # every host reached, ~√N of them directly
+            fanout.link_through_relays(self.mb, addresses, {h.agent for h in hosts if h.name in known_dead})
+        else:
+            for address in fanout.links(addresses, self.through_relays):  # everything comes back on its link
+                self.mb.link(address)
         # The hosts are asked at once and answer independently; thousands of CURVE handshakes
         # (a few ms each on a busy client) take longer than a few, so the wait grows with them.
-        linked = len(hosts) if not self.through_relays else len(fanout.relay_groups(len(hosts)))
+        linked = len(hosts) if not relayed else len(fanout.relay_groups(len(hosts)))
         answers = fanout.ask_each(
             self.mb,
             [None if h.name in known_dead else h.agent for h in hosts],
@@ -187,6 +191,21 @@ class HostSet:
             timeout + _HANDSHAKE_ALLOWANCE * linked,
             self.through_relays,
         )
+        if relayed and not questions_only:
+            # A relay that passes nothing on (its host's network half gone) costs its group a
+            # second round, linked directly from then on: as for a question (fanout.ask_each).
+            retry = [i for i, (ok, _) in enumerate(answers) if not ok and hosts[i].name not in known_dead]
+            for i in retry:
+                self.mb.link_directly(addresses[i])
+            again = fanout.ask_each(
+                self.mb,
+                [addresses[i] for i in retry],
+                lambda cid: protocol.Ping(cid, self.mb.address),
+                timeout + _HANDSHAKE_ALLOWANCE * len(retry),
+                False,
+            )
+            for i, answer in zip(retry, again):
+                answers[i] = answer
         self.infos: list[dict[str, Any]] = []
         for host, (ok, info) in zip(hosts, answers):
             if not ok:  # any failure to answer means the same thing here

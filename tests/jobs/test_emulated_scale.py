@@ -115,7 +115,10 @@ def test_a_silent_host_is_named_and_the_others_are_stopped(cluster: tuple[Job, E
     job, cl, _ = cluster
     cl.mute("emu100")  # answers requests, not heartbeats: as a host whose network went
     started = time.monotonic()
-    result, _, _ = _run(job, {"EMULATED_HANG": "1"}, grace=1.0)
+    try:
+        result, _, _ = _run(job, {"EMULATED_HANG": "1"}, grace=1.0)
+    finally:
+        cl.mute("emu100", "unmute")
     assert time.monotonic() - started < 120
     lost = [r for r in result.ranks if r.lost]
     assert {r.rank for r in lost} == {200, 201}
@@ -155,6 +158,50 @@ def test_questions_to_every_host_go_through_relays_and_come_back_to_the_right_ho
     assert done.returncode == 0, done.stderr
     hosts = json.loads(done.stdout)["hosts"]
     assert [h["name"] for h in hosts if h["alive"]] == [f"emu{i}" for i in range(HOSTS)]
+
+
+def test_a_run_reaches_every_host_through_the_relays(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
+    """A run of 256 hosts links the 16 relays, each forwarding its group's requests, heartbeats
+    and events both ways (runtime/agent/forwarding.py): a fresh client holds 16 connections,
+    and every rank's output and exit comes back."""
+    _, _, state = cluster
+    probe = (
+        "import io, sys, psutil; from monarch_cli.jobs import job_load; job = job_load(sys.argv[1]); out = io.BytesIO(); "
+        "r = job.run_spmd(['torchrun', '--nproc-per-node=2', 'train.py'], env={'EMULATED_OUTPUT': 'rank {rank} here\\n', "
+        "'EMULATED_EXIT': '77=3'}, stdout=out, stderr=io.BytesIO(), sync=False); "
+        "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
+        "print(len(ports), len(r.ranks), r.exit_code, [x.rank for x in r.ranks if x.status], out.getvalue().count(b' here'))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(state)], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["16", str(WORLD), "3", "[77]", str(WORLD)], done.stdout
+
+
+def test_a_relay_lost_in_a_run_is_named_and_its_hosts_are_stopped_directly(
+    cluster: tuple[Job, EmulatedCluster, Path],
+) -> None:
+    """emu16 relays for emu17-emu31; frozen mid-run, it is the host named lost (not the hosts it
+    carried), and the ranks of every other host, those it carried included, are stopped."""
+    job, cl, _ = cluster
+    box: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("run", _run(job, {"EMULATED_HANG": "1"}, grace=1.0)))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) < WORLD:
+            assert time.monotonic() < deadline, "the ranks never all started"
+        cl.mute("emu16", "freeze")
+        runner.join(120)
+        assert not runner.is_alive(), "the run did not end"
+    finally:
+        cl.mute("emu16", "unmute")
+    result = box["run"][0]  # type: ignore[index]
+    lost = [r for r in result.ranks if r.lost]
+    assert {r.rank for r in lost} == {32, 33} and all("host emu16 stopped answering" in r.lost for r in lost)
+    others = [r for r in result.ranks if not r.lost]
+    assert len(others) == WORLD - 2 and all(r.how == "killed by SIGTERM" for r in others)
 
 
 @pytest.mark.parametrize("frozen", ["emu16", "emu17"])  # a relay; a host a relay asks

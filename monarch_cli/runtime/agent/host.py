@@ -51,6 +51,7 @@ from . import lineage, registry, sync
 from .batches import EventBatches
 from .debug import DebugHost
 from .forkserver import ForkServerHandle
+from .forwarding import LinkForwarder
 from .peers import PeerProbes
 from .procs import ProcHost
 from .ranks import RankHost
@@ -59,7 +60,10 @@ from .telemetry import TelemetryHost
 from .warm import WarmRanks
 
 READY_PREFIX = command.READY_PREFIX
-_STATE_FIRST_SEEN = 120.0  # seconds `serve` has to record a new agent in its state file
+_STATE_FIRST_SEEN = 120.0
+_FORWARD_SIZE = len(protocol.FORWARD)
+#: ZeroMQ sockets the agent may hold: a relay keeps one per host it asks or forwards to, per client.
+_MAX_SOCKETS = 16384  # seconds `serve` has to record a new agent in its state file
 
 
 @dataclasses.dataclass
@@ -78,7 +82,7 @@ class HostAgent:
         port: int | None = None,
     ) -> None:
         self.keys = keys
-        self.transport = Transport(keys)
+        self.transport = Transport(keys, max_sockets=_MAX_SOCKETS)
         self.inbox, self.address = self.transport.bind_router(port)
         # One port per host: everything for a client goes back on the connection it opened
         # (its link names itself by its mailbox address); a client it cannot route to (gone,
@@ -109,6 +113,9 @@ class HostAgent:
         self.telemetry = TelemetryHost(self)
         self.peers = PeerProbes(self)
         self.relay = FanOutRelay(self, lambda sock: self.poller.register(sock, zmq.POLLIN), self.poller.unregister)
+        self.forwarder = LinkForwarder(
+            self, lambda sock: self.poller.register(sock, zmq.POLLIN), self.poller.unregister
+        )
         #: What this agent answers, by message kind: the core's own, then each part's.
         self.handlers: dict[str, Callable[[Any, list[Any]], None]] = {}
         for part in (
@@ -128,6 +135,8 @@ class HostAgent:
         self.clients: dict[str, _Client] = {}
         self._signal_r: socket.socket | None = None
         self._socks: dict[str, zmq.Socket] = {}
+        #: Clients whose last message came through a relay: the relay's connection is their route.
+        self._relayed_routes: dict[str, bytes] = {}
         self._next_req = 0
         self.running = True
         self.reservation = reservation
@@ -151,7 +160,11 @@ class HostAgent:
 
     def _send_now(self, address: str, frames: list[Any]) -> None:
         try:
-            self.inbox.send_multipart([address.encode(), *frames], copy=False)
+            relay = self._relayed_routes.get(address) if self._relayed_routes else None
+            if relay is not None:  # the relay passes it on to the client it names
+                self.inbox.send_multipart([relay, address.encode(), *frames], copy=False)
+            else:
+                self.inbox.send_multipart([address.encode(), *frames], copy=False)
             return
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
@@ -241,7 +254,8 @@ class HostAgent:
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.transport.zap, zmq.POLLIN)
         while self.running:
-            due = min((d for d in (self.ranks.next_due(), self.relay.next_due()) if d is not None), default=None)
+            dues = (self.ranks.next_due(), self.relay.next_due(), self.forwarder.next_due())
+            due = min((d for d in dues if d is not None), default=None)
             wait_ms = 200 if due is None else max(0, min(200, int((due - time.monotonic()) * 1000) + 1))
             events = dict(poller.poll(wait_ms))
             if self._signal_r is not None and self._signal_r.fileno() in events:
@@ -257,6 +271,8 @@ class HostAgent:
                 self.debug.readable(fd)
             for sock in [s for s in self.relay.socks if s in events]:
                 self.relay.readable(sock)
+            for sock in [s for s in self.forwarder.socks if s in events]:
+                self.forwarder.readable(sock)
             if self.inbox in events:
                 while True:
                     try:
@@ -268,6 +284,7 @@ class HostAgent:
                     except Exception as e:  # noqa: BLE001 - keep serving the other clients
                         print(f"monarch agent: bad request: {type(e).__name__}: {e}", file=sys.stderr)
             self.batches.flush_all()  # this round's output and exits, one message per client
+            self.forwarder.flush()  # what the hosts behind us sent our clients this round
             self._check_clients()
             self.procs.tick()
             self._reap_adopted()
@@ -280,6 +297,7 @@ class HostAgent:
             self.batches.flush_all()  # what the ticks reported (exits after the EOF grace, telemetry)
         self.telemetry.close()
         self.relay.close()
+        self.forwarder.close()
         self.procs.kill_all()
         self.ranks.kill_all()
         lineage.kill_tree()  # whatever else is below us, even in sessions of its own
@@ -288,6 +306,9 @@ class HostAgent:
         self.warm.close()
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) > 2 and len(frames[1]) == _FORWARD_SIZE and frames[1].bytes == protocol.FORWARD:
+            self.forwarder.forward(frames[0].bytes, frames[1:])
+            return
         head, body = wire.parse(frames[1:])
         try:
             msg = protocol.decode(head)
@@ -295,10 +316,21 @@ class HostAgent:
         except (KeyError, TypeError):  # a newer client, most likely: tell it, if it waits for an answer
             self._refuse(head)
             return
+        self._note_route(frames[0].bytes, msg)
         if handler is None:  # answered on the connection it came on, whoever that is
             self._heartbeat(frames[0].bytes, msg.client)
         else:
             handler(msg, body)
+
+    def _note_route(self, route: bytes, msg: Any) -> None:
+        """Answer a client on the connection its last message came on: its own link, or a
+        relay's connection (the client is named in the message)."""
+        if protocol.is_relay_route(route):
+            client = getattr(msg, "reply_to", None) or getattr(msg, "client", None)
+            if isinstance(client, str):
+                self._relayed_routes[client] = route
+        elif self._relayed_routes:
+            self._relayed_routes.pop(route.decode(errors="replace"), None)
 
     def _refuse(self, head: tuple[Any, ...]) -> None:
         why = protocol.not_understood(head, f"the host agent on {self.host}")
@@ -351,7 +383,10 @@ class HostAgent:
         if client is not None:
             client.last_seen = time.monotonic()
         try:
-            self.inbox.send_multipart([route, protocol.HEARTBEAT_ACK])
+            if protocol.is_relay_route(route):
+                self.inbox.send_multipart([route, client_addr.encode(), protocol.HEARTBEAT_ACK])
+            else:
+                self.inbox.send_multipart([route, protocol.HEARTBEAT_ACK])
         except zmq.ZMQError:  # its connection closed meanwhile
             pass
 
@@ -420,6 +455,8 @@ class HostAgent:
 
     def _reap_client(self, addr: str, why: str) -> None:
         self.clients.pop(addr, None)
+        self.forwarder.client_gone(addr)
+        self._relayed_routes.pop(addr, None)
         self.procs.reap_owner(addr, why)
         self.ranks.reap_owner(addr)
         self.debug.client_gone(addr)

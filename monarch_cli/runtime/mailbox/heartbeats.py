@@ -86,6 +86,19 @@ class LinkHeartbeats:
         """Beat ``agent`` (at the I/O thread's next turn) for as long as it is wanted."""
         self._new.append(agent)
 
+    def silent(self, agent: str, now: float) -> bool:
+        """Whether ``agent`` has been quiet for longer than a beat and its answer take
+        (I/O thread only); one not watched counts as silent."""
+        watch = self._agents.get(agent)
+        return watch is None or now - watch.last_ack > 1.5 * settings().heartbeat_interval
+
+    def rewatch(self, agent: str, now: float) -> None:
+        """Judge ``agent`` afresh from now, as newly watched and beaten at the next round (I/O
+        thread only): its link changed (the relay that carried it was lost)."""
+        self.answered.discard(agent)
+        self._agents[agent] = _AgentWatch(now, now, unanswered_since=now)
+        self._next_judgement = min(self._next_judgement, now + settings().heartbeat_interval)
+
     def acked(self, agent: str, now: float) -> None:
         self.answered.add(agent)
         self.heard(agent, now)
@@ -147,6 +160,8 @@ class LinkHeartbeats:
         # Connections all come up at once, in no particular order: each gets the grace of them all.
         grace = limit + _CONNECT_ALLOWANCE * len(self._agents)
         for agent, watch in list(self._agents.items()):
+            if self._agents.get(agent) is not watch:
+                continue  # judged afresh meanwhile (:meth:`rewatch`, from a lost relay's ``lost``)
             if agent not in wanted:
                 del self._agents[agent]  # its link stays: the next run watches it again, no new handshake
                 continue

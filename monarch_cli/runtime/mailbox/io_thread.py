@@ -47,6 +47,7 @@ from .heartbeats import LinkHeartbeats
 EVENTS, POLLIN, SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
 
 _ACK_SIZE = len(protocol.HEARTBEAT_ACK)
+_FORWARDED_SIZE = len(protocol.FORWARDED)
 
 #: Messages one reader handles before others get their turn.
 _DRAIN_BATCH = 64
@@ -71,6 +72,10 @@ class MailboxIO:
         self._wake_rx.bind(self._wake_addr)
         #: Agent addresses reached through a link; the links themselves belong to the I/O thread.
         self._linked: set[str] = set()
+        #: Agents reached through another agent's link (a relay: protocol/links.py), by address.
+        self._via: dict[str, str] = {}
+        #: Per relay, ``(host, frames)`` to send it in one message at the end of the I/O thread's turn.
+        self._forwards: dict[str, list[tuple[str, list[Any]]]] = {}
         self._links: zmq.Socket | None = None  # one ROUTER: a connection per agent (I/O thread only)
         self._connected: set[str] = set()
         #: Per agent, frames not yet accepted by the links' ROUTER (its connection is not up yet).
@@ -79,7 +84,7 @@ class MailboxIO:
         self._outbox: collections.deque[tuple[str, list[Any]]] = collections.deque()
         self._outbox_wake = False  # a wake-up for the outbox is on its way (the I/O thread clears it first)
         #: Heartbeats on the links, sent and judged by the I/O thread.
-        self._beats = LinkHeartbeats(self.address, self._wanted_agents, self._agent_lost, self._link_send)
+        self._beats = LinkHeartbeats(self.address, self._wanted_links, self._link_lost, self._link_send)
         self._watching = zmq.Poller()
         self._backing_off = zmq.Poller()
         self._thread = threading.Thread(target=self._io_loop, name="monarch-mailbox", daemon=True)
@@ -94,9 +99,50 @@ class MailboxIO:
     def _agent_lost(self, agent: str, silent_for: float) -> None:
         raise NotImplementedError
 
-    def link(self, address: str) -> None:
-        """Reach the host agent at ``address`` through one connection of ours: it answers on it."""
+    def _relay_lost(self, relay: str) -> None:
+        raise NotImplementedError
+
+    def link(self, address: str, via: str | None = None) -> None:
+        """Reach the host agent at ``address`` through one connection of ours: it answers on it;
+        ``via``: through the connection to that agent, which forwards both ways (a relay, for
+        clients of thousands of hosts: see ``runtime/agent/forwarding.py``). Without ``via``, a
+        host linked through a relay stays so (:meth:`link_directly` changes that); a relay that
+        is lost has its hosts linked directly."""
+        if via is not None and via != address:
+            self._linked.add(via)
+            self._via[address] = via
         self._linked.add(address)
+
+    def link_directly(self, address: str) -> None:
+        """Reach ``address`` on a connection of ours from now on, even if a relay carried it (the
+        agent answers on whichever way our last message came)."""
+        self._via.pop(address, None)
+        self._linked.add(address)
+
+    def _wanted_links(self) -> set[str]:
+        """The agents to beat: those wanted, and the relays that carry any of them (a relay
+        that dies must be named as itself, not as the hosts behind it)."""
+        wanted = self._wanted_agents()
+        via = self._via
+        if via:
+            wanted |= {r for r in map(via.get, wanted) if r is not None}
+        return wanted
+
+    def _link_lost(self, agent: str, silent_for: float) -> None:
+        """A silent agent: lost, unless it is reached through a relay that is silent too. Such a
+        host is given a direct link and a fresh timeout (the relay is judged as itself); the
+        hosts behind a lost relay are linked directly, so what is sent to them next (a run's
+        stop) reaches them."""
+        relay = self._via.get(agent)
+        if relay is not None and self._beats.silent(relay, time.monotonic()):
+            del self._via[agent]
+            self._beats.rewatch(agent, time.monotonic())
+            return
+        for behind in [a for a, r in self._via.items() if r == agent]:
+            del self._via[behind]
+            self._beats.rewatch(behind, time.monotonic())
+        self._relay_lost(agent)
+        self._agent_lost(agent, silent_for)
 
     def _send_wake(self) -> None:
         sock = getattr(self._tls, "wake", None)
@@ -136,6 +182,13 @@ class MailboxIO:
 
     def _link_send(self, address: str, frames: list[Any]) -> None:
         """Send on ``address``'s link (I/O thread only), connecting it first; queued while it is not up."""
+        relay = self._via.get(address)
+        if relay is not None:  # sent with the rest of this turn's messages for that relay
+            held = self._forwards.get(relay)
+            if held is None:
+                held = self._forwards[relay] = []
+            held.append((address, frames))
+            return
         sock = self._links_socket()
         if address not in self._connected:
             sock.connect_rid = address.encode()
@@ -151,6 +204,12 @@ class MailboxIO:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             self._unsent[address] = collections.deque([frames])
+
+    def _send_forwards(self) -> None:
+        """Send each relay what was held for its hosts, as one message (I/O thread only)."""
+        held, self._forwards = self._forwards, {}
+        for relay, messages in held.items():
+            self._link_send(relay, protocol.forward_frames(messages))
 
     def _retry_unsent(self) -> None:
         """Send what waits for links that have come up since."""
@@ -234,6 +293,8 @@ class MailboxIO:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
             self._forward_out()  # (always: a wake flag may be up with nothing left to send)
+            if self._forwards:
+                self._send_forwards()
             if self._unsent:
                 self._retry_unsent()
             links_more = self._drain_links()
@@ -247,7 +308,10 @@ class MailboxIO:
                         self._reader.release()
                 else:  # a waiter is reading; look again shortly
                     self._backoff_until = time.monotonic() + 0.002
+            if self._forwards:  # beats, and what handlers sent on this thread
+                self._send_forwards()
         self._forward_out()  # a last `client_exit` queued by close()
+        self._send_forwards()
         if self._links is not None:
             self._links.close(linger=500)
 
@@ -267,12 +331,23 @@ class MailboxIO:
         return self._links is not None and _drain(self._links, self._handle)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) == 2 and len(frames[1]) == _ACK_SIZE and frames[1].bytes == protocol.HEARTBEAT_ACK:
-            self._beats.acked(frames[0].bytes.decode(), time.monotonic())
+        self._handle_from(frames[0].bytes.decode(errors="replace"), frames[1:])
+
+    def _handle_from(self, agent: str, frames: list[Any]) -> None:
+        first = len(frames[0])
+        if first == _ACK_SIZE and len(frames) == 1 and bytes(frames[0]) == protocol.HEARTBEAT_ACK:
+            self._beats.acked(agent, time.monotonic())
             return
         if self._beats.watching:
-            self._beats.heard(frames[0].bytes.decode(errors="replace"), time.monotonic())
-        self._handle_message(frames[1:])
+            self._beats.heard(agent, time.monotonic())
+        if first == _FORWARDED_SIZE and len(frames) > 1 and bytes(frames[0]) == protocol.FORWARDED:
+            for source, message in protocol.unforward(frames[1:]):  # from the hosts behind a relay
+                try:
+                    self._handle_from(source, message)
+                except Exception:  # noqa: BLE001 - one bad message must not lose the others
+                    traceback.print_exc()
+            return
+        self._handle_message(frames)
 
 
 def _send_routed(sock: zmq.Socket, route: bytes, frames: list[Any]) -> None:

@@ -49,6 +49,8 @@ class Mailbox(MailboxIO):
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[Future[Any], str | None, str | None]] = {}
+        #: Requests sent to a host through a relay (runtime/agent/forwarding.py), by call id: the relay.
+        self._carried_by: dict[int, str] = {}
         self._by_proc: dict[str, set[int]] = {}
         self._dead: dict[str, Failure] = {}
         self._procs: dict[str, _OwnedProc] = {}
@@ -128,7 +130,8 @@ class Mailbox(MailboxIO):
         ``release``, also free the sockets and context once both threads have ended."""
         if self._closing:
             return
-        for agent in self._beats.agents:
+        agents = self._beats.agents | set(self._via.values())  # (a relay holds what is on its way to us)
+        for agent in agents:
             try:
                 self.send(agent, protocol.ClientExit(self.address))
             except zmq.ZMQError:
@@ -181,10 +184,13 @@ class Mailbox(MailboxIO):
         if address not in self._linked:  # an agent's answer comes to the I/O thread, not to a pump
             fut._mailbox = self
         cid = next(self._ids)
+        relay = self._via.get(address) if self._via else None
         with self._lock:
             failure = self._dead.get(proc_id) if proc_id else None
             if failure is None:
                 self._pending[cid] = (fut, proc_id, actor)
+                if relay is not None:
+                    self._carried_by[cid] = relay
                 if proc_id is not None:
                     ids = self._by_proc.get(proc_id)
                     if ids is None:
@@ -271,6 +277,20 @@ class Mailbox(MailboxIO):
                     ),
                 )
 
+    def _relay_lost(self, relay: str) -> None:
+        """What was asked of hosts through ``relay`` and not answered is lost with it: fail it now
+        (the hosts are linked directly from here on; a request is not sent twice)."""
+        with self._lock:
+            cids = [cid for cid, r in self._carried_by.items() if r == relay]
+            entries = [self._pending.pop(cid, None) for cid in cids]
+            for cid in cids:
+                del self._carried_by[cid]
+        for entry in entries:
+            if entry is not None:
+                entry[0].set_exception(
+                    ActorError(f"the relay agent {relay} that carried this request stopped answering")
+                )
+
     def expect_exit(self, proc_ids: Iterable[str]) -> None:
         """These procs are being stopped on purpose: their exits are not failures."""
         self._stopping.update(proc_ids)
@@ -351,6 +371,8 @@ class Mailbox(MailboxIO):
         cid = msg.cid
         with self._lock:
             entry = self._pending.pop(cid, None)
+            if self._carried_by:
+                self._carried_by.pop(cid, None)
             if entry is not None and entry[1] is not None:
                 ids = self._by_proc.get(entry[1])
                 if ids is not None:

@@ -4,6 +4,7 @@ its modules: ``protocol.Output``, ``protocol.decode(head)``."""
 
 from .base import *  # noqa: F401,F403
 from .from_agent import *  # noqa: F401,F403
+from .links import *  # noqa: F401,F403
 from .procs import *  # noqa: F401,F403
 from .records import *  # noqa: F401,F403
 from .sync import *  # noqa: F401,F403

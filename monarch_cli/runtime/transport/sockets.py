@@ -25,10 +25,14 @@ _DOMAIN = b"monarch"
 class Transport:
     """Socket factory bound to one ZeroMQ context and one set of reservation keys."""
 
-    def __init__(self, keys: Keys, zap: bool = True, link_thread: bool = False) -> None:
+    def __init__(self, keys: Keys, zap: bool = True, link_thread: bool = False, max_sockets: int | None = None) -> None:
+        """``max_sockets``: more than ZeroMQ's 1,023 per context (an agent relaying for thousands
+        of hosts); it takes effect only before the context's first socket, so it is set here."""
         raise_fd_limit()
         self.keys = keys
         self.ctx = zmq.Context(io_threads=2 if link_thread else 1)
+        if max_sockets is not None:
+            self.ctx.set(zmq.MAX_SOCKETS, max_sockets)
         self._link_thread = link_thread
         if link_thread:
             # The links (to agents, heartbeats included) get a ZeroMQ I/O thread of their own and

@@ -1,0 +1,154 @@
+"""The agent's share of a client's links to hosts it is not connected to (runs in the agent).
+
+A client of thousands of hosts keeps a connection to ~√N of them (the relays) and reaches
+the rest through one (``protocol.links``): a run's requests, its heartbeats and credits go to
+the relay wrapped, one message per relay per turn of the client's I/O thread, and the relay
+sends each on, as it is, on its own connection to the host. The relay has one ROUTER for
+them, a connection per host, shared by every client and kept from one command to the next
+(as ``relay.py``'s are): a fresh command pays ~√N handshakes, here as in the client. The host
+treats that connection as the client's link while the client's last message came on it:
+it answers, streams the run's events and acks the beats there, naming the client, and reaps
+the client if the beats stop (a dead relay stops them). What comes back is gathered per
+client over one round of the agent's loop and sent as one message.
+
+The relay decodes nothing it carries. It forwards only for a client that passed the
+reservation's CURVE authentication, which could reach the hosts directly with the same keys.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from .. import protocol
+from ..transport import wire
+
+if TYPE_CHECKING:
+    from .core import AgentCore
+
+#: Hosts this agent keeps a connection to for its clients.
+MAX_TARGETS = 4096
+#: Messages read from the hosts per round of the loop (the rest of the loop gets its turn).
+_READ_BATCH = 1024
+
+
+class LinkForwarder:
+    def __init__(self, agent: AgentCore, watch: Callable[[Any], None], unwatch: Callable[[Any], None]) -> None:
+        self.agent = agent
+        self._watch = watch
+        self._unwatch = unwatch
+        self.socks: list[Any] = []  # the one ROUTER, once made (a list: the agent's loop polls them)
+        self._targets: set[bytes] = set()
+        self._unsent: dict[bytes, collections.deque[list[Any]]] = {}  # by host: its connection is not up yet
+        self._held: dict[bytes, list[tuple[str, list[Any]]]] = {}  # by client: to send at the round's end
+
+    def forward(self, route: bytes, frames: list[Any]) -> None:
+        """``frames`` = ``[FORWARD, index, *frames]`` from the client whose routing id is ``route``."""
+        try:
+            messages = list(protocol.unforward(frames[1:]))
+        except Exception as e:  # noqa: BLE001 - a malformed envelope: nothing in it is passed on
+            print(f"monarch agent: bad forward: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return
+        for target, message in messages:
+            self._forward_one(target, message)
+
+    def _socket(self) -> Any:
+        if not self.socks:
+            sock = self.agent.transport.link_router(self.agent.address.encode() + protocol.VIA_RELAY)
+            self.socks.append(sock)
+            self._watch(sock)
+        return self.socks[0]
+
+    def _forward_one(self, address: str, message: list[Any]) -> None:
+        sock = self._socket()
+        target = address.encode()
+        if target not in self._targets:
+            if not address.startswith(("tcp://", "ipc://")) or len(self._targets) >= MAX_TARGETS:
+                self._refuse(address, message)
+                return
+            sock.connect_rid = target
+            sock.connect(address)
+            self._targets.add(target)
+        queued = self._unsent.get(target)
+        if queued is not None:  # behind what waits already: the order is kept
+            queued.append(message)
+        elif not _send(sock, target, message):
+            self._unsent[target] = collections.deque([message])
+
+    def _refuse(self, target: str, message: list[Any]) -> None:
+        """A request for a target this agent will not reach is answered, as the target would
+        fail it, so its caller does not wait out its timeout."""
+        try:
+            answer = protocol.answer_to(wire.parse(message)[0])
+        except Exception:  # noqa: BLE001 - not a message we can answer
+            answer = None
+        if answer is not None:
+            self.agent.reply(
+                answer[1], answer[0], False, f"the relay {self.agent.address} does not forward to {target!r}"
+            )
+
+    def readable(self, sock: Any) -> None:
+        """``[host, client, *message]`` from the hosts: held for the client until the round's end."""
+        read = 0
+        held = self._held
+        while read < _READ_BATCH and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = wire.recv_frames(sock)
+            read += 1
+            if len(frames) < 3:
+                continue
+            client = frames[1].bytes
+            entry = (frames[0].bytes.decode(errors="replace"), frames[2:])
+            mine = held.get(client)
+            if mine is None:
+                held[client] = [entry]
+            else:
+                mine.append(entry)
+
+    def flush(self) -> None:
+        """Send each client what its hosts sent this round, one message each; retry what waits
+        for a connection."""
+        if self._unsent:
+            sock = self.socks[0]
+            for target, queued in list(self._unsent.items()):
+                while queued and _send(sock, target, queued[0]):
+                    queued.popleft()
+                if not queued:
+                    del self._unsent[target]
+        if self._held:
+            held, self._held = self._held, {}
+            for client, messages in held.items():
+                try:
+                    self.agent.send_frames(client.decode(errors="replace"), protocol.forwarded_frames(messages))
+                except zmq.ZMQError:  # the client is gone: its hosts reap it when its beats stop
+                    pass
+
+    def next_due(self) -> float | None:
+        """Soon, while messages wait for connections to come up."""
+        return time.monotonic() + 0.005 if self._unsent else None
+
+    def client_gone(self, address: str) -> None:
+        """The client said it exits, or was reaped: nothing more is held for it."""
+        self._held.pop(address.encode(), None)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            self._unwatch(sock)
+            sock.close(linger=0)
+        self.socks.clear()
+
+
+def _send(sock: Any, target: bytes, frames: list[Any]) -> bool:
+    """Send ``frames`` to ``target`` on the ROUTER; False if its connection is not up yet."""
+    try:
+        sock.send(target, zmq.SNDMORE)
+    except zmq.ZMQError as e:
+        if e.errno != zmq.EHOSTUNREACH:
+            raise
+        return False
+    sock.send_multipart(frames, copy=False)
+    return True
