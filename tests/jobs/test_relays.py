@@ -1,4 +1,4 @@
-"""Questions to every host through relays, on real agents (jobs/fanout.py, runtime/agent/relay.py).
+"""Questions and runs through relays, on real agents (jobs/fanout.py, runtime/agent/relay.py and forwarding.py).
 
 The threshold is lowered to 2 hosts so that three local agents relay as thousands would: host 0
 asks host 1 for the client, host 2 answers for itself. tests/jobs/test_emulated_scale.py covers
@@ -90,6 +90,30 @@ def test_stacks_of_every_rank_come_through_the_relay(relayed: tuple[Job, list[st
         assert any(f["function"] == "waiting_for_the_flag" for t in s.threads for f in t["frames"]), s
     assert len(report.groups) == 1  # the same stack on every host: one group
     assert box["run"].result.exit_code == 0  # type: ignore[attr-defined]
+
+
+def test_a_run_reaches_the_host_behind_a_relay_through_it(relayed: tuple[Job, list[str]], tmp_path: Path) -> None:
+    """On real agents: a fresh client's run links local0 and local2 only; local1's requests,
+    heartbeats, output and exit go through local0 (runtime/agent/forwarding.py)."""
+    import subprocess
+    import sys
+
+    job, _ = relayed
+    script = write_script(tmp_path, "hello.py", "import os\nprint('hello from', os.environ['RANK'])\n")
+    probe = (
+        "import io, sys, psutil; from monarch_cli.config import configure; configure(relay_from_hosts=2); "
+        "from monarch_cli.jobs import job_load; job = job_load(sys.argv[1]); out = io.BytesIO(); "
+        "r = job.run_spmd(['torchrun', '--nproc-per-node=1', sys.argv[2]], stdout=out, stderr=io.BytesIO(), sync=False); "
+        "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
+        "print(sorted(ports), r.exit_code, sorted(out.getvalue().decode().split('\\n')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(job.path), str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    relays = sorted(int(h.agent.rpartition(":")[2]) for h in (job.state.hosts[0], job.state.hosts[2]))
+    lines = ["", "[rank0] hello from 0", "[rank1] hello from 1", "[rank2] hello from 2"]
+    assert done.stdout.strip() == f"{relays} 0 {lines}", done.stdout
 
 
 def test_a_relay_passes_on_questions_only(relayed: tuple[Job, list[str]]) -> None:
