@@ -147,8 +147,11 @@ class _Emulator:
             for item, _ in poller.poll(wait):
                 if item in self.relay_socks:
                     self._relayed(item)
-                elif item in self.forward_socks:
-                    self.forward_socks[item].forwarder.readable(item)
+                elif item in self.forward_socks:  # a round of that relay's own loop: read, then send on
+                    agent = self.forward_socks[item]
+                    agent.forwarder.readable(item)
+                    if not agent.muted:
+                        agent.forwarder.flush()
                 elif item is self.transport.zap:
                     while self.transport.zap.poll(0):
                         self.transport.serve_zap()
@@ -249,7 +252,9 @@ class _Emulator:
         kind = msg.KIND
         route = frames[0].bytes
         if protocol.is_relay_route(route):  # as a real agent: answer a client on its last route
-            agent.routes[getattr(msg, "reply_to", None) or msg.client] = route
+            client = getattr(msg, "reply_to", None) or getattr(msg, "client", None)
+            if client is not None:
+                agent.routes[client] = route
         elif agent.routes:
             agent.routes.pop(route.decode(errors="replace"), None)
         if kind == "heartbeat":

@@ -116,6 +116,20 @@ def test_a_run_reaches_the_host_behind_a_relay_through_it(relayed: tuple[Job, li
     assert done.stdout.strip() == f"{relays} 0 {lines}", done.stdout
 
 
+def test_a_relay_refuses_to_forward_to_what_is_not_an_agent(relayed: tuple[Job, list[str]]) -> None:
+    """A request forwarded to a target that is not an agent address is answered with an error
+    at once, not left to time out; the relay keeps forwarding to real hosts."""
+    job, _ = relayed
+    mb = job.hostset().mb
+    relay = job.state.hosts[0].agent
+    mb.link("not-an-agent", via=relay)
+    with pytest.raises(ActorError, match="does not forward to 'not-an-agent'"):
+        mb.request("not-an-agent", lambda cid: protocol.Ping(cid, mb.address)).get(timeout=30)
+    behind = job.state.hosts[1]
+    mb.link(behind.agent, via=relay)
+    assert mb.request(behind.agent, lambda cid: protocol.Ping(cid, mb.address)).get(timeout=30)["host"] == behind.name
+
+
 def test_a_relay_passes_on_questions_only(relayed: tuple[Job, list[str]]) -> None:
     job, _ = relayed
     hs = job.hostset()

@@ -135,11 +135,11 @@ class MailboxIO:
         stop) reaches them."""
         relay = self._via.get(agent)
         if relay is not None and self._beats.silent(relay, time.monotonic()):
-            del self._via[agent]
+            self._via.pop(agent, None)
             self._beats.rewatch(agent, time.monotonic())
             return
-        for behind in [a for a, r in self._via.items() if r == agent]:
-            del self._via[behind]
+        for behind in [a for a, r in list(self._via.items()) if r == agent]:  # (other threads link hosts)
+            self._via.pop(behind, None)
             self._beats.rewatch(behind, time.monotonic())
         self._relay_lost(agent)
         self._agent_lost(agent, silent_for)
