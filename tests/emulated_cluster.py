@@ -62,15 +62,15 @@ class _Agent:
         self.hung: dict[str, list[tuple[int, str]]] = {}  # run_id -> [(rank, owner)]
         #: As a real agent: a run's events of one round (all it read from its socket) in one message.
         self.batches = EventBatches(self._send_now)
-        self.routes: dict[str, bytes] = {}  # clients whose last message came through a relay
+        from monarch_cli.runtime.agent.forwarding import ClientRoutes
+
+        self.routes = ClientRoutes()  # as a real agent: a client is answered the way its last message came
 
     def _send_now(self, to: str, frames: list[Any]) -> None:
         import zmq
 
         try:
-            relay = self.routes.get(to)
-            route = [relay, to.encode()] if relay is not None else [to.encode()]
-            self.sock.send_multipart([*route, *frames], copy=False)
+            self.sock.send_multipart([*self.routes.to(to), *frames], copy=False)
         except zmq.ZMQError:  # that client is gone
             pass
 
@@ -251,16 +251,10 @@ class _Emulator:
         msg = protocol.decode(head)
         kind = msg.KIND
         route = frames[0].bytes
-        if protocol.is_relay_route(route):  # as a real agent: answer a client on its last route
-            client = getattr(msg, "reply_to", None) or getattr(msg, "client", None)
-            if client is not None:
-                agent.routes[client] = route
-        elif agent.routes:
-            agent.routes.pop(route.decode(errors="replace"), None)
+        agent.routes.note(route, msg)
         if kind == "heartbeat":
             if not agent.muted:
-                via = [msg.client.encode()] if protocol.is_relay_route(route) else []
-                agent.sock.send_multipart([route, *via, protocol.HEARTBEAT_ACK])
+                agent.sock.send_multipart([*agent.routes.back(route, msg.client), protocol.HEARTBEAT_ACK])
         elif kind == "ping":
             self._reply(agent, msg.reply_to, msg.cid, True, self._info(agent))
         elif kind == "fan_out":
@@ -290,7 +284,7 @@ class _Emulator:
         elif kind == "telemetry_sample":
             self._reply(agent, msg.reply_to, msg.cid, True, {"host": agent.name, "samples": [], "steps": {}})
         elif kind == "client_exit":
-            agent.routes.pop(msg.client, None)
+            agent.routes.forget(msg.client)
             if agent.forwarder is not None:
                 agent.forwarder.client_gone(msg.client)
             for run_id in [r for r, ranks in agent.hung.items() if ranks and ranks[0][1] == msg.client]:

@@ -31,6 +31,37 @@ from ..transport import wire
 if TYPE_CHECKING:
     from .core import AgentCore
 
+
+class ClientRoutes:
+    """The host's side: how each client is answered. On its own link, unless its last message
+    came on a relay's connection (``protocol.VIA_RELAY``): then there, with the client's address
+    after the route so the relay knows whose it is (the message names the client)."""
+
+    def __init__(self) -> None:
+        self._relayed: dict[str, bytes] = {}
+
+    def note(self, route: bytes, msg: Any) -> None:
+        """A message ``msg`` came on ``route``: answer its client that way from now on."""
+        if protocol.is_relay_route(route):
+            client = getattr(msg, "reply_to", None) or getattr(msg, "client", None)
+            if isinstance(client, str):
+                self._relayed[client] = route
+        elif self._relayed:
+            self._relayed.pop(route.decode(errors="replace"), None)
+
+    def to(self, address: str) -> list[bytes]:
+        """The routing frames that reach client ``address``."""
+        relay = self._relayed.get(address) if self._relayed else None
+        return [address.encode()] if relay is None else [relay, address.encode()]
+
+    def back(self, route: bytes, client: str) -> list[bytes]:
+        """The routing frames that answer ``client`` on the connection ``route`` (a heartbeat's ack)."""
+        return [route, client.encode()] if protocol.is_relay_route(route) else [route]
+
+    def forget(self, address: str) -> None:
+        self._relayed.pop(address, None)
+
+
 #: Hosts this agent keeps a connection to for its clients.
 MAX_TARGETS = 4096
 #: Messages read from the hosts per round of the loop (the rest of the loop gets its turn).

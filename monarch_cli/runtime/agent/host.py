@@ -51,7 +51,7 @@ from . import lineage, registry, sync
 from .batches import EventBatches
 from .debug import DebugHost
 from .forkserver import ForkServerHandle
-from .forwarding import LinkForwarder
+from .forwarding import ClientRoutes, LinkForwarder
 from .peers import PeerProbes
 from .procs import ProcHost
 from .ranks import RankHost
@@ -135,8 +135,7 @@ class HostAgent:
         self.clients: dict[str, _Client] = {}
         self._signal_r: socket.socket | None = None
         self._socks: dict[str, zmq.Socket] = {}
-        #: Clients whose last message came through a relay: the relay's connection is their route.
-        self._relayed_routes: dict[str, bytes] = {}
+        self.routes = ClientRoutes()  # how each client is answered: its link, or a relay's connection
         self._next_req = 0
         self.running = True
         self.reservation = reservation
@@ -160,11 +159,7 @@ class HostAgent:
 
     def _send_now(self, address: str, frames: list[Any]) -> None:
         try:
-            relay = self._relayed_routes.get(address) if self._relayed_routes else None
-            if relay is not None:  # the relay passes it on to the client it names
-                self.inbox.send_multipart([relay, address.encode(), *frames], copy=False)
-            else:
-                self.inbox.send_multipart([address.encode(), *frames], copy=False)
+            self.inbox.send_multipart([*self.routes.to(address), *frames], copy=False)
             return
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
@@ -316,21 +311,11 @@ class HostAgent:
         except (KeyError, TypeError):  # a newer client, most likely: tell it, if it waits for an answer
             self._refuse(head)
             return
-        self._note_route(frames[0].bytes, msg)
+        self.routes.note(frames[0].bytes, msg)
         if handler is None:  # answered on the connection it came on, whoever that is
             self._heartbeat(frames[0].bytes, msg.client)
         else:
             handler(msg, body)
-
-    def _note_route(self, route: bytes, msg: Any) -> None:
-        """Answer a client on the connection its last message came on: its own link, or a
-        relay's connection (the client is named in the message)."""
-        if protocol.is_relay_route(route):
-            client = getattr(msg, "reply_to", None) or getattr(msg, "client", None)
-            if isinstance(client, str):
-                self._relayed_routes[client] = route
-        elif self._relayed_routes:
-            self._relayed_routes.pop(route.decode(errors="replace"), None)
 
     def _refuse(self, head: tuple[Any, ...]) -> None:
         why = protocol.not_understood(head, f"the host agent on {self.host}")
@@ -383,10 +368,7 @@ class HostAgent:
         if client is not None:
             client.last_seen = time.monotonic()
         try:
-            if protocol.is_relay_route(route):
-                self.inbox.send_multipart([route, client_addr.encode(), protocol.HEARTBEAT_ACK])
-            else:
-                self.inbox.send_multipart([route, protocol.HEARTBEAT_ACK])
+            self.inbox.send_multipart([*self.routes.back(route, client_addr), protocol.HEARTBEAT_ACK])
         except zmq.ZMQError:  # its connection closed meanwhile
             pass
 
@@ -456,7 +438,7 @@ class HostAgent:
     def _reap_client(self, addr: str, why: str) -> None:
         self.clients.pop(addr, None)
         self.forwarder.client_gone(addr)
-        self._relayed_routes.pop(addr, None)
+        self.routes.forget(addr)
         self.procs.reap_owner(addr, why)
         self.ranks.reap_owner(addr)
         self.debug.client_gone(addr)
