@@ -27,6 +27,7 @@ import zmq
 
 from .. import protocol
 from ..transport import wire
+from ..transport.sockets import send_routed
 
 if TYPE_CHECKING:
     from .core import AgentCore
@@ -176,10 +177,9 @@ class LinkForwarder:
 def _send(sock: Any, target: bytes, frames: list[Any]) -> bool:
     """Send ``frames`` to ``target`` on the ROUTER; False if its connection is not up yet."""
     try:
-        sock.send(target, zmq.SNDMORE)
+        send_routed(sock, target, frames)
     except zmq.ZMQError as e:
         if e.errno != zmq.EHOSTUNREACH:
             raise
         return False
-    sock.send_multipart(frames, copy=False)
     return True

@@ -40,11 +40,12 @@ import zmq
 from .. import protocol
 from ..transport import wire
 from ..transport.keys import Keys
+from ..transport.sockets import Transport, send_routed
 from .future import Future
 from .heartbeats import LinkHeartbeats
 
 # Plain ints: `getsockopt(zmq.EVENTS) & zmq.POLLIN` builds enum flags, ~0.6 µs a time on the hot path.
-EVENTS, POLLIN, SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 _ACK_SIZE = len(protocol.HEARTBEAT_ACK)
 _FORWARDED_SIZE = len(protocol.FORWARDED)
@@ -57,8 +58,6 @@ class MailboxIO:
     """The sockets and threads under :class:`~.mailbox.Mailbox`; it supplies ``_handle_message``."""
 
     def __init__(self, keys: Keys) -> None:
-        from ..transport.sockets import Transport
-
         self.keys = keys
         self.transport = Transport(keys, link_thread=True)  # (heartbeats ride the links: see heartbeats.py)
         self._reply, self.address = self.transport.bind_router()
@@ -199,7 +198,7 @@ class MailboxIO:
             queued.append(frames)
             return
         try:
-            _send_routed(sock, address.encode(), frames)
+            send_routed(sock, address.encode(), frames)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
@@ -220,7 +219,7 @@ class MailboxIO:
             route = address.encode()
             while queued:
                 try:
-                    _send_routed(sock, route, queued[0])
+                    send_routed(sock, route, queued[0])
                 except zmq.ZMQError as e:
                     if e.errno != zmq.EHOSTUNREACH:
                         raise
@@ -348,16 +347,6 @@ class MailboxIO:
                     traceback.print_exc()
             return
         self._handle_message(frames)
-
-
-def _send_routed(sock: zmq.Socket, route: bytes, frames: list[Any]) -> None:
-    """``send_multipart([route, *frames], copy=False)`` with plain-int flags (its enum ``|`` per
-    frame was ~5 % of a 1,024-host run's I/O thread). An unroutable peer raises EHOSTUNREACH on
-    the routing frame, before anything is queued."""
-    sock.send(route, SNDMORE)
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        sock.send(frame, SNDMORE if i < last else 0, copy=False)
 
 
 def _drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], one: bool = False) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -19,7 +20,19 @@ from ...config import advertised_host, bind_port_candidates, listen_host, settin
 from .keys import Keys
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_SNDMORE = int(zmq.SNDMORE)
 _DOMAIN = b"monarch"
+
+
+def send_routed(sock: zmq.Socket, route: bytes, frames: list[Any]) -> None:
+    """``send_multipart([route, *frames], copy=False)`` on a ROUTER, with plain-int flags (its enum
+    ``|`` per frame was ~5 % of a 1,024-host run's I/O thread). An unroutable peer (a link not up
+    yet, with ``router_mandatory``) raises EHOSTUNREACH on the routing frame, before anything is
+    queued: the caller keeps the message and sends it again later."""
+    sock.send(route, _SNDMORE)
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, _SNDMORE if i < last else 0, copy=False)
 
 
 class Transport:
