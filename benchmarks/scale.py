@@ -5,7 +5,7 @@ from ``wait4`` and its peak RSS from its ``VmHWM`` (the agents, which outlive ``
 not counted):
 
 * real agents (local scheduler, ``--preload ''``: a trivial one-rank-per-host script):
-  ``serve``, a re-run, ``status``, ``stack``, ``stop``; the agents' idle CPU and memory;
+  ``serve``, a re-run (best of 3), ``status``, ``stack``, ``stop``; the agents' idle CPU and memory;
 * emulated agents (tests/emulated_cluster.py: real CURVE sockets and protocol, many agents
   per process; 8 ranks per host that exit at once): a re-run, ``status``, ``stack``, and, in
   one driver process, connect-and-handshake and a run's dispatch-to-all-exits.
@@ -176,8 +176,10 @@ def bench_real(n: int, work: Path) -> dict[str, Any]:
         run = ["run-spmd", "--state", str(state), "--no-sync", "--", "torchrun", "--nproc-per-node=1", "trivial.py"]
         _cli_usage(run, d, env)  # the first run teaches the warm process; time the re-run
         _settle(state, d, env)  # once what it taught is held: the re-run users see all day
-        r = _cli_usage(run, d, env)
-        row["run"], row["run_cpu"], row["rss"] = r["wall"], r["cpu"], r["rss"]
+        # Best of 3 (RSS: the worst): one re-run's CPU varies by more than the 1 ms/host line's margin.
+        runs = [_cli_usage(run, d, env) for _ in range(3)]
+        row["run"], row["run_cpu"] = min(r["wall"] for r in runs), min(r["cpu"] for r in runs)
+        row["rss"] = max(r["rss"] for r in runs)
         st = _cli_usage(["status", "--state", str(state), "--json"], d, env)
         row["status"], row["status_cpu"] = st["wall"], st["cpu"]
         sk = _cli_usage(["stack", "--state", str(state), "--json"], d, env)

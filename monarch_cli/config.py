@@ -32,9 +32,11 @@ class Settings:
     stop_grace: float = 5.0
     #: Keep every TCP port this process (and the procs it spawns) listens on within [lo, hi].
     port_range: tuple[int, int] | None = None
-    #: From this many hosts, a question to every host (``status``, ``stack``) goes through ~√N of
-    #: them (relays) instead of a connection per host (:mod:`monarch_cli.jobs.fanout`).
-    relay_from_hosts: int = 256
+    #: From this many hosts, a run and a question to every host (``status``, ``stack``) go through
+    #: ~√N of them (relays) instead of a connection per host (:mod:`monarch_cli.jobs.fanout`). 64:
+    #: a fresh CLI's CURVE handshakes are most of its per-host CPU, and from 64 hosts the relays
+    #: cost no wall time even with every agent on the client's two cores (performance.md).
+    relay_from_hosts: int = 64
 
 
 _settings = Settings()

@@ -54,12 +54,17 @@ def links(addresses: Sequence[str], through_relays: bool) -> list[str]:
 def link_through_relays(mb: Mailbox, addresses: Sequence[str], dead: set[str]) -> None:
     """Link the relays, and every other host through its group's relay (its link forwarded
     both ways: ``runtime/agent/forwarding.py``), for a command that sends each host its own
-    requests (a run). A relay known dead has its hosts linked directly."""
+    requests (a run). A relay known dead has its hosts linked directly. Every host's route is
+    set here, whatever the mailbox held: a long-lived process's earlier reservation may have
+    routed the same address through a relay that is gone."""
     for relay, members in relay_groups(len(addresses)):
         via = addresses[relay]
-        mb.link(via)
+        mb.link_directly(via)
         for i in members:
-            mb.link(addresses[i], via=None if via in dead else via)
+            if via in dead:
+                mb.link_directly(addresses[i])
+            else:
+                mb.link(addresses[i], via=via)
 
 
 def ask_each(

@@ -179,8 +179,9 @@ class HostSet:
         if relayed and not questions_only:  # every host reached, ~√N of them directly
             fanout.link_through_relays(self.mb, addresses, {h.agent for h in hosts if h.name in known_dead})
         else:
+            # Directly: not through a relay an earlier set in this process routed the address by.
             for address in fanout.links(addresses, self.through_relays):  # everything comes back on its link
-                self.mb.link(address)
+                self.mb.link_directly(address)
         # The hosts are asked at once and answer independently; thousands of CURVE handshakes
         # (a few ms each on a busy client) take longer than a few, so the wait grows with them.
         linked = len(hosts) if not relayed else len(fanout.relay_groups(len(hosts)))

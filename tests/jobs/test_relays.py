@@ -130,6 +130,25 @@ def test_a_relay_refuses_to_forward_to_what_is_not_an_agent(relayed: tuple[Job, 
     assert mb.request(behind.agent, lambda cid: protocol.Ping(cid, mb.address)).get(timeout=30)["host"] == behind.name
 
 
+def test_a_route_through_a_relay_that_is_gone_does_not_outlive_its_set(relayed: tuple[Job, list[str]]) -> None:
+    """A long-lived process (a notebook, ``monarch mcp``) keeps one mailbox across reservations.
+    An address it once reached through a relay that is gone (its reservation released, a new
+    agent on the same port) is reached directly by the next set that does not relay: it used to
+    stay routed through the dead relay, and every ping to it timed out."""
+    job, _ = relayed
+    mb = job.hostset().mb
+    behind = job.state.hosts[1]
+    mb.link(behind.agent, via="tcp://127.0.0.1:9")  # (the discard port: no agent there)
+    configure(relay_from_hosts=256)  # the next set is a star
+    try:
+        started = time.monotonic()
+        hs = job.hostset()
+    finally:
+        configure(relay_from_hosts=2)
+    assert [info["host"] for info in hs.infos] == ["local0", "local1", "local2"]
+    assert time.monotonic() - started < 30  # answered, not timed out and retried
+
+
 def test_a_relay_passes_on_questions_only(relayed: tuple[Job, list[str]]) -> None:
     job, _ = relayed
     hs = job.hostset()

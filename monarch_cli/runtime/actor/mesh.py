@@ -98,7 +98,7 @@ class HostMesh(_Mesh):
             raise ValueError(f"relay has {len(relay)} entries for {len(agents)} agents")
         mb = Mailbox.get()
         for a in agents:
-            mb.link(a)
+            mb.link_directly(a)  # (not through a relay a run in this process once routed it by)
         pings = [mb.request(a, lambda cid: protocol.Ping(cid, mb.address)) for a in agents]
         refs = []
         for agent, fut, through in zip(agents, pings, relay):
