@@ -64,17 +64,19 @@ class Job(SpmdRuns):
             )
         hosts = self._reachable_hosts()
         dead = [] if require_all else self.scheduler.dead_hosts(self.state)
-        # Agents reached at their own addresses reach each other there: they can probe each other
-        # (a partition between hosts) and relay questions (not through a backend's forwards).
-        reachable = all(h.agent == rec.agent for h, rec in zip(hosts, self.state.hosts))
         return HostSet(
             hosts,
             self.keys,
             require_all=require_all,
             known_dead=dead,
-            peers_reachable=reachable,
+            peers_reachable=self._peers_reachable(hosts),
             questions_only=questions_only,
         )
+
+    def _peers_reachable(self, hosts: Sequence[HostRecord]) -> bool:
+        """Agents reached at their own addresses reach each other there: they can probe each other
+        (a partition between hosts) and relay (not through a backend's forwards)."""
+        return all(h.agent == rec.agent for h, rec in zip(hosts, self.state.hosts))
 
     def _reachable_hosts(self) -> list[HostRecord]:
         """The hosts with the agent addresses this process reaches them at (a backend's forward, or
@@ -258,8 +260,14 @@ class Job(SpmdRuns):
         hosts = self._reachable_hosts()
         mb = Mailbox.for_keys(self.keys)
         who = _stopper(by)
-        for h in hosts:
-            mb.link(h.agent)
+        addresses = [h.agent for h in hosts]
+        if self._peers_reachable(hosts) and fanout.relayed(len(hosts)):
+            # Through relays, as a run is: a connection per host (4,096 handshakes) took this
+            # past its timeout, and runs were not told who stopped them.
+            fanout.link_through_relays(mb, addresses, set())
+        else:
+            for address in addresses:
+                mb.link_directly(address)
         asks = [mb.request(h.agent, lambda cid: protocol.Stopping(cid, mb.address, who)) for h in hosts]
         deadline = time.monotonic() + timeout
         ended: set[str] = set()

@@ -24,6 +24,7 @@ import pytest
 from monarch_cli.jobs import Job
 from monarch_cli.jobs.output_groups import outcome_summary
 from monarch_cli.jobs.run_log import rank_log
+from monarch_cli.runtime import protocol
 from tests.emulated_cluster import EmulatedCluster, emulated_job
 
 HOSTS = 256
@@ -169,6 +170,42 @@ def test_a_run_reaches_every_host_through_the_relays(cluster: tuple[Job, Emulate
         "print(len(ports), len(r.ranks), r.exit_code, [x.rank for x in r.ranks if x.status], out.getvalue().count(b' here'))"
     )
     assert _fresh_client(probe, state) == ["16", str(WORLD), "3", "[77]", str(WORLD)]
+
+
+def test_stop_tells_every_hosts_run_who_stopped_it_through_the_relays(
+    cluster: tuple[Job, EmulatedCluster, Path],
+) -> None:
+    """Before the reservation goes, ``monarch stop`` tells each host's runs who stopped them, so
+    they end saying so. From the relay threshold it goes as a run does: a connection per host
+    (4,096 handshakes) had taken it past its 2 s at 4,096 hosts, and runs were left untold."""
+    job, _, state = cluster
+    box: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("run", _run(job, {"EMULATED_HANG": "1"})))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) < WORLD:
+        assert time.monotonic() < deadline, "the ranks never all started"
+    probe = (
+        "import sys, psutil; from monarch_cli.jobs import job_load; ended = job_load(sys.argv[1])._announce_stop('a test'); "
+        "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
+        "print(len(ports), len(ended))"
+    )
+    assert _fresh_client(probe, state) == ["16", "1"]
+    runner.join(120)  # (a run left hanging ends when the module's cluster closes)
+    assert not runner.is_alive(), "the run did not end: a host was not told"
+    result = box["run"][0]  # type: ignore[index]
+    assert result.stopped_by.startswith("a test (pid ")  # type: ignore[attr-defined]
+    assert len(result.ranks) == WORLD and {r.how for r in result.ranks} == {"reservation stopped"}  # type: ignore[attr-defined]
+    # A real reservation goes next, its agents and ranks with it; these emulated ranks are ended
+    # here, for the tests after this one.
+    hs = job.hostset()
+    ends = [
+        hs.mb.request(h.agent, lambda cid: protocol.SignalRanks(cid, hs.mb.address, result.run_id, 9))  # type: ignore[attr-defined]
+        for h in hs.hosts
+    ]
+    for e in ends:
+        e.get(timeout=60)
+    assert sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) == 0
 
 
 def _fresh_client(code: str, state: Path) -> list[str]:
