@@ -266,7 +266,7 @@ def bench_emulated(n: int, work: Path) -> dict[str, Any]:
     _, cluster = emulated_job(n, state, check=False)
     row["emulator_start"] = time.monotonic() - t
     try:
-        # What `serve` does once its agents are up: ask every host (through relays from 256 hosts,
+        # What `serve` does once its agents are up: ask every host (through relays from 64 hosts,
         # whose connections are then kept), as a fresh process. Emulated rows' "serve" is this.
         check = "import sys; from monarch_cli.jobs import job_load; sys.exit(len(job_load(sys.argv[1]).check_relays()))"
         ch = _cli_usage([], d, env, timeout=900, argv=[sys.executable, "-c", check, str(state)])

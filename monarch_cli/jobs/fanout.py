@@ -74,14 +74,24 @@ def ask_each(
     timeout: float,
     through_relays: bool,
     body: Sequence[Any] = (),
+    retry_directly: bool = False,
 ) -> list[tuple[bool, Any]]:
     """``make(cid)``'s answer from each host, in order: ``(True, value)``, or ``(False, the
     exception)`` (:class:`NoAnswer` for silence). A None address is not asked (a host known
-    dead): ``(False, NoAnswer)``. Waits at most ``timeout`` per round (two where a relay fails)."""
+    dead): ``(False, NoAnswer)``. Waits at most ``timeout`` per round (two where a relay fails).
+    ``through_relays``: each relay asks its hosts (a question: ``fan_out``). ``retry_directly``:
+    the hosts were linked through relays (:func:`link_through_relays`); one that did not answer
+    is linked directly and asked again, as a relay that answers for itself but passes nothing
+    on (its host's network half gone) must not cost its group the command."""
     out: list[tuple[bool, Any]] = [(False, NoAnswer("not asked"))] * len(addresses)
     if not through_relays:
         futures = {i: mb.request(a, make, body) for i, a in enumerate(addresses) if a is not None}
         _collect(futures, time.monotonic() + timeout, out)
+        again = [i for i, a in enumerate(addresses) if a is not None and not out[i][0]] if retry_directly else []
+        for i in again:
+            mb.link_directly(str(addresses[i]))
+        if again:
+            _collect({i: mb.request(str(addresses[i]), make, body) for i in again}, time.monotonic() + timeout, out)
         return out
     direct: dict[int, Future[Any]] = {}
     groups: list[tuple[list[int], Future[Any]]] = []

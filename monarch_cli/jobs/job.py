@@ -208,14 +208,18 @@ class Job(SpmdRuns):
         }
 
     def check_relays(self) -> list[str]:
-        """Ask every host through the relays later questions (``status``, ``stack``) will use,
-        so that those relays hold their connections from now on (``serve`` does this for a
-        reservation of ``settings().relay_from_hosts`` hosts or more); the hosts that did not answer."""
+        """Ask every host through the relays later commands will use, both ways a relay passes
+        things on: a question (``status``, ``stack``: the relay asks its hosts) and a forward (a
+        run's requests), so that the relays hold both kinds of connection from now on and the
+        first run does not make them (``serve`` does this for a reservation of
+        ``settings().relay_from_hosts`` hosts or more); the hosts that did not answer."""
         try:
-            hs = self.hostset(require_all=False, questions_only=True)
+            asked = self.hostset(require_all=False, questions_only=True)
+            forwarded = self.hostset(require_all=False)
         except JobError:  # the first command says what is wrong
             return [h.name for h in self.state.hosts]
-        return hs.unanswered()
+        missing = set(asked.unanswered()) | set(forwarded.unanswered())
+        return [h.name for h in self.state.hosts if h.name in missing]
 
     def wait_warm(self, timeout: float = 60.0) -> bool:
         """Wait until every host's warm process holds what past runs taught it (learning runs in

@@ -191,22 +191,8 @@ class HostSet:
             lambda cid: protocol.Ping(cid, self.mb.address),
             timeout + _HANDSHAKE_ALLOWANCE * linked,
             self.through_relays,
+            retry_directly=relayed and not questions_only,
         )
-        if relayed and not questions_only:
-            # A relay that passes nothing on (its host's network half gone) costs its group a
-            # second round, linked directly from then on: as for a question (fanout.ask_each).
-            retry = [i for i, (ok, _) in enumerate(answers) if not ok and hosts[i].name not in known_dead]
-            for i in retry:
-                self.mb.link_directly(addresses[i])
-            again = fanout.ask_each(
-                self.mb,
-                [addresses[i] for i in retry],
-                lambda cid: protocol.Ping(cid, self.mb.address),
-                timeout + _HANDSHAKE_ALLOWANCE * len(retry),
-                False,
-            )
-            for i, answer in zip(retry, again):
-                answers[i] = answer
         self.infos: list[dict[str, Any]] = []
         for host, (ok, info) in zip(hosts, answers):
             if not ok:  # any failure to answer means the same thing here

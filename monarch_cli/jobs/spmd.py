@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import settings
 from ..runtime import protocol
-from ..runtime.errors import ActorError, CallTimeout
+from ..runtime.errors import ActorError, CallTimeout, RelayLost
 from ..runtime.mailbox.future import Future, gather
 from ..runtime.transport import wire
 from .errors import JobError
@@ -220,13 +220,14 @@ class SpmdRunner:
         while True:
             try:
                 made = acks.get(timeout=0.2)
-            except ActorError as e:  # a request lost with the relay that carried it (fanout.py)
-                why = str(e)
-                for h in self.hs.hosts:
-                    if h.agent in why:
-                        why = why.replace(h.agent, f"{h.agent} (host {h.name})")
-                        break
-                raise JobError(f"the run's ranks could not be started on every host: {why}") from None
+            except RelayLost as e:  # a request lost with the relay that carried it (fanout.py)
+                gone = next((h.name for h in self.hs.hosts if h.agent == e.relay), e.relay)
+                raise JobError(
+                    f"the run's ranks could not be started on every host: host {gone}, which relayed "
+                    "the others' requests, stopped answering; `monarch status` says which hosts still answer"
+                ) from None
+            except ActorError as e:  # an agent refused the request
+                raise JobError(f"the run's ranks could not be started on every host: {e}") from None
             except CallTimeout:
                 if time.monotonic() > deadline:
                     slow = [self.hs.hosts[n].name for n, a in zip(nodes, parts) if not a.done()]

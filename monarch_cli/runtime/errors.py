@@ -60,5 +60,14 @@ class SupervisionError(ActorError):
         super().__init__(f"{who}{failure.describe()}")
 
 
+class RelayLost(ActorError):
+    """A request went through a relay (another host's agent, for a client of many hosts) that
+    stopped answering before it was answered; ``relay`` is that agent's address."""
+
+    def __init__(self, relay: str):
+        self.relay = relay
+        super().__init__(f"the relay agent {relay} that carried this request stopped answering")
+
+
 class CallTimeout(MonarchError, TimeoutError):
     """A future was not resolved within the requested timeout."""

@@ -18,14 +18,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from monarch_cli.jobs import Job
+from monarch_cli.jobs.errors import JobError
 from monarch_cli.jobs.output_groups import outcome_summary
 from monarch_cli.jobs.run_log import rank_log
+from monarch_cli.jobs.spmd import SpmdRunner
 from monarch_cli.runtime import protocol
+from monarch_cli.runtime.errors import CallTimeout
 from tests.emulated_cluster import EmulatedCluster, emulated_job
+
+from ..conftest import wait_until
 
 HOSTS = 256
 NPROC = 2
@@ -240,6 +246,40 @@ def test_a_relay_lost_in_a_run_is_named_and_its_hosts_are_stopped_directly(
     assert {r.rank for r in lost} == {32, 33} and all("host emu16 stopped answering" in r.lost for r in lost)
     others = [r for r in result.ranks if not r.lost]
     assert len(others) == WORLD - 2 and all(r.how == "killed by SIGTERM" for r in others)
+
+
+def test_a_relay_lost_as_the_run_starts_fails_the_start_naming_it(
+    cluster: tuple[Job, EmulatedCluster, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """emu16 answers the run's ping and goes silent before the ranks are sent: the requests it
+    was to carry (emu17-emu31's ranks) fail once it is named lost, and the run says which host
+    it was at once, not after the 30 s a start may take."""
+    job, cl, _ = cluster
+    start = SpmdRunner._start
+
+    def frozen_then_start(self: SpmdRunner, *args: Any) -> Any:
+        cl.mute("emu16", "freeze")
+        relay = self.hs.hosts[16].agent
+        # (the emulator reads the line on its own time: wait until emu16 stops answering)
+        assert wait_until(lambda: _silent(self.mb, relay), 60), "emu16 did not freeze"
+        return start(self, *args)
+
+    monkeypatch.setattr(SpmdRunner, "_start", frozen_then_start)
+    started = time.monotonic()
+    try:
+        with pytest.raises(JobError, match="host emu16, which relayed the others' requests, stopped answering"):
+            _run(job, {})
+    finally:
+        cl.mute("emu16", "unmute")
+    assert time.monotonic() - started < 25
+
+
+def _silent(mb: Any, agent: str) -> bool:
+    try:
+        mb.request(agent, lambda cid: protocol.Ping(cid, mb.address)).get(timeout=0.5)
+    except CallTimeout:
+        return True
+    return False
 
 
 @pytest.mark.parametrize("frozen", ["emu16", "emu17"])  # a relay; a host a relay asks

@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from .. import protocol
-from ..errors import ActorError, Failure, SupervisionError
+from ..errors import ActorError, Failure, RelayLost, SupervisionError
 from ..transport import wire
 from ..transport.keys import Keys, keys_from_environment
 from .events import EventRouter, Handler, Subscription
@@ -287,9 +287,7 @@ class Mailbox(MailboxIO):
                 del self._carried_by[cid]
         for entry in entries:
             if entry is not None:
-                entry[0].set_exception(
-                    ActorError(f"the relay agent {relay} that carried this request stopped answering")
-                )
+                entry[0].set_exception(RelayLost(relay))
 
     def expect_exit(self, proc_ids: Iterable[str]) -> None:
         """These procs are being stopped on purpose: their exits are not failures."""
