@@ -17,7 +17,6 @@ reservation's CURVE authentication, which could reach the hosts directly with th
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import zmq
 
 from .. import protocol
 from ..transport import wire
-from ..transport.sockets import send_routed
+from ..transport.sockets import RoutedSends
 
 if TYPE_CHECKING:
     from .core import AgentCore
@@ -76,7 +75,7 @@ class LinkForwarder:
         self._unwatch = unwatch
         self.socks: list[Any] = []  # the one ROUTER, once made (a list: the agent's loop polls them)
         self._targets: set[bytes] = set()
-        self._unsent: dict[bytes, collections.deque[list[Any]]] = {}  # by host: its connection is not up yet
+        self._unsent = RoutedSends()  # by host: what waits for its connection to come up
         self._held: dict[bytes, list[tuple[str, list[Any]]]] = {}  # by client: to send at the round's end
 
     def forward(self, route: bytes, frames: list[Any]) -> None:
@@ -106,11 +105,7 @@ class LinkForwarder:
             sock.connect_rid = target
             sock.connect(address)
             self._targets.add(target)
-        queued = self._unsent.get(target)
-        if queued is not None:  # behind what waits already: the order is kept
-            queued.append(message)
-        elif not _send(sock, target, message):
-            self._unsent[target] = collections.deque([message])
+        self._unsent.send(sock, target, message)
 
     def _refuse(self, target: str, message: list[Any]) -> None:
         """A request for a target this agent will not reach is answered, as the target would
@@ -145,12 +140,7 @@ class LinkForwarder:
         """Send each client what its hosts sent this round, one message each; retry what waits
         for a connection."""
         if self._unsent:
-            sock = self.socks[0]
-            for target, queued in list(self._unsent.items()):
-                while queued and _send(sock, target, queued[0]):
-                    queued.popleft()
-                if not queued:
-                    del self._unsent[target]
+            self._unsent.retry(self.socks[0])
         if self._held:
             held, self._held = self._held, {}
             for client, messages in held.items():
@@ -172,14 +162,3 @@ class LinkForwarder:
             self._unwatch(sock)
             sock.close(linger=0)
         self.socks.clear()
-
-
-def _send(sock: Any, target: bytes, frames: list[Any]) -> bool:
-    """Send ``frames`` to ``target`` on the ROUTER; False if its connection is not up yet."""
-    try:
-        send_routed(sock, target, frames)
-    except zmq.ZMQError as e:
-        if e.errno != zmq.EHOSTUNREACH:
-            raise
-        return False
-    return True

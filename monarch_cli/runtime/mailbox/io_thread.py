@@ -11,7 +11,7 @@ and telemetry traffic) through its ROUTER on that connection. One socket for eve
 not one per agent: at thousands of hosts, polling and draining one socket costs what it
 costs for one host, where a socket per agent cost a Python loop over all of them per
 wake-up (and ZeroMQ's 1,024-socket limit). A message for a link not connected yet (a
-ROUTER cannot queue for a peer it has not met) waits in :attr:`_unsent` and is retried. Other threads hand their
+ROUTER cannot queue for a peer it has not met) waits in :attr:`_unsent` (``transport.sockets.RoutedSends``) and is retried. Other threads hand their
 sends to the I/O thread through a deque, waking it only when it may be asleep (a run's start
 to 4,096 hosts is one wake-up, not 4,096 socket sends, each a GIL hand-off), and the I/O
 thread reads the links, so a future for an agent request is resolved by the I/O thread (its
@@ -40,7 +40,7 @@ import zmq
 from .. import protocol
 from ..transport import wire
 from ..transport.keys import Keys
-from ..transport.sockets import Transport, send_routed
+from ..transport.sockets import RoutedSends, Transport
 from .future import Future
 from .heartbeats import LinkHeartbeats
 
@@ -78,7 +78,7 @@ class MailboxIO:
         self._links: zmq.Socket | None = None  # one ROUTER: a connection per agent (I/O thread only)
         self._connected: set[str] = set()
         #: Per agent, frames not yet accepted by the links' ROUTER (its connection is not up yet).
-        self._unsent: dict[str, collections.deque[list[Any]]] = {}
+        self._unsent = RoutedSends()
         #: (address, frames) other threads send on the links, in order; the I/O thread drains it.
         self._outbox: collections.deque[tuple[str, list[Any]]] = collections.deque()
         self._outbox_wake = False  # a wake-up for the outbox is on its way (the I/O thread clears it first)
@@ -193,40 +193,13 @@ class MailboxIO:
             sock.connect_rid = address.encode()
             sock.connect(address)
             self._connected.add(address)
-        queued = self._unsent.get(address)
-        if queued is not None:  # keep the order: behind what waits already
-            queued.append(frames)
-            return
-        try:
-            send_routed(sock, address.encode(), frames)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            self._unsent[address] = collections.deque([frames])
+        self._unsent.send(sock, address.encode(), frames)
 
     def _send_forwards(self) -> None:
         """Send each relay what was held for its hosts, as one message (I/O thread only)."""
         held, self._forwards = self._forwards, {}
         for relay, messages in held.items():
             self._link_send(relay, protocol.forward_frames(messages))
-
-    def _retry_unsent(self) -> None:
-        """Send what waits for links that have come up since."""
-        sock = self._links
-        if sock is None:
-            return
-        for address, queued in list(self._unsent.items()):
-            route = address.encode()
-            while queued:
-                try:
-                    send_routed(sock, route, queued[0])
-                except zmq.ZMQError as e:
-                    if e.errno != zmq.EHOSTUNREACH:
-                        raise
-                    break
-                queued.popleft()
-            if not queued:
-                del self._unsent[address]
 
     def pump(self, fut: Future[Any], timeout: float | None) -> bool:
         """Read replies in the calling thread until ``fut`` is done or ``timeout`` passes.
@@ -294,8 +267,8 @@ class MailboxIO:
             self._forward_out()  # (always: a wake flag may be up with nothing left to send)
             if self._forwards:
                 self._send_forwards()
-            if self._unsent:
-                self._retry_unsent()
+            if self._unsent and self._links is not None:
+                self._unsent.retry(self._links)
             links_more = self._drain_links()
             self._beats.tick(time.monotonic(), drained=not links_more)
             if poller is watching and (reply_fd in events or not events or self._more):

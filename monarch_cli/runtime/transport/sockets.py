@@ -9,6 +9,7 @@ no extra thread per process.
 
 from __future__ import annotations
 
+import collections
 import os
 import tempfile
 from typing import Any
@@ -33,6 +34,48 @@ def send_routed(sock: zmq.Socket, route: bytes, frames: list[Any]) -> None:
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         sock.send(frame, _SNDMORE if i < last else 0, copy=False)
+
+
+def try_send_routed(sock: zmq.Socket, route: bytes, frames: list[Any]) -> bool:
+    """:func:`send_routed`; False where the peer's connection is not up yet (nothing was sent)."""
+    try:
+        send_routed(sock, route, frames)
+    except zmq.ZMQError as e:
+        if e.errno != zmq.EHOSTUNREACH:
+            raise
+        return False
+    return True
+
+
+class RoutedSends:
+    """Sends on a ROUTER (``router_mandatory``) to peers it connects to itself, keeping what a
+    peer whose connection is not up yet cannot take, in order per peer, until :meth:`retry`
+    gets it through: ZeroMQ's ROUTER drops or refuses a message for a peer it has not met, it
+    does not queue it. The client's links and a relay's forwarding both send this way."""
+
+    __slots__ = ("_unsent",)
+
+    def __init__(self) -> None:
+        self._unsent: dict[bytes, collections.deque[list[Any]]] = {}
+
+    def __bool__(self) -> bool:
+        """Something waits for a connection (the caller looks again soon)."""
+        return bool(self._unsent)
+
+    def send(self, sock: zmq.Socket, route: bytes, frames: list[Any]) -> None:
+        queued = self._unsent.get(route)
+        if queued is not None:  # behind what waits already: the order is kept
+            queued.append(frames)
+        elif not try_send_routed(sock, route, frames):
+            self._unsent[route] = collections.deque([frames])
+
+    def retry(self, sock: zmq.Socket) -> None:
+        """Send what waits for connections that have come up since."""
+        for route, queued in list(self._unsent.items()):
+            while queued and try_send_routed(sock, route, queued[0]):
+                queued.popleft()
+            if not queued:
+                del self._unsent[route]
 
 
 class Transport:
