@@ -13,6 +13,8 @@ import pytest
 from monarch_cli.runtime.agent.forkserver import ForkServerHandle
 from monarch_cli.sysutil import ready_fds
 
+from ..conftest import run_python
+
 
 @pytest.fixture
 def fds_above_1024() -> Iterator[None]:
@@ -50,3 +52,31 @@ def test_ready_fds_sees_sockets_numbered_above_1024(fds_above_1024: None) -> Non
         assert ready_fds([a, b], timeout=30) == ([a], [])
         b.close()
         assert ready_fds([a], timeout=30)[0] == [a]  # a closed peer reads as ready (EOF)
+
+
+def test_an_agent_started_under_a_low_soft_fd_limit_takes_the_hard_one() -> None:
+    """Hundreds of ranks on one host hold a few of the agent's fds each, and a relay holds a
+    connection per host it forwards to: an agent started where the soft limit is 1,024 (a
+    login shell's usual) raises it to the hard limit before it serves."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.fail(f"this test needs a hard fd limit of 2048 or more (have {hard})")
+    done = run_python(
+        """
+        import resource
+        from monarch_cli.runtime.launch.start import launch_agent
+        from monarch_cli.runtime.transport.keys import Keys
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # what the agent inherits
+        proc, _ = launch_agent(Keys.generate(), name="fds")
+        try:
+            limits = open(f"/proc/{proc.pid}/limits").read().splitlines()
+            print(next(l for l in limits if l.startswith("Max open files")).split()[3:5], hard)
+        finally:
+            proc.stdin.close()
+            proc.wait(30)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    limit = done.stdout.split()[-1]  # the hard limit there
+    assert done.stdout.strip() == f"['{limit}', '{limit}'] {limit}", done.stdout  # soft raised to it

@@ -46,7 +46,7 @@ from ..launch import command
 from ..title import set_title
 from ..transport import wire
 from ..transport.keys import Keys, keys_from_environment
-from ..transport.sockets import Transport
+from ..transport.sockets import Transport, raise_fd_limit
 from . import lineage, registry, sync
 from .batches import EventBatches
 from .debug import DebugHost
@@ -474,21 +474,6 @@ def _watch_stdin(agent: HostAgent) -> None:
     os._exit(0)
 
 
-def _raise_fd_limit() -> None:
-    """Each rank holds a few of the agent's fds (pipes, debug channel): take the hard limit, as
-    servers do, so hundreds of ranks on one host are not refused at a soft limit of 1024."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY:
-            hard = max(soft, 1 << 20)
-        if soft != resource.RLIM_INFINITY and soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ImportError, ValueError, OSError):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = command.parser()
     parser.add_argument("--state-check-interval", type=float, default=2.0, help=argparse.SUPPRESS)
@@ -509,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
-    _raise_fd_limit()
+    raise_fd_limit()  # (hundreds of ranks on one host: a few fds each)
     try:
         agent = HostAgent(keys, name=args.name, preload=args.preload, reservation=args.reservation, port=args.port)
     except OSError as e:

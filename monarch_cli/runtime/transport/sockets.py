@@ -187,9 +187,11 @@ _fd_limit_raised = False
 
 
 def raise_fd_limit() -> None:
-    """Raise this process's open-file soft limit to its hard limit, once: a client of 4,096
-    hosts holds a TCP connection per host (its link, heartbeats included), and a run a log file
-    per rank besides, over the usual soft limit of 1,024."""
+    """Raise this process's open-file soft limit to its hard limit, once, as servers do: a client
+    of 4,096 hosts holds a TCP connection per host, and a run a log file per rank besides; an
+    agent holds a few fds per rank (pipes, the debug channel) and a relay's connections. The
+    usual soft limit is 1,024. An unlimited hard limit is taken as 2**20 (the kernel refuses an
+    unlimited soft one for open files)."""
     global _fd_limit_raised
     if _fd_limit_raised:
         return
@@ -198,7 +200,9 @@ def raise_fd_limit() -> None:
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        if hard == resource.RLIM_INFINITY:
+            hard = max(soft, 1 << 20) if soft != resource.RLIM_INFINITY else soft
+        if soft != resource.RLIM_INFINITY and soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ImportError, ValueError, OSError):  # not permitted, or no such limit here: keep the soft one
         pass
