@@ -64,6 +64,18 @@ def _run(job: Job, env: dict[str, str], **kw) -> tuple[object, bytes, bytes]:
     return result, out.getvalue(), err.getvalue()
 
 
+def _hung_run(job: Job, **kw: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """A run whose ranks all hang, on a thread (its result in ``box["run"]`` once it ends), once
+    every rank is running."""
+    box: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("run", _run(job, {"EMULATED_HANG": "1"}, **kw)))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) < WORLD:
+        assert time.monotonic() < deadline, "the ranks never all started"
+    return runner, box
+
+
 def test_every_exit_is_collected_and_output_grouped(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
     job, _, _ = cluster
     result, out, _ = _run(
@@ -185,12 +197,7 @@ def test_stop_tells_every_hosts_run_who_stopped_it_through_the_relays(
     they end saying so. From the relay threshold it goes as a run does: a connection per host
     (4,096 handshakes) had taken it past its 2 s at 4,096 hosts, and runs were left untold."""
     job, _, state = cluster
-    box: dict[str, object] = {}
-    runner = threading.Thread(target=lambda: box.setdefault("run", _run(job, {"EMULATED_HANG": "1"})))
-    runner.start()
-    deadline = time.monotonic() + 120
-    while sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) < WORLD:
-        assert time.monotonic() < deadline, "the ranks never all started"
+    runner, box = _hung_run(job)
     probe = (
         "import sys, psutil; from monarch_cli.jobs import job_load; ended = job_load(sys.argv[1])._announce_stop('a test'); "
         "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
@@ -199,15 +206,14 @@ def test_stop_tells_every_hosts_run_who_stopped_it_through_the_relays(
     assert _fresh_client(probe, state) == ["16", "1"]
     runner.join(120)  # (a run left hanging ends when the module's cluster closes)
     assert not runner.is_alive(), "the run did not end: a host was not told"
-    result = box["run"][0]  # type: ignore[index]
-    assert result.stopped_by.startswith("a test (pid ")  # type: ignore[attr-defined]
-    assert len(result.ranks) == WORLD and {r.how for r in result.ranks} == {"reservation stopped"}  # type: ignore[attr-defined]
+    result = box["run"][0]
+    assert result.stopped_by.startswith("a test (pid ")
+    assert len(result.ranks) == WORLD and {r.how for r in result.ranks} == {"reservation stopped"}
     # A real reservation goes next, its agents and ranks with it; these emulated ranks are ended
     # here, for the tests after this one.
     hs = job.hostset()
     ends = [
-        hs.mb.request(h.agent, lambda cid: protocol.SignalRanks(cid, hs.mb.address, result.run_id, 9))  # type: ignore[attr-defined]
-        for h in hs.hosts
+        hs.mb.request(h.agent, lambda cid: protocol.SignalRanks(cid, hs.mb.address, result.run_id, 9)) for h in hs.hosts
     ]
     for e in ends:
         e.get(timeout=60)
@@ -229,19 +235,14 @@ def test_a_relay_lost_in_a_run_is_named_and_its_hosts_are_stopped_directly(
     """emu16 relays for emu17-emu31; frozen mid-run, it is the host named lost (not the hosts it
     carried), and the ranks of every other host, those it carried included, are stopped."""
     job, cl, _ = cluster
-    box: dict[str, object] = {}
-    runner = threading.Thread(target=lambda: box.setdefault("run", _run(job, {"EMULATED_HANG": "1"}, grace=1.0)))
-    runner.start()
+    runner, box = _hung_run(job, grace=1.0)
     try:
-        deadline = time.monotonic() + 120
-        while sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) < WORLD:
-            assert time.monotonic() < deadline, "the ranks never all started"
         cl.mute("emu16", "freeze")
         runner.join(120)
         assert not runner.is_alive(), "the run did not end"
     finally:
         cl.mute("emu16", "unmute")
-    result = box["run"][0]  # type: ignore[index]
+    result = box["run"][0]
     lost = [r for r in result.ranks if r.lost]
     assert {r.rank for r in lost} == {32, 33} and all("host emu16 stopped answering" in r.lost for r in lost)
     others = [r for r in result.ranks if not r.lost]
@@ -329,17 +330,12 @@ def _cli(*args: str) -> str:
 
 def test_stack_on_every_host_groups_what_is_the_same(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
     job, _, _ = cluster
-    box: dict[str, object] = {}
-    runner = threading.Thread(target=lambda: box.setdefault("run", _run(job, {"EMULATED_HANG": "1"})))
-    runner.start()
-    deadline = time.monotonic() + 120
-    while sum(h["ranks_running"] or 0 for h in job.status()["hosts"]) < WORLD:
-        assert time.monotonic() < deadline, "the ranks never all started"
+    runner, box = _hung_run(job)
     report = job.stacks()
     assert len(report.stacks) == WORLD and len(report.groups) == 1
     job.stop()  # the running run ends saying so
     runner.join(120)
-    result = box["run"][0]  # type: ignore[index]
+    result = box["run"][0]
     assert result.exit_code == 254 and len(result.ranks) == WORLD
 
 
