@@ -3,7 +3,7 @@
 4,096 ranks printing ``epoch 3 loss 2.31`` should cost one console line, ``[rank 0-4095] epoch
 3 loss 2.31``, not 4,096. :class:`LineGrouper` holds each complete console line while other
 ranks keep printing it (up to :data:`GROUP_WINDOW` after the last one did, :data:`MAX_HOLD` at
-most) and merges the identical lines (same stream, same bytes) that
+most, :data:`MAX_BURST_HOLD` while thousands of ranks' copies are still arriving) and merges the identical lines (same stream, same bytes) that
 other ranks print meanwhile; a line that only one rank printed comes out with that rank's usual
 prefix. Each rank's lines keep their order: a line joins a waiting group only when that group
 comes after every line the rank already has waiting, and groups are printed in the order they
@@ -30,6 +30,12 @@ from .ranks import rank_ranges
 GROUP_WINDOW = 0.25
 #: The longest a line waits however many ranks keep joining (a slow, steady trickle).
 MAX_HOLD = 2.0
+#: Ranks a second: a line joined faster than this is one moment's output of thousands of ranks,
+#: still arriving (the client reads ~15-20 k ranks' events a second: 32,768 ranks' line takes it
+#: ~2 s), not a trickle; it may wait up to :data:`MAX_BURST_HOLD`, so that it prints once.
+BURST_RATE = 1000.0
+#: The longest a line arriving as a burst waits.
+MAX_BURST_HOLD = 10.0
 #: Grouping is on by default when more ranks than this are shown on the console.
 AUTO_MIN_RANKS = 16
 #: Groups waiting at most: beyond this the oldest is printed whatever its age (bounded memory).
@@ -72,7 +78,9 @@ class LineGrouper:
         max_hold: float = MAX_HOLD,
         color: bool = False,
         noun: str = "rank",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock
         self._write = write
         self._noun = noun
         self._prefix = prefix
@@ -92,7 +100,7 @@ class LineGrouper:
 
     def add(self, rank: int, stream: int, segments: Iterable[bytes]) -> None:
         """Whole console segments (each with its line end) of one rank, in order."""
-        now = time.monotonic()
+        now = self._clock()
         with self._cond:
             wake = not self._waiting
             for text in segments:
@@ -125,7 +133,7 @@ class LineGrouper:
                 self._live.discard(rank)
                 for group in self._joined.pop(rank, ()):
                     group.live -= 1
-            self._print_due(time.monotonic())
+            self._print_due(self._clock())
 
     def close(self) -> None:
         """Print everything still waiting."""
@@ -142,10 +150,18 @@ class LineGrouper:
                     self._cond.wait()
                     continue
                 head = self._waiting[0]
-                left = min(head.joined + self._window, head.born + self._max_hold) - time.monotonic()
+                now = self._clock()
+                left = min(head.joined + self._window, head.born + self._hold(head, now)) - now
                 if left > 0:
                     self._cond.wait(left)
-                self._print_due(time.monotonic())
+                self._print_due(self._clock())
+
+    def _hold(self, group: _Group, now: float) -> float:
+        """How long ``group`` may wait since it was born: longer while it fills as a burst."""
+        age = now - group.born
+        if age >= self._max_hold and len(group.ranks) >= BURST_RATE * age:
+            return max(self._max_hold, MAX_BURST_HOLD)
+        return self._max_hold
 
     def _print_due(self, now: float) -> None:
         """Print, oldest first, the waiting groups that are old enough or complete (lock held)."""
@@ -154,7 +170,7 @@ class LineGrouper:
         live = len(self._live)
         while waiting:
             head = waiting[0]
-            due = now - head.joined >= self._window or now - head.born >= self._max_hold
+            due = now - head.joined >= self._window or now - head.born >= self._hold(head, now)
             # Complete: every rank still running has joined it (ranks that ended count for nothing:
             # a group of ended ranks still waits for live ranks printing the same line).
             if not (due or head.live >= live or len(waiting) > MAX_WAITING):

@@ -121,6 +121,38 @@ def test_a_lone_line_is_printed_after_the_window_without_more_output(tmp_path: P
     grouper.close()
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_line_thousands_of_ranks_print_at_once_prints_once_however_long_it_takes_to_arrive() -> None:
+    """32,768 ranks' line reaches the client over ~2 s (it reads ~15-20 k ranks' events a
+    second): a burst, not a trickle, so it waits past MAX_HOLD while copies keep arriving fast,
+    and prints once. A slow trickle still prints at MAX_HOLD."""
+    n = 5000
+    got: list[bytes] = []
+    clock = _Clock()
+    grouper = LineGrouper(lambda _s, data: got.append(data), {}, range(n), clock=clock)
+    for r in range(n):  # 2,000 ranks a second: 2.5 s in all, past MAX_HOLD
+        clock.now += 0.0005
+        grouper.add(r, 1, [b"epoch 3 loss 2.31\n"])
+    assert got == [f"[rank 0-{n - 1}] epoch 3 loss 2.31\n".encode()]
+    got.clear()
+    trickle = LineGrouper(lambda _s, data: got.append(data), {}, range(n), clock=clock)
+    for r in range(30):  # 10 ranks a second for 3 s, each within the window of the last
+        clock.now += 0.1
+        trickle.add(r, 1, [b"loading\n"])
+    assert len(got) == 1, got  # at MAX_HOLD (2 s), not held while the rest trickle in
+    first = GROUP.match(got[0])
+    assert first is not None and 19 <= len(_ranks(first.group(1))) <= 22, got
+    grouper.close()
+    trickle.close()
+
+
 def test_outcome_summary_groups_ranks_by_how_they_ended() -> None:
     exits = [RankExit(r, f"rank{r}", "h", 0, None, 1.0) for r in range(4096)]
     exits[17] = RankExit(17, "rank17", "h", None, 11, 1.0)
