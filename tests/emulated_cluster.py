@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -39,12 +38,6 @@ from typing import Any
 
 #: Emulated agents per process.
 PER_PROCESS = 512
-
-
-def raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 # ----------------------------------------------------------------------- the emulator
@@ -373,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address-file", required=True)
     args = parser.parse_args(argv)
     os.environ["MONARCH_HOST"] = "127.0.0.1"
-    raise_fd_limit()
+    from monarch_cli.runtime.transport.sockets import raise_fd_limit
+
+    raise_fd_limit()  # (the agents' own: 512 of them hold thousands of connections)
     from monarch_cli.runtime.title import set_title
     from monarch_cli.runtime.transport.keys import Keys
 
