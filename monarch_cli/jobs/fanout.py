@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..config import settings
@@ -51,7 +51,7 @@ def links(addresses: Sequence[str], through_relays: bool) -> list[str]:
     return [addresses[i] for i, _ in relay_groups(len(addresses))]
 
 
-def link_through_relays(mb: Mailbox, addresses: Sequence[str], dead: set[str]) -> None:
+def link_through_relays(mb: Mailbox, addresses: Sequence[str], dead: Collection[str]) -> None:
     """Link the relays, and every other host through its group's relay (its link forwarded
     both ways: ``runtime/agent/forwarding.py``), for a command that sends each host its own
     requests (a run). A relay known dead has its hosts linked directly. Every host's route is
@@ -65,6 +65,17 @@ def link_through_relays(mb: Mailbox, addresses: Sequence[str], dead: set[str]) -
                 mb.link_directly(addresses[i])
             else:
                 mb.link(addresses[i], via=via)
+
+
+def link_for_requests(mb: Mailbox, addresses: Sequence[str], relayed: bool, dead: Collection[str] = ()) -> None:
+    """Link every host for requests that differ from host to host: through its group's relay
+    where the hosts are ``relayed`` (:func:`link_through_relays`), else each directly (not
+    through a relay an earlier set in this process routed the address by)."""
+    if relayed:
+        link_through_relays(mb, addresses, dead)
+        return
+    for address in addresses:
+        mb.link_directly(address)
 
 
 def ask_each(

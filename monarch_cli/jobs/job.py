@@ -265,13 +265,9 @@ class Job(SpmdRuns):
         mb = Mailbox.for_keys(self.keys)
         who = _stopper(by)
         addresses = [h.agent for h in hosts]
-        if self._peers_reachable(hosts) and fanout.relayed(len(hosts)):
-            # Through relays, as a run is: a connection per host (4,096 handshakes) took this
-            # past its timeout, and runs were not told who stopped them.
-            fanout.link_through_relays(mb, addresses, set())
-        else:
-            for address in addresses:
-                mb.link_directly(address)
+        # Through relays, as a run is: a connection per host (4,096 handshakes) took this past
+        # its timeout, and runs were not told who stopped them.
+        fanout.link_for_requests(mb, addresses, self._peers_reachable(hosts) and fanout.relayed(len(hosts)))
         asks = [mb.request(h.agent, lambda cid: protocol.Stopping(cid, mb.address, who)) for h in hosts]
         deadline = time.monotonic() + timeout
         ended: set[str] = set()

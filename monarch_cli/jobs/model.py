@@ -173,15 +173,14 @@ class HostSet:
         self.hosts = hosts
         self.peers_reachable = peers_reachable
         self.mb = Mailbox.for_keys(keys)
-        relayed = peers_reachable and fanout.relayed(len(hosts))
+        self.relayed = relayed = peers_reachable and fanout.relayed(len(hosts))
         self.through_relays = questions_only and relayed
         addresses = [h.agent for h in hosts]
-        if relayed and not questions_only:  # every host reached, ~√N of them directly
-            fanout.link_through_relays(self.mb, addresses, {h.agent for h in hosts if h.name in known_dead})
-        else:
-            # Directly: not through a relay an earlier set in this process routed the address by.
-            for address in fanout.links(addresses, self.through_relays):  # everything comes back on its link
+        if self.through_relays:  # only the relays: everything comes back on their links
+            for address in fanout.links(addresses, True):
                 self.mb.link_directly(address)
+        else:  # every host reached; from relay_from_hosts hosts, ~√N of them directly
+            fanout.link_for_requests(self.mb, addresses, relayed, {h.agent for h in hosts if h.name in known_dead})
         # The hosts are asked at once and answer independently; thousands of CURVE handshakes
         # (a few ms each on a busy client) take longer than a few, so the wait grows with them.
         linked = len(hosts) if not relayed else len(fanout.relay_groups(len(hosts)))
@@ -210,11 +209,11 @@ class HostSet:
         """The hosts that did not answer this set's ping (made with ``require_all=False``)."""
         return [h.name for h, info in zip(self.hosts, self.infos) if info is None]
 
-    def link_all(self) -> None:
-        """Link every host (a set made through relays linked only those), for requests that
-        differ from host to host."""
-        for h in self.hosts:
-            self.mb.link(h.agent)
+    def link_for_requests(self) -> None:
+        """Link every host, for requests that differ from host to host (a set made with
+        ``questions_only`` linked only the relays): from ``relay_from_hosts`` hosts through
+        the relays' forwarders, as a run does, not with a handshake per host."""
+        fanout.link_for_requests(self.mb, [h.agent for h in self.hosts], self.relayed)
 
     def ask_all(self, make: Callable[[int], Any], timeout: float) -> list[Any]:
         """``make(cid)``'s answer from every host, in order (through relays where this set was

@@ -328,11 +328,19 @@ def _cli(*args: str) -> str:
     return done.stdout
 
 
-def test_stack_on_every_host_groups_what_is_the_same(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
-    job, _, _ = cluster
+def test_stack_and_diagnose_on_every_host_group_what_is_the_same(cluster: tuple[Job, EmulatedCluster, Path]) -> None:
+    """Both from a fresh client, through the relays: `diagnose`'s probe of the hosts' network
+    (a question that differs from host to host) too, so the client holds 16 connections, not 256."""
+    job, _, state = cluster
     runner, box = _hung_run(job)
     report = job.stacks()
     assert len(report.stacks) == WORLD and len(report.groups) == 1
+    probe = (
+        "import sys, psutil; from monarch_cli.jobs import job_load; d = job_load(sys.argv[1]).diagnose(); "
+        "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
+        "print(len(ports), d.exit_code, d.summary.split(' rank(s) alive, all at ')[0])"
+    )
+    assert _fresh_client(probe, state) == ["16", "0", str(WORLD)]  # healthy: every rank at one stack
     job.stop()  # the running run ends saying so
     runner.join(120)
     result = box["run"][0]

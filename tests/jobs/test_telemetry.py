@@ -570,6 +570,64 @@ def test_diagnose_rules_for_silence_step_lag_and_idle_gpu() -> None:
     assert _suspicions(lone) == {}
 
 
+def _suspicions_by_definition(rows: list[RankRow], silence: float = 60.0) -> dict[int, list[str]]:
+    """The rules written the plain way, each rank against a list of the others (quadratic in ranks):
+    the reference the fast version must agree with."""
+    import statistics
+
+    out: dict[int, list[str]] = {}
+    if len(rows) < 2:
+        return out
+    ages = [r.output_age for r in rows if r.output_age is not None]
+    steps = [r.step or 0 for r in rows]
+    gpus = [r.gpu_util for r in rows if r.gpu_util is not None]
+    for r in rows:
+        others = [o for o in rows if o is not r]
+        if r.output_age is not None and r.output_age > silence and len(ages) == len(rows):
+            recent = [o.output_age for o in others if o.output_age is not None and o.output_age < silence / 2]
+            if len(recent) > len(others) / 2:
+                out.setdefault(r.rank, []).append(
+                    f"no output for {r.output_age:.0f} s while the others printed within {max(recent):.0f} s"
+                )
+        top = max(steps)
+        if top >= 2 and top - (r.step or 0) >= 2 and statistics.median(o.step or 0 for o in others) >= top - 1:
+            out.setdefault(r.rank, []).append(f"at step {r.step or 0} while the others reached {top}")
+        if r.gpu_util is not None and r.gpu_util < 10 and len(gpus) >= 2:
+            busy = [o.gpu_util for o in others if o.gpu_util is not None]
+            if busy and statistics.median(busy) > 50:
+                out.setdefault(r.rank, []).append(
+                    f"GPU idle ({r.gpu_util:.0f} %) while the others are busy (median {statistics.median(busy):.0f} %)"
+                )
+    return out
+
+
+def test_diagnose_rules_agree_with_their_definition_on_many_shapes() -> None:
+    """`diagnose` at 1,024 hosts x 8 ranks computes the others' aggregates once; its verdicts must be
+    those of the plain rules, on small and even/odd counts, ties, missing figures, and a large set."""
+    import random
+
+    rng = random.Random(23)
+    for trial in range(300):
+        n = rng.choice([2, 3, 4, 5, 8, 9, 16, 33]) if trial < 290 else 600
+        rows = []
+        for r in range(n):
+            row = RankRow(r)
+            if rng.random() < 0.95 or trial % 3:
+                row.output_age = rng.choice([1.0, 2.0, 29.0, 31.0, 61.0, 300.0, rng.uniform(0, 400)])
+            row.step = rng.choice([None, 0, 1, 2, 39, 40, 40, 41, rng.randint(0, 50)])
+            if trial % 2:
+                row.gpu_util = rng.choice([None, 0.0, 5.0, 9.9, 10.0, 51.0, 95.0, rng.uniform(0, 100)])
+            rows.append(row)
+        for silence in (60.0, 30.0):
+            assert _suspicions(rows, silence) == _suspicions_by_definition(rows, silence), (trial, silence)
+    # the shape diagnose meets at scale: 8,192 ranks, two of them lagging (once quadratic, now linear)
+    rows = [RankRow(r, output_age=1.0, step=40, gpu_util=90.0) for r in range(8192)]
+    rows[17].output_age, rows[802].step = 120.0, 3
+    found = _suspicions(rows)
+    assert found == _suspicions_by_definition(rows)
+    assert sorted(found) == [17, 802]
+
+
 def test_sql_without_a_store_is_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "MONARCH_STATE": str(tmp_path / ".monarch" / "job_state.pkl")}
     done = subprocess.run(
