@@ -5,10 +5,13 @@ from ``wait4`` and its peak RSS from its ``VmHWM`` (the agents, which outlive ``
 not counted):
 
 * real agents (local scheduler, ``--preload ''``: a trivial one-rank-per-host script):
-  ``serve``, a re-run (best of 3), ``status``, ``stack``, ``stop``; the agents' idle CPU and memory;
+  ``serve``, a re-run (best of 3), ``status``; the agents' idle CPU and memory;
 * emulated agents (tests/emulated_cluster.py: real CURVE sockets and protocol, many agents
-  per process; 8 ranks per host that exit at once): a re-run, ``status``, ``stack``, and, in
-  one driver process, connect-and-handshake and a run's dispatch-to-all-exits.
+  per process; 8 ranks per host that exit at once): the relays' check ``serve`` makes, a re-run,
+  ``status``, and, in one driver process, connect-and-handshake, a run's dispatch-to-all-exits
+  and a host lost mid-run;
+* both: ``stack``, ``diagnose`` and ``stop`` on a live run whose ranks hang (what a user
+  inspects; nothing running, they would time a store read).
 
 Prints a table, the per-host slopes (least squares over the real Ns) and writes
 docs/img/scale.svg. Run it alone: ``flock /work/.heavy.lock python benchmarks/scale.py``.
@@ -31,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 TRIVIAL = "import os; print('step 1 loss 2.31 rank', os.environ['RANK'])\n"
+HANGS = "import time; print('step 1', flush=True); time.sleep(3600)\n"
 
 
 def _cli_usage(
@@ -161,10 +165,68 @@ def _settle(state: Path, cwd: Path, env: dict[str, str], timeout: float = 300) -
     print("  ! the warm processes did not settle; timing the re-run anyway", file=sys.stderr)
 
 
+def _inspect_hung_run(
+    run: list[str], ranks: int, state: Path, cwd: Path, env: dict[str, str], row: dict[str, Any]
+) -> Any:
+    """Start ``run`` (ranks that hang, as a run a user inspects does), wait until all ``ranks`` are
+    running, then time ``stack`` and ``diagnose`` on it. Returns the run's process (``stop`` ends it)."""
+    hung = subprocess.Popen(
+        [sys.executable, "-m", "monarch_cli", *run],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 600
+    running = 0
+    while running < ranks and time.monotonic() < deadline and hung.poll() is None:
+        done = subprocess.run(
+            [sys.executable, "-m", "monarch_cli", "status", "--json", "--state", str(state)],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        try:
+            running = sum(h.get("ranks_running") or 0 for h in json.loads(done.stdout)["hosts"])
+        except (ValueError, KeyError, TypeError):
+            running = 0
+    if running < ranks:
+        print(f"  ! only {running} of {ranks} ranks started; stack and diagnose not timed", file=sys.stderr)
+        return hung
+    sk = _cli_usage(["stack", "--state", str(state), "--json"], cwd, env, timeout=900)
+    row["stack"], row["stack_cpu"] = sk["wall"], sk["cpu"]
+    try:
+        groups = json.loads(sk["out"])["groups"]
+        row["stack_ranks"], row["stack_groups"] = sum(len(g["ranks"]) for g in groups), len(groups)
+    except (ValueError, KeyError, TypeError):
+        row["stack_ranks"] = row["stack_groups"] = None
+    dg = _cli_usage(["diagnose", "--state", str(state), "--json"], cwd, env, timeout=900)
+    row["diagnose"], row["diagnose_cpu"] = dg["wall"], dg["cpu"]
+    try:
+        row["diagnose_verdict"] = json.loads(dg["out"])["verdict"]
+    except (ValueError, KeyError, TypeError):
+        row["diagnose_verdict"] = None
+    return hung
+
+
+def _end(hung: Any) -> None:
+    """The hung run, once ``stop`` has told it: it exits by itself (killed if not, and said so)."""
+    if hung is None:
+        return
+    try:
+        hung.wait(120)
+    except subprocess.TimeoutExpired:
+        print("  ! the hung run did not end after stop; killed", file=sys.stderr)
+        hung.kill()
+        hung.wait()
+
+
 def bench_real(n: int, work: Path) -> dict[str, Any]:
     d = work / f"real{n}"
     d.mkdir(parents=True)
     (d / "trivial.py").write_text(TRIVIAL)
+    (d / "hangs.py").write_text(HANGS)
     # A cache of its own: what this user's other runs taught warm processes (torch, ...) is not
     # "a host without preload".
     env = {**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1", "MONARCH_CACHE_DIR": str(d / "cache")}
@@ -172,6 +234,7 @@ def bench_real(n: int, work: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"n": n, "kind": "real"}
     s = _cli_usage(["serve", "--hosts", str(n), "--preload", "", "--state", str(state)], d, env)
     row["serve"], row["serve_cpu"] = s["wall"], s["cpu"]
+    hung = None
     try:
         run = ["run-spmd", "--state", str(state), "--no-sync", "--", "torchrun", "--nproc-per-node=1", "trivial.py"]
         _cli_usage(run, d, env)  # the first run teaches the warm process; time the re-run
@@ -182,12 +245,13 @@ def bench_real(n: int, work: Path) -> dict[str, Any]:
         row["rss"] = max(r["rss"] for r in runs)
         st = _cli_usage(["status", "--state", str(state), "--json"], d, env)
         row["status"], row["status_cpu"] = st["wall"], st["cpu"]
-        sk = _cli_usage(["stack", "--state", str(state), "--json"], d, env)
-        row["stack"], row["stack_cpu"] = sk["wall"], sk["cpu"]
         row["idle_cpu_pct"], row["host_mb"] = _agents_footprint(state)
+        hang = ["run-spmd", "--state", str(state), "--no-sync", "--", "torchrun", "--nproc-per-node=1", "hangs.py"]
+        hung = _inspect_hung_run(hang, n, state, d, env, row)
     finally:
-        sp = _cli_usage(["stop", "--state", str(state)], d, env)
+        sp = _cli_usage(["stop", "--state", str(state)], d, env)  # with the hung run live: it is told
         row["stop"], row["stop_cpu"] = sp["wall"], sp["cpu"]
+        _end(hung)
     return row
 
 
@@ -289,8 +353,12 @@ def bench_emulated(n: int, work: Path) -> dict[str, Any]:
         row["run_lines"] = r["out"].count("\n")
         st = _cli_usage(["status", "--state", str(state), "--json"], d, env, timeout=900)
         row["status"], row["status_cpu"] = st["wall"], st["cpu"]
-        sk = _cli_usage(["stack", "--state", str(state), "--json"], d, env, timeout=900)
-        row["stack"], row["stack_cpu"] = sk["wall"], sk["cpu"]
+        hang = ["run-spmd", "--state", str(state), "--no-sync", "-e", "EMULATED_HANG=1"]
+        hang += ["--", "torchrun", "--nproc-per-node=8", "train.py"]
+        hung = _inspect_hung_run(hang, n * 8, state, d, env, row)
+        sp = _cli_usage(["stop", "--state", str(state)], d, env, timeout=900)
+        row["stop"], row["stop_cpu"] = sp["wall"], sp["cpu"]
+        _end(hung)
     finally:
         cluster.close()
     return row
@@ -316,7 +384,8 @@ def write_svg(rows: list[dict[str, Any]], path: Path) -> None:
     """Seconds against hosts (log scale), one line per command: a small hand-made SVG (no matplotlib here)."""
     import math
 
-    series = {"serve": "#1f77b4", "run": "#d62728", "status": "#2ca02c", "stack": "#9467bd", "stop": "#8c564b"}
+    series = {"serve": "#1f77b4", "run": "#d62728", "status": "#2ca02c", "stack": "#9467bd"}
+    series |= {"diagnose": "#e377c2", "stop": "#8c564b"}
     w, h, left, bottom, top, right = 640, 400, 60, 50, 30, 110
     xs = [r["n"] for r in rows]
     ymax = max((r.get(k) or 0) for r in rows for k in series) or 1.0
@@ -391,7 +460,8 @@ def main() -> int:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    cols = ["hosts", "serve s", "run s", "status s", "stack s", "stop s", "serve CPU", "run CPU", "run RSS MB"]
+    cols = ["hosts", "serve s", "run s", "status s", "stack s", "diagnose s", "stop s", "serve CPU", "run CPU"]
+    cols += ["run RSS MB"]
     cols += ["connect s", "dispatch→exits s", "idle agent %core", "host MB"]
     table = []
     for r in rows:
@@ -402,6 +472,7 @@ def main() -> int:
                 _fmt(r.get("run")),
                 _fmt(r.get("status")),
                 _fmt(r.get("stack")),
+                _fmt(r.get("diagnose")),
                 _fmt(r.get("stop")),
                 _fmt(r.get("serve_cpu")),
                 _fmt(r.get("run_cpu")),
@@ -421,9 +492,17 @@ def main() -> int:
         print("| " + " | ".join(line) + " |")
     real = [r for r in rows if r["kind"] == "real"]
     print("per-host slopes over the real agents (least squares, ms per host):")
-    for key in ("serve", "serve_cpu", "run", "run_cpu", "status", "stack", "stop"):
+    for key in ("serve", "serve_cpu", "run", "run_cpu", "status", "stack", "diagnose", "stop"):
         s = _slope(real, key)
         print(f"  {key:<10} {'-' if s is None else f'{s * 1000:.2f}'}")
+    print(
+        "stack, diagnose and stop on a live run whose ranks hang (stacks captured and their groups; diagnose's verdict):"
+    )
+    for r in rows:
+        print(
+            f"  {r['n']:,} hosts: {r.get('stack_ranks', '-')} stacks in {r.get('stack_groups', '-')} group(s), "
+            f"diagnose: {r.get('diagnose_verdict', '-')}"
+        )
     emulated = [r for r in rows if r["kind"] == "emulated"]
     if emulated:
         print("emulated (driver process: connect-and-handshake; dispatch-to-all-exits, best of 3; its RSS):")
