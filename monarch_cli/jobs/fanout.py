@@ -86,14 +86,19 @@ def ask_each(
     through_relays: bool,
     body: Sequence[Any] = (),
     retry_directly: bool = False,
+    directly: set[int] | None = None,
 ) -> list[tuple[bool, Any]]:
     """``make(cid)``'s answer from each host, in order: ``(True, value)``, or ``(False, the
     exception)`` (:class:`NoAnswer` for silence). A None address is not asked (a host known
     dead): ``(False, NoAnswer)``. Waits at most ``timeout`` per round (two where a relay fails).
-    ``through_relays``: each relay asks its hosts (a question: ``fan_out``). ``retry_directly``:
-    the hosts were linked through relays (:func:`link_through_relays`); one that did not answer
-    is linked directly and asked again, as a relay that answers for itself but passes nothing
-    on (its host's network half gone) must not cost its group the command."""
+
+    ``through_relays``: each relay asks its hosts (a question: ``fan_out``), except those in
+    ``directly`` (indices), asked straight. ``retry_directly``: a host that did not answer
+    through its relay (a run's link, or a question the relay passed on) is linked directly and
+    asked again, and added to ``directly``: a relay that cannot reach one of its hosts (its host's
+    network half gone, a partition between them) must not cost that host's answer, nor the
+    command, which would say a host the client reaches is gone."""
+    directly = set() if directly is None else directly
     out: list[tuple[bool, Any]] = [(False, NoAnswer("not asked"))] * len(addresses)
     if not through_relays:
         futures = {i: mb.request(a, make, body) for i, a in enumerate(addresses) if a is not None}
@@ -101,6 +106,7 @@ def ask_each(
         again = [i for i, a in enumerate(addresses) if a is not None and not out[i][0]] if retry_directly else []
         for i in again:
             mb.link_directly(str(addresses[i]))
+            directly.add(i)
         if again:
             _collect({i: mb.request(str(addresses[i]), make, body) for i in again}, time.monotonic() + timeout, out)
         return out
@@ -114,7 +120,10 @@ def ask_each(
             retry.extend(members)
             continue
         direct[relay] = mb.request(at, make, body)
-        asked = [i for i in members if addresses[i] is not None]
+        for i in members:
+            if i in directly and addresses[i] is not None:  # its relay could not reach it before
+                direct[i] = mb.request(str(addresses[i]), make, body)
+        asked = [i for i in members if addresses[i] is not None and i not in directly]
         if asked:
             groups.append(
                 (asked, mb.request(at, _fan_out(mb, [str(addresses[i]) for i in asked], timeout, inner), body))
@@ -129,10 +138,13 @@ def ask_each(
             continue
         for i, answer in zip(asked, answers):
             out[i] = (False, NoAnswer("no answer")) if answer is None else _decode(*answer)
+            if answer is None and retry_directly:
+                retry.append(i)
     retry = [i for i in retry if addresses[i] is not None]
     if retry:
         for i in retry:
             mb.link_directly(str(addresses[i]))
+            directly.add(i)  # (its relay gone, or not reaching it: the next question goes straight)
         _collect({i: mb.request(str(addresses[i]), make, body) for i in retry}, time.monotonic() + timeout, out)
     return out
 

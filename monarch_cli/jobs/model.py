@@ -184,13 +184,19 @@ class HostSet:
         # The hosts are asked at once and answer independently; thousands of CURVE handshakes
         # (a few ms each on a busy client) take longer than a few, so the wait grows with them.
         linked = len(hosts) if not relayed else len(fanout.relay_groups(len(hosts)))
+        #: Hosts (indices) reached straight, not through their relay: it did not reach them.
+        self._direct: set[int] = set()
         answers = fanout.ask_each(
             self.mb,
             [None if h.name in known_dead else h.agent for h in hosts],
             lambda cid: protocol.Ping(cid, self.mb.address),
             timeout + _HANDSHAKE_ALLOWANCE * linked,
             self.through_relays,
-            retry_directly=relayed and not questions_only,
+            # A host that did not answer through its relay is asked straight: in a partition
+            # between the two it is alive, and a command that says otherwise misleads (a dead
+            # host costs a second wait).
+            retry_directly=relayed,
+            directly=self._direct,
         )
         self.infos: list[dict[str, Any]] = []
         for host, (ok, info) in zip(hosts, answers):
@@ -214,11 +220,21 @@ class HostSet:
         ``questions_only`` linked only the relays): from ``relay_from_hosts`` hosts through
         the relays' forwarders, as a run does, not with a handshake per host."""
         fanout.link_for_requests(self.mb, [h.agent for h in self.hosts], self.relayed)
+        for i in self._direct:  # their relay does not reach them
+            self.mb.link_directly(self.hosts[i].agent)
 
     def ask_all(self, make: Callable[[int], Any], timeout: float) -> list[Any]:
         """``make(cid)``'s answer from every host, in order (through relays where this set was
         made with ``questions_only``); raises the first host's failure, as ``gather`` does."""
-        answers = fanout.ask_each(self.mb, [h.agent for h in self.hosts], make, timeout, self.through_relays)
+        answers = fanout.ask_each(
+            self.mb,
+            [h.agent for h in self.hosts],
+            make,
+            timeout,
+            self.through_relays,
+            retry_directly=self.through_relays,
+            directly=self._direct,
+        )
         for host, (ok, value) in zip(self.hosts, answers):
             if not ok:
                 if isinstance(value, fanout.NoAnswer):

@@ -5,6 +5,7 @@ hosts all along, so every agent keeps answering: only the hosts' probe of each o
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import signal
@@ -204,6 +205,28 @@ def test_diagnose_probes_the_hosts_of_a_live_run_before_its_client_has_noticed(
         assert diagnosis.verdict == "suspect" and diagnosis.exit_code == 1, diagnosis
         assert diagnosis.summary.startswith("network partition: "), diagnosis.summary
         assert "h1 cannot reach h2" in diagnosis.summary or "h2 cannot reach h1" in diagnosis.summary
+        # As at thousands of hosts, where h1 relays for h2 (relays from 2 hosts here): its relay
+        # cannot reach h2 but the client can, so h2 is asked straight, not called gone, and
+        # the same partition is named.
+        relayed = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import json, sys; from monarch_cli.config import configure; configure(relay_from_hosts=2); "
+                "from monarch_cli.jobs import job_load; j = job_load(sys.argv[1]); "
+                "s = j.status(); d = j.diagnose(); "
+                "print(json.dumps([[h['alive'] for h in s['hosts']], d.verdict, d.summary]))",
+                str(job.path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
+        assert relayed.returncode == 0, relayed.stderr[-2000:]
+        alive, verdict, summary = json.loads(relayed.stdout.splitlines()[-1])
+        assert alive == [True, True] and verdict == "suspect", relayed.stdout
+        assert summary.startswith("network partition: h1 cannot reach h2"), summary
     finally:
         _rules(iptables, ssh_hosts, "-D")  # the collectives resume; the run finishes its few steps
     runner.join(timeout=180)
