@@ -104,8 +104,14 @@ class StackReport:
             "capture_id": self.capture_id,
             "seconds": round(self.elapsed, 3),
             "groups": [{"ranks": g.ranks, "summary": g.summary, "frames": g.frames} for g in self.groups],
-            "ranks": [dataclasses.asdict(s) for s in self.stacks],
+            "ranks": [_shallow(s) for s in self.stacks],
         }
+
+
+def _shallow(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, sharing its values: ``dataclasses.asdict`` deep-copies every
+    frame of every stack (seconds at 32,768 ranks) for output that only reads them."""
+    return dict(vars(obj))  # (these dataclasses have no slots: their fields are their __dict__)
 
 
 def _is_user(frame: dict[str, Any]) -> bool:
@@ -167,7 +173,7 @@ class Diagnosis:
             "exit_code": self.exit_code,
             "run_id": self.run_id,
             "summary": self.summary,
-            "suspects": [dataclasses.asdict(s) for s in self.suspects],
+            "suspects": [_shallow(s) for s in self.suspects],
             "evidence": self.evidence,
         }
 
@@ -427,7 +433,7 @@ class Inspector:
             reasons.setdefault(rank, []).extend(suspected)
         evidence = {
             "stack_groups": [{"ranks": g.ranks, "summary": g.summary} for g in groups],
-            "ranks": [dataclasses.asdict(r) for r in rows],
+            "ranks": [_shallow(r) for r in rows],
         }
         if reasons:
             suspects = [
