@@ -143,20 +143,25 @@ def _agents_footprint(state: Path) -> tuple[float, float]:
     return cpu, sum(mem) / len(mem)
 
 
+def _cli_json(command: str, state: Path, cwd: Path, env: dict[str, str]) -> Any:
+    """``monarch COMMAND --json``'s object (untimed: a poll); ValueError if it printed none."""
+    done = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", command, "--json", "--state", str(state)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(done.stdout)
+
+
 def _settle(state: Path, cwd: Path, env: dict[str, str], timeout: float = 300) -> None:
     """Wait until every host's warm process holds what the runs taught it (``monarch warm``):
     a re-run timed while 128 warm processes are being rebuilt on 2 cores measures the rebuild."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = subprocess.run(
-            [sys.executable, "-m", "monarch_cli", "warm", "--json", "--state", str(state)],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
         try:
-            warm = [h.get("warm") for h in json.loads(done.stdout)["hosts"]]
+            warm = [h.get("warm") for h in _cli_json("warm", state, cwd, env)["hosts"]]
         except (ValueError, KeyError, TypeError):
             warm = [None]
         if all(w and w["ready"] and not w["warming"] for w in warm):
@@ -180,15 +185,8 @@ def _inspect_hung_run(
     deadline = time.monotonic() + 600
     running = 0
     while running < ranks and time.monotonic() < deadline and hung.poll() is None:
-        done = subprocess.run(
-            [sys.executable, "-m", "monarch_cli", "status", "--json", "--state", str(state)],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
         try:
-            running = sum(h.get("ranks_running") or 0 for h in json.loads(done.stdout)["hosts"])
+            running = sum(h.get("ranks_running") or 0 for h in _cli_json("status", state, cwd, env)["hosts"])
         except (ValueError, KeyError, TypeError):
             running = 0
     if running < ranks:

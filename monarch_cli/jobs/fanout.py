@@ -7,7 +7,8 @@ connection per host. From ``settings().relay_from_hosts`` hosts it links ~√N o
 :class:`~..runtime.protocol.FanOut`, for the k-1 hosts after it; the relays keep their own
 connections to those hosts from one command to the next (``runtime/agent/relay.py``). A relay
 that does not answer in time has its hosts asked directly, so one dead host costs its group
-a second round, not an answer.
+a second round, not an answer; so is a host its relay passed the question to and did not hear
+from (a partition between the two: the client may still reach it).
 
 A run, whose requests differ from host to host, links the relays too and reaches every other
 host through its relay's connection (:func:`link_through_relays`): the relay forwards the
