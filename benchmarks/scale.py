@@ -379,22 +379,24 @@ def _fmt(v: Any, unit: str = "s") -> str:
 
 
 def write_svg(rows: list[dict[str, Any]], path: Path) -> None:
-    """Seconds against hosts (log scale), one line per command: a small hand-made SVG (no matplotlib here)."""
+    """Seconds against hosts (both log scales), one line per command: a small hand-made SVG (no matplotlib here)."""
     import math
 
     series = {"serve": "#1f77b4", "run": "#d62728", "status": "#2ca02c", "stack": "#9467bd"}
     series |= {"diagnose": "#e377c2", "stop": "#8c564b"}
     w, h, left, bottom, top, right = 640, 400, 60, 50, 30, 110
     xs = [r["n"] for r in rows]
-    ymax = max((r.get(k) or 0) for r in rows for k in series) or 1.0
-    ymax = 10 ** math.ceil(math.log10(ymax)) if ymax > 0 else 1
+    values = [r[k] for r in rows for k in series if r.get(k)]
+    # Decades on both axes: 0.2 s and 20 s lines are both read off the same plot.
+    lo = math.floor(math.log10(min(values, default=0.1)))
+    hi = max(math.ceil(math.log10(max(values, default=1.0))), lo + 1)
 
     def px(n: float) -> float:
         lo, hi = math.log2(min(xs)), math.log2(max(xs)) or 1
         return left + (math.log2(n) - lo) / ((hi - lo) or 1) * (w - left - right)
 
     def py(v: float) -> float:
-        return h - bottom - v / ymax * (h - bottom - top)
+        return h - bottom - (math.log10(max(v, 10**lo)) - lo) / (hi - lo) * (h - bottom - top)
 
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">'
@@ -408,8 +410,12 @@ def write_svg(rows: list[dict[str, Any]], path: Path) -> None:
     parts.append(
         f'<text x="{(w - right + left) / 2:.0f}" y="{h - 12}" text-anchor="middle">hosts (log scale; ≥1,024 emulated)</text>'
     )
-    for i in range(5):
-        v = ymax * i / 4
+    parts.append(
+        f'<text x="14" y="{(h - bottom + top) / 2:.0f}" transform="rotate(-90 14 {(h - bottom + top) / 2:.0f})" '
+        'text-anchor="middle">seconds (log scale)</text>'
+    )
+    for e in range(lo, hi + 1):
+        v = 10.0**e
         parts.append(f'<text x="{left - 6}" y="{py(v) + 4:.0f}" text-anchor="end">{v:g}</text>')
         parts.append(f'<line x1="{left}" y1="{py(v):.0f}" x2="{w - right}" y2="{py(v):.0f}" stroke="#ddd"/>')
     for i, (key, color) in enumerate(series.items()):
