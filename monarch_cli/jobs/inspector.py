@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..runtime import protocol
 from ..telemetry_queries import sql as named_sql
 from ..telemetry_store import StoreError, _connect_rw, db_path, query
+from .rank_rows import RankRow, suspicions
 from .ranks import rank_ranges as compress  # (its name here, for the CLI, the dashboard and tests)
 from .telemetry import TelemetryError
 
@@ -178,24 +179,6 @@ class Diagnosis:
         }
 
 
-@dataclasses.dataclass
-class RankRow:
-    """One line of ``monarch top``."""
-
-    rank: int
-    host: str | None = None
-    state: str = "?"
-    cpu_percent: float | None = None
-    rss_mb: float | None = None
-    gpu_util: float | None = None
-    gpu_mem_mb: float | None = None
-    step: int | None = None
-    step_ms: float | None = None
-    output_age: float | None = None
-    last_line: str = ""
-    suspect: str = ""
-
-
 class Inspector:
     """``monarch stack / diagnose / top`` for one reservation."""
 
@@ -343,7 +326,7 @@ class Inspector:
                 if rank in rows:
                     rows[rank].step, rows[rank].step_ms = st[2], st[4]
         ordered = list(rows.values())
-        for rank, reasons in _suspicions(ordered).items():
+        for rank, reasons in suspicions(ordered).items():
             rows[rank].suspect = "; ".join(reasons)
         ordered.sort(key=lambda r: (not r.suspect, -(r.output_age or 0.0), r.rank))
         return run_id, ordered
@@ -429,7 +412,7 @@ class Inspector:
                             f"different stack ({g.summary}) from rank(s) "
                             f"{compress(groups[0].ranks)} ({groups[0].summary})"
                         )
-        for rank, suspected in _suspicions(rows, silence).items():
+        for rank, suspected in suspicions(rows, silence).items():
             reasons.setdefault(rank, []).extend(suspected)
         evidence = {
             "stack_groups": [{"ranks": g.ranks, "summary": g.summary} for g in groups],
@@ -494,52 +477,3 @@ class Inspector:
             [Suspect(first["rank"], first["host"], [why])],
             evidence,
         )
-
-
-def _suspicions(rows: list[RankRow], silence: float = 60.0) -> dict[int, list[str]]:
-    """Ranks that differ from the rest in output age, step count or GPU use.
-
-    Each test compares one rank with all the others, so the others' aggregates are computed once
-    (a median without one value is index arithmetic on the sorted list): at 1,024 hosts x 8 ranks
-    a list of the others per rank made ``diagnose`` quadratic, seconds of it.
-    """
-    out: dict[int, list[str]] = {}
-    if len(rows) < 2:
-        return out
-    ages = [r.output_age for r in rows if r.output_age is not None]
-    # a silent rank (age > silence) is never among the recent ones, so they are the same for each
-    recent = [a for a in ages if a < silence / 2]
-    steps = sorted(r.step or 0 for r in rows)
-    top = steps[-1]
-    gpus = sorted(r.gpu_util for r in rows if r.gpu_util is not None)
-    for r in rows:
-        if r.output_age is not None and r.output_age > silence and len(ages) == len(rows):
-            if len(recent) > (len(rows) - 1) / 2:
-                out.setdefault(r.rank, []).append(
-                    f"no output for {r.output_age:.0f} s while the others printed within {max(recent):.0f} s"
-                )
-        step = r.step or 0
-        if top >= 2 and top - step >= 2 and _median_without(steps, step) >= top - 1:
-            out.setdefault(r.rank, []).append(f"at step {step} while the others reached {top}")
-        if r.gpu_util is not None and r.gpu_util < 10 and len(gpus) >= 2:
-            busy = _median_without(gpus, r.gpu_util)
-            if busy > 50:
-                out.setdefault(r.rank, []).append(
-                    f"GPU idle ({r.gpu_util:.0f} %) while the others are busy (median {busy:.0f} %)"
-                )
-    return out
-
-
-def _median_without(ordered: Sequence[float], value: float) -> float:
-    """``statistics.median`` of ``ordered`` (sorted, holding ``value``) less one ``value``, in O(log n)."""
-    import bisect  # (not on a run's path)
-
-    skip = bisect.bisect_left(ordered, value)
-    size = len(ordered) - 1
-
-    def at(k: int) -> float:
-        return ordered[k] if k < skip else ordered[k + 1]
-
-    if size % 2:
-        return at(size // 2)
-    return (at(size // 2 - 1) + at(size // 2)) / 2

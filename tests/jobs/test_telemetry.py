@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from monarch_cli.jobs import Job, serve
-from monarch_cli.jobs.inspector import RankRow, _suspicions, compress
+from monarch_cli.jobs.inspector import compress
+from monarch_cli.jobs.rank_rows import RankRow, suspicions
 from monarch_cli.runtime.agent.telemetry import py_spy_path
 from monarch_cli.telemetry_store import TelemetryWriter, db_path, query, schema_json, schema_text
 
@@ -576,20 +577,20 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 def test_diagnose_rules_for_silence_step_lag_and_idle_gpu() -> None:
     """The row-level rules `diagnose` and `top` share (the stack rule is shown with real ranks above)."""
     rows = [RankRow(r, output_age=2.0, step=40, gpu_util=95.0) for r in range(4)]
-    assert _suspicions(rows) == {}
+    assert suspicions(rows) == {}
     rows[1].output_age = 300.0
     rows[2].step = 31
     rows[3].gpu_util = 0.0
-    found = _suspicions(rows, silence=60.0)
+    found = suspicions(rows, silence=60.0)
     assert sorted(found) == [1, 2, 3]
     assert "no output for 300 s" in found[1][0]
     assert "at step 31 while the others reached 40" in found[2][0]
     assert "GPU idle" in found[3][0]
     # no GPU (NULL utilisation, as on this machine), or one rank's figure alone: no GPU verdict either way
-    assert _suspicions([RankRow(r, output_age=2.0, step=40) for r in range(4)]) == {}
+    assert suspicions([RankRow(r, output_age=2.0, step=40) for r in range(4)]) == {}
     lone = [RankRow(r, output_age=2.0, step=40) for r in range(4)]
     lone[0].gpu_util = 0.0
-    assert _suspicions(lone) == {}
+    assert suspicions(lone) == {}
 
 
 def _suspicions_by_definition(rows: list[RankRow], silence: float = 60.0) -> dict[int, list[str]]:
@@ -641,11 +642,11 @@ def test_diagnose_rules_agree_with_their_definition_on_many_shapes() -> None:
                 row.gpu_util = rng.choice([None, 0.0, 5.0, 9.9, 10.0, 51.0, 95.0, rng.uniform(0, 100)])
             rows.append(row)
         for silence in (60.0, 30.0):
-            assert _suspicions(rows, silence) == _suspicions_by_definition(rows, silence), (trial, silence)
+            assert suspicions(rows, silence) == _suspicions_by_definition(rows, silence), (trial, silence)
     # the shape diagnose meets at scale: 8,192 ranks, two of them lagging (once quadratic, now linear)
     rows = [RankRow(r, output_age=1.0, step=40, gpu_util=90.0) for r in range(8192)]
     rows[17].output_age, rows[802].step = 120.0, 3
-    found = _suspicions(rows)
+    found = suspicions(rows)
     assert found == _suspicions_by_definition(rows)
     assert sorted(found) == [17, 802]
 
