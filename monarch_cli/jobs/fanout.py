@@ -45,10 +45,8 @@ def relayed(n: int) -> bool:
     return n >= max(2, settings().relay_from_hosts)
 
 
-def links(addresses: Sequence[str], through_relays: bool) -> list[str]:
-    """The hosts a command that asks all ``addresses`` links to: every one, or the relays."""
-    if not through_relays:
-        return list(addresses)
+def relay_addresses(addresses: Sequence[str]) -> list[str]:
+    """The relays among ``addresses``: all a command that only asks questions links to."""
     return [addresses[i] for i, _ in relay_groups(len(addresses))]
 
 

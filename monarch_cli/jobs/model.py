@@ -177,7 +177,7 @@ class HostSet:
         self.through_relays = questions_only and relayed
         addresses = [h.agent for h in hosts]
         if self.through_relays:  # only the relays: everything comes back on their links
-            for address in fanout.links(addresses, True):
+            for address in fanout.relay_addresses(addresses):
                 self.mb.link_directly(address)
         else:  # every host reached; from relay_from_hosts hosts, ~√N of them directly
             fanout.link_for_requests(self.mb, addresses, relayed, {h.agent for h in hosts if h.name in known_dead})

@@ -198,12 +198,7 @@ def test_stop_tells_every_hosts_run_who_stopped_it_through_the_relays(
     (4,096 handshakes) had taken it past its 2 s at 4,096 hosts, and runs were left untold."""
     job, _, state = cluster
     runner, box = _hung_run(job)
-    probe = (
-        "import sys, psutil; from monarch_cli.jobs import job_load; ended = job_load(sys.argv[1])._announce_stop('a test'); "
-        "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
-        "print(len(ports), len(ended))"
-    )
-    assert _fresh_client(probe, state) == ["16", "1"]
+    assert _fresh_client_connections("len(job._announce_stop('a test'))", state) == ["16", "1"]
     runner.join(120)  # (a run left hanging ends when the module's cluster closes)
     assert not runner.is_alive(), "the run did not end: a host was not told"
     result = box["run"][0]
@@ -227,6 +222,18 @@ def _fresh_client(code: str, state: Path) -> list[str]:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
+
+
+def _fresh_client_connections(expression: str, state: Path) -> list[str]:
+    """In a fresh client (``job``: the reservation loaded there): the TCP connections it holds
+    once ``expression`` is evaluated, then the words of what it evaluated to (a tuple's items)."""
+    code = (
+        "import sys, psutil; from monarch_cli.jobs import job_load; job = job_load(sys.argv[1]); "
+        f"said = {expression}; "
+        "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
+        "print(len(ports), *(said if isinstance(said, tuple) else (said,)))"
+    )
+    return _fresh_client(code, state)
 
 
 def test_a_relay_lost_in_a_run_is_named_and_its_hosts_are_stopped_directly(
@@ -335,12 +342,10 @@ def test_stack_and_diagnose_on_every_host_group_what_is_the_same(cluster: tuple[
     runner, box = _hung_run(job)
     report = job.stacks()
     assert len(report.stacks) == WORLD and len(report.groups) == 1
-    probe = (
-        "import sys, psutil; from monarch_cli.jobs import job_load; d = job_load(sys.argv[1]).diagnose(); "
-        "ports = {c.raddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'ESTABLISHED'}; "
-        "print(len(ports), d.exit_code, d.summary.split(' rank(s) alive, all at ')[0])"
+    said = _fresh_client_connections(
+        "(d := job.diagnose()).exit_code, d.summary.split(' rank(s) alive, all at ')[0]", state
     )
-    assert _fresh_client(probe, state) == ["16", "0", str(WORLD)]  # healthy: every rank at one stack
+    assert said == ["16", "0", str(WORLD)]  # healthy: every rank at one stack
     job.stop()  # the running run ends saying so
     runner.join(120)
     result = box["run"][0]

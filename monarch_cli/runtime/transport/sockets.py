@@ -201,7 +201,7 @@ def raise_fd_limit() -> None:
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if hard == resource.RLIM_INFINITY:
-            hard = max(soft, 1 << 20) if soft != resource.RLIM_INFINITY else soft
+            hard = 1 << 20
         if soft != resource.RLIM_INFINITY and soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ImportError, ValueError, OSError):  # not permitted, or no such limit here: keep the soft one
