@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 from ..config import configure
 from ..schedulers import Scheduler, get_scheduler
 from ..schedulers.agents import controller_host
-from . import fanout
+from . import fanout, warm_hints
 from .command import Command
 from .errors import JobError
 from .lifecycle import shutdown_timeout_from
@@ -222,22 +222,49 @@ class Job(SpmdRuns):
         return [h.name for h in self.state.hosts if h.name in missing]
 
     def wait_warm(self, timeout: float = 60.0) -> bool:
-        """Wait until every host's warm process holds what past runs taught it (learning runs in
-        the background after each run); False if that takes longer than ``timeout``."""
+        """Wait until every host's warm process holds what it was hinted and past runs taught it
+        (learning runs in the background after each run); False if that takes longer than ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
             warm = [h["warm"] for h in self.status()["hosts"]]
-            if all(
-                w and w["ready"] and not w["warming"] and (w["learned_held"] or not w.get("learning")) for w in warm
-            ):
+            if all(w and w.get("settled") for w in warm):
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.2)
 
+    def warm_for_served(self, timeout: float = 120.0, say: Callable[[str], None] = lambda _m: None) -> int:
+        """Hint every host's warm process what the served command will import (its source, and what
+        earlier reservations of this workspace held) and wait until it holds them, so the first
+        run after ``serve`` is already warm; how many modules were hinted."""
+        argv, cwd = self.state.default_command, self.state.default_cwd or os.getcwd()
+        names = warm_hints.hints(self.path.parent, argv, cwd) if argv else []
+        if names:
+            hs = self.hostset(questions_only=True)
+            hs.ask_all(lambda cid: protocol.WarmHints(cid, hs.mb.address, names), 30.0)
+        say(f"warming {len(names)} module(s) the served command imports" if names else "warming")
+        if not self.wait_warm(timeout):
+            say(f"the warm processes are still warming after {timeout:g} s; runs start from what is ready")
+        return len(names)
+
+    def _remember_learned(self, mb: Mailbox, host: HostRecord, deadline: float) -> None:
+        """Keep what this reservation's warm process held for the served program (one host asks:
+        SPMD hosts learn the same), for the next reservation of this workspace to start from."""
+        key = warm_hints.program_key(self.state.default_command) if self.state.default_command else None
+        if key is None:
+            return
+        try:
+            ask = mb.request(host.agent, lambda cid: protocol.LearnedModules(cid, mb.address))
+            names = ask.get(timeout=max(0.01, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a dead or old agent: nothing learned to keep
+            return
+        if isinstance(names, list):
+            warm_hints.remember(self.path.parent, key, [str(n) for n in names])
+
     def forget_preload(self) -> dict[str, int]:
         """Forget the modules each host's warm process learned from past runs (per host: how
         many); runs fork from one holding only the explicit preload until they teach it again."""
+        warm_hints.forget_history(self.path.parent)
         hs = self.hostset(questions_only=True)
         counts = hs.ask_all(lambda cid: protocol.ForgetPreload(cid, hs.mb.address), 10.0)
         return {h.name: n for h, n in zip(hs.hosts, counts)}
@@ -268,8 +295,10 @@ class Job(SpmdRuns):
         # Through relays, as a run is: a connection per host (4,096 handshakes) took this past
         # its timeout, and runs were not told who stopped them.
         fanout.link_for_requests(mb, addresses, self._peers_reachable(hosts) and fanout.relayed(len(hosts)))
-        asks = [mb.request(h.agent, lambda cid: protocol.Stopping(cid, mb.address, who)) for h in hosts]
         deadline = time.monotonic() + timeout
+        if hosts:
+            self._remember_learned(mb, hosts[0], deadline)
+        asks = [mb.request(h.agent, lambda cid: protocol.Stopping(cid, mb.address, who)) for h in hosts]
         ended: set[str] = set()
         for ask in asks:
             try:

@@ -86,12 +86,15 @@ def serve(
     port_range: tuple[int, int] | None = None,
     progress: Callable[[str], None] | None = None,
     cwd: str | Path | None = None,
+    wait_warm: bool = True,
     **options: Any,
 ) -> Job:
     """Reserve hosts (or reuse a reservation that can serve this request) and return the job.
 
     The served command will run in ``cwd`` (default: the current directory), wherever
-    ``run_spmd()`` is later called from, so its relative paths keep their meaning.
+    ``run_spmd()`` is later called from, so its relative paths keep their meaning. A new
+    reservation's warm processes are told what that command imports and, with ``wait_warm``,
+    waited for, so that its first run is already warm (:mod:`.warm_hints`).
     """
     backend = get_scheduler(scheduler)
     request = _request(backend, command, hosts, preload, agent_port, port_range, options)
@@ -121,7 +124,7 @@ def serve(
                 save_state(existing.state, path)
             return existing
         _release_for(existing, why_not, replace or gone, path, say)
-    return _reserve(backend, backend.plan(request, path.parent), path, say, served_in)
+    return _reserve(backend, backend.plan(request, path.parent), path, say, served_in, wait_warm)
 
 
 def reserve_plan(
@@ -180,7 +183,9 @@ def _release_for(existing: Job, why_not: str, replace: bool, path: Path, say: Ca
     existing.stop(by="monarch serve --replace")
 
 
-def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: str | None) -> Job:
+def _reserve(
+    backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], None], served_in: str | None, warm: bool = True
+) -> Job:
     keys = Keys.generate()
     reservation = backend.reserve(plan, keys, say)
     job_state = JobState(
@@ -198,6 +203,8 @@ def _reserve(backend: Scheduler, plan: Plan, path: Path, say: Callable[[str], No
     if fanout.relayed(len(job_state.hosts)):
         say(f"checking {len(job_state.hosts)} hosts through their relays")
         job.check_relays()
+    if warm:
+        job.warm_for_served(say=say)
     return job
 
 

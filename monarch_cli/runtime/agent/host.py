@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -39,7 +40,7 @@ from typing import Any
 import zmq
 
 from ...config import configure
-from ...sysutil import atomic_write
+from ...sysutil import atomic_write, private_tmpdir
 from ...version import __version__
 from .. import protocol
 from ..launch import command
@@ -330,6 +331,8 @@ class HostAgent:
         return {
             protocol.Ping: lambda m, _: self.reply(m.reply_to, m.cid, True, self.info()),
             protocol.ForgetPreload: lambda m, _: self.reply(m.reply_to, m.cid, True, self.warm.forget()),
+            protocol.WarmHints: lambda m, _: self.reply(m.reply_to, m.cid, True, self.warm.hint(list(m.modules))),
+            protocol.LearnedModules: lambda m, _: self.reply(m.reply_to, m.cid, True, self.warm.store.names()),
             protocol.ClientExit: lambda m, _: self._reap_client(m.client, "client exited"),
             protocol.Shutdown: self._on_shutdown,
         }
@@ -474,6 +477,21 @@ def _watch_stdin(agent: HostAgent) -> None:
     os._exit(0)
 
 
+def _compile_caches() -> str | None:
+    """torch.compile's on-disk caches (inductor's graphs and kernels, Triton's binaries) in one
+    private directory per reservation, shared by all its runs and ranks, unless the user chose
+    one: a re-run of a compiled script finds what the last one compiled, and no other user can
+    plant code there (torch's default, ``/tmp/torchinductor_<user>``, is a name anyone can take
+    first). Set in the agent's own environment before any warm process starts, so the warm
+    process's torch and every rank see the same value."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    root = private_tmpdir("compile")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
+    return root
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = command.parser()
     parser.add_argument("--state-check-interval", type=float, default=2.0, help=argparse.SUPPRESS)
@@ -508,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_file and args.reservation:
         registered = registry.register(args.state_file, args.reservation, agent.host)
         agent.watch_state_file(args.state_file, args.state_check_interval)
+    caches = _compile_caches()
     if args.warm_up:
         agent.rank_zygote()
     if args.exit_with_stdin:
@@ -525,5 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if registered is not None:
             registered.unlink(missing_ok=True)
+        if caches is not None:
+            shutil.rmtree(caches, ignore_errors=True)
     agent.close()
     return 0

@@ -311,9 +311,10 @@ def _load_learned(sock: socket.socket, stop_env_reads: Any) -> None:
     if not ready:
         return
     learned = os.environ.get(preload.LEARNED_ENV)
-    held, left_out, offender = preload.import_learned(learned) if learned else ([], {}, None)
+    imported: preload.Imported = preload.import_learned(learned) if learned else ([], {}, [], None)
     stop_env_reads()
-    preload.write_ready(ready, held, left_out, offender)
+    preload.write_ready(ready, imported)
+    offender = imported[3]
     sock.send(pickle.dumps(protocol.header(protocol.WarmReady())))
     if offender is not None:  # not safe to fork any more: the agent starts another without it
         os._exit(0)

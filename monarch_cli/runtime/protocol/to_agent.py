@@ -14,6 +14,8 @@ __all__ = [
     "ReleasePort",
     "RunRanks",
     "ForgetPreload",
+    "WarmHints",
+    "LearnedModules",
     "ProbePeers",
     "FanOut",
     "FAN_OUT_KINDS",
@@ -93,6 +95,26 @@ class ForgetPreload(NamedTuple):
     reply_to: str
 
 
+@_message("warm_hints", CLIENT_AGENT)
+class WarmHints(NamedTuple):
+    """Module names this reservation's runs are expected to import (read from the served script,
+    or learned by earlier reservations of its workspace): the warm process imports those that
+    are installed code here before the first run. Answered with how many were new."""
+
+    cid: int
+    reply_to: str
+    modules: list[str]
+
+
+@_message("learned_modules", CLIENT_AGENT)
+class LearnedModules(NamedTuple):
+    """What this reservation's warm process holds beyond the explicit preload (names, in import
+    order), for the client to hint to the next reservation of its workspace."""
+
+    cid: int
+    reply_to: str
+
+
 @_message("fan_out", CLIENT_AGENT)
 class FanOut(NamedTuple):
     """Ask ``targets`` (other agents of the reservation) the request ``inner`` (its header, with
@@ -111,7 +133,7 @@ class FanOut(NamedTuple):
 
 
 #: What a relaying agent passes on: questions, whose answers it need not understand.
-FAN_OUT_KINDS = frozenset({"ping", "telemetry_stacks", "telemetry_sample", "forget_preload"})
+FAN_OUT_KINDS = frozenset({"ping", "telemetry_stacks", "telemetry_sample", "forget_preload", "warm_hints"})
 
 
 @_message("probe_peers", CLIENT_AGENT)

@@ -268,11 +268,12 @@ def env_conflict(env: dict[str, str]) -> str | None:
     return None
 
 
-def _thread_count() -> int:
+def _thread_ids() -> set[int]:
+    """This process's threads (native ones too), by kernel thread id."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        return {int(t) for t in os.listdir("/proc/self/task")}
     except OSError:
-        return threading.active_count()
+        return {t.native_id or 0 for t in threading.enumerate()}
 
 
 def _signal_handlers() -> dict[int, Any]:
@@ -293,13 +294,14 @@ def _cuda_initialized() -> bool:
         return False
 
 
-def _what_changed(threads: int, handlers: dict[int, Any], env: dict[str, str]) -> str | None:
-    """Why this process can no longer be forked as a fresh interpreter, if it cannot."""
+def _what_changed(threads: set[int], handlers: dict[int, Any], env: dict[str, str]) -> str | None:
+    """Why this process can no longer be forked as a fresh interpreter, if it cannot (threads: it
+    had ``threads``, and has others that outlive a short wait)."""
     if _cuda_initialized():
         return "it initialises CUDA"
-    if _thread_count() > threads:
+    if _thread_ids() - threads:
         time.sleep(0.02)  # a short-lived helper thread may be finishing
-        if _thread_count() > threads:
+        if _thread_ids() - threads:
             return _THREAD
     if _signal_handlers() != handlers:
         return "it installs a signal handler"
@@ -312,7 +314,7 @@ _THREAD = "it starts a thread"
 #: Shared libraries whose threads are safe across fork(): OpenBLAS (bundled by numpy and scipy)
 #: starts its thread pool when loaded, stops it in a ``pthread_atfork`` handler and starts it
 #: again on demand in the child. ``import torch`` loads numpy's: every default warm process,
-#: which preloads torch, already holds such a pool.
+#: which preloads torch, already holds such a pool. (No trial is needed for them.)
 FORK_SAFE_LIBRARIES = ("openblas",)
 
 
@@ -340,27 +342,81 @@ def _blame(wanted: str, culprit: tuple[str, str], left_out: dict[str, str]) -> t
     return wanted, f"it imports {name}, which {why.removeprefix('it ')}"
 
 
-def import_learned(path: str) -> tuple[list[str], dict[str, str], tuple[str, str] | None]:
-    """Import the modules listed in ``path``; returns (held, left out, offender): the listed
-    modules now loaded, those left out and why, and the module that tainted this process.
+class _Watcher:
+    """What :func:`import_learned` checks after each module: a change that makes this process
+    unsafe to fork is the culprit at once; new threads are only noted (the modules that started
+    them), for a fork trial once the whole import is done (:mod:`.fork_trial`)."""
 
+    def __init__(self) -> None:
+        self.threads, self.handlers, self.env = _thread_ids(), _signal_handlers(), dict(os.environ)
+        self.libraries = _mapped_libraries()
+        self.started_threads: list[str] = []  # modules of the current import that started threads
+
+    def check(self, loaded: str) -> str | None:
+        why = _what_changed(self.threads, self.handlers, self.env)
+        if why != _THREAD:
+            return why
+        if not _fork_safe_threads(self.libraries):
+            self.started_threads.append(loaded)
+        self.threads, self.libraries = _thread_ids(), _mapped_libraries()  # the new baseline
+        return None
+
+    def trial(self, wanted: str) -> tuple[str, str] | None:
+        """After ``wanted``'s import: fork a child that exercises what is loaded (the culprit if it fails)."""
+        starters, self.started_threads = self.started_threads, []
+        if not starters:
+            return None
+        from .fork_trial import run_trial
+
+        failed = run_trial()
+        if failed is None:
+            return None
+        return starters[0], f"it starts a thread, and a process forked after it {failed}"
+
+
+def _resolve(name: str, file: str | None, installed: Callable[[str], bool]) -> str | None:
+    """Why ``name`` is not to be imported here, if it is not: it must be the file a rank
+    imported (a learned entry) or, for a hint (no file: read from the script's source or an
+    earlier reservation), installed code here (never the user's, which must stay fresh)."""
+    module, _, _attr = name.partition(":")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.origin:
+        return "not found here" if file is None else "resolves to another file here"
+    if file is not None:
+        return None if _norm(found.origin) == file else "resolves to another file here"
+    return None if found.origin in ("built-in", "frozen") or installed(_norm(found.origin)) else "is workspace code"
+
+
+def _import_one(name: str) -> None:
+    """Import ``name``; ``module:attr`` (a hint from ``from module import attr``) also gets the
+    attribute, which loads a lazy package's submodule (``transformers:Trainer``)."""
+    module, _, attr = name.partition(":")
+    loaded = importlib.import_module(module)
+    if attr and getattr(loaded, attr, None) is None and hasattr(loaded, "__path__"):
+        importlib.import_module(f"{module}.{attr}")  # what ``from module import attr`` does next
+
+
+Imported = tuple[list[str], dict[str, str], list[str], tuple[str, str] | None]
+
+
+def import_learned(path: str) -> Imported:
+    """Import the modules listed in ``path``; returns (held, left out, absent, offender): the
+    listed modules now loaded, those left out and why, the hints that are no module here, and
+    the module that tainted this process.
+
+    Each entry is ``[name, file]`` (learned from a rank: that file only) or ``[name, null]`` (a
+    hint: whatever installed module the name resolves to here; missing ones are skipped).
     On an offender (name, why) the caller must not fork: the process is no longer clean.
     """
     with open(path) as f:
-        wanted: list[tuple[str, str]] = [tuple(x) for x in json.load(f)]  # type: ignore[misc]
+        wanted: list[tuple[str, str | None]] = [(str(n), p) for n, p in json.load(f)]
     left_out: dict[str, str] = {}
-    threads, handlers, env = _thread_count(), _signal_handlers(), dict(os.environ)
+    skipped: set[str] = set()
+    watcher = _Watcher()
+    roots = installed_roots(dict(os.environ), os.getcwd())
 
-    libraries = _mapped_libraries()
-
-    def check(_loaded: str) -> str | None:
-        """Run after each module (nested imports first): the first to change anything is blamed."""
-        nonlocal threads, libraries
-        why = _what_changed(threads, handlers, env)
-        if why == _THREAD and _fork_safe_threads(libraries):
-            threads, libraries = _thread_count(), _mapped_libraries()  # the new baseline
-            return None
-        return why
+    def installed(file: str) -> bool:
+        return any(_under(file, root) for root in roots)
 
     # ``python -m`` put the agent's cwd first on sys.path: a workspace module there must not
     # shadow an installed one while we import (ranks replace sys.path[0] anyway).
@@ -370,24 +426,31 @@ def import_learned(path: str) -> tuple[list[str], dict[str, str], tuple[str, str
             if name in sys.modules:
                 continue
             out, err = sys.stdout, sys.stderr
-            with ImportWatch(check) as watch:  # find_spec imports the parent packages
+            with ImportWatch(watcher.check) as watch:  # find_spec imports the parent packages
                 try:
-                    found = importlib.util.find_spec(name)
-                    if found is None or not found.origin or _norm(found.origin) != file:
-                        left_out[name] = "resolves to another file here"
+                    why_not = _resolve(name, file, installed)
+                    if why_not is None:
+                        _import_one(name)
+                    elif file is None:
+                        skipped.add(name)  # a hint that is no module here: nothing to say
                     else:
-                        importlib.import_module(name)
+                        left_out[name] = why_not
                 except BaseException as e:  # noqa: BLE001 - SystemExit and friends included
-                    left_out[name] = f"fails to import: {type(e).__name__}: {e}"[:200]
+                    if file is None:
+                        skipped.add(name)  # a hint read from source: the script may guard it too
+                    else:
+                        left_out[name] = f"fails to import: {type(e).__name__}: {e}"[:200]
                 finally:
                     sys.stdout, sys.stderr = out, err
-            culprit = watch.culprit or (None if (why := check(name)) is None else (name, why))
+            culprit = watch.culprit or (None if (why := watcher.check(name)) is None else (name, why))
+            culprit = culprit or watcher.trial(name)
             if culprit is not None:
-                return [], left_out, _blame(name, culprit, left_out)
+                return [], left_out, sorted(skipped), _blame(name, culprit, left_out)
     finally:
         if path0 is not None:
             sys.path.insert(0, path0)
-    return [n for n, _ in wanted if n in sys.modules and n not in left_out], left_out, None
+    held = [n for n, _ in wanted if n.partition(":")[0] in sys.modules and n not in left_out and n not in skipped]
+    return held, left_out, sorted(skipped), None
 
 
 def loaded_files() -> dict[str, tuple[int, int]]:
@@ -405,13 +468,15 @@ def loaded_files() -> dict[str, tuple[int, int]]:
     return files
 
 
-def write_ready(path: str, held: list[str], left_out: dict[str, str], offender: tuple[str, str] | None) -> None:
+def write_ready(path: str, imported: Imported) -> None:
     """What a zygote tells its agent once it has loaded what it was asked to."""
+    held, left_out, absent, offender = imported
     report = {
         "pid": os.getpid(),
         "modules": len(sys.modules),
         "held": held,
         "left_out": left_out,
+        "absent": absent,
         "offender": offender,
         "files": loaded_files() if offender is None else {},
         "env_reads": env_reads,

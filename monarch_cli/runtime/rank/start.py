@@ -229,7 +229,7 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
 
     ``extra`` holds inherited fds by role: ``listen`` (rank 0's store socket), ``debug``.
     """
-    from . import fresh, preload
+    from . import cuda_ready, fresh, preload
 
     conflict = preload.env_conflict(spec["env"])
     if conflict is not None:  # a fresh interpreter is the only way to give the rank what it asks for
@@ -258,6 +258,7 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
     _settle_gloo_teardown()
     if listen_fd is not None:
         _host_store(listen_fd, env)
+    cuda_ready.start(spec)
     code = run_program(spec)
     preload.report_imports(spec)  # after interpreter-shutdown work: it is not the user's time
     return code
