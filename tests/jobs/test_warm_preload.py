@@ -1,5 +1,6 @@
 """Warm processes learn what ranks import: installed modules are preloaded for the next runs,
-the user's workspace never is, offenders (threads, failing imports) are left out quietly, a
+the user's workspace never is, offenders (a library that refuses forks, failing imports) are
+left out quietly while a module that merely starts a thread is held (its fork trial passes), a
 changed installed file means a fresh warm process, and ``--cold`` bypasses it all.
 
 The "installed" packages live in a site directory on PYTHONPATH outside the workspace, as a
@@ -35,9 +36,17 @@ with open(os.environ["WARM_MARKS"], "a") as _f:
 """
 
 SCRIPT = """
-import warmmark, warmthread, warmfail, wsmod
+import warmmark, warmthread, warmrefuse, warmfail, wsmod
 print("version", warmmark.VERSION, "threads ok", warmthread.STARTED)
 """
+#: A library that refuses to be forked after it started its thread (as gRPC does without its
+#: fork support): a child forked after it dies at once.
+REFUSE = (
+    "import threading, time\n"
+    "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+    "if 'RANK' not in os.environ:\n"
+    "    os.register_at_fork(after_in_child=lambda: os._exit(3))\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +60,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Job, Path,
         MARK + "import threading, time\n"
         "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\nSTARTED = True\n",
     )
+    write_script(site, "warmrefuse.py", MARK + REFUSE)
     write_script(site, "warmfail.py", MARK + "if 'RANK' not in os.environ:\n    raise ImportError('only in a rank')\n")
     write_script(work, "wsmod.py", MARK)
     write_script(work, "train.py", SCRIPT)
@@ -86,16 +96,19 @@ def test_installed_modules_are_preloaded_and_the_workspace_never(setup) -> None:
     job, work, site, marks = setup
     take_marks(marks)
     first, _ = run(job, work)
-    assert sorted(take_marks(marks)) == sorted(["warmmark rank", "warmthread rank", "warmfail rank", "wsmod rank"] * 2)
+    everything = ["warmmark rank", "warmthread rank", "warmrefuse rank", "warmfail rank", "wsmod rank"]
+    assert sorted(take_marks(marks)) == sorted(everything * 2)
     warm = wait_warm(job)[0]
     assert warm["learned_held"] > 0 and warm["modules"] > 0 and warm["rss_bytes"] > 0
-    # A warm process imported warmmark; warmthread started its thread there (that process was
-    # dropped and a new one started without it) and warmfail failed, so both are left out and
-    # recorded; nothing of the workspace came near it.
+    # A warm process imported warmmark and warmthread (whose thread did not stop a child forked
+    # after it from working: held); warmrefuse's fork trial failed (that process was dropped
+    # and a new one started without it) and warmfail failed, so both are left out and
+    # recorded, each with why; nothing of the workspace came near it.
     zygote_marks = take_marks(marks)
-    assert "warmmark warm" in zygote_marks and "warmthread warm" in zygote_marks, zygote_marks
+    assert "warmmark warm" in zygote_marks and "warmrefuse warm" in zygote_marks, zygote_marks
     assert "wsmod warm" not in zygote_marks
-    assert "thread" in warm["excluded"]["warmthread"]
+    assert "warmthread" not in warm["excluded"], warm["excluded"]
+    assert warm["excluded"]["warmrefuse"] == "it starts a thread, and a process forked after it exited with status 3"
     assert "fails to import" in warm["excluded"]["warmfail"]
     # The re-warmed process says what it is in ps, as the first one did.
     title = " ".join(psutil.Process(warm["pid"]).cmdline())
@@ -104,7 +117,7 @@ def test_installed_modules_are_preloaded_and_the_workspace_never(setup) -> None:
     second, notices = run(job, work)
     got = take_marks(marks)
     assert "warmmark rank" not in got, got  # it came with the fork
-    assert sorted(got) == sorted(["warmthread rank", "warmfail rank", "wsmod rank"] * 2)  # imported as usual
+    assert sorted(got) == sorted(["warmrefuse rank", "warmfail rank", "wsmod rank"] * 2)  # imported as usual
     assert notices == []
     # The run says nothing about any of it: only the script's own output.
     assert second.count("version 1 threads ok True") == 2 and "warm" not in second.lower(), second
@@ -134,7 +147,8 @@ def test_cold_bypasses_the_warm_process(setup) -> None:
     wait_warm(job)
     take_marks(marks)
     run(job, work, cold=True)
-    assert sorted(take_marks(marks)) == sorted(["warmmark rank", "warmthread rank", "warmfail rank", "wsmod rank"] * 2)
+    everything = ["warmmark rank", "warmthread rank", "warmrefuse rank", "warmfail rank", "wsmod rank"]
+    assert sorted(take_marks(marks)) == sorted(everything * 2)
 
 
 def test_forget_preload(setup) -> None:
@@ -173,22 +187,23 @@ def test_warm_and_status_commands(setup) -> None:
     status = monarch("status")
     assert status.returncode == 0 and "learned)" in status.stdout and "MiB" in status.stdout, status.stdout
     shown = json.loads(monarch("warm", "--json").stdout)["hosts"][0]
-    assert shown["name"] == "local0" and shown["warm"]["learned_held"] > 0 and "warmthread" in shown["warm"]["excluded"]
+    assert shown["name"] == "local0" and shown["warm"]["learned_held"] > 0 and "warmrefuse" in shown["warm"]["excluded"]
     human = monarch("warm").stdout
-    assert "left out: warmthread (it starts a thread)" in human, human
+    assert "left out: warmrefuse (it starts a thread, and a process forked after it exited with status 3)" in human, human
     forgot = monarch("warm", "--forget", "--json")
     assert forgot.returncode == 0 and json.loads(forgot.stdout)["forgotten"]["local0"] > 0, forgot.stderr
 
 
-def test_what_was_learned_outlives_the_agents(setup, tmp_path: Path) -> None:
-    """A new reservation on the same host starts from what the last one learned, before any run."""
+def test_what_was_learned_stays_with_its_reservation(setup, tmp_path: Path) -> None:
+    """Learning is scoped: a new reservation elsewhere (another workspace, no served command)
+    starts from the explicit preload only, not from what this one's runs taught its host."""
     job, work, site, marks = setup
     run(job, work)
     wait_warm(job)
     again = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
     try:
-        warm = wait_warm(again)[0]
-        assert warm["learned_held"] > 0 and again.state.last_run is None
+        warm = again.status()["hosts"][0]["warm"]
+        assert warm["settled"] and warm["learned"] == 0 and warm["learned_held"] == 0, warm
     finally:
         again.stop()
 
