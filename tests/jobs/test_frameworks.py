@@ -251,13 +251,14 @@ def test_learning_settles_after_the_second_run(tmp_path: Path, monkeypatch: pyte
 
 
 def test_an_excluded_module_is_blamed_on_what_it_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A library that imports a thread-starting module is left out saying which one; the module
-    that starts the thread says it does; torch (numpy's OpenBLAS pool) is never blamed."""
+    """A library that imports a module whose fork trial fails is left out saying which one; the
+    module itself says what it does; torch (numpy's OpenBLAS pool) is never blamed."""
     site = tmp_path / "site"
     write_script(
         site,
         "spinner.py",
-        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n",
+        "import os, threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+        "if 'RANK' not in os.environ:\n    os.register_at_fork(after_in_child=lambda: os._exit(3))\n",
     )
     write_script(site, "usesspinner.py", "import spinner\n")
     script = write_script(tmp_path / "work", "train.py", "import usesspinner, torch\nprint('ok')\n")
@@ -269,8 +270,9 @@ def test_an_excluded_module_is_blamed_on_what_it_imports(tmp_path: Path, monkeyp
         assert spmd(job, script).result.exit_code == 0
         warm = wait_warm(job, timeout=300)[0]
         excluded = warm["excluded"]
-        assert excluded.get("spinner") == "it starts a thread", excluded
-        assert excluded.get("usesspinner") == "it imports spinner, which starts a thread", excluded
+        why = "starts a thread, and a process forked after it exited with status 3"
+        assert excluded.get("spinner") == f"it {why}", excluded
+        assert excluded.get("usesspinner") == f"it imports spinner, which {why}", excluded
         assert not [n for n in excluded if n.startswith(("torch", "numpy"))], excluded
         shown = subprocess.run(
             [sys.executable, "-m", "monarch_cli", "warm", "--json", "--state", str(job.path)],
@@ -279,5 +281,44 @@ def test_an_excluded_module_is_blamed_on_what_it_imports(tmp_path: Path, monkeyp
             timeout=60,
         )
         assert json.loads(shown.stdout)["hosts"][0]["warm"]["excluded"] == excluded
+    finally:
+        job.stop()
+
+
+FULL_ENV = """
+import numpy as np, pyarrow as pa, pyarrow.compute as pc
+from sklearn.linear_model import LinearRegression
+import transformers
+x = np.arange(40, dtype=float).reshape(20, 2) ** 1.5
+fit = LinearRegression().fit(x, x @ [1.5, -2.0] + 3)
+coef = [round(float(c), 6) for c in fit.coef_]
+print("result", pc.sum(pa.array(range(1000))).as_py(), coef, round(float(fit.intercept_), 6), flush=True)
+"""
+
+
+def test_a_full_ml_environment_is_held_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyarrow and scikit-learn start threads at import; a process forked after them works (their
+    fork trial passes), so they are held, and transformers with them: nothing of the three is left
+    out, the first run after serve is warm, and every run computes what a cold one computes."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("sklearn")
+    work = tmp_path / "work"
+    script = write_script(work, "train.py", FULL_ENV)
+    monkeypatch.setenv("MONARCH_LEARN_PRELOAD", "1")
+    monkeypatch.chdir(work)
+    job = serve(["torchrun", "--nproc-per-node=2", "train.py"], hosts=1, state=work / ".monarch" / "job_state.pkl")
+    try:
+        warm = job.status()["hosts"][0]["warm"]
+        held_back = [n for n in warm["excluded"] if n.split(".")[0] in ("pyarrow", "sklearn", "transformers")]
+        assert warm["settled"] and held_back == [], warm["excluded"]
+        assert warm["modules"] > 3000, warm  # transformers, pyarrow, scikit-learn: thousands of modules
+        cold = spmd(job, script, cold=True)
+        assert cold.result.exit_code == 0, cold.text()[-3000:]
+        expected = sorted(re.findall(r"result .*", cold.text()))
+        assert len(expected) == 2, cold.text()[-3000:]
+        for _ in range(2):
+            again = spmd(job, script)
+            assert again.result.exit_code == 0 and sorted(re.findall(r"result .*", again.text())) == expected
+            assert "starts cold" not in again.text(), again.text()[-3000:]
     finally:
         job.stop()
