@@ -23,10 +23,17 @@ def timed(fn: Callable[[], object], n: int, warmup: int = 0) -> list[float]:
     return out
 
 
-def print_table(what: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    table = Table(title=f"monarch-cli {what} — {platform.node()}, {os.cpu_count()} cores")
+def print_table(
+    what: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    caption: str | None = None,
+    width: int | None = None,
+) -> None:
+    """``width``: the console's, where a wide table must not wrap (a pipe or file is 80 columns otherwise)."""
+    table = Table(title=f"monarch-cli {what} — {platform.node()}, {os.cpu_count()} cores", caption=caption)
     for col in columns:
         table.add_column(col)
     for row in rows:
         table.add_row(*row)
-    Console().print(table)
+    Console(width=width).print(table)

@@ -1,4 +1,4 @@
-"""A hand-written training loop under Hugging Face Accelerate (CPU, gloo)."""
+"""A hand-written training loop under Hugging Face Accelerate (CPU and gloo, or the GPU and nccl: fwcommon)."""
 
 import fwcommon
 import torch
@@ -7,7 +7,7 @@ from accelerate.utils import set_seed
 from torch import nn
 
 fwcommon.deterministic()
-accelerator = Accelerator(cpu=True)
+accelerator = Accelerator(cpu=fwcommon.DEVICE_TYPE == "cpu")  # else LOCAL_RANK's GPU, nccl
 set_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

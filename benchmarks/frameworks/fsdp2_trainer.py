@@ -1,5 +1,5 @@
 """A torchtitan-style trainer: a small transformer, FSDP2 (``fully_shard`` per block, then the
-root) over a DeviceMesh, DTensor parameters, AdamW; CPU and gloo."""
+root) over a DeviceMesh, DTensor parameters, AdamW; CPU and gloo, or the GPU and nccl (``FW_DEVICE``)."""
 
 import fwcommon
 import torch
@@ -37,18 +37,19 @@ class Tiny(nn.Module):
 
 
 fwcommon.deterministic()
-dist.init_process_group("gloo")
+device = fwcommon.device()
+dist.init_process_group(fwcommon.BACKEND)
 rank, world = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
 torch.manual_seed(0)
-model = Tiny()
+model = Tiny().to(device)  # initialised on the CPU: the same weights on either device
 for layer in model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 generator = torch.Generator().manual_seed(1234 + rank)
 for _ in range(fwcommon.STEPS):
-    tokens = torch.randint(0, 128, (4, 16), generator=generator)
+    tokens = torch.randint(0, 128, (4, 16), generator=generator).to(device)
     logits = model(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, 128), tokens[:, 1:].reshape(-1))
     loss.backward()

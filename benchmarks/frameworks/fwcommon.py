@@ -1,7 +1,10 @@
-"""What the four framework scripts share: a deterministic set-up and the checksum they print.
+"""What the framework scripts share: a deterministic set-up, the device, and the checksum they print.
 
 Each script prints ``param-checksum <sha256>`` on rank 0: the SHA-256 of its final parameters
 (name order, float32 bytes), which must be bit for bit the same however the ranks were started.
+
+``FW_DEVICE=cuda`` (``benchmarks/frameworks.py --device cuda`` sets it) puts every script on the
+GPU that ``LOCAL_RANK`` selects, with nccl: one rank per GPU. Unset or ``cpu``: CPU and gloo.
 """
 
 from __future__ import annotations
@@ -11,12 +14,22 @@ import hashlib
 import os
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported by the scripts, after this module set the environment up
+    import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny models are built from configs: never the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 _STARTED = time.perf_counter()
 STEPS = int(os.environ.get("FW_STEPS", "8"))
+DEVICE_TYPE = os.environ.get("FW_DEVICE", "cpu")
+if DEVICE_TYPE not in ("cpu", "cuda"):
+    raise SystemExit(f"FW_DEVICE={DEVICE_TYPE!r}: cpu or cuda")
+BACKEND = "nccl" if DEVICE_TYPE == "cuda" else "gloo"
+if DEVICE_TYPE == "cuda":  # cuBLAS is deterministic only with a fixed workspace, set before its first handle
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def deterministic() -> None:
@@ -32,7 +45,20 @@ def deterministic() -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    # On a GPU a kernel without a deterministic implementation warns instead of failing the run:
+    # the checksum against cold torchrun still says whether the result differs.
+    torch.use_deterministic_algorithms(True, warn_only=DEVICE_TYPE == "cuda")
+
+
+def device() -> torch.device:
+    """The rank's device: ``cuda:LOCAL_RANK`` (made current) under ``FW_DEVICE=cuda``, else the CPU."""
+    import torch
+
+    if DEVICE_TYPE != "cuda":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def checksum(named: Iterable[tuple[str, object]]) -> str:

@@ -1,4 +1,5 @@
-"""Hugging Face Trainer: a tiny GPT-2 built from a config (no download), CPU, gloo (via Accelerate)."""
+"""Hugging Face Trainer: a tiny GPT-2 built from a config (no download), CPU and gloo, or the GPU and nccl
+(``FW_DEVICE``, via Accelerate)."""
 
 import os
 import tempfile
@@ -29,8 +30,8 @@ with tempfile.TemporaryDirectory() as out:
         max_steps=fwcommon.STEPS,
         per_device_train_batch_size=4,
         learning_rate=1e-3,
-        use_cpu=True,
-        ddp_backend="gloo",
+        use_cpu=fwcommon.DEVICE_TYPE == "cpu",
+        ddp_backend=fwcommon.BACKEND,
         report_to=[],
         save_strategy="no",
         logging_strategy="no",

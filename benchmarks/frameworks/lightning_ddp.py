@@ -1,4 +1,5 @@
-"""PyTorch Lightning with strategy="ddp" on the CPU (gloo), ranks started by torchrun (or monarch)."""
+"""PyTorch Lightning with strategy="ddp" on the CPU (gloo) or the GPUs (nccl, ``FW_DEVICE=cuda``), ranks
+started by torchrun (or monarch)."""
 
 import os
 
@@ -30,10 +31,10 @@ x = torch.randn(256, 16, generator=generator)
 data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
 world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 trainer = L.Trainer(
-    accelerator="cpu",
+    accelerator="gpu" if fwcommon.DEVICE_TYPE == "cuda" else "cpu",
     devices=local,
     num_nodes=world // local,
-    strategy=DDPStrategy(process_group_backend="gloo"),
+    strategy=DDPStrategy(process_group_backend=fwcommon.BACKEND),
     max_steps=fwcommon.STEPS,
     logger=False,
     enable_checkpointing=False,
