@@ -189,7 +189,9 @@ def test_warm_and_status_commands(setup) -> None:
     shown = json.loads(monarch("warm", "--json").stdout)["hosts"][0]
     assert shown["name"] == "local0" and shown["warm"]["learned_held"] > 0 and "warmrefuse" in shown["warm"]["excluded"]
     human = monarch("warm").stdout
-    assert "left out: warmrefuse (it starts a thread, and a process forked after it exited with status 3)" in human, human
+    assert "left out: warmrefuse (it starts a thread, and a process forked after it exited with status 3)" in human, (
+        human
+    )
     forgot = monarch("warm", "--forget", "--json")
     assert forgot.returncode == 0 and json.loads(forgot.stdout)["forgotten"]["local0"] > 0, forgot.stderr
 
