@@ -126,3 +126,51 @@ def test_the_first_run_after_serve_is_warm_and_the_next_serve_remembers(workspac
         assert first.result.exit_code == 0 and _marks(marks) == [], first.text()  # nothing left to import
     finally:
         again.stop()
+
+
+def _warm(job) -> dict:  # type: ignore[no-untyped-def]
+    return job.status()["hosts"][0]["warm"]
+
+
+def _settle(job, timeout: float = 120.0) -> dict:  # type: ignore[no-untyped-def]
+    assert job.wait_warm(timeout), _warm(job)
+    return _warm(job)
+
+
+@pytest.mark.slow
+def test_what_a_run_teaches_is_learned_in_place_by_the_idle_warm_process(workspace: tuple[Path, Path]) -> None:
+    """Run 1 imports a module no reader could see; the warm process, idle once the run ended,
+    imports it itself (same process: torch is not imported again beside the next run), and run 2
+    forks with it. A module learned in place that refuses forks retires that process instead:
+    the next run starts from a new one without it, and succeeds."""
+    work, marks = workspace
+    write_script(work.parent / "site", "refuser.py", MARK + REFUSE)
+    refusing = write_script(work, "refusing.py", "import refuser\nprint('refusing ran')\n")
+    job = serve(["torchrun", "--nproc-per-node=2", "train.py"], hosts=1, state=work / ".monarch" / "job_state.pkl")
+    try:
+        before = _settle(job)
+        _marks(marks)
+        assert spmd(job, work / "train.py", nproc=2).result.exit_code == 0
+        assert _marks(marks) == ["latemark rank", "latemark rank"]
+        after = _settle(job)
+        assert after["pid"] == before["pid"] and after["learned_held"] > before["learned_held"], (before, after)
+        assert _marks(marks) == ["latemark warm"]  # imported once, by the same warm process
+        again = spmd(job, work / "train.py", nproc=2)
+        assert again.result.exit_code == 0 and again.text().count("ran 7") == 2 and _marks(marks) == []
+
+        assert spmd(job, refusing, nproc=2).result.exit_code == 0
+        settled = _settle(job)
+        assert settled["pid"] != before["pid"], settled  # the tainted one was retired
+        assert settled["excluded"]["refuser"].startswith("it starts a thread, and a process forked after it")
+        third = spmd(job, refusing, nproc=2)
+        assert third.result.exit_code == 0 and third.text().count("refusing ran") == 2, third.text()
+    finally:
+        job.stop()
+
+
+REFUSE = (
+    "import threading, time\n"
+    "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+    "if 'RANK' not in os.environ:\n"
+    "    os.register_at_fork(after_in_child=lambda: os._exit(3))\n"
+)

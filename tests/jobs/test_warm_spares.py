@@ -149,12 +149,13 @@ def test_stop_leaves_no_spare_behind(tmp_path: Path) -> None:
         time.sleep(0.1)
 
 
-def test_a_warm_process_that_replaces_the_last_one_has_its_spares_before_the_next_run(
+def test_a_warm_process_that_learned_after_the_last_run_has_its_spares_before_the_next_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After the first run of a script, the warm process is rebuilt with what it imported and
-    swapped in: the next run forks from that one, so that is where its spares must be (else that
-    run's ranks each wait for a fork of a process of hundreds of MB)."""
+    """After the first run of a script, the idle warm process imports what it imported (in
+    place) and lets its idle spares go (forked before those imports): the next run forks from it,
+    so it must have new spares by then (else that run's ranks each wait for a fork of a process of
+    hundreds of MB), and they must hold what was learned."""
     monkeypatch.setenv("MONARCH_CACHE_DIR", str(tmp_path / "cache"))  # nothing learned before: a swap will come
     job = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
     try:
@@ -162,7 +163,7 @@ def test_a_warm_process_that_replaces_the_last_one_has_its_spares_before_the_nex
         script = write_script(tmp_path, "spares.py", _SCRIPT)
         assert spmd(job, script, nproc=2).result.exit_code == 0
         (warm,) = wait_warm(job)
-        assert warm["pid"] != first, "the run taught nothing: no warm process was swapped in"
+        assert warm["pid"] == first and warm["learned_held"] > 0, "the run taught nothing"
         spares = _wait_spares(job, per_host=2)
         assert list(spares) == [warm["pid"]]
         run = spmd(job, script, nproc=2)

@@ -54,6 +54,10 @@ class ForkServerHandle:
         """Ask a warm zygote to keep ``count`` rank children forked ahead (see :mod:`.zygote`)."""
         self._ask(protocol.Spares(count), [])
 
+    def learn_more(self, learned: str, ready: str) -> None:
+        """Ask a warm zygote with no rank running to import more in place (see :class:`~..protocol.LearnMore`)."""
+        self._ask(protocol.LearnMore(learned, ready), [])
+
     def _ask(self, msg: Any, fds: list[int]) -> None:
         """Send now if nothing is queued before it and the socket takes it, else queue it."""
         data = pickle.dumps(protocol.header(msg))

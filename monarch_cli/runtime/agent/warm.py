@@ -39,6 +39,7 @@ class _Warm:
     children: int = 0  # ranks asked of it and not yet exited
     retired: bool = False
     files: FileWatch | None = None  # the files it loaded, watched from when it is ready
+    in_place: bool = False  # importing more itself (LearnMore), not ready meanwhile
 
 
 class LearnedStore:
@@ -152,7 +153,7 @@ class WarmRanks:
         return [w for w in (self.current, self.next, *self.retired) if w is not None]
 
     # ------------------------------------------------------------------- zygotes
-    def _spawn(self, learned: list[tuple[str, str]]) -> _Warm:
+    def _spawn(self, learned: list[tuple[str, str | None]]) -> _Warm:
         self._serial += 1
         learned_file = None
         if learned:
@@ -234,7 +235,31 @@ class WarmRanks:
             return
         if cur is not None and self._holds_all(cur, wanted):
             return
+        if cur is not None and not cur.retired:
+            if cur.children <= 0:
+                self._learn_in_place(cur, wanted)
+                return
+            if since is None:  # its last ranks said they exit; the kernel has not freed them yet
+                self._postponed = True  # (their exit, or tick(), tries again)
+                return
         self.next = self._spawn(wanted)
+
+    def _learn_in_place(self, warm: _Warm, wanted: list[tuple[str, str | None]]) -> None:
+        """Have the idle warm process runs fork from import what is new itself: no second process
+        importing torch and everything again beside the next run (on a 2-core host, runs 2-4 after
+        serve took 3-4 s each while a new warm process was built beside them). A run that comes
+        meanwhile forks once it is done (its ranks would import the same modules themselves)."""
+        self._serial += 1
+        learned_file = os.path.join(self.dir, f"learned-{self._serial}.json")
+        with open(learned_file, "w") as f:
+            json.dump(wanted, f)
+        self._unlink(warm.ready_file)
+        warm.ready_file = os.path.join(self.dir, f"ready-{self._serial}.json")
+        warm.ready, warm.in_place, warm.learned = None, True, len(wanted)
+        if warm.files is not None:
+            warm.files.close()
+            warm.files = None
+        warm.zygote.learn_more(learned_file, warm.ready_file)
 
     @staticmethod
     def _holds_all(warm: _Warm, wanted: list[tuple[str, str | None]]) -> bool:
@@ -282,6 +307,8 @@ class WarmRanks:
             warm.children -= 1
             if warm.retired and warm.children <= 0:
                 self._drop(warm, kill=True)
+            elif warm.children <= 0 and self._postponed:
+                self._maybe_warm()
         elif kind == "ready":
             self._ready(warm)
             return True
@@ -319,8 +346,12 @@ class WarmRanks:
         if offender:
             self.store.exclude(offender[0], offender[1])
         self.store.absent.update(warm.ready.get("absent", ()))
-        if offender:  # it exits by itself; it never forked
-            self._drop(warm, kill=True)
+        in_place, warm.in_place = warm.in_place, False
+        if offender:  # a new one exits by itself (it never forked); one learning in place runs what it has cold
+            if in_place:
+                self._retire(warm)
+            else:
+                self._drop(warm, kill=True)
             self._retries += 1
             self._maybe_warm()
             return
@@ -329,10 +360,11 @@ class WarmRanks:
             if self.current is not None:
                 self._retire(self.current)
             self.current, self.next = warm, None
-            if self._spares and self._running_since() is None:
-                # The next run forks from this one: its spares now, as the last run's end would
-                # have asked of the one it replaces (else that run's ranks wait for forks).
-                warm.zygote.spares(self._spares)
+        if warm is self.current and self._spares and self._running_since() is None:
+            # The next run forks from this one: its spares now, as the last run's end would have
+            # asked of the one it replaces or of this one before it learned (else that run's ranks
+            # wait for forks).
+            warm.zygote.spares(self._spares)
         if self._again:
             self._again = False
             self._maybe_warm()
@@ -371,11 +403,14 @@ class WarmRanks:
             self.next = None
         if warm in self.retired:
             self.retired.remove(warm)
-        for path in (warm.ready_file,):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        self._unlink(warm.ready_file)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
     def forget(self) -> int:
         """Forget what was learned; runs fork from a zygote with the explicit preload only."""
@@ -401,7 +436,7 @@ class WarmRanks:
             "rss_bytes": _rss(cur.zygote.process.pid) if cur is not None else None,
             "learned": len(self.store.learned),
             "excluded": dict(self.store.excluded),
-            "warming": self.next is not None,
+            "warming": self.next is not None or (cur is not None and cur.in_place),
             "spares": self._spares,  # rank children kept forked ahead for the next run
             "learning": self.learning,
             "settled": self.settled(),

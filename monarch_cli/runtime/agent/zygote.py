@@ -147,6 +147,13 @@ class _Spares:
             return pid
         return None
 
+    def discard(self) -> None:
+        """Let every idle spare go (it exits on the closed socket; its exit is not reported)."""
+        for pid, ours in list(self.idle.items()):
+            ours.close()
+            self.lost.add(pid)
+        self.idle.clear()
+
     def exited(self, pid: int) -> bool:
         """A spare died before it was a rank (killed from outside): forget it; True if it was one."""
         ours = self.idle.pop(pid, None)
@@ -228,6 +235,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set = set()
     spares = _Spares(title)
+    tainted = False  # a LearnMore made it unsafe to fork warm ranks: it runs the ones queued cold
     # Replies never block: with hundreds of forks asked at once, a blocking reply while the agent
     # is still sending requests would deadlock both ends of the socket pair. They wait here and
     # go as the socket takes them, while requests keep being read.
@@ -266,15 +274,25 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 os._exit(0)
             msg = protocol.decode(pickle.loads(data))
             if isinstance(msg, protocol.Spares):
-                spares.fill(msg.wanted, [sock, wake_r, wake_w], children)
+                if not tainted:
+                    spares.fill(msg.wanted, [sock, wake_r, wake_w], children)
+                _send_replies(sock, replies)
+                continue
+            if isinstance(msg, protocol.LearnMore):
+                spares.discard()
+                tainted = _learn_more(msg) or tainted
+                replies.append(pickle.dumps(protocol.header(protocol.WarmReady())))
                 _send_replies(sock, replies)
                 continue
             req_id, kind, boot = msg.req_id, msg.kind, msg.boot
             boot["_zygote_pid"] = os.getpid()
             pid = None
+            if tainted and kind in ("rank", "cold"):  # what it learned last makes it unsafe to fork
+                pid = _start_cold(boot, fds)
+                children.add(pid)
             if kind == "rank" and spares.idle:
                 pid = spares.hand_over(pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot))), fds)
-            if pid is None:
+            if pid is None:  # (a tainted zygote's rank started above)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 # What the zygote holds never becomes garbage a rank could collect: leave it out of
@@ -303,6 +321,57 @@ def _send_replies(sock: socket.socket, replies: collections.deque[bytes]) -> Non
             replies.clear()
             return
         replies.popleft()
+
+
+def _start_cold(boot: dict[str, Any], fds: list[int]) -> int:
+    """A cold rank started without ``os.fork()``: a zygote that learned a module refusing forks
+    (its ``register_at_fork`` hook, a thread pool that hangs in the child) must not run Python's
+    fork hooks. ``subprocess`` forks and execs in C and runs none; the rank is a fresh
+    interpreter, as any cold rank."""
+    import json
+    import subprocess
+
+    from ..rank import start as rank_start
+
+    boot.pop("_zygote_pid", None)
+    extra = {role: fds[i] for role, i in boot.pop("_fd_roles", {}).items()}
+    env = dict(boot["env"])
+    if boot["mode"] == "no_python":
+        extra = {}  # (a program gets no debugger or store socket: the caller closes them)
+    else:
+        env[rank_start.SPEC_ENV] = json.dumps({**boot, "extra_fds": extra})
+    proc = subprocess.Popen(
+        rank_start.cold_command(boot),
+        stdin=fds[0],
+        stdout=fds[1],
+        stderr=fds[2],
+        pass_fds=list(extra.values()),
+        cwd=boot["cwd"],
+        env=env,
+        start_new_session=True,
+    )
+    _started.append(proc)  # (reaped by the loop's waitpid, reported as any child)
+    return proc.pid
+
+
+_started: list[Any] = []
+
+
+def _learn_more(msg: protocol.LearnMore) -> bool:
+    """Import more learned modules in this (idle) zygote; True if one made it unsafe to fork."""
+    from ..rank import fresh
+
+    stop_env_reads = preload.watch_env_reads()
+    try:
+        imported = preload.import_learned(msg.learned)
+    finally:
+        stop_env_reads()
+    preload.finish_environment()
+    if imported[3] is None:
+        preload.mark_start()  # ranks report only what is not held now
+        fresh.prepare()  # loggers the new modules made
+    preload.write_ready(msg.ready, imported)
+    return imported[3] is not None
 
 
 def _load_learned(sock: socket.socket, stop_env_reads: Any) -> None:

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 from .base import AGENT_ZYGOTE, ZYGOTE_AGENT, _message
 
-__all__ = ["Fork", "Spares", "Forked", "ChildExited", "WarmReady"]
+__all__ = ["Fork", "Spares", "LearnMore", "Forked", "ChildExited", "WarmReady"]
 
 
 # ---------------------------------------------------------------- agent ↔ zygote
@@ -25,6 +25,18 @@ class Spares(NamedTuple):
     (a warm zygote, after a run: the next run's ranks start without a fork each)."""
 
     wanted: int
+
+
+@_message("learn_more", AGENT_ZYGOTE)
+class LearnMore(NamedTuple):
+    """A warm zygote with no rank running: import the modules listed in ``learned`` too, in this
+    process (no new one to start: torch is not imported again), then write ``ready`` and say
+    ``ready``. Its idle spares go (forked before these imports). If one of the modules makes it
+    unsafe to fork, it says so and runs every later rank cold (a fresh interpreter), so the
+    forks queued behind this request still start."""
+
+    learned: str
+    ready: str
 
 
 @_message("forked", ZYGOTE_AGENT)

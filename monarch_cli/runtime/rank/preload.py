@@ -277,13 +277,30 @@ def _thread_ids() -> set[int]:
 
 
 def _signal_handlers() -> dict[int, Any]:
+    """Every signal's handler, through ``_signal`` (``signal.getsignal`` makes an enum of each
+    number: 1.1 s of a 3.3 s warm-up of DDP's 828 modules, checked after each one)."""
+    import _signal
+
     found = {}
-    for sig in signal.valid_signals():
+    for sig in _SIGNALS:
         try:
-            found[int(sig)] = signal.getsignal(sig)
+            found[sig] = _signal.getsignal(sig)
         except (OSError, ValueError):
             pass
     return found
+
+
+_SIGNALS = [int(s) for s in signal.valid_signals()]
+
+
+def _environment() -> dict[bytes, bytes]:
+    """The process environment as ``os.environ`` keeps it (its raw dict: compared in C)."""
+    return dict(os.environ._data)  # type: ignore[attr-defined]
+
+
+def _env_changed(before: dict[bytes, bytes]) -> bool:
+    """A variable changed or removed since ``before`` (an addition is replayed in ranks)."""
+    return not before.items() <= os.environ._data.items()  # type: ignore[attr-defined]
 
 
 def _cuda_initialized() -> bool:
@@ -294,7 +311,7 @@ def _cuda_initialized() -> bool:
         return False
 
 
-def _what_changed(threads: set[int], handlers: dict[int, Any], env: dict[str, str]) -> str | None:
+def _what_changed(threads: set[int], handlers: dict[int, Any], env: dict[bytes, bytes]) -> str | None:
     """Why this process can no longer be forked as a fresh interpreter, if it cannot (threads: it
     had ``threads``, and has others that outlive a short wait)."""
     if _cuda_initialized():
@@ -305,8 +322,8 @@ def _what_changed(threads: set[int], handlers: dict[int, Any], env: dict[str, st
             return _THREAD
     if _signal_handlers() != handlers:
         return "it installs a signal handler"
-    if any(os.environ.get(k) != v for k, v in env.items()):
-        return "it changes or removes an environment variable"  # an addition is replayed in ranks
+    if _env_changed(env):
+        return "it changes or removes an environment variable"
     return None
 
 
@@ -348,7 +365,7 @@ class _Watcher:
     them), for a fork trial once the whole import is done (:mod:`.fork_trial`)."""
 
     def __init__(self) -> None:
-        self.threads, self.handlers, self.env = _thread_ids(), _signal_handlers(), dict(os.environ)
+        self.threads, self.handlers, self.env = _thread_ids(), _signal_handlers(), _environment()
         self.libraries = _mapped_libraries()
         self.started_threads: list[str] = []  # modules of the current import that started threads
 
