@@ -175,6 +175,12 @@ def run_spmd_cmd(
     state: Path | None = StateOpt,
     ranks: str | None = typer.Option(None, "--ranks", help="Only print these ranks (e.g. 0,2-3); all are logged."),
     cold: bool = typer.Option(False, "--cold", help="Start ranks in fresh interpreters (skip the warm start)."),
+    keep_ranks: bool = typer.Option(
+        False,
+        "--keep-ranks",
+        help="Keep the rank processes for the next --keep-ranks run: imports, CUDA context and compiled "
+        "graphs survive; globals, process group, seeds and logging are reset.",
+    ),
     color: bool | None = typer.Option(
         None, "--color/--no-color", help="Colour rank prefixes (default: on a terminal)."
     ),
@@ -233,6 +239,7 @@ def run_spmd_cmd(
             as_json,
             group,
             stall_timeout,
+            keep_ranks,
         )
     )
 

@@ -43,6 +43,7 @@ def run_spmd(
     as_json: bool,
     group: bool | None = None,
     stall_timeout: float | None = None,
+    keep_ranks: bool = False,
 ) -> int:
     """``monarch run-spmd``; returns the exit status."""
     from ..jobs import job_load
@@ -54,6 +55,7 @@ def run_spmd(
     result = job.run_spmd(
         command or None,
         cold=cold,
+        keep_ranks=keep_ranks,
         ranks=rank_set,
         color=color,
         stdout=stdout,

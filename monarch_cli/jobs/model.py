@@ -263,6 +263,9 @@ class RunOptions:
 
     #: Start every rank as a fresh interpreter instead of forking its host's warm process.
     cold: bool = False
+    #: Keep the ranks' processes for the next run that keeps them too (imports, CUDA context,
+    #: compiled graphs survive; the script's world is reset: docs/spmd.md, "Kept ranks").
+    keep_ranks: bool = False
     #: The ranks whose output reaches the console (every rank is logged); None: all of them.
     ranks: set[int] | None = None
     #: Colour the ``[rankN]`` prefixes; None: when the console is a terminal.

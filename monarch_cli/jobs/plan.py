@@ -119,6 +119,7 @@ def plan_spmd(
     restart_count: int = 0,
     environ: dict[str, str] | None = None,
     post_mortem: bool = False,
+    keep: bool = False,
     cwd: str | None = None,
     node_cwd: dict[int, str] | None = None,
     node_environ: dict[int, dict[str, str]] | None = None,
@@ -182,6 +183,7 @@ def plan_spmd(
             host_store,
             post_mortem,
             node_telemetry,
+            keep and warm,
         )
         for local in range(nproc):
             rank = node * nproc + local
@@ -209,6 +211,7 @@ class _SpmdHostRanks:
         "host_store",
         "post_mortem",
         "telemetry",
+        "keep",
     )
 
     def __init__(
@@ -228,6 +231,7 @@ class _SpmdHostRanks:
         host_store: bool,
         post_mortem: bool,
         telemetry: dict[str, Any] | None,
+        keep: bool = False,
     ) -> None:
         self.command = command
         self.node = node
@@ -244,6 +248,7 @@ class _SpmdHostRanks:
         self.host_store = host_store
         self.post_mortem = post_mortem
         self.telemetry = telemetry
+        self.keep = keep
 
     def spec(self, local: int) -> protocol.RankSpec:
         # Only what differs from the host's base: the base is one dict shared by its ranks
@@ -278,4 +283,6 @@ class _SpmdHostRanks:
         }
         if self.telemetry is not None:  # lets the rank's agent trace it, dump its stack, time its steps
             out["telemetry"] = self.telemetry
+        if self.keep:
+            out["keep"] = True
         return out

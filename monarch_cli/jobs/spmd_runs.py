@@ -205,6 +205,7 @@ class SpmdRuns:
                 master_port=port,
                 restart_count=attempt,
                 post_mortem=opts.post_mortem,
+                keep=opts.keep_ranks,
                 cwd=run.cwd,
                 environ={**user_environment(), **(opts.env or {})},
                 node_cwd=run.node_cwd,

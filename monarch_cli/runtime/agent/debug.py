@@ -142,7 +142,7 @@ class DebugHost:
         kind = msg["type"]
         if kind == "exiting":  # the rank's last word: its status, before the kernel tears it down
             if s.pid is not None:
-                self.agent.ranks.exiting(s.pid, int(msg["status"]))
+                self.agent.ranks.exiting(s.pid, int(msg["status"]), bool(msg.get("kept")))
             return
         if kind == "output":
             s.transcript += msg["data"]

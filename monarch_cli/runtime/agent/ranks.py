@@ -116,6 +116,7 @@ class RankHost:
         self.port_held_at: dict[str, float] = {}
         self.tracked: dict[str, set[lineage.Pid]] = {}  # run id -> descendants seen under its ranks
         self.leftovers: dict[lineage.Pid, float] = {}  # a run's leftover process -> when to SIGKILL it
+        self.kept: set[int] = set()  # kept ranks between runs (their process groups are left alone)
         self.warm_forks: dict[str, int] = {}  # run id -> its warm ranks here (the spares to keep after it)
         self.spares_due: list[tuple[float, int]] = []  # (when, how many warm ranks the run had) to ask for
         self._next_scan = 0.0
@@ -317,6 +318,7 @@ class RankHost:
         if rank is None:
             return False
         rank.pid = pid
+        self.kept.discard(pid)  # (a kept rank handed this run)
         self.by_pid[pid] = rank
         self.groups.setdefault(rank.run_id, []).append(pid)
         self.agent.debug.set_pid(rank.run_id, rank.rank, pid)
@@ -333,14 +335,19 @@ class RankHost:
         self._maybe_report(rank)
         return True
 
-    def exiting(self, pid: int, status: int) -> None:
+    def exiting(self, pid: int, status: int, kept: bool = False) -> None:
         """A warm rank said, as its last act, that it exits with ``status`` and has closed its
         output: it is reported as soon as its pipes say so too. Tearing down a process forked
         from a warm process of hundreds of MB takes the kernel 3-10 ms, and the fork server's
-        ``exit`` comes after that (and is then not needed: it finds the rank reported)."""
+        ``exit`` comes after that (and is then not needed: it finds the rank reported). A kept
+        rank (``--keep-ranks``) does not exit: it waits for the next run, and the end of this one
+        leaves it (and what its libraries started under it) alone."""
         rank = self.by_pid.get(pid)
         if rank is None or rank.status is not None:
             return
+        if kept:
+            self.kept.add(pid)
+            self.agent.warm.rank_kept(rank.zygote_pid)
         rank.status = (status & 0xFF) << 8  # a wait status, as ``waitpid`` would give it
         rank.exited_at = time.monotonic()
         self._maybe_report(rank)
@@ -460,11 +467,12 @@ class RankHost:
         self.unthrottled.discard(run_id)
         kill_at = time.monotonic() + _EOF_GRACE
         for pgid in self.groups.pop(run_id, ()):
-            if _signal_group(pgid, signal.SIGTERM):
+            if pgid not in self.kept and _signal_group(pgid, signal.SIGTERM):
                 self.reaping[pgid] = kill_at
         # Those that left the group (setsid): seen under a rank, or carrying the run's id.
         under_agent = lineage.descendants([os.getpid()])
         ours = {p for p in under_agent if p[0] in self.agent.zygote_pids() or p[0] in self.by_pid}
+        ours |= {p for p in under_agent if p[0] in self.kept} | lineage.descendants(self.kept)
         left = (self.tracked.pop(run_id, set()) | lineage.carrying(run_id, under_agent - ours)) - ours
         for proc in left:
             if lineage.signal_exact(proc, signal.SIGTERM):

@@ -326,6 +326,15 @@ class WarmRanks:
         if cur is not None and cur.ready is not None and cur.zygote.process.pid not in busy:
             cur.zygote.spares(count)
 
+    def rank_kept(self, zygote_pid: int) -> None:
+        """A rank of ``zygote_pid``'s ended its run and stays for the next (``--keep-ranks``): it no
+        longer counts as a running child (the zygote will not say it exited)."""
+        warm = next((w for w in self._all() if w.zygote.process.pid == zygote_pid), None)
+        if warm is not None:
+            warm.children -= 1
+            if warm.children <= 0 and self._postponed:
+                self._maybe_warm()
+
     def fork_asked(self, zygote: Any) -> None:
         """A rank was asked of ``zygote``: it counts as a child from now, not from its ``forked`` reply,
         so a zygote retired meanwhile (the next one became ready) is not killed with forks in flight

@@ -19,6 +19,7 @@ import array
 import collections
 import ctypes
 import errno
+import fcntl
 import gc
 import importlib
 import os
@@ -59,13 +60,39 @@ def _leave_the_zygote(inherited: list[Any]) -> None:
             pass
 
 
-def _child(inherited: list[Any], kind: str, boot: dict[str, Any], fds: list[int]) -> None:
+def _child(
+    inherited: list[Any], kind: str, boot: dict[str, Any], fds: list[int], keep: socket.socket | None = None
+) -> None:
+    """Be the child asked for; never returns. A kept rank (``keep``: its socket to the zygote, and
+    a spec that says ``keep``) runs run after run: put back after each (:mod:`..rank.keep`), it
+    says ``idle`` and is handed the next run's spec and fds as a spare is."""
+    while True:
+        code = _be(inherited, kind, boot, fds)
+        inherited = []
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a reader gone
+                pass
+        if kind != "rank":
+            os._exit(code)
+        kept = keep is not None and bool(boot.get("keep")) and _kept(boot)
+        _say_exiting(code, kept)
+        if not kept or keep is None:
+            os._exit(code)
+        kind, boot, fds = _next_run(keep, boot)
+
+
+def _be(inherited: list[Any], kind: str, boot: dict[str, Any], fds: list[int]) -> int:
     code = 1
     try:
         parent = boot.pop("_zygote_pid")
         _leave_the_zygote(inherited)
         if os.getppid() != parent:
             os._exit(1)
+        # A kept rank closed its stdio after its run, so the next run's fds may arrive as 0-2:
+        # lift them above stdio first (dup2 onto itself, then close, would lose one).
+        fds = [fcntl.fcntl(fd, fcntl.F_DUPFD, 3) if fd <= 2 else fd for fd in fds]
         extra = {role: fds[i] for role, i in boot.pop("_fd_roles", {}).items()}  # listen, debug
         for target, fd in zip((0, 1, 2), fds[:3]):
             os.dup2(fd, target)
@@ -86,18 +113,39 @@ def _child(inherited: list[Any], kind: str, boot: dict[str, Any], fds: list[int]
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if kind == "rank":
-                _say_exiting(code)
-        finally:
-            os._exit(code)
+    return code
 
 
-def _say_exiting(code: int) -> None:
-    """A warm rank's last act: close its output and tell its agent the status (``RankHost.exiting``)."""
+def _kept(boot: dict[str, Any]) -> bool:
+    try:
+        from ..rank import start as rank_start
+
+        return rank_start.keep_for_next(boot)  # type: ignore[arg-type]
+    except BaseException:  # noqa: BLE001 - a fresh process is the safe answer
+        return False
+
+
+def _next_run(keep: socket.socket, boot: dict[str, Any]) -> tuple[str, dict[str, Any], list[int]]:
+    """A kept rank between runs: idle, its debugger channel closed, until the zygote hands it the
+    next run (a ``fork`` of kind rank with its fds) or lets it go (the socket closes)."""
+    rank_debug = sys.modules.get("monarch_cli.runtime.rank.debug")
+    if rank_debug is not None:
+        rank_debug.uninstall()
+    local = str(boot.get("env", {}).get("LOCAL_RANK", ""))
+    try:
+        keep.send(f"idle {local}".encode())
+        data, fds, _, _ = socket.recv_fds(keep, 1 << 20, 16)
+    except BaseException:  # noqa: BLE001 - a signal from outside: an idle kept rank just goes
+        os._exit(1)
+    if not data:
+        os._exit(0)
+    fork = protocol.decode(pickle.loads(data))
+    return fork.kind, fork.boot, list(fds)
+
+
+def _say_exiting(code: int, kept: bool = False) -> None:
+    """A warm rank's last act (a kept one's last of its run): close its output and tell its agent
+    the status (``RankHost.exiting``)."""
     rank_debug = sys.modules.get("monarch_cli.runtime.rank.debug")
     if rank_debug is None or not rank_debug.installed():
         return
@@ -106,7 +154,7 @@ def _say_exiting(code: int) -> None:
             os.close(fd)
         except OSError:
             pass
-    rank_debug.say_exiting(code)
+    rank_debug.say_exiting(code, kept)
 
 
 class _Spares:
@@ -117,6 +165,10 @@ class _Spares:
         self.title = "monarch spare " + title.split(" ", 2)[-1]
         self.idle: dict[int, socket.socket] = {}
         self.lost: set[int] = set()  # spares found dead when handed a rank, not reaped yet
+        #: Idle kept ranks (among ``idle``): the LOCAL_RANK their last run had (its device, its
+        #: compiled graphs); handed only runs that keep ranks, that local rank's first.
+        self.tags: dict[int, str] = {}
+        self.kept: dict[int, socket.socket] = {}  # kept ranks running a run, by pid: their socket
 
     def fill(self, count: int, inherited: list[Any], children: set[int]) -> None:
         """Fork spares until ``count`` are idle (at most :data:`MAX_SPARES`)."""
@@ -127,39 +179,71 @@ class _Spares:
             gc.freeze()
             pid = os.fork()
             if pid == 0:
-                _spare(theirs, [*inherited, ours, *self.idle.values()], self.title)
+                _spare(theirs, [*inherited, ours, *self.idle.values(), *self.kept.values()], self.title)
             theirs.close()
             self.idle[pid] = ours
             children.add(pid)
 
-    def hand_over(self, data: bytes, fds: list[int]) -> int | None:
-        """Give a rank's fork request to an idle spare; its pid, or None when none could take it."""
-        while self.idle:
-            pid, ours = self.idle.popitem()
+    def _pick(self, boot: dict[str, Any]) -> int | None:
+        """An idle child for this rank: a kept one of its local rank, another kept one, a plain
+        spare; a run that does not keep ranks gets a plain spare only (a kept one is not fresh)."""
+        plain = [p for p in self.idle if p not in self.tags]
+        if not boot.get("keep"):
+            return plain[0] if plain else None
+        local = str(boot.get("env", {}).get("LOCAL_RANK", ""))
+        same = [p for p, tag in self.tags.items() if tag == local]
+        return next(iter(same or plain or list(self.tags)), None)
+
+    def hand_over(self, data: bytes, fds: list[int], boot: dict[str, Any]) -> int | None:
+        """Give a rank's fork request to an idle child; its pid, or None when none could take it."""
+        while (pid := self._pick(boot)) is not None:
+            ours = self.idle.pop(pid)
+            self.tags.pop(pid, None)
             try:
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
                 ours.sendmsg([data], ancillary)
             except OSError:  # it died meanwhile: its exit is reaped (and not reported) as a spare's
                 self.lost.add(pid)
+                ours.close()
                 continue
-            finally:
+            if boot.get("keep"):
+                self.kept[pid] = ours
+            else:
                 ours.close()
             return pid
         return None
 
-    def discard(self) -> None:
-        """Let every idle spare go (it exits on the closed socket; its exit is not reported)."""
-        for pid, ours in list(self.idle.items()):
+    def heard(self, pid: int) -> None:
+        """A kept rank's socket is readable: ``idle LOCAL_RANK`` after its run, or closed (it exits)."""
+        ours = self.kept.pop(pid)
+        try:
+            said = ours.recv(64)
+        except OSError:
+            said = b""
+        if said.startswith(b"idle"):
+            self.idle[pid] = ours
+            self.tags[pid] = said[5:].decode(errors="replace")
+        else:
             ours.close()
+
+    def discard(self) -> None:
+        """Let every idle plain spare go (it exits on the closed socket; its exit is not reported);
+        kept ranks stay (they import what they need themselves)."""
+        for pid in [p for p in self.idle if p not in self.tags]:
+            self.idle.pop(pid).close()
             self.lost.add(pid)
-        self.idle.clear()
 
     def exited(self, pid: int) -> bool:
         """A spare died before it was a rank (killed from outside): forget it; True if it was one."""
         ours = self.idle.pop(pid, None)
+        self.tags.pop(pid, None)
         if ours is not None:
             ours.close()
             return True
+        running = self.kept.pop(pid, None)  # a kept rank that ended during a run: a rank's exit
+        if running is not None:
+            running.close()
+            return False
         if pid in self.lost:
             self.lost.discard(pid)
             return True
@@ -181,11 +265,13 @@ def _spare(own: socket.socket, inherited: list[Any], title: str) -> None:
         data, fds, _, _ = socket.recv_fds(own, 1 << 20, 16)
     except BaseException:  # noqa: BLE001 - a signal from outside: an idle spare just goes
         os._exit(1)
-    own.close()
     if not data:  # the zygote went, or let it go
         os._exit(0)
     fork = protocol.decode(pickle.loads(data))
-    _child([], fork.kind, fork.boot, list(fds))
+    keep = own if fork.boot.get("keep") else None
+    if keep is None:
+        own.close()
+    _child([], fork.kind, fork.boot, list(fds), keep)
 
 
 def _exit_if_orphaned(parent: int, done: threading.Event) -> None:
@@ -242,7 +328,7 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     replies: collections.deque[bytes] = collections.deque()
     while True:
         try:
-            ready, _ = ready_fds([sock, wake_r], [sock] if replies else [])
+            ready, _ = ready_fds([sock, wake_r, *spares.kept.values()], [sock] if replies else [])
         except InterruptedError:
             continue
         if wake_r in ready:
@@ -261,6 +347,8 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 children.discard(pid)
                 if not spares.exited(pid):
                     replies.append(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
+        for pid in [p for p, kept in spares.kept.items() if kept in ready]:
+            spares.heard(pid)
         if sock in ready:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
@@ -290,9 +378,10 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
             if tainted and kind in ("rank", "cold"):  # what it learned last makes it unsafe to fork
                 pid = _start_cold(boot, fds)
                 children.add(pid)
-            if kind == "rank" and spares.idle:
-                pid = spares.hand_over(pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot))), fds)
+            if kind == "rank" and pid is None and spares.idle:
+                pid = spares.hand_over(pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot))), fds, boot)
             if pid is None:  # (a tainted zygote's rank started above)
+                keep = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if boot.get("keep") else None
                 sys.stdout.flush()
                 sys.stderr.flush()
                 # What the zygote holds never becomes garbage a rank could collect: leave it out of
@@ -302,8 +391,12 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
                 gc.freeze()
                 pid = os.fork()
                 if pid == 0:
-                    _child([sock, wake_r, wake_w, *spares.idle.values()], kind, boot, fds)
+                    inherited = [sock, wake_r, wake_w, *spares.idle.values(), *spares.kept.values()]
+                    _child([*inherited, *(keep[:1] if keep else ())], kind, boot, fds, keep[1] if keep else None)
                 children.add(pid)
+                if keep is not None:
+                    keep[1].close()
+                    spares.kept[pid] = keep[0]
             for f in fds:
                 os.close(f)
             replies.append(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))

@@ -39,6 +39,7 @@ class RankSpec(TypedDict, total=False):
     warm: bool
     host_store: bool  # rank 0 serves the rendezvous store on the port the agent held
     post_mortem: bool
+    keep: bool  # --keep-ranks: the rank stays for the next run (runtime/rank/keep.py)
     telemetry: dict[str, Any]  # run_id, agent_pid, dir
     module_report: str  # (agent) where a warm rank writes what it imported
     _fd_roles: dict[str, int]  # (agent) listen / debug: index into the fds passed with the fork

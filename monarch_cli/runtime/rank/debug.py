@@ -270,12 +270,24 @@ def _service() -> None:
             _serve_dap(msg)
 
 
-def say_exiting(status: int) -> None:
+def say_exiting(status: int, kept: bool = False) -> None:
     """Tell the agent this rank exits with ``status`` now (its output closed already), so it need
     not wait for the kernel to tear the process down (see ``RankHost.exiting``). Never waits: a
     thread of the script's still sending (it is a daemon, about to die) just means the agent
     learns the status from ``waitpid`` instead."""
-    _send({"type": "exiting", "status": status}, wait=False)
+    _send({"type": "exiting", "status": status, "kept": kept}, wait=False)
+
+
+def uninstall() -> None:
+    """A kept rank between runs: its channel goes with the run (the next run brings its own)."""
+    global _chan
+    chan, _chan = _chan, None
+    if chan is not None:
+        try:
+            chan.shutdown(socket.SHUT_RDWR)  # (wakes the service thread's recv: it ends)
+        except OSError:
+            pass
+        chan.close()
 
 
 def installed() -> bool:

@@ -113,8 +113,13 @@ def _apply_threads(env: dict[str, str]) -> None:
 
 
 def _finish(code: int) -> int:
-    """What interpreter shutdown does: join threads, run atexit, flush."""
-    run_exit_steps()
+    """What interpreter shutdown does: join threads, run atexit, flush (a kept rank: for what its
+    run made, :class:`.keep.KeptRun`)."""
+    kept = sys.modules.get("monarch_cli.runtime.rank.keep")
+    if kept is not None and kept.current is not None:
+        kept.current.finish()
+    else:
+        run_exit_steps()
     return code
 
 
@@ -143,11 +148,18 @@ def _run_script(path: str) -> None:
         return
     path = os.path.abspath(path)
     with io.open_code(path) as f:
-        code = compile(f.read(), path, "exec", dont_inherit=True)
+        source = f.read()
+    kept = sys.modules.get("monarch_cli.runtime.rank.keep")
+    if kept is not None and kept.current is not None:
+        code = kept.cached_compile(path, source)  # the same code objects while the file is unchanged
+    else:
+        code = compile(source, path, "exec", dont_inherit=True)
     main = types.ModuleType("__main__")
     main.__dict__.update(
         __file__=path, __cached__=None, __builtins__=builtins, __loader__=SourceFileLoader("__main__", path)
     )
+    if kept is not None and kept.current is not None:
+        kept.carry_compiled("__main__", path, main.__dict__)  # what torch.compile left in the last run's
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
 
@@ -237,7 +249,8 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
         exec_cold(spec, extra)
     _leave_warm_finalizers()
     listen_fd = extra.get("listen")
-    os.setsid()  # own process group: signals reach the rank and its children together
+    if os.getsid(0) != os.getpid():  # (a kept rank leads its session already)
+        os.setsid()  # own process group: signals reach the rank and its children together
     env: dict[str, str] = spec["env"]
     os.environ.clear()
     os.environ.update(env)
@@ -259,9 +272,31 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
     if listen_fd is not None:
         _host_store(listen_fd, env)
     cuda_ready.start(spec)
+    if spec.get("keep"):
+        from . import keep
+
+        keep.current = keep.KeptRun(spec)
     code = run_program(spec)
     preload.report_imports(spec)  # after interpreter-shutdown work: it is not the user's time
     return code
+
+
+def keep_for_next(spec: RankSpec) -> bool:
+    """At a kept rank's end: put the process back for the next run; False (and one line saying
+    why on its stderr) if its run left what cannot be reset."""
+    from . import keep
+
+    run, keep.current = keep.current, None
+    if run is None:
+        return False
+    try:
+        why = run.reset()
+    except Exception as e:  # noqa: BLE001 - whatever broke, a fresh process is the safe answer
+        why = f"resetting it failed ({type(e).__name__}: {e})"
+    if why is not None:
+        print(f"monarch: rank {spec['rank']} is not kept for the next run: {why}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _apply_start_up_env(env: dict[str, str]) -> None:

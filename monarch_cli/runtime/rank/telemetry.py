@@ -116,11 +116,17 @@ class _StepTimer:
             pass
 
 
+_step_hook: Any = None  # the hook's handle: a kept rank's next run replaces it
+
+
 def _install_step_hook(path: str) -> None:
     timer = _StepTimer(path)
 
     def register(module: Any) -> None:
-        module.register_optimizer_step_post_hook(timer)
+        global _step_hook
+        if _step_hook is not None:
+            _step_hook.remove()
+        _step_hook = module.register_optimizer_step_post_hook(timer)
 
     module = sys.modules.get(_OPTIMIZER_MODULE)
     if module is not None:
