@@ -62,7 +62,7 @@ from _fwcase import (
     missing_full_env,
 )
 
-NAMES = ["allreduce", "ddp_mlp", "hf_trainer", "lightning_ddp", "accelerate_loop", "fsdp2_trainer"]
+NAMES = ["allreduce", "ddp_mlp", "hf_trainer", "lightning_ddp", "accelerate_loop", "fsdp2_trainer", "compiled_mlp"]
 PACKAGES = {"pyarrow": "pyarrow", "sklearn": "scikit-learn", "datasets": "datasets"}
 TARGET = 15.0  # x cold torchrun, from the second run after serve
 GPU_TARGETS = {"ddp_mlp": 0.7, "hf_trainer": 1.0}  # seconds a re-run may take on one GPU

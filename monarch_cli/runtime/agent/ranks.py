@@ -209,7 +209,7 @@ class RankHost:
             spec["_fd_roles"] = roles
             if spec["warm"]:
                 if warm_zygote is None:
-                    warm_zygote, notices = self.agent.warm.for_run()
+                    warm_zygote, notices = self.agent.warm.for_run(bool(spec.get("keep")))
                 if self.agent.warm.learning:
                     spec[preload.REPORT_KEY] = self.agent.warm.report_path(run_id, spec["rank"])
             zygote = warm_zygote if spec["warm"] else self.agent.fork_server()

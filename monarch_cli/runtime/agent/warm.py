@@ -121,6 +121,7 @@ class WarmRanks:
         self._running_since = running_since  # time.monotonic() the oldest live rank here started
         self._spares = 0  # warm ranks the last run had here: spares to keep
         self._postponed = False
+        self._keeping = False  # the last run kept its ranks: learn nothing meanwhile
         self.host = host
         self.store = LearnedStore()
         self.current: _Warm | None = None
@@ -165,8 +166,11 @@ class WarmRanks:
         self._watch(zygote)
         return _Warm(zygote, len(learned), time.time(), ready_file)
 
-    def for_run(self) -> tuple[Any, list[str]]:
-        """The zygote this run's warm ranks fork from, and notices for the user (a changed file)."""
+    def for_run(self, keep: bool = False) -> tuple[Any, list[str]]:
+        """The zygote this run's warm ranks fork from, and notices for the user (a changed file).
+        While runs keep their ranks (``keep``), nothing is learned: kept ranks hold what they
+        imported, and a warm-up would hold up the hand-over of the next run to them."""
+        self._keeping = keep
         notices: list[str] = []
         cur = self.current
         if cur is not None and cur.zygote.process.poll() is not None:
@@ -219,7 +223,7 @@ class WarmRanks:
     def _maybe_warm(self) -> None:
         """Start the next zygote if the store has modules the current one lacks (one at a time:
         a zygote importing competes with the runs for the host's CPUs)."""
-        if not self.learning or self._retries > _MAX_OFFENDER_RETRIES:
+        if not self.learning or self._retries > _MAX_OFFENDER_RETRIES or self._keeping:
             return  # (until a run teaches something new: each try costs a whole warm-up)
         since = self._running_since()
         if since is not None and time.monotonic() - since < POSTPONE_WHILE_RUN_YOUNGER_S:
@@ -290,7 +294,9 @@ class WarmRanks:
         cur = self.current
         if cur is None or cur.ready is None or self.next is not None or self._again or self._postponed:
             return False
-        return not self.learning or self._retries > _MAX_OFFENDER_RETRIES or self._holds_all(cur, self.store.wanted())
+        if not self.learning or self._keeping or self._retries > _MAX_OFFENDER_RETRIES:
+            return True
+        return self._holds_all(cur, self.store.wanted())
 
     def tick(self) -> None:
         """A warm-up postponed for a run: start it once that run has ended or grown old."""

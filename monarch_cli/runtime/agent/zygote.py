@@ -77,8 +77,10 @@ def _child(
         if kind != "rank":
             os._exit(code)
         kept = keep is not None and bool(boot.get("keep")) and _kept(boot)
+        if kept and keep is not None:
+            _tell(keep, b"ending")  # (the zygote holds the next run for it rather than forking)
         _say_exiting(code, kept)
-        if not kept or keep is None:
+        if not kept or keep is None or not _reset_kept():
             os._exit(code)
         kind, boot, fds = _next_run(keep, boot)
 
@@ -121,6 +123,22 @@ def _kept(boot: dict[str, Any]) -> bool:
         from ..rank import start as rank_start
 
         return rank_start.keep_for_next(boot)  # type: ignore[arg-type]
+    except BaseException:  # noqa: BLE001 - a fresh process is the safe answer
+        return False
+
+
+def _tell(keep: socket.socket, what: bytes) -> None:
+    try:
+        keep.send(what)
+    except OSError:  # the zygote is gone: so is this process, soon (PDEATHSIG)
+        os._exit(1)
+
+
+def _reset_kept() -> bool:
+    try:
+        from ..rank import start as rank_start
+
+        return rank_start.reset_kept()
     except BaseException:  # noqa: BLE001 - a fresh process is the safe answer
         return False
 
@@ -169,6 +187,7 @@ class _Spares:
         #: compiled graphs); handed only runs that keep ranks, that local rank's first.
         self.tags: dict[int, str] = {}
         self.kept: dict[int, socket.socket] = {}  # kept ranks running a run, by pid: their socket
+        self.ending: set[int] = set()  # those of them whose run ended: putting themselves back
 
     def fill(self, count: int, inherited: list[Any], children: set[int]) -> None:
         """Fork spares until ``count`` are idle (at most :data:`MAX_SPARES`)."""
@@ -184,7 +203,7 @@ class _Spares:
             self.idle[pid] = ours
             children.add(pid)
 
-    def _pick(self, boot: dict[str, Any]) -> int | None:
+    def pick(self, boot: dict[str, Any]) -> int | None:
         """An idle child for this rank: a kept one of its local rank, another kept one, a plain
         spare; a run that does not keep ranks gets a plain spare only (a kept one is not fresh)."""
         plain = [p for p in self.idle if p not in self.tags]
@@ -196,7 +215,7 @@ class _Spares:
 
     def hand_over(self, data: bytes, fds: list[int], boot: dict[str, Any]) -> int | None:
         """Give a rank's fork request to an idle child; its pid, or None when none could take it."""
-        while (pid := self._pick(boot)) is not None:
+        while (pid := self.pick(boot)) is not None:
             ours = self.idle.pop(pid)
             self.tags.pop(pid, None)
             try:
@@ -215,11 +234,16 @@ class _Spares:
 
     def heard(self, pid: int) -> None:
         """A kept rank's socket is readable: ``idle LOCAL_RANK`` after its run, or closed (it exits)."""
-        ours = self.kept.pop(pid)
+        ours = self.kept[pid]
         try:
             said = ours.recv(64)
         except OSError:
             said = b""
+        if said == b"ending":
+            self.ending.add(pid)
+            return
+        del self.kept[pid]
+        self.ending.discard(pid)
         if said.startswith(b"idle"):
             self.idle[pid] = ours
             self.tags[pid] = said[5:].decode(errors="replace")
@@ -241,6 +265,7 @@ class _Spares:
             ours.close()
             return True
         running = self.kept.pop(pid, None)  # a kept rank that ended during a run: a rank's exit
+        self.ending.discard(pid)
         if running is not None:
             running.close()
             return False
@@ -314,93 +339,125 @@ def serve(fd: int, title: str = "monarch fork-server") -> None:
     fresh.prepare()
     importing.set()
     watchdog.join()
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: set = set()
-    spares = _Spares(title)
-    tainted = False  # a LearnMore made it unsafe to fork warm ranks: it runs the ones queued cold
-    # Replies never block: with hundreds of forks asked at once, a blocking reply while the agent
-    # is still sending requests would deadlock both ends of the socket pair. They wait here and
-    # go as the socket takes them, while requests keep being read.
-    replies: collections.deque[bytes] = collections.deque()
-    while True:
+    _Server(sock, title).loop()
+
+
+class _Server:
+    """The fork server's loop, once everything is imported: fork requests, spares, kept ranks,
+    children's exits. Single-threaded (every fork happens from here)."""
+
+    def __init__(self, sock: socket.socket, title: str) -> None:
+        self.sock = sock
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.children: set[int] = set()
+        self.spares = _Spares(title)
+        self.tainted = False  # a LearnMore made it unsafe to fork warm ranks: it runs the queued ones cold
+        # Replies never block: with hundreds of forks asked at once, a blocking reply while the agent
+        # is still sending requests would deadlock both ends of the socket pair. They wait here and
+        # go as the socket takes them, while requests keep being read.
+        self.replies: collections.deque[bytes] = collections.deque()
+        #: Runs that keep ranks, asked while a kept rank of theirs is still putting itself back
+        #: (it said ``ending``, not yet ``idle``): handed to it once it is, not forked afresh.
+        self.deferred: list[tuple[int, str, dict[str, Any], list[int]]] = []
+
+    def loop(self) -> None:
+        sock, spares = self.sock, self.spares
+        while True:
+            try:
+                ready, _ = ready_fds([sock, self.wake_r, *spares.kept.values()], [sock] if self.replies else [])
+            except InterruptedError:
+                continue
+            if self.wake_r in ready:
+                self._reap()
+            for pid in [p for p, kept in spares.kept.items() if kept in ready]:
+                spares.heard(pid)
+            if self.deferred and not spares.ending:
+                deferred, self.deferred = self.deferred, []
+                for request in deferred:
+                    self._fork(*request)
+            if sock in ready:
+                self._request()
+            _send_replies(sock, self.replies)
+
+    def _reap(self) -> None:
         try:
-            ready, _ = ready_fds([sock, wake_r, *spares.kept.values()], [sock] if replies else [])
-        except InterruptedError:
-            continue
-        if wake_r in ready:
-            try:
-                while os.read(wake_r, 4096):
-                    pass
-            except BlockingIOError:
+            while os.read(self.wake_r, 4096):
                 pass
-            while children:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                children.discard(pid)
-                if not spares.exited(pid):
-                    replies.append(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
-        for pid in [p for p, kept in spares.kept.items() if kept in ready]:
-            spares.heard(pid)
-        if sock in ready:
+        except BlockingIOError:
+            pass
+        while self.children:
             try:
-                data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
-            except OSError as e:
-                if e.errno == errno.EINTR:
-                    continue
-                data = b""
-            if not data:  # the agent is gone
-                for pid in children:
-                    signal_if_alive(pid, signal.SIGKILL)
-                os._exit(0)
-            msg = protocol.decode(pickle.loads(data))
-            if isinstance(msg, protocol.Spares):
-                if not tainted:
-                    spares.fill(msg.wanted, [sock, wake_r, wake_w], children)
-                _send_replies(sock, replies)
-                continue
-            if isinstance(msg, protocol.LearnMore):
-                spares.discard()
-                tainted = _learn_more(msg) or tainted
-                replies.append(pickle.dumps(protocol.header(protocol.WarmReady())))
-                _send_replies(sock, replies)
-                continue
-            req_id, kind, boot = msg.req_id, msg.kind, msg.boot
-            boot["_zygote_pid"] = os.getpid()
-            pid = None
-            if tainted and kind in ("rank", "cold"):  # what it learned last makes it unsafe to fork
-                pid = _start_cold(boot, fds)
-                children.add(pid)
-            if kind == "rank" and pid is None and spares.idle:
-                pid = spares.hand_over(pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot))), fds, boot)
-            if pid is None:  # (a tainted zygote's rank started above)
-                keep = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if boot.get("keep") else None
-                sys.stdout.flush()
-                sys.stderr.flush()
-                # What the zygote holds never becomes garbage a rank could collect: leave it out of
-                # the rank's collections. A full one (HF Trainer calls gc.collect()) otherwise writes
-                # to every object, copying ~130 MB of the zygote's pages into the rank (~0.3-1 s) and
-                # freeing them at its exit. (The CPython docs' advice for a process that forks.)
-                gc.freeze()
-                pid = os.fork()
-                if pid == 0:
-                    inherited = [sock, wake_r, wake_w, *spares.idle.values(), *spares.kept.values()]
-                    _child([*inherited, *(keep[:1] if keep else ())], kind, boot, fds, keep[1] if keep else None)
-                children.add(pid)
-                if keep is not None:
-                    keep[1].close()
-                    spares.kept[pid] = keep[0]
-            for f in fds:
-                os.close(f)
-            replies.append(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
-        _send_replies(sock, replies)
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            self.children.discard(pid)
+            if not self.spares.exited(pid):
+                self.replies.append(pickle.dumps(protocol.header(protocol.ChildExited(pid, status))))
+
+    def _request(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, 16)
+        except OSError as e:
+            if e.errno == errno.EINTR:
+                return
+            data = b""
+        if not data:  # the agent is gone
+            for pid in self.children:
+                signal_if_alive(pid, signal.SIGKILL)
+            os._exit(0)
+        msg = protocol.decode(pickle.loads(data))
+        if isinstance(msg, protocol.Spares):
+            if not self.tainted:
+                self.spares.fill(msg.wanted, [self.sock, self.wake_r, self.wake_w], self.children)
+        elif isinstance(msg, protocol.LearnMore):
+            self.spares.discard()
+            self.tainted = _learn_more(msg) or self.tainted
+            self.replies.append(pickle.dumps(protocol.header(protocol.WarmReady())))
+        else:
+            msg.boot["_zygote_pid"] = os.getpid()
+            if msg.boot.get("keep") and self.spares.ending and self.spares.pick(msg.boot) is None:
+                self.deferred.append((msg.req_id, msg.kind, msg.boot, list(fds)))
+            else:
+                self._fork(msg.req_id, msg.kind, msg.boot, list(fds))
+
+    def _fork(self, req_id: int, kind: str, boot: dict[str, Any], fds: list[int]) -> None:
+        pid = None
+        if self.tainted and kind in ("rank", "cold"):  # what it learned last makes it unsafe to fork
+            pid = _start_cold(boot, fds)
+            self.children.add(pid)
+        if kind == "rank" and pid is None and self.spares.idle:
+            pid = self.spares.hand_over(pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot))), fds, boot)
+        if pid is None:
+            pid = self._fork_child(kind, boot, fds)
+        for f in fds:
+            os.close(f)
+        self.replies.append(pickle.dumps(protocol.header(protocol.Forked(req_id, pid))))
+
+    def _fork_child(self, kind: str, boot: dict[str, Any], fds: list[int]) -> int:
+        keep = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if boot.get("keep") else None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # What the zygote holds never becomes garbage a rank could collect: leave it out of the
+        # rank's collections. A full one (HF Trainer calls gc.collect()) otherwise writes to every
+        # object, copying ~130 MB of the zygote's pages into the rank (~0.3-1 s) and freeing them
+        # at its exit. (The CPython docs' advice for a process that forks.)
+        gc.freeze()
+        pid = os.fork()
+        if pid == 0:
+            spares = self.spares
+            inherited = [self.sock, self.wake_r, self.wake_w, *spares.idle.values(), *spares.kept.values()]
+            _child([*inherited, *(keep[:1] if keep else ())], kind, boot, fds, keep[1] if keep else None)
+        self.children.add(pid)
+        if keep is not None:
+            keep[1].close()
+            self.spares.kept[pid] = keep[0]
+        return pid
 
 
 def _send_replies(sock: socket.socket, replies: collections.deque[bytes]) -> None:

@@ -97,11 +97,14 @@ class KeptRun:
             and self._runs_workspace_code(frames.get(t.ident or -1))
         ]
 
+    def check(self) -> str | None:
+        """Why the process cannot be kept for the next run, if it cannot (cheap: asked before the
+        run's end is reported; :meth:`reset` does the rest after)."""
+        return self._unresettable()
+
     def reset(self) -> str | None:
-        """Put the process back for the next run; why it cannot be kept, if it cannot."""
-        why = self._unresettable()
-        if why is not None:
-            return why
+        """Put the process back for the next run (after its end was reported: the client's wait
+        does not include this); why it cannot be kept after all, if it cannot."""
         why = _destroy_process_group()
         if why is not None:
             return why

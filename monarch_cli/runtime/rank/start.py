@@ -282,21 +282,34 @@ def become_rank(spec: RankSpec, extra: dict[str, int]) -> int:
 
 
 def keep_for_next(spec: RankSpec) -> bool:
-    """At a kept rank's end: put the process back for the next run; False (and one line saying
-    why on its stderr) if its run left what cannot be reset."""
+    """At a kept rank's end, before it is reported: whether it can be kept for the next run;
+    False, with one line on its stderr saying why, if its run left what cannot be reset."""
     from . import keep
 
-    run, keep.current = keep.current, None
+    run = keep.current
     if run is None:
         return False
     try:
-        why = run.reset()
+        why = run.check()
     except Exception as e:  # noqa: BLE001 - whatever broke, a fresh process is the safe answer
-        why = f"resetting it failed ({type(e).__name__}: {e})"
+        why = f"checking it failed ({type(e).__name__}: {e})"
     if why is not None:
+        keep.current = None
         print(f"monarch: rank {spec['rank']} is not kept for the next run: {why}", file=sys.stderr, flush=True)
         return False
     return True
+
+
+def reset_kept() -> bool:
+    """After a kept rank's end was reported: put the process back (its process group destroyed,
+    its workspace modules dropped...); False if that failed (it then exits: the next run forks)."""
+    from . import keep
+
+    run, keep.current = keep.current, None
+    try:
+        return run is not None and run.reset() is None
+    except Exception:  # noqa: BLE001 - a fresh process is the safe answer
+        return False
 
 
 def _apply_start_up_env(env: dict[str, str]) -> None:
