@@ -221,6 +221,16 @@ def test_a_session_serve_run_fail_diagnose_rerun_cancel_stop(tmp_path: Path) -> 
             assert await agent.ok("sql", {"query": "SELECT count(*) AS n FROM logs"}) == before
             assert before["rows"][0]["n"] >= 20
 
+            # keep_ranks: the second such run runs in the first one's processes
+            kept = [(await agent.ok("run_spmd", {"keep_ranks": True, "wait_s": BIG_WAIT}))["run_id"] for _ in range(2)]
+            pids = [
+                (await agent.ok("sql", {"query": f"SELECT rank, pid FROM ranks WHERE run_id = '{r}' ORDER BY rank"}))[
+                    "rows"
+                ]
+                for r in kept
+            ]
+            assert pids[0] == pids[1] and len(pids[0]) == 4, pids
+
             # a failing rank: named in the result, and diagnose says which and why
             failed = await agent.ok(
                 "run_spmd", {"command": "torchrun --nproc-per-node=2 train.py --fail", "wait_s": BIG_WAIT}

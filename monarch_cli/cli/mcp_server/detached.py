@@ -101,6 +101,7 @@ def _run(spec: dict[str, Any], path: Path, record: dict[str, Any]) -> dict[str, 
         result = job.run_spmd(
             spec["command"],
             cold=spec.get("cold", False),
+            keep_ranks=spec.get("keep_ranks", False),
             stdout=sink,
             stderr=sink,
             on_event=say,

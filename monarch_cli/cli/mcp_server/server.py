@@ -118,6 +118,7 @@ class MonarchMcp:
         command = handlers._command(a.get("command"))
         options = {
             "cold": a.get("cold", False),
+            "keep_ranks": a.get("keep_ranks", False),
             "post_mortem": a.get("post_mortem", False),
             "env": a.get("env") or {},
             "sync": a.get("sync", True),

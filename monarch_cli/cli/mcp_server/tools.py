@@ -118,6 +118,12 @@ TOOLS = [
                 "description": "Extra environment variables for every rank.",
             },
             "cold": {"type": "boolean", "default": False, "description": "Start ranks in fresh interpreters."},
+            "keep_ranks": {
+                "type": "boolean",
+                "default": False,
+                "description": "Keep the rank processes for the next keep_ranks run (imports, CUDA context, "
+                "compiled graphs survive; globals, process group, seeds, logging are reset).",
+            },
             "post_mortem": {
                 "type": "boolean",
                 "default": False,
