@@ -35,6 +35,8 @@ TRIAL_DEADLINE_S = 60.0
 
 def _torch() -> None:
     torch = sys.modules["torch"]
+    if torch.cuda._is_in_bad_fork():  # (torch's own mark: CUDA was initialised before the fork)
+        raise RuntimeError("CUDA was initialised in the warm process; a forked rank cannot use it")
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     a = torch.ones(256, 256)
     float((a @ a).sum())

@@ -303,6 +303,20 @@ def _env_changed(before: dict[bytes, bytes]) -> bool:
     return not before.items() <= os.environ._data.items()  # type: ignore[attr-defined]
 
 
+def _cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver library is in this process (a ``dlopen`` that loads nothing):
+    a module that loads it (Triton's driver, a CUDA Python binding) may have initialised it behind
+    torch's back, and a rank forked after that cannot use CUDA ("Cannot re-initialize CUDA in
+    forked subprocess", seen on an H100 after torch.compile's modules were learned)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        return True
+    except OSError:
+        return False
+
+
 def _cuda_initialized() -> bool:
     cuda = sys.modules.get("torch.cuda")
     try:
@@ -367,9 +381,12 @@ class _Watcher:
     def __init__(self) -> None:
         self.threads, self.handlers, self.env = _thread_ids(), _signal_handlers(), _environment()
         self.libraries = _mapped_libraries()
+        self.cuda_driver = _cuda_driver_loaded()  # (already there: torch's own, before anything was learned)
         self.started_threads: list[str] = []  # modules of the current import that started threads
 
     def check(self, loaded: str) -> str | None:
+        if not self.cuda_driver and _cuda_driver_loaded():
+            return "it loads the CUDA driver (a rank forked after it could not use CUDA)"
         why = _what_changed(self.threads, self.handlers, self.env)
         if why != _THREAD:
             return why
