@@ -22,6 +22,7 @@ from monarch_cli.cli import _app, fast, runs
 
 #: Command lines the fast route takes; Typer must read each one the same way.
 TAKEN: list[list[str]] = [
+    ["run-spmd", "--keep-ranks", "--", "torchrun", "train.py"],
     ["run-spmd"],
     ["run-spmd", "--json"],
     ["run-spmd", "--cold", "--no-color", "--ranks", "0,1", "--state", "s/job_state.pkl"],
@@ -84,6 +85,7 @@ def _typer_params(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int
             "as_json",
             "group",
             "stall_timeout",
+            "keep_ranks",
         ],
         "exec_command": ["command", "state", "color", "as_json"],
     }
