@@ -169,3 +169,29 @@ def test_a_compiled_script_is_not_compiled_again_in_a_kept_rank(job: Job, tmp_pa
     # One graph compiled in run 1; the kept rank's next runs find it (the count would grow with a
     # recompile), and compute the same.
     assert lines[0] == lines[1] == lines[2] == [("1", lines[0][0][1])], lines
+
+
+CACHE_HIT = """
+import os, stat, torch
+from torch._dynamo.utils import counters
+
+def f(x):
+    return torch.sin(x) * 3 + x.cos()
+
+torch.compile(f)(torch.arange(16, dtype=torch.float32))
+cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+mode = stat.S_IMODE(os.stat(os.path.dirname(cache)).st_mode)
+print("cache", os.path.basename(os.path.dirname(cache)).split("-")[1], oct(mode),
+      "hits", counters["inductor"]["fxgraph_cache_hit"], flush=True)
+"""
+
+
+def test_fresh_ranks_share_one_private_compile_cache_per_reservation(job: Job, tmp_path: Path) -> None:
+    """Without --keep-ranks, torch.compile's on-disk caches sit in one private directory of the
+    reservation's, so a second fresh run of a compiled script finds what the first compiled."""
+    script = write_script(tmp_path, "cached.py", CACHE_HIT)
+    runs = [spmd(job, script, nproc=1) for _ in range(2)]
+    lines = [re.findall(r"cache (\S+) (\S+) hits (\d+)", run.text()) for run in runs]
+    assert all(run.result.exit_code == 0 for run in runs), [run.text() for run in runs]
+    assert lines[0][0][:2] == lines[1][0][:2] == ("compile", "0o700"), lines
+    assert lines[0][0][2] == "0" and int(lines[1][0][2]) >= 1, lines  # run 2 hit what run 1 compiled
