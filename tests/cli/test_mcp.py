@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -158,8 +160,8 @@ def test_tools_are_listed_for_an_agent_and_bad_calls_are_one_line(tmp_path: Path
             for t in tools.values():
                 assert len(t.description) > 80 and t.input_schema["type"] == "object", t.name
             hints = {n: (t.annotations.read_only_hint, t.annotations.destructive_hint) for n, t in tools.items()}
-            for name in ("stop", "cancel_run", "exec"):
-                assert hints[name] == (False, True), name
+            for name in ("stop", "cancel_run", "exec", "run_spmd", "serve", "debug_cast"):
+                assert hints[name] == (False, True), name  # each may end a run or run code on every host
             for name in ("status", "sql", "logs", "stack", "diagnose", "wait_run", "debug_list"):
                 assert hints[name][0] is True, name
             assert tools["run_spmd"].input_schema["properties"]["wait_s"]["type"] == "number"
@@ -171,6 +173,8 @@ def test_tools_are_listed_for_an_agent_and_bad_calls_are_one_line(tmp_path: Path
             assert "'typo' was unexpected" in await agent.refused("logs", {"typo": 1})
             assert "no reservation" in await agent.refused("run_spmd")
             assert "no reservation" in await agent.refused("stack")
+            for tool in ("cancel_run", "wait_run"):  # a run id names files: never a path
+                assert "does not match" in await agent.refused(tool, {"run_id": "../../../tmp/planted"})
             plan = await agent.ok("serve", {"hosts": 2, "command": ["python", "t.py"], "dry_run": True})
             assert plan["scheduler"] == "local" and plan["hosts"] == 2  # the plan, nothing started
             assert not (tmp_path / ".monarch" / "job_state.pkl").exists()
@@ -392,3 +396,28 @@ def test_debug_tools_reach_a_rank_paused_post_mortem(tmp_path: Path) -> None:
             await agent.ok("stop")
 
     anyio.run(session)
+
+
+def test_cancel_run_signals_only_its_own_runner(tmp_path: Path) -> None:
+    """A record naming another process (planted, or a runner whose pid was reused) makes
+    cancel_run refuse: the process is left alone."""
+    project = tmp_path / "project"
+    records = project / ".monarch" / "mcp" / "runs"
+    records.mkdir(parents=True, mode=0o700)
+    run_id = "20261127-120000000-abcd"
+    (project / ".monarch" / "logs" / run_id).mkdir(parents=True)
+    bystander = subprocess.Popen(["sleep", "120"])
+    try:
+        record = {"run_id": run_id, "pid": bystander.pid, "started_at": time.time(), "command": None}
+        (records / f"{run_id}.json").write_text(json.dumps({**record, "state": "running"}))
+
+        async def session() -> str:
+            async with connected(project, tmp_path / "server.log") as agent:
+                return await agent.refused("cancel_run", {"run_id": run_id})
+
+        said = anyio.run(session)
+        assert "not its runner" in said, said
+        assert bystander.poll() is None, "cancel_run signalled a process that is not its runner"
+    finally:
+        bystander.kill()
+        bystander.wait()

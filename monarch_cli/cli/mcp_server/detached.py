@@ -33,6 +33,15 @@ def record_dir(state_dir: Path) -> Path:
 
 
 def record_path(state_dir: Path, run_id: str) -> Path:
+    """A detached run's record; ``run_id`` must be one ``new_run_id()`` made (never a path)."""
+    import re
+
+    from .tools import RUN_ID_PATTERN
+
+    if not re.fullmatch(RUN_ID_PATTERN, run_id):
+        from ...errors import UserError
+
+        raise UserError(f"{run_id!r} is not a run id (they look like 20261127-233922471-49a9)")
     return record_dir(state_dir) / f"{run_id}.json"
 
 

@@ -190,6 +190,8 @@ class Runs:
                 "or release the reservation with `stop`"
             )
         pid = record["pid"]
+        if not _is_runner(pid):
+            raise UserError(f"run {run_id}'s process (pid {pid}) is not its runner any more; nothing to cancel")
         if force:
             _signal(pid, signal.SIGINT)
             time.sleep(0.3)  # two Ctrl-Cs, as a person would press them, not one lost in the other
@@ -252,6 +254,20 @@ def _alive(pid: int, started_at: float) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE and p.create_time() <= started_at + 1.0
     except psutil.NoSuchProcess:
         return False
+
+
+def _is_runner(pid: object) -> bool:
+    """Whether ``pid`` is one of this user's detached runners (a record's pid is signalled only
+    then: a planted or stale record must not make ``cancel_run`` signal another process)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return False
+    return owner == os.getuid() and b"monarch_cli.cli.mcp_server.detached" in argv
 
 
 def _signal(pid: int, sig: int) -> None:

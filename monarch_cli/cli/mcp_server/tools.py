@@ -28,7 +28,14 @@ _COMMAND = {
     "description": "A command line as one string (split as a shell would, no shell features) or as a list "
     "of words, e.g. 'torchrun --nproc-per-node=2 train.py --epochs 5'.",
 }
-_RUN_ID = {"type": "string", "description": "A run id, as run_spmd returned it (default: the latest run)."}
+#: What ``new_run_id()`` makes (``20261127-233922471-49a9``): a run id names files, so nothing else
+#: (``../``) is taken.
+RUN_ID_PATTERN = r"^[0-9]{8}-[0-9]{9}-[0-9a-f]{4}$"
+_RUN_ID = {
+    "type": "string",
+    "pattern": RUN_ID_PATTERN,
+    "description": "A run id, as run_spmd returned it (default: the latest run).",
+}
 _WAIT = {
     "type": "number",
     "minimum": 0,
@@ -98,6 +105,7 @@ TOOLS = [
             "dry_run": {"type": "boolean", "default": False},
         },
         idempotent=True,
+        destructive=True,  # replace=true releases a reservation and ends its run
     ),
     ToolSpec(
         "run_spmd",
@@ -135,6 +143,7 @@ TOOLS = [
                 "description": "Mirror this directory to hosts that do not share its filesystem first.",
             },
         },
+        destructive=True,  # any command, on every host
     ),
     ToolSpec(
         "wait_run",
