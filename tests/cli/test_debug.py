@@ -712,3 +712,20 @@ def test_the_prompt_counts_exited_ranks_apart_from_paused_ones(reservation):
         shell.expect(pexpect.EOF)
         assert debug_cmd(reservation, "continue").returncode == 0
         assert run.wait() == 0
+
+
+def test_a_pdb_print_of_16000_non_ascii_characters_reaches_the_client_whole(reservation):
+    """16,000 'é' are 96 KB of JSON: the rank sends them in pieces a packet holds, so the agent
+    lives on and the run continues (it overflowed the agent's 64 KiB read and killed it, and the
+    reservation with it)."""
+    with Run(reservation) as run:
+        wait_paused(reservation)
+        shell = monarch_debug(reservation, "attach", "0")
+        shell.expect_exact("(Pdb) ")
+        shell.sendline('p "\\u00e9" * 16000')
+        shell.expect_exact("(Pdb) ", timeout=60)
+        assert shell.before.count("\u00e9") == 16000, shell.before[-300:]
+        shell.sendline("detach")
+        assert [r.state for r in wait_paused(reservation)] == ["paused"] * 4  # every agent still answers
+        assert debug_cmd(reservation, "continue").returncode == 0
+        assert run.wait() == 0, run.output()

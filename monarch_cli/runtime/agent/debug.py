@@ -116,7 +116,12 @@ class DebugHost:
             if not data:
                 self._close(session)
                 return True
-            self._from_rank(session, json.loads(data))
+            try:
+                msg = json.loads(data)
+            except ValueError:  # a rank's packet that is not one message: its own bug, not the agent's end
+                print(f"monarch agent: an unreadable debugger message from pid {session.pid}", file=sys.stderr)
+                continue
+            self._from_rank(session, msg)
         return True
 
     def rank_exited(self, run_id: str, rank: int, how: str) -> None:

@@ -27,7 +27,10 @@ _chan: socket.socket | None = None
 _send_lock = threading.Lock()
 _lines: queue.Queue[str | None] = queue.Queue()
 _DAP_HANDOFF = "\x00monarch-dap\x00"
-_CHUNK = 16000  # characters per output message (JSON-escaped, under the packet limit)
+#: Characters per output message: JSON escapes a character in up to 12 bytes (an astral one as
+#: two \uXXXX), and the agent reads a packet of at most 64 KiB (16,000 'é' were 96 KB: the agent
+#: died on the cut JSON, and the reservation with it).
+_CHUNK = 5000
 _dap_connecting = False  # debugpy connects to the agent once; that connection serves every IDE session
 _dap_configured = threading.Event()  # the first IDE has configured debugpy (or connecting failed)
 _dap_failed = False
