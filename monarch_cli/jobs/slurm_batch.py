@@ -164,8 +164,9 @@ def batch_dir(job_id: str, state: Path | str | None = None) -> Path:
     info = job_info(job_id) or {}
     workdir = job_workdir(job_id) if info else None
     if workdir is not None:
-        candidate = (find_state_dir(workdir) or workdir / ".monarch") / "slurm" / f"job-{job_id}"
-        if candidate.exists():
+        found = find_state_dir(workdir)  # (None where the job's .monarch is another user's: not read)
+        candidate = found / "slurm" / f"job-{job_id}" if found is not None else None
+        if candidate is not None and candidate.exists():
             return candidate
     if info:
         return local  # known to Slurm, not started yet: this is where it will be

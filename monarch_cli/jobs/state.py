@@ -218,6 +218,25 @@ def _corrupt(target: Path, why: str) -> StateError:
     )
 
 
+def _refuse_foreign(target: Path, st: os.stat_result) -> None:
+    """A state file names the agents whose replies this client will read and holds the keys: one
+    another user made, or can write, is refused (found through a Slurm job's work directory, a
+    shared --state path...)."""
+    if st.st_uid != os.geteuid():
+        import pwd
+
+        try:
+            who = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            who = f"uid {st.st_uid}"
+        raise StateError(f"refusing job state file {target}: it belongs to {who}, not to you")
+    if st.st_mode & 0o022:
+        raise StateError(
+            f"refusing job state file {target}: other users can write it (mode {stat.S_IMODE(st.st_mode):o}); "
+            "delete it and serve again"
+        )
+
+
 def _read(target: Path) -> bytes:
     try:  # O_NONBLOCK: a FIFO (or device) put there must not hang the command; it is refused below
         fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK)
@@ -227,6 +246,7 @@ def _read(target: Path) -> bytes:
                 raise IsADirectoryError
             if not stat.S_ISREG(mode):
                 raise StateError(f"job state path {target} is not a regular file; point --state at a state file")
+            _refuse_foreign(target, os.fstat(fd))
             os.set_blocking(fd, True)
             data = handle.read(_MAX_BYTES + 1)
     except FileNotFoundError:

@@ -138,3 +138,37 @@ def test_a_telemetry_store_made_by_another_user_is_not_written(other_user: str, 
     assert db.read_bytes() == before and b"secret" not in db.read_bytes()
     with pytest.raises(StoreError, match="refusing"):
         connect_readonly(db)
+
+
+def _state_file(path: Path) -> Path:
+    from monarch_cli.jobs.state import HostRecord, JobState, save_state
+    from monarch_cli.runtime.transport.keys import Keys
+
+    hosts = [HostRecord(name="h0", agent="tcp://127.0.0.1:9", pid=None, node_rank=0)]
+    return save_state(JobState("local", "local-planted", hosts, Keys.generate().encode(), [], time.time()), path)
+
+
+@pytest.mark.parametrize("how", ["owned by the other user", "writable by others"])
+def test_a_job_state_file_another_user_made_or_can_write_is_refused(other_user: str, shared: Path, how: str) -> None:
+    """A state file names the agents whose replies the client unpickles and holds the keys: one
+    another user owns (found through a Slurm job's work directory, a shared --state path) or can
+    write is refused with one line, before any agent is asked anything."""
+    import sys
+
+    path = _state_file(shared / "planted" / ".monarch" / "job_state.pkl")
+    if how == "owned by the other user":
+        import pwd
+
+        entry = pwd.getpwnam(other_user)
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    else:
+        path.chmod(0o666)
+    done = subprocess.run(
+        [sys.executable, "-m", "monarch_cli", "status", "--state", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert f"refusing job state file {path}" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
