@@ -130,9 +130,9 @@ def write_batch_script(command: Sequence[str], options: Sequence[str], state: Pa
     """Render the ``monarch sbatch`` script into the state directory and return its path."""
     script = batch_script(command, options, state)
     scripts = state_path(state).parent.resolve() / "slurm" / "scripts"
-    scripts.mkdir(parents=True, exist_ok=True)
+    scripts.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = scripts / f"batch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch"
-    path.write_text(script)
+    atomic_write(path, script, 0o600)
     return path
 
 
@@ -206,7 +206,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    atomic_write(path, json.dumps(data, indent=1), 0o644)
+    atomic_write(path, json.dumps(data, indent=1), 0o600)  # (the command and its arguments: yours only)
 
 
 # ------------------------------------------------------------------- in the allocation
@@ -218,7 +218,7 @@ def run_main(state_dir: Path, command: list[str]) -> int:
     if not job_id:
         print("monarch batch: not inside a Slurm allocation ($SLURM_JOB_ID is not set)", file=sys.stderr)
         return 2
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     record: dict[str, Any] = {"job_id": job_id, "phase": "starting", "command": command, "started_at": time.time()}
     _write_json(state_dir / "batch.json", record)
     say = lambda msg: print(f"monarch: {msg}", file=sys.stderr, flush=True)  # noqa: E731

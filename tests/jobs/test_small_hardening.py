@@ -120,3 +120,17 @@ def test_a_dead_agents_run_is_the_lost_hosts_not_a_peers_gloo_error(
     render_result(result)
     headline = capsys.readouterr().err.splitlines()[0]
     assert "host local1 stopped answering" in headline and "rank 0" not in headline, headline
+
+
+def test_sbatch_scripts_and_batch_records_are_private(tmp_path: Path) -> None:
+    """A batch script and its record name the command and its arguments: yours only (they were
+    0644 in a directory made with the default mode)."""
+    from monarch_cli.jobs import slurm_batch
+
+    script = slurm_batch.write_batch_script(
+        ["torchrun", "train.py", "--token-file", "x"], [], tmp_path / "job_state.pkl"
+    )
+    slurm_batch._write_json(tmp_path / "batch.json", {"command": ["train.py"]})
+    assert stat.S_IMODE(script.stat().st_mode) == 0o600
+    assert stat.S_IMODE(script.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "batch.json").stat().st_mode) == 0o600

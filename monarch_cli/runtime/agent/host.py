@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_stdin, args=(agent,), daemon=True).start()
     line = f"{READY_PREFIX}{agent.address}\n"
     if args.address_file:
-        atomic_write(args.address_file, line, 0o644)
+        atomic_write(args.address_file, line, 0o600)  # (read back by its starter, the same user)
     if args.ready_fd is not None:
         os.write(args.ready_fd, line.encode())
         os.close(args.ready_fd)
