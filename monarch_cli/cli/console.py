@@ -195,13 +195,15 @@ def internal_message(e: BaseException, hint: str = "rerun with --debug to see it
 def _save_traceback(text: str) -> str | None:
     import tempfile
 
+    from ..sysutil import private_dirs
+
     directory = Path(tempfile.gettempdir()) / f"monarch-{os.getuid()}" / "errors"
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dirs(directory, tempfile.gettempdir())  # (another user may have made monarch-<uid> first)
         path = directory / f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # may quote paths and arguments
         with os.fdopen(fd, "w") as f:
             f.write(f"monarch {' '.join(sys.argv[1:])}\n\n{text}")
         return str(path)
-    except OSError:
+    except OSError:  # (UnsafePath too: a directory another user made is not written to)
         return None

@@ -172,3 +172,27 @@ def test_a_job_state_file_another_user_made_or_can_write_is_refused(other_user: 
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert f"refusing job state file {path}" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_an_internal_errors_traceback_is_not_written_where_another_user_can_read_it(
+    other_user: str, shared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The traceback of a bug may quote paths and arguments: it goes to /tmp/monarch-<uid>/errors,
+    which another user may have made first (a name anyone can take): then it is not saved there."""
+    import pwd
+
+    from monarch_cli.cli import console
+
+    monkeypatch.setenv("TMPDIR", str(shared))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # (read $TMPDIR again)
+    planted = shared / f"monarch-{os.getuid()}" / "errors"
+    planted.mkdir(parents=True, mode=0o777)
+    entry = pwd.getpwnam(other_user)
+    for d in (planted.parent, planted):
+        os.chown(d, entry.pw_uid, entry.pw_gid)
+        d.chmod(0o777)
+    message = console.internal_message(RuntimeError("secret-token-in-an-argument"))
+    assert "the traceback could not be saved" in message, message
+    assert list(planted.iterdir()) == []  # nothing of ours in the other user's directory
