@@ -33,8 +33,23 @@ KEEPALIVE_S = 15.0
 _T = TypeVar("_T")
 
 
+#: On every answer: the page loads only its own files and talks only to its own server, no other
+#: site may frame it, and the token in its URL is never sent on as a Referer.
+SECURITY_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+        b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    ),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+]
+
+
 class TokenGuard:
-    """ASGI middleware: 403 unless the request carries the token and names a loopback Host."""
+    """ASGI middleware: 403 unless the request carries the token and names a loopback Host; every
+    answer carries :data:`SECURITY_HEADERS`."""
 
     def __init__(self, app: ASGIApp, token: str, hosts: set[str]) -> None:
         self.app, self.token, self.hosts = app, token, hosts
@@ -43,6 +58,7 @@ class TokenGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _with_security_headers(send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
         given = given or headers.get("x-monarch-token", "")
@@ -62,6 +78,15 @@ class TokenGuard:
             await send({"type": "http.response.body", "body": why})
             return
         await self.app(scope, receive, send)
+
+
+def _with_security_headers(send: Send) -> Send:
+    async def sending(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+        await send(message)
+
+    return sending
 
 
 def _answer(call: Callable[[], _T]) -> _T:

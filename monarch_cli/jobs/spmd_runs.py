@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
+from ..sysutil import atomic_write
 from .command import Command, command_and_hosts
 from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
@@ -305,7 +306,8 @@ class SpmdRuns:
         )
 
     def _record(self, result: RunResult, argv: list[str]) -> None:
-        (result.log_dir / "result.json").write_text(json.dumps({**result.to_json(), "command": argv}, indent=1))
+        # Whole or not at all: a client killed mid-write left a torn file that read as "internal error".
+        atomic_write(result.log_dir / "result.json", json.dumps({**result.to_json(), "command": argv}, indent=1))
         try:
             state = load_state(self.path)
         except StateError:

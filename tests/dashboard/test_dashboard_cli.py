@@ -61,6 +61,11 @@ def test_serve_otlp_then_dashboard_prints_its_url_once_and_refuses_requests_with
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(base + "api/runs", timeout=10)
             assert e.value.code == 403
+            for answer in (e.value.headers, urllib.request.urlopen(f"{base}?token={token}", timeout=10).headers):
+                # no other site frames the page, and its token never leaves in a Referer
+                assert "frame-ancestors 'none'" in answer["Content-Security-Policy"]
+                assert "script-src 'self'" in answer["Content-Security-Policy"]
+                assert answer["Referrer-Policy"] == "no-referrer" and answer["X-Frame-Options"] == "DENY"
             with urllib.request.urlopen(f"{base}api/runs?token={token}", timeout=10) as r:
                 runs = json.loads(r.read())
             assert [r["exit_code"] for r in runs] == [0] and "hello.py" in runs[0]["command"]
