@@ -239,10 +239,11 @@ class Job(SpmdRuns):
         run after ``serve`` is already warm; how many modules were hinted."""
         argv, cwd = self.state.default_command, self.state.default_cwd or os.getcwd()
         names = warm_hints.hints(self.path.parent, argv, cwd) if argv else []
-        if names:
-            hs = self.hostset(questions_only=True)
-            hs.ask_all(lambda cid: protocol.WarmHints(cid, hs.mb.address, names), 30.0)
-        say(f"warming {len(names)} module(s) the served command imports" if names else "warming")
+        if not names:
+            return 0  # (nothing to hint: the first run waits for torch's import as it would anyway)
+        hs = self.hostset(questions_only=True)
+        hs.ask_all(lambda cid: protocol.WarmHints(cid, hs.mb.address, names), 30.0)
+        say(f"warming {len(names)} module(s) the served command imports")
         if not self.wait_warm(timeout):
             say(f"the warm processes are still warming after {timeout:g} s; runs start from what is ready")
         return len(names)
