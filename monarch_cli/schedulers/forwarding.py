@@ -4,11 +4,13 @@ connection and the stream that carries it to a host."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..runtime.dap_link import peer_uid
 from ..sysutil import ready_fds
 
 CHUNK = 1 << 16
@@ -44,7 +46,11 @@ def _close(stream: Any) -> None:
 
 class LoopbackListener:
     """Listens on 127.0.0.1 (a free port) for as long as this process lives or until closed; each
-    connection is handed to :meth:`serve_connection` on a thread of its own."""
+    connection from this user is handed to :meth:`serve_connection` on a thread of its own.
+
+    Any local user can connect to a loopback port: a connection whose peer is another user (or
+    cannot be told) is closed before a byte is read or a thread is started, as the debugger's
+    listeners do (``runtime.dap_link.peer_uid``)."""
 
     def __init__(self, name: str) -> None:
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -59,6 +65,9 @@ class LoopbackListener:
                 conn, peer = self._listener.accept()
             except OSError:  # closed
                 return
+            if peer_uid(conn) != os.getuid():
+                conn.close()
+                continue
             threading.Thread(target=self.serve_connection, args=(conn, peer), daemon=True).start()
 
     def serve_connection(self, conn: socket.socket, peer: Any) -> None:
