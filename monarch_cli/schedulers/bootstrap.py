@@ -71,10 +71,12 @@ def hello(nonce):
             "machine": platform.machine(), "system": platform.system(), "libc": libc,
             "libc_version": libc_version, "free": s.f_bavail * s.f_frsize, "held": held()}
 
+slots = threading.BoundedSemaphore(16)  # connections served at once: unsigned ones cannot pile threads up
+
 def serve(conn):
     zips = []
     try:
-        conn.settimeout(120)
+        conn.settimeout(10)  # to the signed header: a peer that says nothing goes
         nonce = os.urandom(16).hex()
         conn.sendall(b"MONARCH-BOOTSTRAP 1 " + json.dumps(hello(nonce)).encode() + b"\n")
         f = conn.makefile("rb")
@@ -83,6 +85,7 @@ def serve(conn):
         if not hmac.compare_digest(mac, good):
             conn.sendall(b"error: not signed with this reservation's keys\n")
             return
+        conn.settimeout(120)
         h = json.loads(header.decode())
         for p in h["parts"]:
             if not re.match(r"^(code|deps)-[0-9a-f]+$", p["name"]):
@@ -122,11 +125,15 @@ def serve(conn):
             pass
     finally:
         conn.close()
+        slots.release()
 
 while not ready:
     try:
         conn, _ = srv.accept()
     except socket.timeout:
+        continue
+    if not slots.acquire(False):
+        conn.close()
         continue
     threading.Thread(target=serve, args=(conn,), daemon=True).start()
 srv.close()

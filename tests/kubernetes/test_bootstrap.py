@@ -108,3 +108,46 @@ def test_the_bootstrap_says_nothing_kubernetes_would_expand() -> None:
     """Kubernetes expands ``$(NAME)`` (and ``$$`` to ``$``) in a container's command: the script has neither."""
     assert "$(" not in bootstrap.BOOTSTRAP and "$$" not in bootstrap.BOOTSTRAP
     compile(bootstrap.BOOTSTRAP, "bootstrap", "exec")
+
+
+def test_unsigned_connections_cannot_pile_up_threads_in_the_bootstrap(stock: str, tmp_path: Path) -> None:
+    """Before the signed header, a connection costs the bootstrap a thread: at most 16 at once,
+    each gone 10 s after it said nothing; the rest are closed at once. Once they go, a client is
+    greeted again."""
+    import time
+
+    keys = Keys.generate()
+    secret = tmp_path / "keys"
+    secret.write_text(keys.encode() + "\n")
+    secret.chmod(0o400)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = bootstrap.command(stock, port, ["python3", "-c", "pass"], where=str(tmp_path / "bundles"))
+    env = {"PATH": "/usr/bin:/bin", "MONARCH_KEY_FILE": str(secret), "MONARCH_HOST": "127.0.0.1"}
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    idle: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None and "listening on" in proc.stdout.readline()
+        idle = [_connect(port) for _ in range(40)]  # say nothing
+        greeted = 0
+        for sock in idle:  # the first 16 are greeted; the rest are closed without a word
+            sock.settimeout(5)
+            greeted += sock.recv(20).startswith(b"MONARCH-BOOTSTRAP")
+        assert greeted == 16, greeted
+        assert len(os.listdir(f"/proc/{proc.pid}/task")) <= 1 + 16, os.listdir(f"/proc/{proc.pid}/task")
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while True:  # their threads end as their sockets close: a client is greeted again
+            with _connect(port) as sock:
+                kind, hello = bootstrap.greeting(sock, timeout=5)
+            if hello is not None:
+                break
+            assert time.monotonic() < deadline, kind
+            time.sleep(0.2)
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.kill()
+        proc.wait()
