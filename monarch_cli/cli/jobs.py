@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import tempfile
@@ -65,7 +66,8 @@ def serve_cmd(
         "--otlp",
         metavar="ENDPOINT",
         help="Export runs to this OpenTelemetry collector (OTLP/HTTP, e.g. http://localhost:4318): rank "
-        "metrics, run/rank spans, output as logs. 'off' stops it. Needs the 'otlp' extra.",
+        "metrics, run/rank spans, output as logs. 'off' stops it; 'env' takes it from $MONARCH_OTLP_ENDPOINT "
+        "(for an endpoint with credentials, which a command line would show to every user). Needs the 'otlp' extra.",
     ),
     as_json: bool = JsonOpt,
 ) -> None:
@@ -73,12 +75,7 @@ def serve_cmd(
     from ..jobs import dryrun, reserve_plan, serve
 
     if otlp is not None and otlp != "off":
-        from ..jobs.otlp import check_endpoint
-
-        try:
-            check_endpoint(otlp)
-        except ValueError as e:
-            fail(str(e), as_json=as_json)
+        otlp = _otlp_endpoint(otlp, as_json)
 
     if plan_file is not None:
         started = time.monotonic()
@@ -542,3 +539,24 @@ def _done_msg(as_json: bool, data: Any, text: str) -> None:
         emit_json(data)
     else:
         err.print(f"[green]✓[/] {escape(text)}")
+
+
+def _otlp_endpoint(given: str, as_json: bool) -> str:
+    """``--otlp``'s endpoint: the URL given, or with ``env`` $MONARCH_OTLP_ENDPOINT's; one with
+    credentials is refused on the command line (``ps`` shows it to every user)."""
+    from ..jobs.otlp import carries_credentials, check_endpoint, redact
+
+    endpoint = os.environ.get("MONARCH_OTLP_ENDPOINT", "") if given == "env" else given
+    if given == "env" and not endpoint:
+        fail("--otlp env: $MONARCH_OTLP_ENDPOINT is not set", as_json=as_json)
+    if given != "env" and carries_credentials(given):
+        fail(
+            f"--otlp {redact(given)}: an endpoint with credentials on a command line is visible to every user "
+            "(ps); export MONARCH_OTLP_ENDPOINT=<url> and pass --otlp env",
+            as_json=as_json,
+        )
+    try:
+        check_endpoint(endpoint)
+    except ValueError as e:
+        fail(str(e), as_json=as_json)
+    return endpoint

@@ -13,11 +13,14 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from ..sysutil import atomic_write
 
 CONFIG_NAME = "otlp.json"
 #: Seconds one export may take (each signal, each batch).
@@ -40,15 +43,29 @@ def set_endpoint(state_dir: Path, endpoint: str | None) -> None:
         return
     check_endpoint(endpoint)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # an endpoint may carry a token
-    with os.fdopen(fd, "w") as f:
-        json.dump({"endpoint": endpoint.rstrip("/")}, f)
+    # 0600 whether or not it existed (an endpoint may carry a token; an older file may be 0644)
+    atomic_write(path, json.dumps({"endpoint": endpoint.rstrip("/")}), 0o600)
 
 
 def check_endpoint(endpoint: str) -> None:
     parts = urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--otlp takes an OTLP/HTTP base URL such as http://localhost:4318, not {endpoint!r}")
+        raise ValueError(f"--otlp takes an OTLP/HTTP base URL such as http://localhost:4318, not {redact(endpoint)!r}")
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+_SECRET_QUERY = re.compile(r"([?&][^=&\s]*(?:token|key|secret|password|passwd|auth|sig)[^=&\s]*=)[^&\s]+", re.I)
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of any URL in it masked (``https://***@host``, ``?token=***``):
+    what is printed, logged or exported about an endpoint or a command line."""
+    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub("***@", text))
+
+
+def carries_credentials(endpoint: str) -> bool:
+    """Whether an endpoint holds a secret (user info, a token in its query): not for a command line."""
+    return redact(endpoint) != endpoint
 
 
 def endpoint_for(state_dir: Path) -> str | None:
@@ -106,11 +123,13 @@ class RunExport:
         if self.answered:
             self._done.wait(FLUSH_WAIT_S)
         elif self.error is None:
-            self.error = f"nothing answers at {self.endpoint}"
+            self.error = f"nothing answers at {redact(self.endpoint)}"
         if self.error is not None:
             import sys
 
-            print(f"monarch: OpenTelemetry export failed ({self.error}); the run is unaffected", file=sys.stderr)
+            print(
+                f"monarch: OpenTelemetry export failed ({redact(self.error)}); the run is unaffected", file=sys.stderr
+            )
 
     # --------------------------------------------------------------- thread
     def _loop(self) -> None:
@@ -127,7 +146,7 @@ class RunExport:
             return
         run_span = sdk.tracer.start_span(
             "monarch.run",
-            attributes={"monarch.run_id": self.run_id, "process.command_line": self.command},
+            attributes={"monarch.run_id": self.run_id, "process.command_line": redact(self.command)},
             start_time=time.time_ns(),
         )
         ranks: dict[int, Any] = {}

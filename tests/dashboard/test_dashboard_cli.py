@@ -146,3 +146,33 @@ def test_open_hands_the_url_with_its_token_to_the_browser(tmp_path: Path) -> Non
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_an_otlp_endpoint_with_credentials_stays_off_command_lines_files_and_messages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collector URL with a token is refused on serve's command line (ps shows it to everyone),
+    taken from $MONARCH_OTLP_ENDPOINT with --otlp env instead, kept 0600 even over an older 0644
+    file, and masked where it is printed."""
+    secret = "s3cret-token"
+    url = f"http://alice:{secret}@127.0.0.1:9/?token={secret}"
+    refused = monarch("serve", "-n", "1", "--otlp", url, cwd=tmp_path)
+    assert refused.returncode == 2 and secret not in refused.stdout + refused.stderr, refused.stderr
+    one_line_error(refused, "MONARCH_OTLP_ENDPOINT")
+    conf = tmp_path / ".monarch" / "otlp.json"
+    conf.parent.mkdir()
+    conf.write_text("{}")
+    conf.chmod(0o644)  # as an older monarch-cli left it
+    monkeypatch.setenv("MONARCH_OTLP_ENDPOINT", url)
+    served = monarch("serve", "-n", "1", "--otlp", "env", cwd=tmp_path)
+    try:
+        assert served.returncode == 0, served.stderr
+        assert conf.stat().st_mode & 0o077 == 0 and json.loads(conf.read_text())["endpoint"] == url.rstrip("/")
+        (tmp_path / "hello.py").write_text("print('hello')\n")
+        monkeypatch.delenv("MONARCH_OTLP_ENDPOINT")  # (the run reads the reservation's file)
+        run = monarch("run-spmd", "--", "torchrun", "--nproc-per-node=1", "hello.py", cwd=tmp_path)
+        assert run.returncode == 0 and "OpenTelemetry export failed" in run.stderr, run.stderr
+        assert secret not in run.stdout + run.stderr and "***@127.0.0.1" in run.stderr, run.stderr
+    finally:
+        monarch("stop", cwd=tmp_path)
