@@ -421,3 +421,31 @@ def test_cancel_run_signals_only_its_own_runner(tmp_path: Path) -> None:
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_sql_clips_big_cells_as_it_reads_and_counts_past_a_trailing_comment(tmp_path: Path) -> None:
+    """200 rows of 4 MB cells make a 1 MB answer (cells clipped to 2,000 characters), and the
+    server never holds the 800 MB whole; a query ending in a `--` comment still gets its row count."""
+    from monarch_cli.telemetry_store import TelemetryWriter, db_path
+
+    project = tmp_path / "project"
+    (project / ".monarch").mkdir(parents=True, mode=0o700)
+    writer = TelemetryWriter(db_path(project / ".monarch"), "run-1")
+    writer.output(0, 1, b"one line\n")
+    writer.close()
+    rows = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 200)"
+
+    async def session() -> tuple[dict[str, Any], dict[str, Any], int]:
+        async with connected(project, tmp_path / "server.log") as agent:
+            big = await agent.ok("sql", {"query": f"{rows} SELECT x, printf('%.*c', 4000000, 'y') AS big FROM c"})
+            counted = await agent.ok("sql", {"query": f"{rows} SELECT x FROM c -- every row", "limit": 10})
+            (server,) = _servers()
+            with open(f"/proc/{server.pid}/status") as f:
+                peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+            return big, counted, peak << 10
+
+    big, counted, peak = anyio.run(session)
+    assert len(big["rows"]) == 200 and big["rows"][0]["big"].startswith("y" * 2000), big["rows"][0]["big"][-60:]
+    assert big["rows"][0]["big"].endswith("[3998000 more characters]")
+    assert peak < 400 << 20, f"the server's peak RSS was {peak >> 20} MiB"
+    assert counted["row_count"] == 200 and counted["rows_left_out"] == 190, counted

@@ -248,15 +248,15 @@ def sql(s: Session, a: dict[str, Any]) -> Reply:
     limit = min(a.get("limit", 200), MAX_ROWS)
     path = store_path(str(s.state) if s.state else None)
     try:  # at most `limit` rows held: `SELECT * FROM logs` may be millions; a runaway query stops at the timeout
-        cols, rows, more = query_bounded(path, statement, (), max_rows=limit, timeout=SQL_TIMEOUT)
+        cols, rows, more = query_bounded(path, statement, (), max_rows=limit, timeout=SQL_TIMEOUT, clip=cell)
         total = len(rows)
         if more:  # how many were left out, asked of SQLite (bounded by the same timeout), not counted here
-            total = int(
-                query_bounded(path, f"SELECT COUNT(*) FROM ({statement.rstrip(';')})", (), timeout=SQL_TIMEOUT)[1][0][0]
-            )
+            # (on a line of its own: a trailing `-- comment` must not swallow the closing parenthesis)
+            counted = f"SELECT COUNT(*) FROM (\n{statement.rstrip().rstrip(';')}\n)"
+            total = int(query_bounded(path, counted, (), timeout=SQL_TIMEOUT)[1][0][0])
     except StoreError as e:
         raise UserError(str(e)) from None
-    kept = [{c: cell(v) for c, v in zip(cols, r)} for r in rows]
+    kept = [dict(zip(cols, r)) for r in rows]
     data: dict[str, Any] = {"columns": cols, "rows": kept, "row_count": total}
     text = render(cols, [tuple(r.values()) for r in kept], "text")
     if total > limit:
