@@ -39,3 +39,16 @@ def test_a_capped_list_says_how_many_were_left_out_and_where_they_are() -> None:
     cap(data, "ranks", 4, "sql over ranks")
     cap(data, "other", 4, "never")
     assert data == {"ranks": [0, 1, 2, 3], "ranks_left_out": 6, "ranks_hint": "sql over ranks", "other": [1]}
+
+
+def test_a_log_line_of_tens_of_megabytes_without_a_newline_is_read_once(tmp_path: Path) -> None:
+    """A tqdm bar redrawn with \\r and never ended is one line of many MB: the tail shows its
+    last lines clipped, a grep counts every line right and matches long lines on their head."""
+    from monarch_cli.cli.mcp_server.bounds import MAX_TAIL_BYTES
+
+    log = tmp_path / "rank0.log"
+    log.write_bytes(b"start\n" + b"step 1\n" + b"y" * (MAX_TAIL_BYTES + (1 << 20)) + b"\nend of run\n")
+    last = tail_lines(log, 2)
+    assert last[-1] == "end of run" and last[0].startswith("y" * 400) and "more characters" in last[0]
+    found, matched, total = scan(log, re.compile(r"^(step|end)"), 10)
+    assert (matched, total) == (2, 4) and [f["n"] for f in found] == [2, 4]
