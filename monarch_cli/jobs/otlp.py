@@ -29,6 +29,13 @@ EXPORT_TIMEOUT_S = float(os.environ.get("MONARCH_OTLP_TIMEOUT", "3") or 3)
 FLUSH_WAIT_S = 3.0
 #: Output lines queued beyond this (a collector far slower than the ranks) are dropped, and counted.
 MAX_QUEUED = 200_000
+#: Bytes of output waiting for the export thread, at most (the rest is dropped and counted): the
+#: queue was bounded in items only, and a flood of big chunks grew the client ~40 MiB/s.
+MAX_QUEUED_BYTES = 64 << 20
+#: Bytes of one exported line, at most: a tqdm bar redrawn with \r and never ended is one line,
+#: and was joined again with every chunk (16/31/62 MiB took 2.9/11.2/40.5 s).
+MAX_RECORD = 16 << 10
+_CONTINUES = b" ... [line cut: longer than 16 KiB]"
 
 
 def config_path(state_dir: Path) -> Path:
@@ -78,6 +85,36 @@ def endpoint_for(state_dir: Path) -> str | None:
         return None
 
 
+class _Lines:
+    """Output chunks into whole lines, per (rank, stream), each at most :data:`MAX_RECORD` bytes: a
+    longer line is exported cut, once, and the rest of it is skipped up to its newline (linear in
+    the bytes, whatever the line's length)."""
+
+    def __init__(self) -> None:
+        self.partial: dict[tuple[int, int], bytes] = {}
+        self.skipping: set[tuple[int, int]] = set()
+
+    def add(self, key: tuple[int, int], data: bytes) -> list[bytes]:
+        if key in self.skipping:
+            cut = data.find(b"\n")
+            if cut < 0:
+                return []
+            self.skipping.discard(key)
+            data = data[cut + 1 :]
+        *whole, rest = (self.partial.pop(key, b"") + data).split(b"\n")
+        out = [line if len(line) <= MAX_RECORD else line[:MAX_RECORD] + _CONTINUES for line in whole]
+        if len(rest) > MAX_RECORD:
+            out.append(rest[:MAX_RECORD] + _CONTINUES)
+            self.skipping.add(key)
+        elif rest:
+            self.partial[key] = rest
+        return out
+
+    def rest(self, key: tuple[int, int]) -> bytes:
+        self.skipping.discard(key)
+        return self.partial.pop(key, b"")
+
+
 class RunExport:
     """One run's export. Every public method only appends to a queue (the run's loop never waits)."""
 
@@ -89,6 +126,8 @@ class RunExport:
         self.answered = False  # the collector accepted a TCP connection
         self._probed = threading.Event()
         self.dropped = 0
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="monarch-otlp", daemon=True)
         self._thread.start()
@@ -106,7 +145,16 @@ class RunExport:
         self._wake.set()
 
     def output(self, rank: int, stream: int, data: bytes) -> None:
+        with self._bytes_lock:
+            if self._queued_bytes + len(data) > MAX_QUEUED_BYTES:
+                self.dropped += 1
+                return
+            self._queued_bytes += len(data)
         self._put("out", (time.time_ns(), rank, stream, data))
+
+    def _taken(self, data: bytes) -> None:
+        with self._bytes_lock:
+            self._queued_bytes -= len(data)
 
     def rank_exit(self, rank: int, how: str, status: int) -> None:
         self._put("exit", (time.time_ns(), rank, how, status))
@@ -150,7 +198,7 @@ class RunExport:
             start_time=time.time_ns(),
         )
         ranks: dict[int, Any] = {}
-        partial: dict[tuple[int, int], bytes] = {}
+        lines = _Lines()
         hosts: dict[int, str] = {}
         ended = False
         while not ended:
@@ -166,16 +214,13 @@ class RunExport:
                             ranks[rank] = sdk.rank_span(run_span, rank, host, local, ts)
                     elif kind == "out":
                         ts, rank, stream, data = item
-                        buf = partial.pop((rank, stream), b"") + data
-                        *lines, rest = buf.split(b"\n")
-                        if rest:
-                            partial[(rank, stream)] = rest
-                        for raw in lines:
+                        self._taken(data)
+                        for raw in lines.add((rank, stream), data):
                             sdk.log(ranks.get(rank), rank, hosts.get(rank), stream, ts, raw)
                     elif kind == "exit":
                         ts, rank, how, status = item
                         for stream in (1, 2):
-                            rest = partial.pop((rank, stream), b"")
+                            rest = lines.rest((rank, stream))
                             if rest:
                                 sdk.log(ranks.get(rank), rank, hosts.get(rank), stream, ts, rest)
                         sdk.end_rank(ranks.pop(rank, None), how, status, ts)

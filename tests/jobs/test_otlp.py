@@ -226,3 +226,39 @@ def test_the_endpoint_is_checked_and_kept_private(tmp_path: Path, monkeypatch: p
     assert otlp.endpoint_for(tmp_path) == "http://other:4318"
     monkeypatch.setenv("MONARCH_OTLP_ENDPOINT", "off")
     assert otlp.endpoint_for(tmp_path) is None
+
+
+BAR = """
+import sys
+for _ in range(512):  # 32 MiB of a progress bar redrawn with \\r, never ended
+    sys.stdout.write("\\r" + "#" * 65536)
+sys.stdout.write("\\nafter the bar\\n")
+"""
+
+
+@pytest.mark.slow
+def test_a_line_of_many_megabytes_is_exported_cut_once(job: Job, tmp_path: Path, receiver: Receiver) -> None:
+    """Each exported line is at most 16 KiB: a 32 MiB progress bar becomes one record, cut and
+    saying so, and the lines after it arrive (it was joined again with every chunk: minutes)."""
+    script = tmp_path / "bar.py"
+    script.write_text(BAR)
+    otlp.set_endpoint(job.path.parent, receiver.url)
+    try:
+        run = spmd(job, script, nproc=1)
+    finally:
+        otlp.set_endpoint(job.path.parent, None)
+    assert run.result.exit_code == 0, run.text()[-2000:]
+
+    def bodies() -> list[str]:
+        return [
+            r.body.string_value
+            for req in receiver.got["/v1/logs"]
+            for rl in req.resource_logs
+            for sl in rl.scope_logs
+            for r in sl.log_records
+        ]
+
+    _wait("the line after the bar, from both ranks", lambda: bodies().count("after the bar") == 2)
+    bars = [b for b in bodies() if b.startswith("\r#")]
+    assert len(bars) == 2, [len(b) for b in bars]
+    assert all(len(b) <= (16 << 10) + 64 and b.endswith("[line cut: longer than 16 KiB]") for b in bars)
