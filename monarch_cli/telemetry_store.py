@@ -429,6 +429,11 @@ def _line_text(raw: bytes) -> str:
 
 #: Output rows a writer's transaction holds before it inserts them (it commits once per round).
 _LOG_ROWS_AT_ONCE = 2048
+#: Queued items one transaction takes at most: under a flood the queue never empties, and a round
+#: that ran until it did never committed (the run's telemetry was lost).
+_ITEMS_PER_TRANSACTION = 20_000
+#: Output bytes waiting for the writer, at most; beyond, output is left to the run's log (counted).
+MAX_QUEUED_BYTES = 64 << 20
 _INSERT_LOGS = "INSERT INTO logs VALUES (?,?,?,?,?)"
 
 
@@ -465,6 +470,9 @@ class TelemetryWriter:
         self._tails: dict[int, collections.deque[tuple[Any, ...]]] = {}
         self._rank_count = 1
         self.lines_left_out = 0
+        self.bytes_left_out = 0  # output not queued: the writer was MAX_QUEUED_BYTES behind
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
         self._queue: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._closing = False
@@ -488,8 +496,14 @@ class TelemetryWriter:
         self._queue.append(("sql", (statement, params)))
 
     def output(self, rank: int, stream: int, data: bytes) -> None:
-        if self.error is None:
-            self._queue.append(("out", (rank, stream, time.time(), data)))
+        if self.error is not None:
+            return
+        with self._bytes_lock:
+            if self._queued_bytes + len(data) > MAX_QUEUED_BYTES:
+                self.bytes_left_out += len(data)
+                return
+            self._queued_bytes += len(data)
+        self._queue.append(("out", (rank, stream, time.time(), data)))
 
     def rows(self, table: str, rows: Iterable[Sequence[Any]]) -> None:
         """Queue rows for ``table``. A generator is consumed by the writer thread as it inserts
@@ -542,8 +556,9 @@ class TelemetryWriter:
         import sqlite3
 
         while True:
-            self._wake.wait(0.25)
-            self._wake.clear()
+            if not self._queue:  # (a round that stopped at its bound goes on at once)
+                self._wake.wait(0.25)
+                self._wake.clear()
             closing = self._closing  # read after the wake: close() sets it, then wakes us
             if self._queue or (closing and self._tails):
                 try:
@@ -559,10 +574,14 @@ class TelemetryWriter:
         last: dict[int, tuple[float, int]] = {}
         waiters = []
         conn.execute("BEGIN")
-        while self._queue:
+        taken = 0
+        while self._queue and taken < _ITEMS_PER_TRANSACTION:
+            taken += 1
             kind, item = self._queue.popleft()
             if kind == "out":
                 rank, stream, ts, data = item
+                with self._bytes_lock:
+                    self._queued_bytes -= len(data)
                 buf = self._partial.pop((rank, stream), b"") + data
                 *lines, rest = buf.split(b"\n")
                 if rest:  # no newline yet: keep only what a stored line can hold (and one more byte)
@@ -614,6 +633,17 @@ class TelemetryWriter:
                         None,
                         "lines_left_out",
                         f"{self.lines_left_out} lines in the rank logs only",
+                    ),
+                )
+            if self.bytes_left_out:
+                conn.execute(
+                    "INSERT INTO events VALUES (?,?,?,?,?)",
+                    (
+                        self.run_id,
+                        time.time(),
+                        None,
+                        "output_left_out",
+                        f"{self.bytes_left_out} bytes of output in the rank logs only: the store fell behind",
                     ),
                 )
         if logs:

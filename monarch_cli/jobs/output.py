@@ -46,6 +46,8 @@ MAX_HELD_LINE = 1 << 20
 #: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
 DEFAULT_KEEP_RUNS = 20
 _LOG_BATCH = 1 << 20  # bytes of records the log thread joins into one write
+#: Bytes of output queued for the run's log file, at most (see ``OutputSink._log_room``).
+MAX_LOG_QUEUED = 64 << 20
 _DIR_MODE = 0o700
 
 
@@ -99,6 +101,10 @@ class OutputSink:
         self.log = _open_private(log_dir / run_log.LOG_NAME)
         self.log.write(run_log.header(labels))
         self._log_queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        #: Bytes queued for the log thread; past MAX_LOG_QUEUED the event thread waits for the disk
+        #: (and, through the output credit, so do the ranks) instead of the client's memory growing.
+        self._log_queued = 0
+        self._log_room = threading.Condition()
         self._log_thread: threading.Thread | None = None
         self._log_error: OSError | None = None
         self.extra: dict[tuple[int, int], BinaryIO] = {}
@@ -183,7 +189,17 @@ class OutputSink:
         if self._log_thread is None:
             self._log_thread = threading.Thread(target=self._write_logs, name="monarch-rank-logs", daemon=True)
             self._log_thread.start()
-        self._log_queue.put(run_log.record(rank, stream, data))
+        record = run_log.record(rank, stream, data)
+        with self._log_room:
+            while self._log_queued > MAX_LOG_QUEUED and self._log_error is None and self._log_thread.is_alive():
+                self._log_room.wait(1.0)
+            self._log_queued += len(record)
+        self._log_queue.put(record)
+
+    def _written(self, size: int) -> None:
+        with self._log_room:
+            self._log_queued -= size
+            self._log_room.notify_all()
 
     def _write_logs(self) -> None:
         """The log thread: writes records in order, what has queued up meanwhile in one write; None ends."""
@@ -203,6 +219,7 @@ class OutputSink:
                     break
             if batch:
                 self._append(b"".join(batch) if len(batch) > 1 else batch[0])
+                self._written(size)
             if item is None:
                 return
 
