@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OptionError, PlanError
+from ..runtime.errors import CallTimeout
 from ..runtime.transport.keys import Keys
 from ..schedulers import ALIASES, Plan, ReserveRequest, Scheduler, available, get_scheduler
 from . import fanout
@@ -204,7 +205,10 @@ def _reserve(
         say(f"checking {len(job_state.hosts)} hosts through their relays")
         job.check_relays()
     if warm:
-        job.warm_for_served(say=say)
+        try:
+            job.warm_for_served(say=say)
+        except (JobError, CallTimeout) as e:  # warming is an optimisation: the first run says what is wrong
+            say(f"the warm processes were not told what to import: {e}")
     return job
 
 
