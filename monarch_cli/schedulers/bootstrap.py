@@ -76,7 +76,7 @@ slots = threading.BoundedSemaphore(16)  # connections served at once: unsigned o
 def serve(conn):
     zips = []
     try:
-        conn.settimeout(10)  # to the signed header: a peer that says nothing goes
+        conn.settimeout(120)  # (the client builds its bundle for this platform between greeting and header)
         nonce = os.urandom(16).hex()
         conn.sendall(b"MONARCH-BOOTSTRAP 1 " + json.dumps(hello(nonce)).encode() + b"\n")
         f = conn.makefile("rb")
@@ -85,7 +85,6 @@ def serve(conn):
         if not hmac.compare_digest(mac, good):
             conn.sendall(b"error: not signed with this reservation's keys\n")
             return
-        conn.settimeout(120)
         h = json.loads(header.decode())
         for p in h["parts"]:
             if not re.match(r"^(code|deps)-[0-9a-f]+$", p["name"]):

@@ -111,9 +111,8 @@ def test_the_bootstrap_says_nothing_kubernetes_would_expand() -> None:
 
 
 def test_unsigned_connections_cannot_pile_up_threads_in_the_bootstrap(stock: str, tmp_path: Path) -> None:
-    """Before the signed header, a connection costs the bootstrap a thread: at most 16 at once,
-    each gone 10 s after it said nothing; the rest are closed at once. Once they go, a client is
-    greeted again."""
+    """Before the signed header, a connection costs the bootstrap a thread: at most 16 at once;
+    the rest are closed at once. Once they go, a client is greeted again."""
     import time
 
     keys = Keys.generate()
