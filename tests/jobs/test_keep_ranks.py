@@ -57,6 +57,10 @@ print("sum", t.item(), flush=True)
 @pytest.fixture
 def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
     monkeypatch.setenv("MONARCH_LEARN_PRELOAD", "1")
+    # Importing torch._dynamo in this process (other tests do) exports torch's default cache dir,
+    # which the ranks would then get as the user's choice.
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
     job = serve(None, hosts=1, state=tmp_path / ".monarch" / "job_state.pkl")
     try:
