@@ -432,6 +432,7 @@ _LOG_ROWS_AT_ONCE = 2048
 #: Queued items one transaction takes at most: under a flood the queue never empties, and a round
 #: that ran until it did never committed (the run's telemetry was lost).
 _ITEMS_PER_TRANSACTION = 20_000
+_SECONDS_PER_TRANSACTION = 0.5  # (and at most this long: a round of big chunks is seconds of work)
 #: Output bytes waiting for the writer, at most; beyond, output is left to the run's log (counted).
 MAX_QUEUED_BYTES = 64 << 20
 _INSERT_LOGS = "INSERT INTO logs VALUES (?,?,?,?,?)"
@@ -574,8 +575,8 @@ class TelemetryWriter:
         last: dict[int, tuple[float, int]] = {}
         waiters = []
         conn.execute("BEGIN")
-        taken = 0
-        while self._queue and taken < _ITEMS_PER_TRANSACTION:
+        taken, until = 0, time.monotonic() + _SECONDS_PER_TRANSACTION
+        while self._queue and taken < _ITEMS_PER_TRANSACTION and time.monotonic() < until:
             taken += 1
             kind, item = self._queue.popleft()
             if kind == "out":
