@@ -135,8 +135,7 @@ class KeptRun:
         roots += [v for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if (v := os.environ.get(k))]
         full = os.path.abspath(entry) if entry and not entry.endswith("__path_hook__") else entry
         return not self._in_workspace(full) and (
-            entry.endswith("__path_hook__")
-            or any(full == r or full.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+            entry.endswith("__path_hook__") or any(preload._under(full, r) for r in roots)
         )
 
     def _runs_workspace_code(self, frame: Any) -> bool:
@@ -148,7 +147,7 @@ class KeptRun:
 
     def _in_workspace(self, path: str) -> bool:
         full = os.path.abspath(path)
-        return any(full == r or full.startswith(r.rstrip(os.sep) + os.sep) for r in self.workspace)
+        return any(preload._under(full, r) for r in self.workspace)
 
     def _is_workspace(self, module: Any) -> bool:
         if getattr(module, "__name__", None) == "__main__":
