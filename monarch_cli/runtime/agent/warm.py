@@ -310,11 +310,7 @@ class WarmRanks:
             return False
         kind = msg.KIND
         if kind == "exit":
-            warm.children -= 1
-            if warm.retired and warm.children <= 0:
-                self._drop(warm, kill=True)
-            elif warm.children <= 0 and self._postponed:
-                self._maybe_warm()
+            self._child_ended(warm)
         elif kind == "ready":
             self._ready(warm)
             return True
@@ -337,9 +333,16 @@ class WarmRanks:
         longer counts as a running child (the zygote will not say it exited)."""
         warm = next((w for w in self._all() if w.zygote.process.pid == zygote_pid), None)
         if warm is not None:
-            warm.children -= 1
-            if warm.children <= 0 and self._postponed:
-                self._maybe_warm()
+            self._child_ended(warm)
+
+    def _child_ended(self, warm: _Warm) -> None:
+        """One rank of ``warm``'s exited or was kept: a retired one with none left goes (its kept
+        ranks with it: they hold its stale files), a postponed warm-up may start."""
+        warm.children -= 1
+        if warm.retired and warm.children <= 0:
+            self._drop(warm, kill=True)
+        elif warm.children <= 0 and self._postponed:
+            self._maybe_warm()
 
     def fork_asked(self, zygote: Any) -> None:
         """A rank was asked of ``zygote``: it counts as a child from now, not from its ``forked`` reply,
