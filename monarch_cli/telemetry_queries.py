@@ -81,18 +81,18 @@ QUERIES: dict[str, tuple[str, str]] = {
         "ORDER BY rowid DESC LIMIT ?",
     ),
     "samples_after": (
-        "process samples after a cursor (run_id, after)",
+        "process samples after a cursor, oldest first (run_id, after, limit)",
         "SELECT rowid AS id, rank, ts, cpu_percent, rss_mb, gpu_util, gpu_mem_mb FROM samples "
-        "WHERE run_id = ? AND rowid > ? ORDER BY rowid",
+        "WHERE run_id = ? AND rowid > ? ORDER BY rowid LIMIT ?",
     ),
     "steps_after": (
-        "optimizer steps after a cursor (run_id, after)",
-        "SELECT rowid AS id, rank, step, ts, dt_ms FROM steps WHERE run_id = ? AND rowid > ? ORDER BY rowid",
+        "optimizer steps after a cursor, oldest first (run_id, after, limit)",
+        "SELECT rowid AS id, rank, step, ts, dt_ms FROM steps WHERE run_id = ? AND rowid > ? ORDER BY rowid LIMIT ?",
     ),
     "numbers_after": (
-        "output lines that may hold key=value numbers, after a cursor (run_id, after)",
+        "output lines that may hold key=value numbers, after a cursor, oldest first (run_id, after, limit)",
         "SELECT rowid AS id, rank, ts, line FROM logs WHERE run_id = ? AND rowid > ? AND line LIKE '%=%' "
-        "ORDER BY rowid",
+        "ORDER BY rowid LIMIT ?",
     ),
     "latest_capture": (
         "the newest stored stack capture of a run, one row per thread (run_id)",

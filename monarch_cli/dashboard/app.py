@@ -4,6 +4,8 @@ Every route (page, static file, API, event stream, OpenAPI schema) needs the tok
 (``?token=``) or the ``X-Monarch-Token`` header. Anything else gets 403. No cookie: a cookie for
 127.0.0.1 would go to every port of this machine, other users' servers included.
 The Host header must name the loopback address the server listens on (no DNS rebinding).
+What one client can ask for is bounded: a series answer holds a bounded number of points, and at most
+:data:`MAX_STREAMS` event streams are open at once.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import models as m
-from .views import MAX_LINES, DashboardError, Views
+from .views import MAX_LINES, MAX_SERIES_ROWS, DashboardError, Views
 
 STATIC = Path(__file__).parent / "static"
 #: How often the event stream looks at the store for new rows (one cheap statement).
 POLL_S = 0.5
 #: A keep-alive comment this often, so proxies and the browser keep the stream open.
 KEEPALIVE_S = 15.0
+#: Event streams one server holds at once (each holds a connection and reads the store twice a
+#: second); one more is refused with 429 until one closes.
+MAX_STREAMS = 16
 
 _T = TypeVar("_T")
 
@@ -64,20 +69,43 @@ class TokenGuard:
         given = given or headers.get("x-monarch-token", "")
         host_ok = not self.hosts or headers.get("host", "") in self.hosts
         if not (host_ok and given and secrets.compare_digest(given.encode(), self.token.encode())):
-            why = b"forbidden: open the dashboard with the URL (and token) `monarch dashboard` printed\n"
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 403,
-                    "headers": [
-                        (b"content-type", b"text/plain; charset=utf-8"),
-                        (b"content-length", str(len(why)).encode()),
-                    ],
-                }
+            await _plain(
+                send, 403, "forbidden: open the dashboard with the URL (and token) `monarch dashboard` printed"
             )
-            await send({"type": "http.response.body", "body": why})
             return
         await self.app(scope, receive, send)
+
+
+class StreamLimit:
+    """ASGI middleware: at most ``limit`` event streams at once, so open tabs or a script cannot pile
+    up connections and store readers. A slot is freed when its response ends, however it ends (the
+    client went away, the server stops)."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_STREAMS, path: str = "/api/events") -> None:
+        self.app, self.limit, self.path, self.open = app, limit, path, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") != self.path:
+            await self.app(scope, receive, send)
+            return
+        if self.open >= self.limit:  # one event loop: no lock needed between the check and the count
+            await _plain(send, 429, f"too many live streams ({self.limit} open): close another dashboard tab")
+            return
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
+
+
+async def _plain(send: Send, status: int, text: str) -> None:
+    """A one-line plain-text answer (refusals: no token, too many streams)."""
+    body = (text + "\n").encode()
+    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
+    if status == 429:
+        headers.append((b"retry-after", b"5"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _with_security_headers(send: Send) -> Send:
@@ -161,8 +189,14 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> ASGIA
         response_model=m.Series,
         summary="Plot points after the cursors: samples, step times, key=value numbers",
     )
-    def series_api(run_id: str, samples: int = 0, steps: int = 0, logs: int = 0) -> dict[str, Any]:
-        return _answer(lambda: views.series(run_id, samples, steps, logs))
+    def series_api(
+        run_id: str,
+        samples: int = 0,
+        steps: int = 0,
+        logs: int = 0,
+        limit: int = Query(MAX_SERIES_ROWS, ge=1, le=MAX_SERIES_ROWS, description="rows of each table at most"),
+    ) -> dict[str, Any]:
+        return _answer(lambda: views.series(run_id, samples, steps, logs, limit))
 
     @app.get(
         "/api/runs/{run_id}/stacks",
@@ -209,7 +243,7 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> ASGIA
     @app.get(
         "/api/events",
         summary="Server-sent events: `runs` when a run starts or ends, `logs` (new lines of `run`, filtered), "
-        "`series` (new plot points)",
+        f"`series` (new plot points). At most {MAX_STREAMS} streams at once; one more gets 429",
     )
     async def events_api(
         request: Request,
@@ -225,7 +259,7 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> ASGIA
         stream = _events(views, request.is_disconnected, run, after, _ranks(ranks), q, series, [samples, steps, logs])
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
-    return TokenGuard(app, token, hosts or set())
+    return TokenGuard(StreamLimit(app), token, hosts or set())
 
 
 def _ranks(text: str | None) -> list[int] | None:
@@ -258,7 +292,7 @@ async def _events(
     """Deltas only: each tick reads the store's cursors (one statement) and sends what is new."""
     last: dict[str, Any] = {}
     quiet = 0.0
-    pending = False  # more new lines than one event holds: send the next batch without waiting for a change
+    pending = False  # more new rows than one event holds: send the next batch without waiting for a change
     yield b": connected\n\n"
     while not await gone():
         try:
@@ -272,11 +306,12 @@ async def _events(
                 last.get("events"),
             ):
                 yield _event("runs", {"runs": await asyncio.to_thread(views.runs, 50), "cursors": now})
+            more = False
             if run is not None and after is not None and (pending or now.get("logs") != last.get("logs")):
                 page = await asyncio.to_thread(
                     functools.partial(views.logs, run, after=after, ranks=ranks, text=text, limit=MAX_LINES)
                 )
-                pending = page["more"]
+                more = page["more"]
                 if page["lines"]:
                     after = page["lines"][-1]["id"]
                     yield _event("logs", page)
@@ -286,7 +321,8 @@ async def _events(
                     yield _event("series", delta)
                 c = delta["cursors"]
                 cursor = [c["samples"], c["steps"], c["logs"]]
-            last, quiet = now, 0.0
+                more = more or delta["more"]
+            last, quiet, pending = now, 0.0, more
         else:
             quiet += POLL_S
             if quiet >= KEEPALIVE_S:

@@ -89,6 +89,7 @@ class Series(BaseModel):
     steps: list[list[Opt]] = Field(description="[rank, ts, step, dt_ms]")
     numbers: dict[str, list[list[Opt]]] = Field(description="key -> [rank, ts, value] for each key=value printed")
     cursors: dict[str, int] = Field(description="samples, steps, logs: the next request's cursors")
+    more: bool = Field(False, description="clipped at the limit: ask again with these cursors for the rest")
 
 
 class Host(BaseModel):

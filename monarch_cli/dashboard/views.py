@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 #: At most this many output lines in one answer (a page of the run view, or one live update).
 MAX_LINES = 5000
+#: At most this many rows of each table (samples, steps, output lines with numbers) in one series answer.
+MAX_SERIES_ROWS = 20_000
+#: At most about this many ``key=value`` points in one series answer (a 4 KiB line holds up to ~1,000).
+MAX_NUMBER_POINTS = 50_000
 #: At most this many different ``key=value`` names are plotted per run (the first ones seen).
 MAX_NUMBER_KEYS = 24
 
@@ -168,33 +172,47 @@ class Views:
         return {"run_id": rid, "lines": lines, "more": len(lines) == limit}
 
     def series(
-        self, run_id: str | None, after_samples: int = 0, after_steps: int = 0, after_logs: int = 0
+        self,
+        run_id: str | None,
+        after_samples: int = 0,
+        after_steps: int = 0,
+        after_logs: int = 0,
+        limit: int = MAX_SERIES_ROWS,
     ) -> dict[str, Any]:
         """New plot points since the cursors: samples (CPU, RSS, GPU), step times, and ``key=value`` numbers
-        printed in output. Rows are arrays, oldest first; the answer's cursors go in the next request."""
+        printed in output. Rows are arrays, oldest first; the answer's cursors go in the next request.
+        At most ``limit`` rows of each table and :data:`MAX_NUMBER_POINTS` numbers per answer (``more``
+        says there are more), so one request never reads a whole store."""
         rid = self.run_id(run_id)
-        out: dict[str, Any] = {"run_id": rid, "samples": [], "steps": [], "numbers": {}, "cursors": {}}
+        limit = max(1, min(limit, MAX_SERIES_ROWS))
+        out: dict[str, Any] = {"run_id": rid, "samples": [], "steps": [], "numbers": {}, "cursors": {}, "more": False}
         if rid is None:
             out["cursors"] = {"samples": after_samples, "steps": after_steps, "logs": after_logs}
             return out
-        samples = self._rows("samples_after", (rid, after_samples))
-        steps = self._rows("steps_after", (rid, after_steps))
-        lines = self._rows("numbers_after", (rid, after_logs))
+        samples = self._rows("samples_after", (rid, after_samples, limit))
+        steps = self._rows("steps_after", (rid, after_steps, limit))
+        lines = self._rows("numbers_after", (rid, after_logs, limit))
         out["samples"] = [
             [s["rank"], s["ts"], s["cpu_percent"], s["rss_mb"], s["gpu_util"], s["gpu_mem_mb"]] for s in samples
         ]
         out["steps"] = [[s["rank"], s["ts"], s["step"], s["dt_ms"]] for s in steps]
         found: dict[str, list[list[Any]]] = {}
+        points, last_line = 0, after_logs
         for line in lines:
+            if points >= MAX_NUMBER_POINTS:  # the rest of these lines come with the next request
+                break
             for key, value in numbers(line["line"]):
                 if key in found or len(found) < MAX_NUMBER_KEYS:
                     found.setdefault(key, []).append([line["rank"], line["ts"], value])
+                    points += 1
+            last_line = line["id"]
         out["numbers"] = found
         out["cursors"] = {
             "samples": samples[-1]["id"] if samples else after_samples,
             "steps": steps[-1]["id"] if steps else after_steps,
-            "logs": lines[-1]["id"] if lines else after_logs,
+            "logs": last_line,
         }
+        out["more"] = limit in (len(samples), len(steps), len(lines)) or (bool(lines) and last_line != lines[-1]["id"])
         return out
 
     def stored_stacks(self, run_id: str | None) -> dict[str, Any]:

@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import REPO, one_line_error
 from tests.test_cli import monarch
 
+from .conftest import wait_for
+
 
 def test_without_a_reservation_or_a_store_it_says_so(tmp_path: Path) -> None:
     done = monarch("dashboard", cwd=tmp_path)
@@ -117,16 +119,39 @@ def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
     one_line_error(done, "cannot listen on 127.0.0.1:")
 
 
-def test_open_hands_the_url_with_its_token_to_the_browser(tmp_path: Path) -> None:
-    """--open goes through Python's webbrowser, which runs $BROWSER: here a command that records the URL."""
-    import time
+#: A browser for $BROWSER: it only records the command line it was started with.
+RECORDER = """import json, sys
+with open({out!r} + ".tmp", "w") as f:
+    json.dump(sys.argv, f)
+import os
+os.replace({out!r} + ".tmp", {out!r})
+"""
 
+
+def _argv_of_every_process() -> str:
+    """The command lines of every process on the machine (what `ps` shows every user)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # (gone, or not a process)
+            continue
+    return "\n".join(found)
+
+
+def test_open_keeps_the_token_off_the_browsers_command_line(tmp_path: Path, browser) -> None:  # type: ignore[no-untyped-def]
+    """--open goes through Python's webbrowser, which runs $BROWSER with a URL: that URL holds no token
+    (every local user sees it in `ps`), yet opening it, in a real chromium, lands on the dashboard."""
     from monarch_cli.telemetry_store import _connect_rw, db_path
 
     _connect_rw(db_path(tmp_path / ".monarch")).close()
-    opened = tmp_path / "opened"
+    argv_file, runtime = tmp_path / "argv.json", tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    (tmp_path / "browser.py").write_text(RECORDER.format(out=str(argv_file)))
     env = {k: v for k, v in os.environ.items() if k != "MONARCH_STATE"}
-    env.update(PYTHONPATH=str(REPO), BROWSER=f"sh -c 'echo %s > {opened}'")
+    env.update(
+        PYTHONPATH=str(REPO), BROWSER=f"{sys.executable} {tmp_path / 'browser.py'} %s", XDG_RUNTIME_DIR=str(runtime)
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "monarch_cli", "dashboard", "--open"],
         cwd=tmp_path,
@@ -137,15 +162,29 @@ def test_open_hands_the_url_with_its_token_to_the_browser(tmp_path: Path) -> Non
     )
     try:
         printed = proc.stdout.readline()
-        deadline = time.monotonic() + 60
-        while not (opened.exists() and opened.read_text().strip()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        url = opened.read_text().strip()
-        assert url.startswith("http://127.0.0.1:") and "?token=" in url and url in printed
+        token = printed.split("token=")[1].split()[0]
+        base = printed.split("?token=")[0].split()[-1]
+        wait_for("the browser to be started", argv_file.exists)
+        argv = json.loads(argv_file.read_text())
+        assert token not in " ".join(argv) and token not in _argv_of_every_process()
+        url = argv[-1]
+        assert url.startswith("file://"), argv
+        page = Path(urllib.request.url2pathname(url[len("file://") :]))
+        assert page.is_relative_to(runtime) and page.stat().st_uid == os.getuid()
+        assert page.stat().st_mode & 0o077 == 0 and page.parent.stat().st_mode & 0o077 == 0
+        # the page logs in: chromium follows it to the dashboard, whose API then answers the page
+        browser.get(url)
+        wait_for("the dashboard", lambda: browser.current_url.startswith(base) and token in browser.current_url)
+        wait_for(
+            "the runs page",
+            lambda: browser.execute_script("return document.getElementById('main').dataset.ready === '1'"),
+        )
+        assert "forbidden" not in browser.page_source
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+    assert not page.exists()  # the page (it holds the token) goes with the server
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from monarch_cli.dashboard.views import MAX_SERIES_ROWS
 from monarch_cli.telemetry_store import TelemetryWriter, db_path
 
 from .conftest import Served, wait_for
@@ -105,15 +106,24 @@ def test_the_api_pages_filters_and_sends_deltas(big: tuple[Served, TelemetryWrit
     assert len(only["lines"]) == sum(len(range(r, LINES, RANKS)) for r in (5, 7, 8)) and not only["more"]
     found = _json(served, f"api/runs/{RUN}/logs?q=NEEDLE&limit=5000")
     assert len(found["lines"]) == len(range(0, LINES, 997)) and all("needle" in l["line"] for l in found["lines"])
-    # the series: every rank's samples and steps, and the printed numbers (loss, step) parsed from output
+    # the series: every rank's samples and steps, and the printed numbers (loss, step) parsed from output,
+    # in bounded answers that each name the cursors of the next
     series = _json(served, f"api/runs/{RUN}/series")
-    assert len(series["samples"]) == 60 * RANKS and len(series["steps"]) == 199 * RANKS
-    assert {r for r, _, _ in series["numbers"]["loss"]} == set(range(RANKS))
-    again = _json(
-        served,
-        f"api/runs/{RUN}/series?samples={series['cursors']['samples']}&steps={series['cursors']['steps']}&logs={series['cursors']['logs']}",
-    )
-    assert again["samples"] == [] and again["steps"] == [] and again["numbers"] == {}
+    samples, steps, losses = series["samples"], series["steps"], series["numbers"]["loss"]
+    assert series["more"] and len(steps) == MAX_SERIES_ROWS
+    while series["more"]:
+        c = series["cursors"]
+        series = _json(served, f"api/runs/{RUN}/series?samples={c['samples']}&steps={c['steps']}&logs={c['logs']}")
+        samples, steps, losses = (
+            samples + series["samples"],
+            steps + series["steps"],
+            losses + series["numbers"].get("loss", []),
+        )
+    assert len(samples) == 60 * RANKS and len(steps) == 199 * RANKS
+    assert {r for r, _, _ in losses} == set(range(RANKS))
+    c = series["cursors"]
+    again = _json(served, f"api/runs/{RUN}/series?samples={c['samples']}&steps={c['steps']}&logs={c['logs']}")
+    assert again["samples"] == [] and again["steps"] == [] and again["numbers"] == {} and not again["more"]
 
     # live: the event stream sends only the lines written after the cursor, filtered as asked
     last = ids[-1]

@@ -35,4 +35,4 @@ def test_every_named_query_runs_on_a_real_store(tmp_path: Path) -> None:
         params = [0] * sql.count("?")
         rows(db_path(tmp_path), name, params)
     assert rows(db_path(tmp_path), "latest_run")[0]["run_id"] == "r1"
-    assert [r["line"] for r in rows(db_path(tmp_path), "numbers_after", ("r1", 0))] == ["step=1 loss=2"]
+    assert [r["line"] for r in rows(db_path(tmp_path), "numbers_after", ("r1", 0, 100))] == ["step=1 loss=2"]

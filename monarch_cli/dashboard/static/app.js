@@ -267,7 +267,13 @@ async function plotsPage(runId) {
       } else c.plot.setData(aligned);
     }
   }
-  let cursors = ingest(await api(`api/runs/${encodeURIComponent(runId)}/series`));
+  // each answer holds a bounded number of points; `more` says ask again from its cursors
+  let answer = await api(`api/runs/${encodeURIComponent(runId)}/series`);
+  let cursors = ingest(answer);
+  while (answer.more) {
+    answer = await api(`api/runs/${encodeURIComponent(runId)}/series?` + new URLSearchParams(cursors));
+    cursors = ingest(answer);
+  }
   draw();
   let timer = null;
   rankBox.addEventListener("input", () => { clearTimeout(timer); timer = setTimeout(draw, 250); });
