@@ -21,6 +21,7 @@ import zmq
 from _common import print_table, timed
 
 from monarch_cli import Actor, HostMesh, endpoint, this_host
+from monarch_cli.runtime.mailbox.mailbox import Mailbox
 
 PAYLOAD = {"step": 1, "loss": 0.125, "name": "x" * 48}
 
@@ -78,14 +79,28 @@ def main() -> None:
     # Interleave the two in blocks so that machine noise hits both alike.
     floor_times: list[float] = []
     call_times: list[float] = []
+    trusting_times: list[float] = []  # the client reading replies as full pickles (before issue 38 #2)
+    mailbox = Mailbox.get()
     for _ in range(10):
         floor_times += timed(floor_client.round_trip, n // 10, warmup=20)
         call_times += timed(lambda: echo.echo.call_one(PAYLOAD).get(), n // 10, warmup=20)
+        mailbox.plain_only = False
+        trusting_times += timed(lambda: echo.echo.call_one(PAYLOAD).get(), n // 10, warmup=20)
+        mailbox.plain_only = True
     floor_client.close()
     floor = statistics.median(floor_times)
     rtt = statistics.median(call_times)
+    trusting = statistics.median(trusting_times)
     rows.append(("raw pyzmq round trip (floor)", f"{floor * 1e6:.0f} µs", "-", "reference"))
     rows.append(("call_one round trip (median)", f"{rtt * 1e6:.0f} µs", f"{rtt / floor:.2f}x floor", "<= 1.5x floor"))
+    rows.append(
+        (
+            "  the same, replies read as full pickles",
+            f"{trusting * 1e6:.0f} µs",
+            f"plain data costs {rtt / trusting:.2f}x",
+            "reported (issue 38 #2)",
+        )
+    )
 
     # The same call to a proc reached through its host's agent (hosts that cannot reach the client).
     relayed_procs = HostMesh.connect([host._members[0].agent], relay=[True]).spawn_procs(per_host={"gpus": 1})

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import settings
 from ..runtime import protocol
-from ..runtime.errors import ActorError
+from ..runtime.errors import ActorError, remote_error
 from ..runtime.mailbox.future import Future
 from ..runtime.mailbox.mailbox import Mailbox
 from ..runtime.transport import wire
@@ -161,11 +161,10 @@ def _collect(futures: dict[int, Future[Any]], deadline: float, out: list[tuple[b
 
 
 def _decode(ok: bool, frames: list[bytes]) -> tuple[bool, Any]:
+    """A target's answer as its relay passed it on: plain data only (the relay or the target may
+    be hostile; docs/runtime.md, "Security")."""
     try:
-        value = wire.loads(frames)
+        value = wire.loads(frames, plain=True, lenient=not ok)
     except Exception as e:  # noqa: BLE001
         return False, ActorError(f"could not decode the answer: {type(e).__name__}: {e}")
-    if ok:
-        return True, value
-    message, tb, exc = value
-    return False, ActorError(message, tb, exc)
+    return (True, value) if ok else (False, remote_error(value))

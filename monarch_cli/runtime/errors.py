@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ..errors import MonarchError
 
@@ -20,6 +21,17 @@ class ActorError(MonarchError):
         if self.remote_traceback:
             return f"{base}\n\nRemote traceback:\n{self.remote_traceback.rstrip()}"
         return base
+
+
+def remote_error(value: Any) -> ActorError:
+    """The :class:`ActorError` for an endpoint's ``(message, traceback, exception)`` answer. The
+    exception is kept only when it arrived as one (a client withholds classes it cannot accept)."""
+    try:
+        message, tb, exc = value
+    except (TypeError, ValueError):
+        return ActorError(f"a malformed error answer: {type(value).__name__}")
+    exc = exc if isinstance(exc, BaseException) else None
+    return ActorError(str(message), tb if isinstance(tb, str) else "", exc)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,19 +35,32 @@ if TYPE_CHECKING:
 class ClientRoutes:
     """The host's side: how each client is answered. On its own link, unless its last message
     came on a relay's connection (``protocol.VIA_RELAY``): then there, with the client's address
-    after the route so the relay knows whose it is (the message names the client)."""
+    after the route so the relay knows whose it is (the message names the client).
+
+    A relay's connection may not claim a client that reaches this host on its own link: every
+    party holds the same keys, so otherwise any of them could name a client and have that
+    client's answers and run events rerouted through itself (docs/runtime.md, "Security")."""
 
     def __init__(self) -> None:
         self._relayed: dict[str, bytes] = {}
+        self._direct: set[str] = set()
 
-    def note(self, route: bytes, msg: Any) -> None:
-        """A message ``msg`` came on ``route``: answer its client that way from now on."""
+    def note(self, route: bytes, msg: Any) -> bool:
+        """A message ``msg`` came on ``route``: answer its client that way from now on. False
+        when a relay's connection named a client that has its own link (the message is refused)."""
+        client = getattr(msg, "reply_to", None) or getattr(msg, "client", None)
         if protocol.is_relay_route(route):
-            client = getattr(msg, "reply_to", None) or getattr(msg, "client", None)
             if isinstance(client, str):
+                if client in self._direct:
+                    return False
                 self._relayed[client] = route
-        elif self._relayed:
-            self._relayed.pop(route.decode(errors="replace"), None)
+            return True
+        own = route.decode(errors="replace")
+        if client == own and own not in self._direct and len(self._direct) < _MAX_DIRECT:
+            self._direct.add(own)  # a client's own link: its name is its routing id
+        if self._relayed:
+            self._relayed.pop(own, None)
+        return True
 
     def to(self, address: str) -> list[bytes]:
         """The routing frames that reach client ``address``."""
@@ -60,8 +73,11 @@ class ClientRoutes:
 
     def forget(self, address: str) -> None:
         self._relayed.pop(address, None)
+        self._direct.discard(address)
 
 
+#: Links remembered as a client's own (each a few dozen bytes; forgotten with the client).
+_MAX_DIRECT = 65536
 #: Hosts this agent keeps a connection to for its clients.
 MAX_TARGETS = 4096
 #: Messages read from the hosts per round of the loop (the rest of the loop gets its turn).

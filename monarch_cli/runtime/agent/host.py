@@ -312,7 +312,13 @@ class HostAgent:
         except (KeyError, TypeError):  # a newer client, most likely: tell it, if it waits for an answer
             self._refuse(head)
             return
-        self.routes.note(frames[0].bytes, msg)
+        if not self.routes.note(frames[0].bytes, msg):
+            print(
+                f"monarch agent: refused a {msg.KIND} from a relay that named a client with its own link",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         if handler is None:  # answered on the connection it came on, whoever that is
             self._heartbeat(frames[0].bytes, msg.client)
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import pickle
 import sys
 import threading
 import traceback
@@ -23,7 +24,7 @@ from typing import Any
 import zmq
 
 from .. import protocol
-from ..errors import ActorError, Failure, RelayLost, SupervisionError
+from ..errors import ActorError, Failure, RelayLost, SupervisionError, remote_error
 from ..transport import wire
 from ..transport.keys import Keys, keys_from_environment
 from .events import EventRouter, Handler, Subscription
@@ -45,6 +46,9 @@ class Mailbox(MailboxIO):
 
     def __init__(self, keys: Keys, owner: str | None = None, proc_id: str | None = None) -> None:
         self.owner = owner  # reply address of whoever spawned this process
+        #: The client (no owner) reads nothing but plain data from hosts, relays and procs:
+        #: code flows only from it (docs/runtime.md, "Security").
+        self.plain_only = owner is None
         self.proc_id = proc_id
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -332,7 +336,11 @@ class Mailbox(MailboxIO):
 
     # ------------------------------------------------------------------ receiving
     def _handle_message(self, frames: list[zmq.Frame]) -> None:
-        head, body = wire.parse(frames)
+        try:
+            head, body = wire.parse(frames, plain=self.plain_only)
+        except pickle.UnpicklingError as e:  # not plain data (or torn): refused, said once per kind
+            self._refused(e)
+            return
         if head and head[0] == "batch":  # an agent's events of one round: each as if sent alone
             try:
                 batch = protocol.decode(head)
@@ -379,15 +387,20 @@ class Mailbox(MailboxIO):
             return  # the call already failed (its proc died); a late answer is dropped
         fut = entry[0]
         try:
-            value = wire.loads(body)
+            value = wire.loads(body, plain=self.plain_only, lenient=not msg.ok)
         except BaseException as e:  # noqa: BLE001
             fut.set_exception(ActorError(f"could not decode the result: {type(e).__name__}: {e}"))
             return
         if msg.ok:
             fut.set_result(value)
         else:
-            message, tb, exc = value
-            fut.set_exception(ActorError(message, tb, exc))
+            fut.set_exception(remote_error(value))
+
+    def _refused(self, error: Exception) -> None:
+        kind = "not plain data"
+        if kind not in self.events.dropped:
+            print(f"monarch: refused a message: {error}", file=sys.stderr, flush=True)
+        self.events.dropped[kind] = self.events.dropped.get(kind, 0) + 1
 
     def _on_proc_exit(self, msg: protocol.ProcExited) -> None:
         self.proc_failed(msg.proc_id, msg.failure, msg.expected)

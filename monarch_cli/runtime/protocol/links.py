@@ -17,6 +17,8 @@ import pickle
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..transport.plain import loads_plain
+
 __all__ = ["FORWARD", "FORWARDED", "VIA_RELAY", "forward_frames", "forwarded_frames", "unforward", "is_relay_route"]
 
 #: First frame of ``[FORWARD, index, *frames]``, client → relay: ``index`` pickles
@@ -61,6 +63,6 @@ def unforward(frames: Sequence[Any]) -> Iterator[tuple[str, list[Any]]]:
     """``(address, frames)`` of each message in a :data:`FORWARD` or :data:`FORWARDED` message's
     frames after its first (a bad index raises: the whole envelope is refused)."""
     at = 1
-    for address, count in pickle.loads(frames[0]):
+    for address, count in loads_plain(frames[0]):  # a relay's index: plain data, whoever reads it
         yield str(address), list(frames[at : at + count])
         at += count

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .plain import loads_plain
+
 # Below this size an out-of-band frame costs more than it saves.
 _OOB_MIN = 4096
 # Up to this size a body is packed with its header into one frame (one small copy).
@@ -147,10 +149,18 @@ def dumps_data(obj: Any) -> list[Any]:
     return [pickle.dumps(obj, 5)]
 
 
-def loads(frames: Sequence[Any]) -> Any:
-    """Decode frames made by :func:`dumps` (ZeroMQ frames are used in place, not copied)."""
+def loads(frames: Sequence[Any], plain: bool = False, lenient: bool = False) -> Any:
+    """Decode frames made by :func:`dumps` (ZeroMQ frames are used in place, not copied).
+
+    ``plain``: the sender is a host, relay or rank, and the reader a client: refuse anything
+    but plain data (:mod:`.plain`); ``lenient`` withholds it instead (an error's exception)."""
     if len(frames) > 1 and memoryview(frames[0])[:1] == _LIFTED:
-        return _Unpickler(io.BytesIO(memoryview(frames[0])[1:]), buffers=frames[1:]).load()
+        data, buffers = memoryview(frames[0])[1:], frames[1:]
+        if plain:
+            return loads_plain(data, buffers, lenient)
+        return _Unpickler(io.BytesIO(data), buffers=buffers).load()
+    if plain:
+        return loads_plain(frames[0], frames[1:], lenient)
     return pickle.loads(frames[0], buffers=frames[1:])
 
 
@@ -179,10 +189,12 @@ def recv_frames(sock: Any, flags: int = 0) -> list[Any]:
     return frames
 
 
-def parse(frames: Sequence[Any]) -> tuple[tuple[Any, ...], list[Any]]:
-    """``(header, body frames)`` of a message sent by :func:`send_message` (its frames, no identity)."""
+def parse(frames: Sequence[Any], plain: bool = False) -> tuple[tuple[Any, ...], list[Any]]:
+    """``(header, body frames)`` of a message sent by :func:`send_message` (its frames, no identity);
+    ``plain``: a client reading a host's message, which may hold nothing but plain data."""
+    load = loads_plain if plain else pickle.loads
     if len(frames) == 1:
         buf = frames[0].buffer
         end = 4 + _LEN.unpack_from(buf)[0]
-        return pickle.loads(buf[4:end]), ([buf[end:]] if len(buf) > end else [])
-    return pickle.loads(frames[0].buffer), list(frames[1:])
+        return load(buf[4:end]), ([buf[end:]] if len(buf) > end else [])
+    return load(frames[0].buffer), list(frames[1:])
