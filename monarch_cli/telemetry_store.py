@@ -40,8 +40,12 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ("run_id", "TEXT PRIMARY KEY", "run id, sortable by start time (also the log directory's name)"),
             ("command", "TEXT", "the command line, shell-quoted"),
             ("started_at", "REAL", "unix time the run started"),
-            ("ended_at", "REAL", "unix time it ended; NULL while it runs (or if the client died)"),
-            ("exit_code", "INTEGER", "the run's exit status (the first failing rank's; 128+N for signal N)"),
+            ("ended_at", "REAL", "unix time it ended (or was found lost: its client died); NULL while it runs"),
+            (
+                "exit_code",
+                "INTEGER",
+                "the run's exit status (the first failing rank's; 128+N for signal N); NULL if its client died",
+            ),
             ("world_size", "INTEGER", "number of ranks"),
             ("hosts", "INTEGER", "number of hosts used"),
             ("restarts", "INTEGER", "torchrun --max-restarts attempts used"),
@@ -96,7 +100,11 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ("run_id", "TEXT", "run id"),
             ("ts", "REAL", "unix time"),
             ("rank", "INTEGER", "the rank concerned, or NULL"),
-            ("kind", "TEXT", "run_start, rank_failed, rank_lost, restart, interrupt, run_end"),
+            (
+                "kind",
+                "TEXT",
+                "run_start, rank_failed, rank_lost, restart, interrupt, run_end, run_lost (its client died)",
+            ),
             ("detail", "TEXT", "free text"),
         ],
     ),
@@ -709,3 +717,28 @@ class TelemetryWriter:
         self._queue.clear()
         self._committed.set()
         print(f"monarch: telemetry disabled for this run ({self.error})", file=sys.stderr, flush=True)
+
+
+def end_lost_run(path: Path, run_id: str, why: str, now: float) -> None:
+    """End a run whose client died (it never wrote its end): the run, and each rank without an
+    exit as lost (status 255), with a ``run_lost`` event. Does nothing to a run that has ended."""
+    import sqlite3
+
+    try:
+        conn = _connect_rw(Path(path))
+    except (OSError, sqlite3.Error) as e:
+        raise StoreError(f"telemetry store {path}: {e}") from None
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        ended = conn.execute("UPDATE runs SET ended_at = ? WHERE run_id = ? AND ended_at IS NULL", (now, run_id))
+        if ended.rowcount:
+            conn.execute(
+                "UPDATE ranks SET status = 255, how = ?, ended_at = ? WHERE run_id = ? AND ended_at IS NULL",
+                (f"lost: {why}", now, run_id),
+            )
+            conn.execute("INSERT INTO events VALUES (?, ?, NULL, 'run_lost', ?)", (run_id, now, why))
+        conn.execute("COMMIT")
+    except sqlite3.Error as e:
+        raise StoreError(f"telemetry store {path}: {e}") from None
+    finally:
+        conn.close()

@@ -496,6 +496,11 @@ def _print_logs(run_dir: Path, files: list[Path], raw: bool, follow: bool) -> No
             sink.flush()
         if not follow or (run_dir / "result.json").exists():
             return
+        ended = results.ended_without_result(run_dir)
+        if ended is not None:  # its client died: nothing more comes
+            from ..errors import UserError
+
+            raise UserError(ended)
         time.sleep(0.2)
 
 

@@ -51,13 +51,26 @@ def run_logs(root: Path, run: str | None, rank: int | None) -> tuple[Path, list[
 
 
 def logs_json(run_dir: Path, files: list[Path]) -> dict[str, Any]:
-    """``monarch logs --json``: the log files and the run's result (None while it runs)."""
+    """``monarch logs --json``: the log files and the run's result (None while it runs; ``ended``
+    says why a run without one has ended: its client died, or it failed to run)."""
     result = run_dir / "result.json"
     return {
         "run_id": run_dir.name,
         "logs": {f.stem: str(f) for f in files},
         "result": json.loads(result.read_text()) if result.exists() else None,
+        "ended": ended_without_result(run_dir),
     }
+
+
+def ended_without_result(run_dir: Path) -> str | None:
+    """Why a run with no result has ended (its client died: it is marked lost from now on; or it
+    failed to run), else None (it goes on, it has its result, or an older client ran it)."""
+    from ..jobs import run_owner
+
+    owner = run_owner.settle(run_dir, run_dir.parent.parent)  # <state dir>/logs/<run id>
+    if owner is None or owner.get("state") not in (run_owner.LOST, run_owner.FAILED):
+        return None
+    return str(owner["error"]) if owner["state"] == run_owner.LOST else f"run {run_dir.name}: {owner['error']}"
 
 
 def warm_json(job: Job) -> dict[str, Any]:

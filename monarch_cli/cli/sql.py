@@ -92,6 +92,7 @@ def run_sql(
     old = None
     if threading.current_thread() is threading.main_thread():
         old = signal.signal(signal.SIGINT, lambda *_: pressed.append(1))
+    settle_runs(store_path(state).parent)
     try:
         cols, rows, more = query_bounded(
             store_path(state), statement, max_rows=max_rows, timeout=timeout, interrupted=lambda: bool(pressed)
@@ -103,6 +104,16 @@ def run_sql(
             signal.signal(signal.SIGINT, old)
     note = f"monarch: showing the first {max_rows} rows; --max-rows raises the limit\n" if more else ""
     return 0, render(cols, rows, fmt), note
+
+
+def settle_runs(state_dir: Path) -> None:
+    """Runs whose client died read as ended (``run_owner``), not "running" forever."""
+    from ..jobs.run_owner import settle_open
+
+    try:
+        settle_open(state_dir)
+    except OSError:
+        pass  # logs we cannot read: the store says what it says
 
 
 def _number(kind: type) -> Callable[[str], Any]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..jobs.run_owner import settle_open
 from ..jobs.state import NoReservation, StateError, state_path
 from ..telemetry_queries import numbers, rows
 from ..telemetry_store import StoreError, db_path
@@ -31,6 +33,10 @@ MAX_NUMBER_POINTS = 50_000
 MAX_NUMBER_KEYS = 24
 
 
+#: How often (seconds, at most) the pages look for runs whose client died.
+SETTLE_EVERY = 2.0
+
+
 class DashboardError(Exception):
     """A request the dashboard cannot answer (the message is one line for the user)."""
 
@@ -44,6 +50,7 @@ class Views:
         self._job: Job | None = None
         self._stamp: int | None = None
         self._agents = threading.Lock()
+        self._settled = -SETTLE_EVERY
 
     # ----------------------------------------------------------------- helpers
     def job(self) -> Job:
@@ -69,6 +76,18 @@ class Views:
             return rows(self.db, name, params)
         except StoreError as e:
             raise DashboardError(str(e)) from None
+
+    def _settle(self) -> None:
+        """Runs whose client died are ended in the store (``run_owner``) before a page lists them, at
+        most every :data:`SETTLE_EVERY` seconds (live updates ask every second)."""
+        now = time.monotonic()
+        if now - self._settled < SETTLE_EVERY:
+            return
+        self._settled = now
+        try:
+            settle_open(self.state_file.parent)
+        except OSError:
+            pass  # logs we cannot read: the store says what it says
 
     def run_id(self, run_id: str | None) -> str | None:
         """``None`` or ``"latest"``: the newest run."""
@@ -132,10 +151,12 @@ class Views:
         }
 
     def runs(self, limit: int = 50) -> list[dict[str, Any]]:
+        self._settle()
         return self._rows("runs", (limit,))
 
     def run(self, run_id: str | None) -> dict[str, Any]:
         """One run: its row, the exit table, its events and hosts."""
+        self._settle()
         rid = self.run_id(run_id)
         found = self._rows("run", (rid,)) if rid else []
         if not found:
@@ -283,7 +304,8 @@ class Views:
         return {"run_id": run_id, "ranks": [dataclasses.asdict(r) for r in found]}
 
     def cursors(self) -> dict[str, Any]:
-        """Cheap change detection for live updates (one statement)."""
+        """Cheap change detection for live updates (one statement, and now and then a look for lost runs)."""
+        self._settle()
         found = self._rows("cursors")
         return found[0] if found else {}
 

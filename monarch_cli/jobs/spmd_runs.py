@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from ..sysutil import atomic_write
+from . import run_owner
 from .command import Command, command_and_hosts
 from .console import CLOSED_PIPE_EXIT, ConsoleStream
 from .errors import JobError
@@ -103,7 +104,7 @@ class SpmdRuns:
         opts = dataclasses.replace(options, **overrides) if options is not None else RunOptions(**overrides)
         if math.isnan(opts.straggler_grace) or opts.straggler_grace < 0:
             raise JobError(f"--straggler-grace takes seconds (0 or more), not {opts.straggler_grace}")
-        stall_timeout = stall_timeout_from(opts.stall_timeout)
+        stall_timeout_from(opts.stall_timeout)  # refused before anything starts
         argv, cwd, spec = self._spmd_command(command)
         if opts.run_id is not None and not _RUN_ID.fullmatch(opts.run_id):
             raise JobError(f"not a run id: {opts.run_id!r} (make one with new_run_id())")
@@ -112,6 +113,24 @@ class SpmdRuns:
         if opts.ranks is not None:  # refused before anything starts
             _check_ranks(opts.ranks, len(plan_spmd(spec, hostset, run_id, cold=opts.cold, master_port=0, cwd=cwd)))
         log_dir = new_run_dir(self.logs_root, run_id)
+        run_owner.claim(log_dir)  # a reader can tell this run from one whose client died
+        try:
+            return self._run_in(opts, argv, cwd, spec, hostset, run_id, log_dir)
+        except BaseException as e:
+            run_owner.failed(log_dir, " ".join(str(e).split()) or type(e).__name__)
+            raise
+
+    def _run_in(
+        self,
+        opts: RunOptions,
+        argv: list[str],
+        cwd: str | None,
+        spec: SpmdSpec,
+        hostset: HostSet,
+        run_id: str,
+        log_dir: Path,
+    ) -> RunResult:
+        """The run, once its log directory is claimed: prepare the hosts, run the attempts, record."""
         node_cwd, node_environ = self._prepare_hosts(
             hostset, cwd or os.getcwd(), opts.workspace, opts.sync, opts.env or {}, opts.say
         )
@@ -128,7 +147,7 @@ class SpmdRuns:
             say=opts.say,
             straggler_grace=opts.straggler_grace,
             shutdown_timeout=shutdown_timeout_from(timeout),
-            stall_timeout=stall_timeout,
+            stall_timeout=stall_timeout_from(opts.stall_timeout),
         )
         stdout, stderr = _consoles(opts.stdout, opts.stderr, runner)
         run = _SpmdRun(

@@ -186,7 +186,10 @@ class RunTelemetry:
                 self.export.samples(event.samples, event.steps)
 
     def finish(self, result: RunResult | None) -> None:
-        if result is not None:
+        if result is None:  # it failed to run: ended all the same (exit_code NULL), not "running" forever
+            self.writer.sql("UPDATE runs SET ended_at = ? WHERE run_id = ?", (time.time(), self.run_id))
+            self.writer.event("run_end", None, "failed to run")
+        else:
             self.writer.sql(
                 "UPDATE runs SET ended_at = ?, exit_code = ?, restarts = ?, interrupted = ? WHERE run_id = ?",
                 (time.time(), result.exit_code, result.restarts, int(result.interrupted), self.run_id),

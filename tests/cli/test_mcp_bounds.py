@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from monarch_cli.cli.mcp_server.bounds import MAX_LINE, cap, clip_line, scan, tail_lines
 
@@ -52,3 +55,29 @@ def test_a_log_line_of_tens_of_megabytes_without_a_newline_is_read_once(tmp_path
     assert last[-1] == "end of run" and last[0].startswith("y" * 400) and "more characters" in last[0]
     found, matched, total = scan(log, re.compile(r"^(step|end)"), 10)
     assert (matched, total) == (2, 4) and [f["n"] for f in found] == [2, 4]
+
+
+@pytest.mark.slow
+def test_a_backtracking_grep_is_stopped_and_the_server_serves_the_next_call(tmp_path: Path) -> None:
+    """`(a+)+$` on a long line of `a`s backtracks for ever: the server stopped answering (re held
+    the GIL). Now the call is an error within seconds, and the next call is answered."""
+    import time
+
+    import anyio
+
+    from .test_mcp import connected
+
+    run_dir = tmp_path / ".monarch" / "logs" / "20261127-120000000-abcd"
+    run_dir.mkdir(parents=True)
+    (run_dir / "rank0.log").write_text("start\n" + "a" * 30_000 + "!\n" + "end of run\n")
+
+    async def session() -> tuple[float, str, dict[str, Any]]:
+        async with connected(tmp_path, tmp_path / "server.log") as agent:
+            started = time.monotonic()
+            said = await agent.refused("logs", {"grep": "(a+)+$"})
+            took = time.monotonic() - started
+            return took, said, await agent.ok("logs", {"grep": "^end"})
+
+    took, said, found = anyio.run(session)
+    assert took < 15 and "was stopped" in said and "simplify the pattern" in said, (took, said)
+    assert found["ranks"][0]["lines"] == [{"n": 3, "line": "end of run"}], found

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+from ...errors import UserError
 
 #: One line of output, at most (the rest is counted).
 MAX_LINE = 400
@@ -73,11 +76,51 @@ def tail_lines(path: Path, n: int, block: int = 1 << 16) -> list[str]:
     return [clip_line(l) for l in lines[-n:]]
 
 
-def scan(path: Path, pattern: re.Pattern[str] | None, tail: int) -> tuple[list[dict[str, Any]], int, int]:
+#: What a grep may take: on one line, and in all over one call. A pattern such as ``(a+)+$``
+#: backtracks for ever on a long line of ``a``; matched by ``re`` it held the GIL, and the server
+#: answered nothing more. The ``regex`` package stops a match at its timeout.
+GREP_LINE_S = 2.0
+GREP_TOTAL_S = 30.0
+
+
+class Grep:
+    """A caller's pattern, matched with a time budget (``regex``'s ``timeout``, which ``re`` lacks).
+
+    Past :data:`GREP_LINE_S` on one line, or :data:`GREP_TOTAL_S` in all, the match stops with
+    one line that says why (:class:`UserError`); the server goes on serving."""
+
+    def __init__(self, pattern: str, line_s: float = GREP_LINE_S, total_s: float = GREP_TOTAL_S) -> None:
+        import regex
+
+        try:
+            self.compiled = regex.compile(pattern)
+        except (regex.error, ValueError, OverflowError) as e:
+            raise UserError(f"grep: not a regular expression: {e}") from None
+        self.pattern, self.line_s = pattern, line_s
+        self.deadline = time.monotonic() + total_s
+        self.total_s = total_s
+
+    def search(self, line: str) -> bool:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise UserError(
+                f"grep: matching took more than {self.total_s:g} s in all; narrow it with rank=, or use sql over "
+                "the logs table"
+            )
+        try:
+            return self.compiled.search(line, timeout=min(self.line_s, left)) is not None
+        except TimeoutError:
+            raise UserError(
+                f"grep: {self.pattern!r} took more than {min(self.line_s, left):.3g} s on one line and was stopped "
+                "(nested repeats such as (a+)+ backtrack without end on long lines); simplify the pattern"
+            ) from None
+
+
+def scan(path: Path, pattern: Grep | re.Pattern[str] | None, tail: int) -> tuple[list[dict[str, Any]], int, int]:
     """(the last ``tail`` lines that match, with their line numbers; how many matched; lines in the file).
 
     A line is matched on its first :data:`MAX_MATCH` bytes: what a grep costs is bounded by the
-    file's size, however long its lines."""
+    file's size, however long its lines, and a :class:`Grep` bounds the time its pattern takes."""
     kept: deque[dict[str, Any]] = deque(maxlen=max(tail, 0))
     matched = total = 0
     with open(path, "rb") as f:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -72,9 +73,13 @@ def main() -> int:
     path = record_path(state_dir, spec["run_id"])
     out = os.open(path.with_suffix(".out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     null = os.open(os.devnull, os.O_RDWR)
+    from ...jobs.run_owner import process_start  # (standard library only)
+
     record = {
         "run_id": spec["run_id"],
         "pid": os.getpid(),
+        "start": process_start(os.getpid()),  # with the host: which process is the runner, for good
+        "host": socket.gethostname(),
         "started_at": time.time(),
         "command": spec["command"],
         "state": "starting",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,19 @@ from typing import Any
 
 from ...errors import UserError
 from .. import results
-from .bounds import MAX_FRAMES, MAX_GROUPS, MAX_HOSTS, MAX_LOG_LINES, MAX_RANKS, MAX_ROWS, cap, cell, clip_line, scan
+from .bounds import (
+    MAX_FRAMES,
+    MAX_GROUPS,
+    MAX_HOSTS,
+    MAX_LOG_LINES,
+    MAX_RANKS,
+    MAX_ROWS,
+    Grep,
+    cap,
+    cell,
+    clip_line,
+    scan,
+)
 from .runs import Runs, run_logs_for
 
 
@@ -193,12 +204,7 @@ def logs(s: Session, a: dict[str, Any]) -> Reply:
     data = results.logs_json(run_dir, files)
     if data["result"]:
         cap(data["result"], "ranks", MAX_RANKS, "every rank's ending: sql over the ranks table")
-    pattern = None
-    if a.get("grep"):
-        try:
-            pattern = re.compile(a["grep"])
-        except re.error as e:
-            raise UserError(f"grep: not a regular expression: {e}") from None
+    pattern = Grep(a["grep"]) if a.get("grep") else None  # with a time budget: a pattern may backtrack for ever
     tail = a.get("tail", 100)
     per_rank = max(1, min(tail, MAX_LOG_LINES // max(1, len(files))))
     shown = files[: MAX_LOG_LINES // per_rank]
@@ -238,7 +244,7 @@ SQL_TIMEOUT = 20.0
 
 def sql(s: Session, a: dict[str, Any]) -> Reply:
     from ...telemetry_store import StoreError, query_bounded, schema_json, schema_text
-    from ..sql import render, store_path
+    from ..sql import render, settle_runs, store_path
 
     if a.get("schema"):
         return Reply(schema_json(), schema_text())
@@ -247,6 +253,7 @@ def sql(s: Session, a: dict[str, Any]) -> Reply:
         raise UserError("give a query, e.g. SELECT * FROM runs (schema=true lists the tables)")
     limit = min(a.get("limit", 200), MAX_ROWS)
     path = store_path(str(s.state) if s.state else None)
+    settle_runs(path.parent)  # a run whose client died reads as ended, here as in `monarch sql`
     try:  # at most `limit` rows held: `SELECT * FROM logs` may be millions; a runaway query stops at the timeout
         cols, rows, more = query_bounded(path, statement, (), max_rows=limit, timeout=SQL_TIMEOUT, clip=cell)
         total = len(rows)

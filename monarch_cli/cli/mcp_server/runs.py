@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UserError
+from ...jobs import run_owner
 from ...jobs.run_log import rank_log, rank_logs
 from ...jobs.state import state_path
 from ...telemetry_store import StoreError, db_path, query
 from ..results import logs_root, run_logs
 from .bounds import MAX_RANKS, clip_line, tail_lines
-from .detached import read_record, record_path
+from .detached import read_record, record_path, write_record
 
 #: States a run can be in; the last three are final.
 RUNNING, STARTING, FINISHED, ERROR, LOST = "running", "starting", "finished", "error", "lost"
@@ -80,7 +81,7 @@ class Runs:
     def _prune(self) -> None:
         for path in _records(self.state_dir)[:-KEEP_RECORDS]:
             record = read_record(path)
-            if record is None or record.get("state") in FINAL or not _alive(record["pid"], record["started_at"]):
+            if record is None or record.get("state") in FINAL or not _alive(record):
                 path.unlink(missing_ok=True)
                 path.with_suffix(".out").unlink(missing_ok=True)
 
@@ -113,15 +114,18 @@ class Runs:
                 return _finished(json.loads(result_file.read_text()), run_dir, tail, rank)
             except ValueError:
                 pass  # being written: it is still running, for a moment
+        owner = run_owner.settle(run_dir, self.state_dir) if run_dir.is_dir() else None
         if record is not None and record.get("state") == ERROR:
             return {"run_id": run_id, "state": ERROR, "error": record["error"], "kind": record["kind"]}
-        alive = record is not None and _alive(record["pid"], record["started_at"])
-        if record is not None and not alive and not result_file.exists():
-            why = "its process ended without a result (killed?)"
-            if record.get("state") == FINISHED:  # ended between our two looks
-                return self.snapshot(run_id, tail, rank)
-            lost = {"run_id": run_id, "state": LOST, "error": f"run {run_id}: {why}", "kind": "lost"}
-            return {**lost, **self._progress(run_id, tail)}
+        if record is None and owner is not None and owner.get("state") == run_owner.FAILED:
+            return {"run_id": run_id, "state": ERROR, "error": f"run {run_id}: {owner['error']}", "kind": "failed"}
+        why = self._lost(run_id, record, owner)
+        if why is None and record is not None and record.get("state") == FINISHED:
+            if result_file.exists():
+                return self.snapshot(run_id, tail, rank)  # it ended between our looks
+            return {"run_id": run_id, "state": ERROR, "error": f"run {run_id} ended; its logs are gone", "kind": "gone"}
+        if why is not None:
+            return {"run_id": run_id, "state": LOST, "error": why, "kind": "lost", **self._progress(run_id, tail)}
         snap = {
             "run_id": run_id,
             "state": STARTING if record is not None and record.get("state") == STARTING else RUNNING,
@@ -132,6 +136,27 @@ class Runs:
         if notices:
             snap["notices"] = notices
         return snap
+
+    def _lost(self, run_id: str, record: dict[str, Any] | None, owner: dict[str, Any] | None) -> str | None:
+        """Why the run is lost (its runner died without a result), else None. A runner record found
+        so is rewritten as lost, so that it reads so from now on without asking the process table."""
+        if owner is not None and owner.get("state") == run_owner.LOST:
+            why = str(owner["error"])
+        elif record is None or record.get("state") not in (STARTING, RUNNING, LOST):
+            return None
+        elif record.get("state") == LOST:
+            return str(record["error"])
+        elif _alive(record):
+            return None
+        else:
+            why = f"run {run_id}: its process ended without a result (killed?)"
+        path = record_path(self.state_dir, run_id)
+        now = read_record(path)  # as it is now: it may have finished meanwhile
+        if now is not None and now.get("state") in (STARTING, RUNNING) and not _alive(now):
+            write_record(path, {**now, "state": LOST, "error": why, "kind": "lost", "ended_at": time.time()})
+        elif now is not None and now.get("state") in (FINISHED, ERROR):
+            return None
+        return why
 
     def notices(self, run_id: str, limit: int = 10) -> list[str]:
         """What the runner said (a rank paused, a host started cold, stragglers), newest last."""
@@ -245,14 +270,16 @@ def _records(state_dir: Path) -> list[Path]:
     return sorted(d.glob("*.json")) if d.is_dir() else []
 
 
-def _alive(pid: int, started_at: float) -> bool:
-    """The runner is alive (not another process that got its pid since)."""
+def _alive(record: dict[str, Any]) -> bool:
+    """The record's runner is alive (not another process that got its pid since)."""
+    if record.get("start") is not None:  # its start time as the kernel counts it (run_owner)
+        return not run_owner.runner_gone(record)
     import psutil
 
-    try:
-        p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE and p.create_time() <= started_at + 1.0
-    except psutil.NoSuchProcess:
+    try:  # a record of an older server: its creation time, within a second
+        p = psutil.Process(record["pid"])
+        return p.status() != psutil.STATUS_ZOMBIE and p.create_time() <= record["started_at"] + 1.0
+    except (psutil.NoSuchProcess, KeyError, TypeError):
         return False
 
 

@@ -46,6 +46,7 @@ function compress(ranks) {
 }
 function runBadge(r) {
   if (r.ended_at === null || r.ended_at === undefined) return el("span", { class: "badge run" }, "running");
+  if (r.exit_code === null) return el("span", { class: "badge bad" }, "no result");  // its client died (event run_lost), or it failed to run
   if (r.interrupted) return el("span", { class: "badge warn" }, `interrupted (${r.exit_code})`);
   return r.exit_code === 0 ? el("span", { class: "badge ok" }, "ok") : el("span", { class: "badge bad" }, `exit ${r.exit_code}`);
 }
