@@ -36,6 +36,9 @@ MAX_QUEUED_BYTES = 64 << 20
 #: and was joined again with every chunk (16/31/62 MiB took 2.9/11.2/40.5 s).
 MAX_RECORD = 16 << 10
 _CONTINUES = b" ... [line cut: longer than 16 KiB]"
+#: Records the SDK's own queue holds before it drops: with records of at most MAX_RECORD, at most
+#: 64 MiB (it was 65,536 records, up to a gigabyte behind a collector that never answers).
+_SDK_QUEUED_RECORDS = 4096
 
 
 def config_path(state_dir: Path) -> Path:
@@ -300,7 +303,7 @@ class _Sdk:
                 OTLPLogExporter(f"{endpoint}/v1/logs", timeout=timeout),
                 schedule_delay_millis=1000,
                 export_timeout_millis=ms,
-                max_queue_size=65536,
+                max_queue_size=_SDK_QUEUED_RECORDS,
             )
         )
         self.reader = PeriodicExportingMetricReader(
