@@ -203,13 +203,31 @@ def _reserve(
     job = Job(job_state, path)
     if fanout.relayed(len(job_state.hosts)):
         say(f"checking {len(job_state.hosts)} hosts through their relays")
-        job.check_relays()
+        job.check_relays()  # (every agent is asked: that confirms a lease too)
+    elif backend.leases_agents:
+        _confirm_leases(job, say)
     if warm:
         try:
             job.warm_for_served(say=say)
         except (JobError, CallTimeout) as e:  # warming is an optimisation: the first run says what is wrong
             say(f"the warm processes were not told what to import: {e}")
     return job
+
+
+def _confirm_leases(job: Job, say: Callable[[str], None]) -> None:
+    """Ask every agent once, now that the reservation is saved: an agent on a lease lives on from
+    its first request from a key holder (``runtime/agent/lease.py``); one not asked exits."""
+    try:
+        unanswered = job.hostset(require_all=False, questions_only=True).unanswered()
+    except JobError as e:
+        unanswered, why = [h.name for h in job.state.hosts], f" ({e})"
+    else:
+        why = ""
+    if unanswered:
+        say(
+            f"host(s) {', '.join(unanswered)} did not answer after serve{why}; an agent no command reaches "
+            "soon exits when its lease runs out"
+        )
 
 
 def dryrun(

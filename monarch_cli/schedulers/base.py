@@ -230,6 +230,9 @@ class Scheduler(abc.ABC):
     stop_options: ClassVar[Sequence[Option]] = ()
     #: Whether ``--hosts`` may name hosts (``h1,h2``: :attr:`ReserveRequest.host_names`) rather than count them.
     takes_host_names: ClassVar[bool] = False
+    #: Its agents exit unless a client asks them something soon after they start (``--lease``):
+    #: ``serve`` does once it has saved the reservation.
+    leases_agents: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- planning
     @abc.abstractmethod

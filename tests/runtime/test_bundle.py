@@ -9,16 +9,18 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from monarch_cli.errors import SchedulerError
 from monarch_cli.runtime import bundle_site
-from monarch_cli.runtime.launch import bundle
+from monarch_cli.runtime.launch import bundle, bundle_host
 
 DEBIAN_PYTHON = "/usr/bin/python3"  # an interpreter without our packages (no zmq, no psutil)
 HERE = bundle.HostPlatform.this_machine()
+OTHER = "monarch-planter"  # a second real user (as tests/jobs/test_planted_files.py makes it)
 
 
 @pytest.fixture
@@ -157,3 +159,101 @@ def test_a_rank_whose_pythonpath_the_user_set_still_finds_shipped_code(monkeypat
     assert env["PYTHONPATH"] == "/user/src:/r/bundles/code-1"
     bundle_site.keep_importable(env)
     assert env["PYTHONPATH"] == "/user/src:/r/bundles/code-1"
+
+
+def _unpack_args(where: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [DEBIAN_PYTHON, "-c", bundle.UNPACK_SCRIPT, str(where), "3", *args], capture_output=True, text=True
+    )
+
+
+def test_a_part_that_does_not_hold_what_its_name_says_is_removed_and_shipped_again(cache: Path, tmp_path: Path) -> None:
+    _needs_debian_python()
+    built = bundle.build(HERE)
+    where = tmp_path / "bundles"
+    _unpack(built.parts, where)
+    init = where / built.code.name / "monarch_cli" / "__init__.py"
+    init.write_text(init.read_text() + "\nPLANTED = True\n")  # an edit after it was unpacked
+    # checked where it is before use: removed, and named for the client to send again
+    done = _unpack_args(where, built.code.name, built.deps.name)
+    assert done.returncode == bundle_host.MISSING_STATUS, done.stderr
+    assert bundle_host.failed_parts(done.stdout) == [built.code.name]
+    assert not (where / built.code.name).exists() and (where / built.deps.name).is_dir()
+    # a zip whose content is not what its name says is refused, and nothing is left of it
+    shutil.copy(built.deps.path, where / f"{built.code.name}.bad.zip")
+    done = _unpack_args(where, f"{built.code.name}.bad.zip", built.deps.name)
+    assert done.returncode not in (0, bundle_host.MISSING_STATUS)
+    assert "does not hold what its name says" in done.stderr and not (where / built.code.name).exists()
+    shutil.copy(built.code.path, where / f"{built.code.name}.good.zip")
+    assert _unpack_args(where, f"{built.code.name}.good.zip", built.deps.name).returncode == 0
+    assert "PLANTED" not in init.read_text()
+
+
+def test_an_interrupted_uploads_leftovers_are_removed_by_the_next_upload(cache: Path, tmp_path: Path) -> None:
+    _needs_debian_python()
+    built = bundle.build(HERE)
+    where = tmp_path / "bundles"
+    where.mkdir()
+    half_sent = where / f"{built.code.name}.1a2b3c4d.zip"  # a serve killed while uploading
+    half_sent.write_bytes(built.code.path.read_bytes()[:4096])
+    half_unpacked = where / f"{built.deps.name}.tmp4242"  # a serve killed while its host unzipped
+    (half_unpacked / "site").mkdir(parents=True)
+    (half_unpacked / "site" / "half.py").write_text("")
+    hour_ago = time.time() - 3600
+    for p in (half_sent, half_unpacked):
+        os.utime(p, (hour_ago, hour_ago))
+    in_flight = where / f"{built.code.name}.5e6f7a8b.zip"  # another serve's upload, going on now: kept
+    in_flight.write_bytes(b"PK")
+    _unpack(built.parts, where)
+    assert sorted(os.listdir(where)) == sorted([built.code.name, built.deps.name, in_flight.name])
+
+
+@pytest.fixture
+def other_user() -> str:
+    if os.geteuid() != 0:
+        pytest.skip("acting as another user needs root")
+    if subprocess.run(["id", "-u", OTHER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], check=True)
+    return OTHER
+
+
+def _probe(bundles: Path) -> dict:
+    out = subprocess.run([DEBIAN_PYTHON, "-c", bundle.PROBE_SCRIPT, str(bundles)], capture_output=True, text=True)
+    data = bundle.parse_probe(out.stdout)
+    assert data is not None, out.stderr
+    return data
+
+
+def test_the_probe_makes_the_remote_dir_private_and_refuses_one_others_made_or_can_change(
+    other_user: str, tmp_path: Path
+) -> None:
+    _needs_debian_python()
+    tmp_path.chmod(0o755)
+    for parent in tmp_path.parents:  # pytest's base temp dirs are 0700: the other user must reach in
+        if parent in (Path("/tmp"), Path("/")):
+            break
+        parent.chmod(parent.stat().st_mode | 0o755)
+    shared = tmp_path / "shared"  # like /tmp: everyone writes, sticky
+    shared.mkdir()
+    shared.chmod(0o1777)
+    as_other = ["runuser", "-u", other_user, "--", "mkdir", "-m", "777"]
+    subprocess.run([*as_other, str(shared / "theirs"), str(shared / "theirs" / "bundles")], check=True)
+    data = _probe(shared / "theirs" / "bundles")  # --remote-dir the other user made first
+    assert data["unsafe"].startswith(f"refusing {shared / 'theirs'}: {OTHER}"), data["unsafe"]
+    assert data["held"] == [] and "\n" not in data["unsafe"]
+    data = _probe(shared / "theirs" / "mine" / "bundles")  # below a directory they can swap
+    assert data["unsafe"].startswith(f"refusing {shared / 'theirs'}: {OTHER}"), data["unsafe"]
+    (shared / "open").mkdir()
+    (shared / "open").chmod(0o775)
+    data = _probe(shared / "open" / "bundles")
+    assert data["unsafe"].startswith(f"refusing {shared / 'open'}: others can write it (mode 775)"), data["unsafe"]
+    subprocess.run([*as_other, str(shared / "bundles")], check=True)  # shared as /tmp is: our part of it is not
+    data = _probe(shared / "bundles")
+    assert data["unsafe"].startswith(f"refusing {shared / 'bundles'}: it was made by {OTHER}"), data["unsafe"]
+    data = _probe(shared / "new" / "deep" / "bundles")
+    assert data["unsafe"] == ""
+    for d in (shared / "new", shared / "new" / "deep", shared / "new" / "deep" / "bundles"):
+        assert d.stat().st_mode & 0o777 == 0o700 and d.stat().st_uid == os.geteuid(), d
+    (tmp_path / "sticky").mkdir(mode=0o1777)  # a sticky remote dir (a tmpfs mounted there) is shared as /tmp is
+    (tmp_path / "sticky").chmod(0o1777)
+    assert _probe(tmp_path / "sticky" / "bundles")["unsafe"] == ""

@@ -12,6 +12,8 @@ a free port, writes its address, and then:
   are re-parented here, reaped and reported with the cause, and the next need starts a new one;
 * with ``--state-file``, registers itself (see :mod:`.registry`) and exits on its own
   once that state file no longer records its reservation.
+* with ``--lease``, exits on its own unless a client holding the keys asks it something
+  within that time (:mod:`.lease`: a ``serve`` killed before it saved the reservation).
 
 This module is the core: the poll loop, clients and their heartbeats, the zygotes (each
 through a :class:`~.forkserver.ForkServerHandle`). What the
@@ -53,6 +55,7 @@ from .batches import EventBatches
 from .debug import DebugHost
 from .forkserver import ForkServerHandle
 from .forwarding import ClientRoutes, LinkForwarder
+from .lease import Lease, remove_own_directory
 from .peers import PeerProbes
 from .procs import ProcHost
 from .ranks import RankHost
@@ -143,6 +146,7 @@ class HostAgent:
         self.state_file: str | None = None
         self._state_check = (0.0, 0.0, 0)  # (interval, next check, misses in a row)
         self._state_seen_by: float | None = None  # until the file first records us: when to give up
+        self.lease = Lease()  # (--lease: confirmed by the first request from a key holder)
 
     # ------------------------------------------------------------------ sending
     def send(self, address: str, msg: Any, body: list[Any] = ()) -> None:  # type: ignore[assignment]
@@ -287,6 +291,8 @@ class HostAgent:
             self.ranks.tick()
             self.warm.tick()
             self._check_state_file()
+            if self.lease.check():
+                self.running = False
             self.telemetry.tick(events)
             self.peers.tick()
             self.relay.tick()
@@ -302,6 +308,7 @@ class HostAgent:
         self.warm.close()
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
+        self.lease.confirm()  # (only holders of the reservation's keys get past CURVE)
         if len(frames) > 2 and len(frames[1]) == _FORWARD_SIZE and frames[1].bytes == protocol.FORWARD:
             self.forwarder.forward(frames[0].bytes, frames[1:])
             return
@@ -532,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_file and args.reservation:
         registered = registry.register(args.state_file, args.reservation, agent.host)
         agent.watch_state_file(args.state_file, args.state_check_interval)
+    agent.lease = Lease(args.lease)
     caches = _compile_caches()
     if args.warm_up:
         agent.rank_zygote()
@@ -553,4 +561,6 @@ def main(argv: list[str] | None = None) -> int:
         if caches is not None:
             shutil.rmtree(caches, ignore_errors=True)
     agent.close()
+    if agent.lease.ran_out:
+        remove_own_directory(args.reservation)
     return 0

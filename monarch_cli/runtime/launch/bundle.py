@@ -11,16 +11,17 @@ host already holds, then builds, once per content, two content-addressed zips:
 - ``code-<hash>``: the ``monarch_cli`` package exactly as it is on disk (edited or not) and a
   ``DEPS`` file naming its dependencies' part.
 
-Each part is unpacked by a stdlib-only script (:data:`UNPACK_SCRIPT`; wheels are zips, no pip
-on the host) into ``<remote-dir>/bundles/``; a host that holds a part already gets nothing,
-and the oldest parts beyond a few are pruned. paramiko, typer and rich are client-only.
+Each part is named by the hash of the files it unpacks to, and unpacked by a stdlib-only script
+(:data:`UNPACK_SCRIPT`; wheels are zips, no pip on the host) into ``<remote-dir>/bundles/``,
+which checks every part against its name before it is used (:mod:`.bundle_host`); a host that
+holds a part already gets nothing, and the oldest parts beyond a few are pruned. paramiko, typer
+and rich are client-only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -31,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import SchedulerError
+from ...sysutil import atomic_write
 from ...sysutil import cache_dir as _cache_dir
 from .. import bundle_site
+from .bundle_host import FORMAT, PROBE_SCRIPT, UNPACK_SCRIPT, parse_probe, probe_command, tree_digest
 
 #: The oldest Python the agent and ranks run on (pyproject's requires-python).
 MIN_PYTHON = (3, 10)
@@ -47,62 +50,8 @@ RUNTIME_DEPENDENCIES = (
     "py-spy",
     "nvidia-ml-py",
 )
-#: Bump when the layout of a part changes: it is part of every hash.
-FORMAT = "1"
 #: Parts of each kind a host keeps (the newest by use); older ones are removed when a part is shipped.
 KEEP_PARTS = 3
-
-#: Prints what the client needs about a host's interpreter, and the parts it holds, as one JSON
-#: line. Python 3.6 syntax on purpose: a too-old interpreter must still answer.
-PROBE_SCRIPT = r"""
-import json, os, platform, sys, sysconfig
-d = os.path.expanduser(sys.argv[1])
-try:
-    held = sorted(n for n in os.listdir(d) if n.startswith(("code-", "deps-")) and "." not in n)
-except OSError:
-    held = []
-libc, libc_version = platform.libc_ver()
-p = d
-while not os.path.exists(p):
-    p = os.path.dirname(p) or "/"
-s = os.statvfs(p)
-print(json.dumps({"free": s.f_bavail * s.f_frsize, "python": list(sys.version_info[:3]), "implementation": sys.implementation.name,
-    "machine": platform.machine(), "system": platform.system(), "libc": libc, "libc_version": libc_version,
-    "platform": sysconfig.get_platform(), "executable": sys.executable, "held": held,
-    "ssh_connection": os.environ.get("SSH_CONNECTION", "")}))
-"""
-
-#: ``python -c UNPACK_SCRIPT BUNDLES_DIR KEEP PART.ZIP...``: each zip becomes the directory of its
-#: part (atomically: a temporary directory renamed; a part already there is kept), file modes as
-#: the zip records them; zips uploaded into BUNDLES_DIR are removed; then the oldest parts beyond
-#: KEEP of each kind. Stdlib only.
-UNPACK_SCRIPT = r"""
-import os, shutil, sys, time, zipfile
-d, keep = os.path.expanduser(sys.argv[1]), int(sys.argv[2])
-for z in sys.argv[3:]:
-    z = os.path.join(d, z)
-    part = os.path.basename(z).split(".")[0]
-    final, tmp = os.path.join(d, part), os.path.join(d, part + ".tmp%d" % os.getpid())
-    if not os.path.isdir(final):
-        with zipfile.ZipFile(z) as f:
-            for info in f.infolist():
-                path = f.extract(info, tmp)
-                mode = (info.external_attr >> 16) & 0o777
-                if mode and not info.is_dir():
-                    os.chmod(path, mode)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    os.utime(final)
-    if os.path.dirname(os.path.abspath(z)) == os.path.abspath(d):
-        os.unlink(z)
-for kind in ("code-", "deps-"):
-    parts = [os.path.join(d, n) for n in os.listdir(d) if n.startswith(kind) and "." not in n]
-    parts.sort(key=os.path.getmtime, reverse=True)
-    for old in parts[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
-"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,49 +282,67 @@ def _code_files() -> list[tuple[str, Path]]:
 
 
 def _digest(items: list[tuple[str, bytes]]) -> str:
-    h = hashlib.sha256(FORMAT.encode())
-    for name, data in items:
-        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-    return h.hexdigest()[:20]
+    """The content hash of files ``(path, data)``: what a part holding them is named by."""
+    return tree_digest({name: hashlib.sha256(data).digest() for name, data in items})
 
 
-def _write_zip(target: Path, fill: Any) -> None:
+def _write_zip(target: Path, fill: Any) -> Path:
+    """``fill`` a zip beside ``target``; the temporary file, for the caller to rename."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z:
         fill(z)
-    os.replace(tmp, target)
+    return tmp
 
 
 def _deps_part(wheels: dict[str, Path]) -> Part:
+    """The wheels unzipped as a host will have them. The part is named by what it unpacks to (the
+    host checks that), found again by the wheels' own hash without unzipping them (``wheels-*``)."""
     items = [(p.name, p.read_bytes()) for p in sorted(wheels.values())]
-    name = f"deps-{_digest(items)}"
-    target = cache_dir() / "bundles" / f"{name}.zip"
+    index = cache_dir() / "bundles" / f"wheels-{_digest(items)}"
+    try:
+        target = index.parent / f"{index.read_text().strip()}.zip"
+    except OSError:
+        target = index.parent / "none"
+    if not target.name.startswith("deps-") or not target.exists():
+        target = _build_deps(items, index.parent)
+        atomic_write(index, target.name.removesuffix(".zip") + "\n")
+    return Part(target.stem, target, target.stat().st_size, [p.name for p in sorted(wheels.values())])
+
+
+def _build_deps(items: list[tuple[str, bytes]], where: Path) -> Path:
+    import io
+
+    files: dict[str, bytes] = {}  # path -> sha256 of what ends up there (a later wheel's copy wins, as in unzip)
 
     def fill(z: zipfile.ZipFile) -> None:
         for _, data in items:
-            import io
-
             with zipfile.ZipFile(io.BytesIO(data)) as wheel:
                 for info in wheel.infolist():
                     where = _wheel_member(info.filename)
-                    if where is None:
+                    if where is None or info.is_dir():
                         continue
                     copy = zipfile.ZipInfo(where, info.date_time)
                     copy.external_attr = info.external_attr
                     if where.startswith(bundle_site.BIN_DIR + "/"):
                         copy.external_attr = (0o100755 << 16) | (info.external_attr & 0xFFFF)
                     copy.compress_type = zipfile.ZIP_DEFLATED
-                    z.writestr(copy, wheel.read(info))
+                    content = wheel.read(info)
+                    files[where] = hashlib.sha256(content).digest()
+                    z.writestr(copy, content)
 
-    if not target.exists():
-        _write_zip(target, fill)
-    return Part(name, target, target.stat().st_size, [p.name for p in sorted(wheels.values())])
+    tmp = _write_zip(where / "deps.zip", fill)
+    target = where / f"deps-{tree_digest(files)}.zip"
+    os.replace(tmp, target)
+    return target
 
 
 def _wheel_member(name: str) -> str | None:
-    """Where a wheel's member goes in a deps part: the importable tree, or ``bin/`` for scripts."""
+    """Where a wheel's member goes in a deps part: the importable tree, or ``bin/`` for scripts
+    (never a ``__pycache__``: a host's check leaves Python's caches out)."""
     head, _, rest = name.partition("/")
+    if "__pycache__" in name.split("/"):
+        return None
     if head.endswith(".data"):
         kind, _, inner = rest.partition("/")
         if kind == "scripts" and inner:
@@ -401,7 +368,7 @@ def _code_part(deps: Part) -> Part:
             z.writestr(info, data)
 
     if not target.exists():
-        _write_zip(target, fill)
+        os.replace(_write_zip(target, fill), target)
     size = sum(len(d) for _, d in items)
     return Part(name, target, target.stat().st_size, [f"monarch_cli ({len(files)} files, {size / 1e6:.1f} MB)"])
 
@@ -440,29 +407,15 @@ def plan_lines(python: str, bundles: str, wheelhouse: str | None) -> list[str]:
     ]
 
 
-def probe_command(python: str, bundles_shell: str) -> str:
-    import shlex
+def unpack_command(python: str, bundles_shell: str, args: list[str]) -> str:
+    """Unpack the uploaded zips in ``args`` and check the held parts named bare there."""
+    from .bundle_host import unpack_command as command
 
-    return f"{python} -c {shlex.quote(PROBE_SCRIPT)} {bundles_shell}"
-
-
-def unpack_command(python: str, bundles_shell: str, zips: list[str]) -> str:
-    import shlex
-
-    return f"{python} -c {shlex.quote(UNPACK_SCRIPT)} {bundles_shell} {KEEP_PARTS} {shlex.join(zips)}"
-
-
-def parse_probe(text: str) -> dict[str, Any] | None:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                return None
-    return None
+    return command(python, bundles_shell, KEEP_PARTS, args)
 
 
 __all__ = [
+    "FORMAT",
     "MIN_PYTHON",
     "RUNTIME_DEPENDENCIES",
     "PROBE_SCRIPT",

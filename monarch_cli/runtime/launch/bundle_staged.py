@@ -140,11 +140,12 @@ def _select(python: str, mount: str) -> str:
 
 
 def setup_script(python: str, mount: str) -> str:
-    """Unzip this node's two parts into ``~/.monarch-cli/bundles`` (stdlib; a part it has is kept)."""
+    """Unzip this node's two parts into a private ``~/.monarch-cli/bundles`` (stdlib; a part it has
+    is kept when it holds what its name says, else replaced)."""
     return (
         "set -e\n"
         + _select(python, mount)
-        + 'mkdir -p "$B"\n'
+        + '(umask 077 && mkdir -p "$B")\n'
         + f'{python} -c {shlex.quote(bundle.UNPACK_SCRIPT)} "$B" {bundle.KEEP_PARTS} "$S/$2.zip" "$S/$3.zip"\n'
     )
 

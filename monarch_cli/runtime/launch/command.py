@@ -50,6 +50,10 @@ class AgentCommand:
     #: The client's state file (local agents): the agent registers itself under it and exits
     #: once that file no longer records ``reservation``.
     state_file: str | None = None
+    #: Exit unless a client holding the keys asks something within this many seconds of the start
+    #: (hosts where the client's state file is not visible: a serve killed before it saved the
+    #: reservation leaves no agent behind).
+    lease: float | None = None
 
     def argv(self) -> list[str]:
         cmd = [self.python, "-m", AGENT_MODULE]
@@ -77,6 +81,8 @@ class AgentCommand:
             cmd += ["--reservation", self.reservation]
         if self.state_file:
             cmd += ["--state-file", self.state_file]
+        if self.lease is not None:
+            cmd += ["--lease", f"{self.lease:g}"]
         return cmd
 
     def to_json(self) -> dict[str, Any]:
@@ -137,6 +143,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-file",
         help="register under this client state file and exit once it no longer names --reservation (local agents)",
+    )
+    p.add_argument(
+        "--lease",
+        type=float,
+        metavar="SECONDS",
+        help="exit unless a client holding the keys asks something within SECONDS (a serve that died "
+        "before it saved the reservation)",
     )
     return p
 

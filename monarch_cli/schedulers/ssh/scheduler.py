@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import OptionError, PlanError, SchedulerError
-from ...runtime.launch import bundle
+from ...runtime.launch import bundle, bundle_host
 from ...runtime.launch.command import READY_PREFIX, AgentCommand, is_agent_command
 from ...version import __version__
 from ..agents import wait_for_agents
@@ -52,6 +52,11 @@ AGENT_START_TIMEOUT = 60.0
 #: How long ``probe`` waits for a host's sshd before answering "cannot tell".
 PROBE_TIMEOUT = 5.0
 DEFAULT_PYTHON = "python3"
+#: Seconds a new agent lives unless a client holding the keys asks it something (``serve`` does
+#: once it saved the reservation): a serve killed before that leaves nothing running. Covers
+#: shipping to the slowest host, every agent's start and the hosts' reachability check.
+#: ``$MONARCH_SSH_AGENT_LEASE`` changes it.
+AGENT_LEASE = 300.0
 DEFAULT_REMOTE_DIR = "~/.monarch-cli"
 
 
@@ -297,9 +302,18 @@ def _start_command(python: str, directory: str, root: str, target: SshTarget, ag
     )
 
 
+def _lease() -> float:
+    text = os.environ.get("MONARCH_SSH_AGENT_LEASE", "")
+    try:
+        return float(text) if text else AGENT_LEASE
+    except ValueError:
+        raise OptionError(f"MONARCH_SSH_AGENT_LEASE is a number of seconds, not {text!r}") from None
+
+
 class SshScheduler(Scheduler):
     name = "ssh"
     takes_host_names = True
+    leases_agents = True
     options = (
         Option("host", list, help="A host to reserve, by name (repeatable); same as --hosts h1,h2."),
         Option("hostfile", str, help="A file of host names, one a line (# starts a comment)."),
@@ -354,7 +368,7 @@ class SshScheduler(Scheduler):
         ship = bundle.plan_lines(python, _bundles_dir(root), opts.get("wheelhouse"))
         for alias in names:
             target = resolve(alias, opts)
-            agent = request.agent_command(rid, python=python, name=alias, address_file="agent.addr")
+            agent = request.agent_command(rid, python=python, name=alias, address_file="agent.addr", lease=_lease())
             command = _start_command(python, directory, root, target, agent)
             hosts.append(
                 {
@@ -518,7 +532,7 @@ class SshScheduler(Scheduler):
             sftp = client.open_sftp()
             try:
                 path = _remote_path(sftp, directory)
-                _sftp_makedirs(sftp, path)
+                sftp.mkdir(path, mode=0o700)  # new, in the remote dir the probe made private: never one found there
                 record["directory"], made = path, True  # from here on, release removes it
                 sftp.chmod(path, 0o700)
                 with sftp.open(f"{path}/keys", "w") as f:
@@ -660,21 +674,17 @@ class SshScheduler(Scheduler):
 def _ship(
     client: Any, target: SshTarget, python: str, root: str, wheelhouse: str | None, progress: Progress
 ) -> dict[str, Any]:
-    """Probe the host's interpreter and the bundle parts it holds (one round trip), send and unpack
-    the parts it lacks; ``{"code", "deps", "shipped"}`` (part names, bytes sent)."""
+    """Probe the host's interpreter and the bundle parts it holds (one round trip), send the parts
+    it lacks, then unpack them and check every part against its name there (a held part that fails
+    is removed and sent once more); ``{"code", "deps", "shipped"}`` (part names, bytes sent)."""
     bundles = _bundles_dir(root)
-    code, text = _run(client, bundle.probe_command(python, _shell_path(bundles)))
-    data = bundle.parse_probe(text) if code == 0 else None
-    if data is None:
-        last = (text.strip().splitlines() or [f"status {code}"])[-1][-200:]
-        raise _host_error(target, f"--python {python} does not run there ({last})")
+    data = _probe(client, target, python, bundles)
     try:
         host = bundle.HostPlatform.from_probe(data)
         built = bundle.build(host, wheelhouse)
     except SchedulerError as e:
         raise _host_error(target, str(e)) from None
     missing = built.missing(data.get("held") or [])
-    shipped = 0
     need = sum(p.size + p.unpacked for p in missing)
     if missing and isinstance(data.get("free"), int) and data["free"] < need:
         raise _host_error(
@@ -682,31 +692,55 @@ def _ship(
             f"not enough space for our code and wheels in {bundles}: {data['free'] / 1e6:.1f} MB free, "
             f"{need / 1e6:.1f} MB needed",
         )
-    if missing:
-        progress(
-            f"{target.alias}: shipping {', '.join(p.name for p in missing)} "
-            f"({sum(p.size for p in missing) / 1e6:.1f} MB)"
-        )
-        sftp = client.open_sftp()
-        try:
-            where = _remote_path(sftp, bundles)
-            _sftp_makedirs(sftp, where)
-            names = []
-            for part in missing:
-                name = f"{part.name}.{uuid.uuid4().hex[:8]}.zip"  # hosts that share a home each send their own
-                sftp.put(str(part.path), f"{where}/{name}")
-                names.append(name)
-                shipped += part.size
-        except OSError as e:
-            raise _connection_lost(target, client, e) or _host_error(
-                target, f"cannot upload the bundle to {bundles}: {e.strerror or e}"
-            ) from None
-        finally:
-            sftp.close()
-        code, text = _run(client, bundle.unpack_command(python, _shell_path(bundles), names), timeout=300)
-        if code != 0:
-            raise _host_error(target, f"cannot unpack the bundle in {bundles}: {text.strip()[-300:]}")
+    shipped = 0
+    for _ in range(2):  # a held part that does not hold what its name says is removed there: send it
+        zips = _upload(client, target, bundles, missing, progress)
+        shipped += sum(p.size for p in missing)
+        args = [zips.get(p.name, p.name) for p in built.parts]
+        code, text = _run(client, bundle.unpack_command(python, _shell_path(bundles), args), timeout=300)
+        failed = bundle_host.failed_parts(text) if code == bundle_host.MISSING_STATUS else []
+        missing = [p for p in built.parts if p.name in failed]
+        if not missing:
+            break
+    if code != 0:
+        raise _host_error(target, f"cannot unpack the bundle in {bundles}: {text.strip()[-300:]}")
     return {"code": built.code.name, "deps": built.deps.name, "shipped": shipped}
+
+
+def _probe(client: Any, target: SshTarget, python: str, bundles: str) -> dict[str, Any]:
+    """What the probe says of the host (its bundle directory made private first, or refused)."""
+    code, text = _run(client, bundle.probe_command(python, _shell_path(bundles)))
+    data = bundle.parse_probe(text) if code == 0 else None
+    if data is None:
+        last = (text.strip().splitlines() or [f"status {code}"])[-1][-200:]
+        raise _host_error(target, f"--python {python} does not run there ({last})")
+    if data.get("unsafe"):
+        raise _host_error(target, str(data["unsafe"]))
+    return data
+
+
+def _upload(
+    client: Any, target: SshTarget, bundles: str, parts: list[bundle.Part], progress: Progress
+) -> dict[str, str]:
+    """Send ``parts``' zips into ``bundles``; the name each has there, by part."""
+    if not parts:
+        return {}
+    progress(f"{target.alias}: shipping {', '.join(p.name for p in parts)} ({sum(p.size for p in parts) / 1e6:.1f} MB)")
+    names = {}
+    sftp = client.open_sftp()
+    try:
+        where = _remote_path(sftp, bundles)
+        for part in parts:
+            name = f"{part.name}.{uuid.uuid4().hex[:8]}.zip"  # hosts that share a home each send their own
+            sftp.put(str(part.path), f"{where}/{name}")
+            names[part.name] = name
+    except OSError as e:
+        raise _connection_lost(target, client, e) or _host_error(
+            target, f"cannot upload the bundle to {bundles}: {e.strerror or e}"
+        ) from None
+    finally:
+        sftp.close()
+    return names
 
 
 #: ``python -c CHECK ADDRESS:PORT...``: one line per address this host cannot open a TCP connection to.
@@ -810,18 +844,6 @@ def _remote_path(sftp: Any, path: str) -> str:
         home = sftp.normalize(".")
         return home + path[1:]
     return path
-
-
-def _sftp_makedirs(sftp: Any, path: str) -> None:
-    parts = path.split("/")
-    for i in range(2, len(parts) + 1):
-        sub = "/".join(parts[:i])
-        if not sub:
-            continue
-        try:
-            sftp.stat(sub)
-        except OSError:
-            sftp.mkdir(sub, mode=0o700)
 
 
 def _read(sftp: Any, path: str) -> str:
