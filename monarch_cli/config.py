@@ -35,7 +35,7 @@ class Settings:
     #: From this many hosts, a run and a question to every host (``status``, ``stack``) go through
     #: ~√N of them (relays) instead of a connection per host (:mod:`monarch_cli.jobs.fanout`). 64:
     #: a fresh CLI's CURVE handshakes are most of its per-host CPU, and from 64 hosts the relays
-    #: cost no wall time even with every agent on the client's two cores (performance.md).
+    #: cost no wall time even with every agent on the client's two cores (docs/decisions/0005).
     relay_from_hosts: int = 64
 
 
