@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .config import EnvSettings, env
+
 __all__ = [
     "CACHE_ENV",
     "UnsafePath",
@@ -149,12 +151,12 @@ def _alive(pid: int) -> bool:
 
 
 #: Where monarch-cli keeps what it learns or builds on a machine (warm-process learning, bundles).
-CACHE_ENV = "MONARCH_CACHE_DIR"
+CACHE_ENV = EnvSettings.cache_dir.var
 
 
 def cache_dir() -> str:
     """``$MONARCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/monarch-cli``, else ``~/.cache/monarch-cli``."""
-    explicit = os.environ.get(CACHE_ENV)
+    explicit = env.cache_dir
     if explicit:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

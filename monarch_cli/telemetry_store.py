@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .config import EnvSettings, env
 from .errors import StoreError
 
 if TYPE_CHECKING:
@@ -26,10 +27,10 @@ if TYPE_CHECKING:
 DB_NAME = "telemetry.db"
 SCHEMA_VERSION = 1
 #: Runs kept per reservation ($MONARCH_TELEMETRY_RUNS overrides).
-KEEP_RUNS = int(os.environ.get("MONARCH_TELEMETRY_RUNS", "50") or 50)
+KEEP_RUNS = env.telemetry_runs  # read once, at import
 #: Output lines the store keeps per run: the first half and the last half of that many (the rank
 #: logs keep everything). ``$MONARCH_TELEMETRY_LINES`` changes it.
-MAX_LINES = 20_000
+MAX_LINES: int = EnvSettings.telemetry_lines.default
 MAX_LINE_CHARS = 4096  # a longer line is stored cut, with "…" (a rank printing without newlines)
 
 #: table -> (what it holds, [(column, type, meaning)]). The DDL and `monarch sql --schema` both come from here.
@@ -73,7 +74,7 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ],
     ),
     "logs": (
-        "output lines of every rank: per run the first and the last MONARCH_TELEMETRY_LINES/2 (default 10000 each); the rank logs keep all",
+        f"output lines of every rank: per run the first and the last {EnvSettings.telemetry_lines.var}/2 (default 10000 each); the rank logs keep all",
         [
             ("run_id", "TEXT", "run id"),
             ("rank", "INTEGER", "rank"),
@@ -470,10 +471,7 @@ class TelemetryWriter:
         self.run_id = run_id
         self.keep_runs = keep_runs
         if max_lines is None:
-            try:
-                max_lines = int(os.environ.get("MONARCH_TELEMETRY_LINES") or MAX_LINES)
-            except ValueError:
-                max_lines = MAX_LINES
+            max_lines = env.telemetry_lines
         self._head_left = max(0, max_lines) - max(0, max_lines) // 2
         self._tail_budget = max(0, max_lines) // 2  # shared by the ranks: each keeps its own last lines
         self._tails: dict[int, collections.deque[tuple[Any, ...]]] = {}

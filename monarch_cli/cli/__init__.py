@@ -12,14 +12,24 @@ import os
 import sys
 from typing import Any
 
+from ..config import COMPLETE_ENV
+from ..errors import UserError
+
 
 def main() -> None:
-    argv = sys.argv[1:]
+    try:
+        _main(sys.argv[1:])
+    except UserError as e:  # raised while a command's modules import: a bad MONARCH_* value read then
+        print(f"monarch: error: {e}", file=sys.stderr)
+        _exit(2)
+
+
+def _main(argv: "list[str]") -> None:
     if argv[:1] == ["sql"] and not {"-h", "--help"} & set(argv):
         from .sql import fast_main
 
         sys.exit(fast_main(argv[1:]))
-    if argv[:1] in (["run-spmd"], ["exec"]) and "_MONARCH_COMPLETE" not in os.environ:
+    if argv[:1] in (["run-spmd"], ["exec"]) and COMPLETE_ENV not in os.environ:
         from . import fast
 
         code = fast.main(argv)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import typer
 
+from ..config import EnvSettings
 from .click_compat import click
 from .console import INTERNAL_ERROR, emit_json, explain, report, rich_console, set_debug  # noqa: F401 - shared
 from .console import internal_error as _internal_error
@@ -28,7 +29,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 StateOpt = typer.Option(
     None,
     "--state",
-    help="Job state file (default: $MONARCH_STATE, else .monarch/job_state.pkl "
+    help=f"Job state file (default: ${EnvSettings.state.var}, else .monarch/job_state.pkl "
     "here or in the nearest parent directory that has a .monarch/).",
 )
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts and agents.")

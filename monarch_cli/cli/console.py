@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import env
 from ..errors import MonarchError, UserError
 from ..jobs.console import CLOSED_PIPE_EXIT, silence
 
@@ -29,7 +30,17 @@ INTERNAL_ERROR = 70
 #: A piece of a line: plain text, or ``(rich style, text)``.
 Piece = str | tuple[str, str]
 
-_debug = {"on": bool(os.environ.get("MONARCH_DEBUG"))}
+
+def _debug_from_environment() -> bool:
+    """``env.debug``; text that is no flag counts as on, as any text did before the setting had a type
+    (an error here, before any command runs, could not be reported as one line)."""
+    try:
+        return env.debug
+    except ValueError:
+        return True
+
+
+_debug = {"on": _debug_from_environment()}
 _rich: dict[bool, Any] = {}  # stderr? -> the rich console, made on first use
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.markup import escape
 
+from ..config import env
 from ..jobs.debug import DebugClient, PausedRank, select_ranks, vscode_config
 from ..jobs.errors import JobError
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out
@@ -23,7 +24,7 @@ debug_app = typer.Typer(help="Inspect ranks paused in breakpoint() / pdb, from a
 app.add_typer(debug_app, name="debug")
 
 _PROMPTS = ("(Pdb) ", ">>> ", "... ")
-_HISTORY = Path(os.environ.get("MONARCH_DEBUG_HISTORY", Path.home() / ".monarch_debug_history"))
+_HISTORY = Path(env.debug_history or Path.home() / ".monarch_debug_history")
 
 
 def _client(state: Path | None, run: str | None) -> DebugClient:

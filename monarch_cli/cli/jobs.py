@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import tempfile
@@ -13,12 +12,15 @@ from typing import Any
 import typer
 from rich.markup import escape
 
+from ..config import EnvSettings, env
 from ..jobs.run_log import split as split_run_log
 from ..jobs.state import NoReservation, StateError, state_path
 from . import results, runs
 from .backend_options import BackendOptionsCommand, BackendStopOptionsCommand, backend_options
 from .common import CmdArg, JsonOpt, StateOpt, app, emit_json, err, fail, friendly, out
 from .runs import render_result as _render_result
+
+_OTLP_ENV = EnvSettings.otlp_endpoint.var
 
 
 # ------------------------------------------------------------------- commands
@@ -66,7 +68,7 @@ def serve_cmd(
         "--otlp",
         metavar="ENDPOINT",
         help="Export runs to this OpenTelemetry collector (OTLP/HTTP, e.g. http://localhost:4318): rank "
-        "metrics, run/rank spans, output as logs. 'off' stops it; 'env' takes it from $MONARCH_OTLP_ENDPOINT "
+        f"metrics, run/rank spans, output as logs. 'off' stops it; 'env' takes it from ${_OTLP_ENV} "
         "(for an endpoint with credentials, which a command line would show to every user). Needs the 'otlp' extra.",
     ),
     as_json: bool = JsonOpt,
@@ -211,7 +213,7 @@ def run_spmd_cmd(
         min=0,
         metavar="SECONDS",
         help="End the run when no rank prints or finishes a step for this long while its hosts answer "
-        "(default: $MONARCH_STALL_TIMEOUT, else never).",
+        f"(default: ${EnvSettings.stall_timeout.var}, else never).",
     ),
     as_json: bool = JsonOpt,
 ) -> None:
@@ -551,13 +553,13 @@ def _otlp_endpoint(given: str, as_json: bool) -> str:
     credentials is refused on the command line (``ps`` shows it to every user)."""
     from ..jobs.otlp import carries_credentials, check_endpoint, redact
 
-    endpoint = os.environ.get("MONARCH_OTLP_ENDPOINT", "") if given == "env" else given
+    endpoint = (env.otlp_endpoint or "") if given == "env" else given
     if given == "env" and not endpoint:
-        fail("--otlp env: $MONARCH_OTLP_ENDPOINT is not set", as_json=as_json)
+        fail(f"--otlp env: ${_OTLP_ENV} is not set", as_json=as_json)
     if given != "env" and carries_credentials(given):
         fail(
             f"--otlp {redact(given)}: an endpoint with credentials on a command line is visible to every user "
-            "(ps); export MONARCH_OTLP_ENDPOINT=<url> and pass --otlp env",
+            f"(ps); export {_OTLP_ENV}=<url> and pass --otlp env",
             as_json=as_json,
         )
     try:

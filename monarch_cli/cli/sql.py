@@ -13,7 +13,6 @@ import csv
 import io
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -21,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..config import env
 from ..telemetry_store import (
     DEFAULT_MAX_ROWS,
     DEFAULT_TIMEOUT,
@@ -38,8 +38,8 @@ def store_path(state: str | None) -> Path:
     """The store next to the state file (same rules as ``--state`` everywhere)."""
     if state:
         return db_path(Path(state).expanduser().parent)
-    env = os.environ.get("MONARCH_STATE")
-    return db_path(Path(env).expanduser().parent if env else Path(".monarch"))
+    from_env = env.state
+    return db_path(Path(from_env).expanduser().parent if from_env else Path(".monarch"))
 
 
 def render(cols: list[str], rows: Sequence[tuple[Any, ...]], fmt: str) -> str:

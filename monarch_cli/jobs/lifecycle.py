@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..config import EnvSettings, env
 from ..runtime.exit_status import signal_name
 from .errors import JobError
 
@@ -38,9 +39,9 @@ def shutdown_timeout_from(flag: float | None) -> float:
     """torchrun's order: ``--shutdown-timeout``, then ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, then 30 s."""
     if flag is not None:
         return float(flag)
-    env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip()
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip()
     try:
-        return max(0.0, float(env)) if env else DEFAULT_SHUTDOWN_TIMEOUT
+        return max(0.0, float(text)) if text else DEFAULT_SHUTDOWN_TIMEOUT
     except ValueError:
         return DEFAULT_SHUTDOWN_TIMEOUT
 
@@ -49,14 +50,10 @@ def stall_timeout_from(value: float | None) -> float | None:
     """``--stall-timeout``, then ``$MONARCH_STALL_TIMEOUT``; None (off) when neither is set or either is 0."""
     source = "--stall-timeout"
     if value is None:
-        env = os.environ.get("MONARCH_STALL_TIMEOUT", "").strip()
-        if not env:
+        value = env.stall_timeout  # a value that is no number of seconds is a one-line error naming it
+        if value is None:
             return None
-        source = "$MONARCH_STALL_TIMEOUT"
-        try:
-            value = float(env)
-        except ValueError:
-            raise JobError(f"{source} takes seconds (0: off), not {env!r}") from None
+        source = f"${EnvSettings.stall_timeout.var}"
     if math.isnan(value) or value < 0:
         raise JobError(f"{source} takes seconds (0 or more; 0: off), not {value}")
     return value or None

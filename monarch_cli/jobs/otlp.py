@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
 import threading
 import time
@@ -20,11 +19,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..config import env
 from ..sysutil import atomic_write
 
 CONFIG_NAME = "otlp.json"
 #: Seconds one export may take (each signal, each batch).
-EXPORT_TIMEOUT_S = float(os.environ.get("MONARCH_OTLP_TIMEOUT", "3") or 3)
+EXPORT_TIMEOUT_S = env.otlp_timeout  # read once, when a run first imports this module
 #: The most a run's end waits for its last data to leave, when the collector answers.
 FLUSH_WAIT_S = 3.0
 #: Output lines queued beyond this (a collector far slower than the ranks) are dropped, and counted.
@@ -79,9 +79,9 @@ def carries_credentials(endpoint: str) -> bool:
 
 
 def endpoint_for(state_dir: Path) -> str | None:
-    env = os.environ.get("MONARCH_OTLP_ENDPOINT")
-    if env is not None:
-        return None if env in ("", "off") else env.rstrip("/")
+    given = env.otlp_endpoint
+    if given is not None:
+        return None if given in ("", "off") else given.rstrip("/")
     try:
         return json.loads(config_path(state_dir).read_text()).get("endpoint") or None
     except (OSError, ValueError):

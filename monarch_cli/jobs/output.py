@@ -30,8 +30,8 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
+from ..config import EnvSettings, env
 from . import run_log
-from .errors import JobError
 from .output_groups import LineGrouper, grouping_wanted
 
 _COLORS = [36, 33, 32, 35, 34, 31, 96, 93, 92, 95, 94, 91]
@@ -44,7 +44,7 @@ _TAIL_SCAN = 64  # segments looked at, from the end of a chunk, to find non-blan
 #: An unfinished line held back longer than this is written out (logged, shown wrapped).
 MAX_HELD_LINE = 1 << 20
 #: Runs whose logs are kept when ``MONARCH_KEEP_RUNS`` is not set.
-DEFAULT_KEEP_RUNS = 20
+DEFAULT_KEEP_RUNS: int = EnvSettings.keep_runs.default
 _LOG_BATCH = 1 << 20  # bytes of records the log thread joins into one write
 #: Bytes of output queued for the run's log file, at most (see ``OutputSink._log_room``).
 MAX_LOG_QUEUED = 64 << 20
@@ -351,16 +351,7 @@ def _utf8_boundary(data: bytearray) -> int:
 # ---------------------------------------------------------------------- run directories
 def keep_runs() -> int:
     """How many runs' logs to keep (``MONARCH_KEEP_RUNS``; 0 keeps every run)."""
-    raw = os.environ.get("MONARCH_KEEP_RUNS", "").strip()
-    if not raw:
-        return DEFAULT_KEEP_RUNS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise JobError(f"MONARCH_KEEP_RUNS must be a whole number (0 keeps every run), not {raw!r}")
-    return value
+    return env.keep_runs
 
 
 def new_run_dir(logs_root: Path, run_id: str, keep: int | None = None) -> Path:

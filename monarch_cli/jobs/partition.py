@@ -15,10 +15,10 @@ crosses every split of the hosts into two sides, so a partition into groups is s
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..config import env
 from ..runtime import protocol
 from ..runtime.mailbox.mailbox import Mailbox
 from ..schedulers.base import HostRecord
@@ -56,10 +56,7 @@ class PartitionWatch:
         """``hosts``: the run's hosts; ``reach``: where this client reaches each one's agent.
         ``$MONARCH_PARTITION_PROBE_INTERVAL`` overrides ``interval`` (seconds between rounds)."""
         self.mb, self.hosts, self.reach = mb, list(hosts), list(reach)
-        try:
-            interval = float(os.environ.get("MONARCH_PARTITION_PROBE_INTERVAL") or interval)
-        except ValueError:
-            pass
+        interval = env.partition_probe_interval or interval
         self.interval, self.timeout, self.confirm = interval, timeout, confirm
         self._next: float | None = None
         self._asked: list[tuple[int, Any]] = []  # (host index, future) of the probe round in flight

@@ -12,13 +12,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..config import KEY_FILE_ENV, KEYS_ENV
 from ..runtime import protocol
 from .errors import JobError
 from .model import FixedSpec, HostSet, Launch
 from .telemetry import enabled as telemetry_enabled
 from .torchrun import SpmdSpec, rank_environment, resolve_nproc
 
-_HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "MONARCH_KEYS", "MONARCH_KEY_FILE", "TERM_SESSION_ID"}
+_HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", KEYS_ENV, KEY_FILE_ENV, "TERM_SESSION_ID"}
 
 
 def user_environment() -> dict[str, str]:

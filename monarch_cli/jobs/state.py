@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from ..config import EnvSettings, env
 from ..schedulers.base import HostRecord
 from ..sysutil import atomic_write
 from .errors import JobError
@@ -39,7 +40,7 @@ __all__ = [
 
 SCHEMA_VERSION = 2  # 2: default_cwd (version-1 files still load, with default_cwd None)
 DEFAULT_STATE_PATH = Path(".monarch/job_state.pkl")
-STATE_ENV = "MONARCH_STATE"
+STATE_ENV = EnvSettings.state.var
 
 _MAGIC = "monarch-cli-job-state"
 _PROTOCOL = 4  # every builtin we store has a native opcode, so no globals are ever needed
@@ -127,7 +128,7 @@ def state_path(path: str | Path | None = None) -> Path:
     """
     if path is not None and str(path) != "":
         return Path(path).expanduser()
-    from_env = os.environ.get(STATE_ENV)
+    from_env = env.state
     if from_env:
         return Path(from_env).expanduser()
     found = find_state_dir()
@@ -206,7 +207,7 @@ def save_state(state: JobState, path: Path | None = None) -> Path:
     except OSError as err:
         raise StateError(
             f"cannot write job state to {target}: {err.strerror or err}; "
-            "check that the directory is writable, or set $MONARCH_STATE to another path"
+            f"check that the directory is writable, or set ${STATE_ENV} to another path"
         ) from err
     return target
 
@@ -252,7 +253,7 @@ def _read(target: Path) -> bytes:
     except FileNotFoundError:
         raise NoReservation(f"no reservation at {target}; start one with `monarch serve`") from None
     except IsADirectoryError:
-        raise StateError(f"job state path {target} is a directory; point $MONARCH_STATE at a file") from None
+        raise StateError(f"job state path {target} is a directory; point ${STATE_ENV} at a file") from None
     except OSError as err:
         raise StateError(f"cannot read job state file {target}: {err.strerror or err}; check its permissions") from err
     if len(data) > _MAX_BYTES:

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config import env
 from ..runtime import protocol
 from ..runtime.mailbox.future import gather
 from ..runtime.mailbox.mailbox import Mailbox
@@ -129,9 +130,9 @@ def sync_workspace(
     if not far:  # nothing to mirror: no scan at all
         report.seconds = time.perf_counter() - started
         return report
-    from ..runtime.workspace import DEFAULT_MAX_BYTES, WorkspaceError, check_size, load_scanner, save_scanner
+    from ..runtime.workspace import WorkspaceError, check_size, load_scanner, save_scanner
 
-    limit = max_bytes if max_bytes is not None else int(os.environ.get("MONARCH_SYNC_MAX_BYTES", DEFAULT_MAX_BYTES))
+    limit = max_bytes if max_bytes is not None else env.sync_max_bytes
     cache_file = cache_dir / "sync" / f"{name}.pkl"
     try:
         scanner = load_scanner(cache_file, workspace)

@@ -8,13 +8,13 @@ a run does not load them.
 
 from __future__ import annotations
 
-import os
 import shlex
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..config import env
 from ..runtime import protocol
 from ..telemetry_store import TelemetryWriter, db_path
 from .errors import JobError
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def enabled() -> bool:
     """``MONARCH_TELEMETRY=0`` turns recording off (for A/B benchmarks)."""
-    return os.environ.get("MONARCH_TELEMETRY", "1") not in ("0", "false", "no", "off")
+    return env.telemetry
 
 
 class TelemetryError(JobError):

@@ -35,12 +35,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..config import EnvSettings
 from ..sysutil import UnsafePath, atomic_write, check_private, loads_plain, private_dirs
 from .errors import MonarchError
 
 SKIPPED_NAMES = frozenset({".git", ".monarch", "__pycache__"})
 IGNORE_FILES = (".gitignore", ".monarchignore")
-DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: past that, a workspace is data, not code
+DEFAULT_MAX_BYTES: int = EnvSettings.sync_max_bytes.default  # 1 GiB: past that, a workspace is data, not code
 
 
 class WorkspaceError(MonarchError):
@@ -407,7 +408,7 @@ def check_size(manifest: Manifest, limit: int, root: str) -> None:
     names = ", ".join(f"{p} ({human_bytes(e[0])})" for p, e in biggest)
     raise WorkspaceError(
         f"workspace {root} is {human_bytes(total)}, over the {human_bytes(limit)} sync limit; biggest: {names}; "
-        "list them in .monarchignore, or raise the limit with MONARCH_SYNC_MAX_BYTES, or use --no-sync"
+        f"list them in .monarchignore, or raise the limit with {EnvSettings.sync_max_bytes.var}, or use --no-sync"
     )
 
 

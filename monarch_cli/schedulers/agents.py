@@ -7,7 +7,6 @@ and its own check for failures that make waiting pointless.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -73,9 +72,9 @@ def controller_host(agents: list[str]) -> str | None:
     Then the right address is the one the kernel routes towards the agents. None when the
     default is fine or nothing better is known.
     """
-    from ..config import advertised_host, settings
+    from ..config import advertised_host, env, settings
 
-    if settings().host or os.environ.get("MONARCH_HOST") or not advertised_host().startswith("127."):
+    if settings().host or env.host or not advertised_host().startswith("127."):
         return None
     for address in agents:
         host = address.rpartition("//")[2].rpartition(":")[0]

@@ -25,6 +25,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from ..config import KEY_FILE_ENV, EnvSettings
 from ..errors import SchedulerError
 from ..runtime.launch import bundle
 
@@ -47,11 +48,11 @@ if sys.implementation.name != "cpython" or sys.version_info[:2] < __MIN__:
     sys.exit("monarch: this image's Python is %s %d.%d.%d; CPython >= __MIN_TEXT__ is needed (another --image, or "
              "--python)" % ((sys.implementation.name,) + tuple(sys.version_info[:3])))
 port, where, agent = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-with open(os.environ["MONARCH_KEY_FILE"], "rb") as f:
+with open(os.environ["__KEY_FILE_VAR__"], "rb") as f:
     key = hashlib.sha256(b"monarch-cli bundle\0" + f.read().strip()).digest()
 os.makedirs(where, mode=0o700, exist_ok=True)
 os.chmod(where, 0o700)
-host = os.environ.get("MONARCH_LISTEN_HOST") or os.environ.get("MONARCH_HOST") or "0.0.0.0"
+host = os.environ.get("__LISTEN_HOST_VAR__") or os.environ.get("__HOST_VAR__") or "0.0.0.0"
 family = socket.AF_INET6 if ":" in host else socket.AF_INET
 srv = socket.socket(family, socket.SOCK_STREAM)
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -140,7 +141,7 @@ h = ready[0]
 env = dict(os.environ)
 code, deps = os.path.join(where, h["code"]), os.path.join(where, h["deps"])
 env["PYTHONPATH"] = code + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-env["MONARCH_PY_SPY"] = os.path.join(deps, "bin", "py-spy")
+env["__PY_SPY_VAR__"] = os.path.join(deps, "bin", "py-spy")
 os.utime(code)
 os.utime(deps)
 sys.stdout.flush()
@@ -149,6 +150,10 @@ os.execve(sys.executable, [sys.executable] + agent, env)
     )
     .replace("__MIN_TEXT__", ".".join(map(str, bundle.MIN_PYTHON)))
     .replace("__MIN__", repr(tuple(bundle.MIN_PYTHON)))
+    .replace("__KEY_FILE_VAR__", KEY_FILE_ENV)
+    .replace("__LISTEN_HOST_VAR__", EnvSettings.listen_host.var)
+    .replace("__HOST_VAR__", EnvSettings.host.var)
+    .replace("__PY_SPY_VAR__", EnvSettings.py_spy.var)
 )
 
 

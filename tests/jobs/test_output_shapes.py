@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from monarch_cli.config import configure, settings
+from monarch_cli.errors import OptionError
 from monarch_cli.jobs import Job
-from monarch_cli.jobs.errors import JobError
 from monarch_cli.jobs.output import MAX_HELD_LINE, TAIL_WIDTH, OutputSink, list_runs, new_run_dir
 from monarch_cli.jobs.run_log import rank_log
 from monarch_cli.runtime import protocol
@@ -399,7 +399,7 @@ def test_old_runs_are_pruned_when_a_run_starts(job: Job, tmp_path: Path, monkeyp
     assert not any(d.exists() for d in old[:3]) and all(d.exists() for d in old[3:])
 
     monkeypatch.setenv("MONARCH_KEEP_RUNS", "many")
-    with pytest.raises(JobError, match="MONARCH_KEEP_RUNS must be a whole number"):
+    with pytest.raises(OptionError, match=r"^MONARCH_KEEP_RUNS: expected a whole number \(0 or more\), got 'many'$"):
         spmd(job, script)
 
 

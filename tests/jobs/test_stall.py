@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from monarch_cli.jobs import Job, JobError
+from monarch_cli.errors import OptionError
+from monarch_cli.jobs import Job
 
 from ..conftest import write_script
 from .conftest import spmd
@@ -62,5 +63,5 @@ def test_ranks_that_print_are_not_stalled_and_the_watchdog_is_off_by_default(
     run = spmd(job, quiet, nproc=1)  # silent for 3 s: no limit unless one is asked for
     assert run.result.exit_code == 0 and b"loaded" in run.out, run.text()
     monkeypatch.setenv("MONARCH_STALL_TIMEOUT", "soon")
-    with pytest.raises(JobError, match=r"\$MONARCH_STALL_TIMEOUT takes seconds"):
+    with pytest.raises(OptionError, match=r"^MONARCH_STALL_TIMEOUT: expected a number of seconds, got 'soon'$"):
         spmd(job, quiet, nproc=1)

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from ...config import PRELOAD_ENV
 from .. import protocol
 from ..rank.preload import LEARNED_ENV, READY_ENV
 
@@ -31,7 +32,7 @@ class ForkServerHandle:
         ready: str | None = None,
     ) -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "MONARCH_PRELOAD": preload}
+        env = {**os.environ, PRELOAD_ENV: preload}
         env.update({k: v for k, v in ((READY_ENV, ready), (LEARNED_ENV, learned)) if v})
         self.process = subprocess.Popen(
             [sys.executable, "-m", "monarch_cli.runtime.agent.zygote", str(child.fileno()), title],

@@ -41,7 +41,7 @@ from typing import Any
 
 import zmq
 
-from ...config import configure
+from ...config import KEY_FILE_ENV, configure
 from ...sysutil import atomic_write, private_tmpdir
 from ...version import __version__
 from .. import protocol
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"monarch agent: cannot read the reservation keys: {e}", file=sys.stderr)
         return 2
     if keys is None:
-        print("monarch agent: no reservation keys (set MONARCH_KEY_FILE or pass --keys-stdin)", file=sys.stderr)
+        print(f"monarch agent: no reservation keys (set {KEY_FILE_ENV} or pass --keys-stdin)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
     raise_fd_limit()  # (hundreds of ranks on one host: a few fds each)

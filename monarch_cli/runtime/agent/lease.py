@@ -17,6 +17,8 @@ import shutil
 import sys
 import time
 
+from ...config import env
+
 
 class Lease:
     """Running out ``seconds`` after the agent started, unless :meth:`confirm`\\ ed first."""
@@ -54,7 +56,7 @@ class Lease:
 def remove_own_directory(reservation: str) -> None:
     """Remove the reservation's directory on this host (``$MONARCH_REMOTE_DIR/<reservation>``,
     the agent's working directory, with its keys): after an unconfirmed lease nobody will."""
-    root = os.environ.get("MONARCH_REMOTE_DIR")
+    root = env.remote_dir
     here = os.path.realpath(os.getcwd())
     if not root or not reservation or os.path.basename(here) != reservation:
         return

@@ -15,8 +15,10 @@ import subprocess
 import time
 from collections.abc import Iterable
 
+from ...config import RUN_ID_ENV
+
 _PR_SET_CHILD_SUBREAPER = 36
-RUN_ENV = "MONARCH_RUN_ID"  #: set in every rank's environment; its descendants inherit it
+RUN_ENV = RUN_ID_ENV  #: set in every rank's environment; its descendants inherit it
 
 Pid = tuple[int, float]  # (pid, start time): never confused with a later process given the pid
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ...config import PREFIX
 from .. import bundle_site, protocol
 from ..exit_status import describe_status, from_wait_status
 from ..transport import wire
@@ -176,7 +177,7 @@ class RankHost:
 
         held = self.ports.pop(run_id, None)
         self.port_held_at.pop(run_id, None)
-        base = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_")}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
         made_cold: set[str] = set()
         notices: list[str] = []
         warm_zygote: Any = None

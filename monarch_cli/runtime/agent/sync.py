@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ...config import env
 from .. import protocol
 from ..protocol.sync import SyncApplied, SyncApply, SyncCheck, SyncStatus  # noqa: F401 - the bodies this module answers
 from ..transport import wire
@@ -34,7 +35,7 @@ _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def remote_root() -> str:
-    return os.environ.get("MONARCH_REMOTE_DIR") or os.path.join(os.path.expanduser("~"), ".monarch-cli")
+    return env.remote_dir or os.path.join(os.path.expanduser("~"), ".monarch-cli")
 
 
 def mirror_dir(reservation: str, name: str) -> str:

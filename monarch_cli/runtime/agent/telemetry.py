@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ...config import env
 from ...sysutil import private_tmpdir
 from .. import protocol
 from ..rank.telemetry import STACK_SIGNAL, STEP_HEADER, STEP_TIME, paths
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from .core import AgentCore
     from .ranks import _Rank
 
-PUSH_INTERVAL = float(os.environ.get("MONARCH_TELEMETRY_INTERVAL", "1.0") or 1.0)
+PUSH_INTERVAL = env.telemetry_interval  # read once, when the agent imports this module
 _PY_SPY_TIMEOUT = 5.0
 _DUMP_WAIT = 3.0  # an upper bound: dumps that finish sooner end the wait (a loaded host is slow to schedule them)
 _FH_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
@@ -234,8 +235,8 @@ class TelemetryHost:
 
 
 def py_spy_path() -> str | None:
-    """``$MONARCH_PY_SPY`` if set (empty: do not use py-spy), else py-spy next to this Python or on PATH."""
-    forced = os.environ.get("MONARCH_PY_SPY")
+    """``env.py_spy`` if set (empty: do not use py-spy), else py-spy next to this Python or on PATH."""
+    forced = env.py_spy
     if forced is not None:
         return forced or None
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ...config import EnvSettings, env
 from ...sysutil import private_tmpdir
 from .filewatch import FileWatch
 
@@ -92,11 +93,11 @@ def _safe(name: str) -> str:
 #: Learning is on unless this is 0/false/no in the environment ``monarch serve`` starts agents
 #: with. (It was opt-in while DDP scripts hung at exit in 1 run of 3 when forked from a learned
 #: warm process: a torch teardown race that rank.start._settle_gloo_teardown now sidesteps.)
-LEARN_ENV = "MONARCH_LEARN_PRELOAD"
+LEARN_ENV = EnvSettings.learn_preload.var
 
 
 def learning_enabled() -> bool:
-    return os.environ.get(LEARN_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+    return env.learn_preload
 
 
 class WarmRanks:

@@ -28,12 +28,13 @@ import sys
 import threading
 from typing import Any
 
+from ... import config
 from ...sysutil import ready_fds, signal_if_alive
 from .. import protocol
 from ..rank import preload
 from .zygote_child import _child, _spare, die_with_parent
 
-PRELOAD_ENV = "MONARCH_PRELOAD"
+PRELOAD_ENV = config.PRELOAD_ENV
 
 
 class _Spares:

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ...config import EnvSettings
 from ...errors import SchedulerError
 from . import bundle
 
@@ -153,7 +154,7 @@ def setup_script(python: str, mount: str) -> str:
 def environment_lines(python: str, mount: str) -> str:
     """Export what runs the agent from this node's parts (after :func:`setup_script` ran)."""
     return _select(python, mount) + (
-        'export PYTHONPATH="$B/$2${PYTHONPATH:+:$PYTHONPATH}" MONARCH_PY_SPY="$B/$3/bin/py-spy"\n'
+        f'export PYTHONPATH="$B/$2${{PYTHONPATH:+:$PYTHONPATH}}" {EnvSettings.py_spy.var}="$B/$3/bin/py-spy"\n'
     )
 
 

@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...config import AGENT_READY_PREFIX, EnvSettings
+
 if TYPE_CHECKING:
     import argparse
 
 AGENT_MODULE = "monarch_cli.runtime.agent"
 #: What an agent writes (address file, ready fd, stdout) once it listens, before its address.
-READY_PREFIX = "MONARCH_AGENT_READY "
+READY_PREFIX = AGENT_READY_PREFIX
 
 
 @dataclasses.dataclass
@@ -125,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-fd", type=int, help="write the address to this inherited fd")
     p.add_argument("--keys-stdin", action="store_true", help="read the reservation keys from stdin's first line")
     p.add_argument("--exit-with-stdin", action="store_true", help="exit (killing all procs) when stdin closes")
-    p.add_argument("--host", help="address to advertise to peers (default: $MONARCH_HOST or this host's IP)")
+    p.add_argument("--host", help=f"address to advertise to peers (default: ${EnvSettings.host.var} or this host's IP)")
     p.add_argument("--port", type=int, help="listen on this port (default: any free port)")
     p.add_argument(
         "--port-range",

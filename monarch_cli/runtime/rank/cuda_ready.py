@@ -26,7 +26,9 @@ import sys
 import threading
 from typing import Any
 
-ENV = "MONARCH_CUDA_READY"
+from ...config import EnvSettings, env
+
+ENV = EnvSettings.cuda_ready.var
 _MARK = b"CUDA_VISIBLE_DEVICES"
 
 
@@ -45,7 +47,7 @@ def _script_sets_devices(spec: dict[str, Any]) -> bool:
 def device_for(spec: dict[str, Any]) -> int | None:
     """The device index to make ready for this rank, or None to leave CUDA alone."""
     torch = sys.modules.get("torch")
-    if torch is None or os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if torch is None or not env.cuda_ready:
         return None
     try:
         local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -29,11 +29,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ... import config
 from .import_watch import ImportWatch
 
 REPORT_KEY = "module_report"  # a rank spec's entry: the file it writes its imports to
-LEARNED_ENV = "MONARCH_LEARNED_PRELOAD"  # a zygote's: the JSON list of modules to import
-READY_ENV = "MONARCH_WARM_READY"  # a zygote's: where it writes what it loaded
+LEARNED_ENV = config.LEARNED_PRELOAD_ENV  # a zygote's: the JSON list of modules to import
+READY_ENV = config.WARM_READY_ENV  # a zygote's: where it writes what it loaded
 _NEVER = {"__main__", "__mp_main__", "this", "antigravity"}  # antigravity opens a browser
 _OWN = "monarch_cli"  # the zygote holds what it needs of monarch_cli itself
 
@@ -257,7 +258,7 @@ def env_conflict(env: dict[str, str]) -> str | None:
     """Why a rank with environment ``env`` must not run in this warm process: a variable that one
     of its imports read at import time has another value for the rank (the first one found)."""
     for key, (seen, reader) in env_reads.items():
-        if key in _PER_RANK or key.startswith(("MONARCH_", "TORCHELASTIC_")):
+        if key in _PER_RANK or key.startswith((config.PREFIX, "TORCHELASTIC_")):
             continue
         value = env.get(key, env_added.get(key))  # the rank gets the imports' additions as defaults
         if value == seen or (seen is None and key in env_added and value == env_added[key]):

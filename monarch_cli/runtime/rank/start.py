@@ -24,13 +24,14 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...config import RANK_SPEC_ENV
 from ...shutdown import run_exit_steps
 from ..title import rank_title, set_title
 
 if TYPE_CHECKING:
     from ..protocol import RankSpec
 
-SPEC_ENV = "MONARCH_RANK_SPEC"
+SPEC_ENV = RANK_SPEC_ENV
 _store: Any = None  # keeps the rendezvous store alive for the whole run
 
 

@@ -13,8 +13,10 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
-KEY_ENV = "MONARCH_KEYS"
-KEY_FILE_ENV = "MONARCH_KEY_FILE"
+from ... import config
+
+KEY_ENV = config.KEYS_ENV
+KEY_FILE_ENV = config.KEY_FILE_ENV
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ...config import KEY_FILE_ENV, EnvSettings
 from ...errors import OptionError
 from ...runtime.launch.command import AgentCommand
 from .. import bootstrap, yaml_text
@@ -163,10 +164,10 @@ def build(
         "image": opts["image"],
         "command": bootstrap.command(agent.python, port, agent.argv()),
         "env": [
-            {"name": "MONARCH_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": EnvSettings.host.var, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             # also on the pod's localhost, where a port-forward (the out-of-cluster path) connects
-            {"name": "MONARCH_LISTEN_HOST", "value": "0.0.0.0"},
-            {"name": "MONARCH_KEY_FILE", "value": f"{KEYS_DIR}/{KEYS_FILE}"},
+            {"name": EnvSettings.listen_host.var, "value": "0.0.0.0"},
+            {"name": KEY_FILE_ENV, "value": f"{KEYS_DIR}/{KEYS_FILE}"},
         ],
         "ports": [{"name": "agent", "containerPort": port, "protocol": "TCP"}],
         "volumeMounts": [

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...config import KEYS_ENV, EnvSettings
 from ...errors import SchedulerError
 from ...runtime.launch.command import AgentCommand, is_agent_command
 from ...sysutil import signal_if_alive
@@ -70,7 +71,7 @@ class LocalScheduler(Scheduler):
         ]
         logs = [str(root / f"local{i}.log") for i in range(request.hosts)]
         steps = [
-            f"MONARCH_HOST=127.0.0.1 {shlex.join(a.argv())}  # keys on stdin; log: {log}"
+            f"{EnvSettings.host.var}=127.0.0.1 {shlex.join(a.argv())}  # keys on stdin; log: {log}"
             for a, log in zip(agents, logs)
         ]
         steps.append(f"wait until {request.hosts} agent(s) have written their address files")
@@ -98,8 +99,8 @@ class LocalScheduler(Scheduler):
         _private_dirs(addr_dir)
         for log_path in logs:
             _private_dirs(log_path.parent)
-        env = {**os.environ, "MONARCH_HOST": "127.0.0.1"}
-        env.pop("MONARCH_KEYS", None)
+        env = {**os.environ, EnvSettings.host.var: "127.0.0.1"}
+        env.pop(KEYS_ENV, None)
         import subprocess  # (to reserve, not to run: `run-spmd` loads this backend too)
 
         procs: list[subprocess.Popen] = []

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+from ...config import EnvSettings
 from ..base import Progress
 from .ssh_access import SshAccess
 
 #: ``module:attr`` of a provisioner factory to use instead of SkyPilot (the test seam).
-PROVISIONER_ENV = "MONARCH_SKYPILOT_PROVISIONER"
+PROVISIONER_ENV = EnvSettings.skypilot_provisioner.var
 INSTALL_HINT = "pip install 'skypilot>=0.10'"
 
 

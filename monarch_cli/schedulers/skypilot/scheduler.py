@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import re
 import shlex
 import socket
@@ -33,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...config import RESERVATION_KEYS_ENV, EnvSettings, env
 from ...errors import OptionError, PlanError, SchedulerError
 from ...runtime.launch import bundle_staged
 from ...runtime.launch.command import AgentCommand, format_port_range
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from ...runtime.transport.keys import Keys
 
 #: The SkyPilot secret that carries the reservation's keys to every node.
-KEYS_SECRET = "MONARCH_RESERVATION_KEYS"
+KEYS_SECRET = RESERVATION_KEYS_ENV
+_HOST = EnvSettings.host.var
 #: The port every agent listens on unless ``--agent-port`` says otherwise (Monarch's default).
 DEFAULT_AGENT_PORT = 26600
 #: How long the agents may take to answer once SkyPilot says the task runs.
@@ -61,7 +62,7 @@ REACH_MODES = ("auto", "direct", "tunnel")
 
 def provisioner() -> Provisioner:
     """SkyPilot's SDK, or the factory named by ``$MONARCH_SKYPILOT_PROVISIONER`` (``module:attr``)."""
-    target = os.environ.get(PROVISIONER_ENV)
+    target = env.skypilot_provisioner
     if not target:
         from .sdk import SkyProvisioner
 
@@ -114,8 +115,8 @@ def run_script(agent: AgentCommand, python: str, time_minutes: int | None) -> st
     return (
         "set -e\n"
         + bundle_staged.environment_lines(python, _MOUNT_SHELL)
-        + 'MONARCH_HOST="$(printf \'%s\\n\' "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\n'
-        'export MONARCH_HOST MONARCH_REMOTE_DIR="$HOME/.monarch-cli"\n'
+        + f'{_HOST}="$(printf \'%s\\n\' "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\n'
+        f'export {_HOST} {EnvSettings.remote_dir.var}="$HOME/.monarch-cli"\n'
         f'exec 3<<<"${KEYS_SECRET}"\n'
         f"unset {KEYS_SECRET}\n"
         f'exec {limit}{shlex.join(argv)} --name "node$SKYPILOT_NODE_RANK" <&3 3<&-\n'

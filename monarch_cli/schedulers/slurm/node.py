@@ -15,6 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
+from ...config import KEY_FILE_ENV, EnvSettings
 from ...runtime.launch.command import AgentCommand, parse_port_range
 from ...sysutil import source_address_towards
 
@@ -62,15 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int)
     parser.add_argument("--port-range", type=parse_port_range)
     args = parser.parse_args(argv)
-    if not os.environ.get("MONARCH_KEY_FILE"):
-        sys.exit("monarch slurm agent: $MONARCH_KEY_FILE is not set")
+    if not os.environ.get(KEY_FILE_ENV):
+        sys.exit(f"monarch slurm agent: ${KEY_FILE_ENV} is not set")
     # Slurm's --signal without B: signals every process of the job's steps: the agent must
     # not die of it. Ranks inherit the ignore and still get it (directly, from Slurm); a
     # script that installs a handler (the checkpoint pattern) is unaffected.
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     argv_ = agent_command(args.dir, args.preload, args.port, args.port_range).argv()
-    os.environ.pop("MONARCH_HOST", None)  # the submitter's, not this node's
+    os.environ.pop(EnvSettings.host.var, None)  # the submitter's, not this node's
     os.execv(argv_[0], argv_)
     return 0  # not reached
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from ...config import KEY_FILE_ENV, KEYS_ENV
 from ...errors import OptionError, PlanError, UserError
 from ...runtime.launch.command import AgentCommand, format_port_range
 from ...sysutil import signal_if_alive
@@ -194,8 +195,8 @@ class SlurmScheduler(Scheduler):
     def _reserve_in_allocation(self, plan: Plan, job_dir: Path, progress: Progress) -> Reservation:
         job_id = allocation_id() or ""
         cmd, nodes = list(plan.data["srun"]), list(plan.data["nodes"])
-        env = {k: v for k, v in os.environ.items() if k != "MONARCH_KEYS"}
-        env["MONARCH_KEY_FILE"] = str(job_dir / "keys")
+        env = {k: v for k, v in os.environ.items() if k != KEYS_ENV}
+        env[KEY_FILE_ENV] = str(job_dir / "keys")
         log_path = job_dir / "agents.log"
         progress(f"starting {len(nodes)} agent(s) in allocation {job_id} (srun --overlap)")
         with open(log_path, "ab") as log:
@@ -334,6 +335,7 @@ def render_serve_script(
         nodes=nodes,
         job_dir=str(job_dir),
         sbatch_lines=sbatch_lines(sbatch_option_args(options)),
+        key_file_var=KEY_FILE_ENV,
         key_file=shlex.quote(str(job_dir / "keys")),
         python=shlex.quote(python),
         node_module=NODE_MODULE,

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...config import KEY_FILE_ENV, EnvSettings, env
 from ...errors import OptionError, PlanError, SchedulerError
 from ...runtime.launch import bundle, bundle_host
 from ...runtime.launch.command import READY_PREFIX, AgentCommand, is_agent_command
@@ -56,7 +57,7 @@ DEFAULT_PYTHON = "python3"
 #: once it saved the reservation): a serve killed before that leaves nothing running. Covers
 #: shipping to the slowest host, every agent's start and the hosts' reachability check.
 #: ``$MONARCH_SSH_AGENT_LEASE`` changes it.
-AGENT_LEASE = 300.0
+AGENT_LEASE: float = EnvSettings.ssh_agent_lease.default
 DEFAULT_REMOTE_DIR = "~/.monarch-cli"
 
 
@@ -288,9 +289,9 @@ def _start_command(python: str, directory: str, root: str, target: SshTarget, ag
     argv = [*shlex.split(python), *agent.argv()[1:]]
     bundles = _shell_path(_bundles_dir(root))
     env = (
-        f'MONARCH_KEY_FILE="$PWD/keys" MONARCH_HOST="${{3:-$H}}" '
-        f"MONARCH_REMOTE_DIR={_shell_path(root)} "
-        f'PYTHONPATH="$B/$CODE${{PYTHONPATH:+:$PYTHONPATH}}" MONARCH_PY_SPY="$B/$DEPS/bin/py-spy"'
+        f'{KEY_FILE_ENV}="$PWD/keys" {EnvSettings.host.var}="${{3:-$H}}" '
+        f"{EnvSettings.remote_dir.var}={_shell_path(root)} "
+        f'PYTHONPATH="$B/$CODE${{PYTHONPATH:+:$PYTHONPATH}}" {EnvSettings.py_spy.var}="$B/$DEPS/bin/py-spy"'
     )
     # Not `cd && agent &`: that backgrounds a subshell, whose pid $! would be, and which keeps
     # the SSH channel open. setsid does not fork here (a background job is no group leader).
@@ -303,11 +304,8 @@ def _start_command(python: str, directory: str, root: str, target: SshTarget, ag
 
 
 def _lease() -> float:
-    text = os.environ.get("MONARCH_SSH_AGENT_LEASE", "")
-    try:
-        return float(text) if text else AGENT_LEASE
-    except ValueError:
-        raise OptionError(f"MONARCH_SSH_AGENT_LEASE is a number of seconds, not {text!r}") from None
+    """``env.ssh_agent_lease`` (a bad value is a one-line error naming its variable)."""
+    return env.ssh_agent_lease
 
 
 class SshScheduler(Scheduler):

@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ...config import KEY_FILE_ENV, EnvSettings
 from ...errors import SchedulerError
 from ...runtime.launch import bundle
 from .. import bootstrap
@@ -86,11 +87,11 @@ class TorchxScheduler(Scheduler):
         # The port is each replica's own (port_base + replica id, in the role's shell line), not the request's.
         agent = request.agent_command(rid, python=python, port=None).argv()
         key_file = str(job_dir / "keys") if channel == "file" else shipping.KEY_FILE_IN_CONTAINER
-        env = {"MONARCH_KEY_FILE": key_file, "PYTHONUNBUFFERED": "1"}
+        env = {KEY_FILE_ENV: key_file, "PYTHONUNBUFFERED": "1"}
         if sched == "local_cwd":
-            env["MONARCH_HOST"] = "127.0.0.1"
+            env[EnvSettings.host.var] = "127.0.0.1"
         elif sched == "kubernetes":
-            env["MONARCH_HOST"] = shipping.POD_IP  # the address the agent gives its peers and ranks
+            env[EnvSettings.host.var] = shipping.POD_IP  # the address the agent gives its peers and ranks
         bundles_dir = None
         if ship:
             bundles_dir = {
