@@ -160,7 +160,7 @@ class DebugClient:
 
     def cast(self, ranks: set[int], command: str, timeout: float = 60.0) -> dict[int, Any]:
         """One pdb command to many ranks; each rank's output, or the reason it was refused."""
-        futs = {}
+        futs: dict[int, Future[Any] | JobError] = {}
         for r in sorted(ranks):
             try:
                 futs[r] = self._ask(r, protocol.DebugCast, command + "\n")

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,10 @@ from .errors import JobError
 from .state import HostRecord
 
 if TYPE_CHECKING:  # the scanner is imported where a host needs a mirror: a run on shared hosts needs none of it
-    from ..runtime.workspace import FileUpdate
+    from ..runtime.workspace import Changes, Entry, FileUpdate, Manifest
+
+    #: A host's manifest: each path's entry and content hash (None: a hash this client does not know).
+    HostFiles = Mapping[str, tuple[Entry, str | None]]
 
 _BATCH_BYTES = 16 << 20  # bytes per apply request (and per chunk of a bigger file)
 _IN_FLIGHT = 3  # apply requests on their way at once: memory stays a few batches whatever the files
@@ -144,7 +147,8 @@ def sync_workspace(
     report.unreadable = scan.unreadable
     stale = [i for i in far if statuses[i].digest != client_digest]
     synced = scanner.synced
-    known = {synced[0]: {p: (e, None) for p, e in synced[1].items()}} if synced else {}
+    # the manifest this client last synced, without the hashes only a host knows
+    known: dict[str, HostFiles] = {synced[0]: {p: (e, None) for p, e in synced[1].items()}} if synced else {}
     unknown = [i for i in stale if statuses[i].digest not in known]
     if unknown:  # hosts in a state this client did not leave them in: fetch their manifests
         ask = wire.dumps(SyncCheck(reservation, name, client_digest, workspace, "", (0, 0, 0)))
@@ -155,16 +159,20 @@ def sync_workspace(
         )
         for i, status in zip(unknown, got):
             statuses[i] = status
+    files: dict[int, HostFiles] = {}  # each stale host's manifest: as it sent it, else as this client left it
     for i in stale:
-        if statuses[i].files is None and statuses[i].digest in known:
-            statuses[i].files = known[statuses[i].digest]
+        host_files: HostFiles | None = statuses[i].files
+        if host_files is None:
+            host_files = known.get(statuses[i].digest)
+        if host_files is not None:
+            files[i] = host_files
     groups: dict[str, list[int]] = {}  # hosts in the same state share one plan (usually all of them)
     for i in stale:
-        if statuses[i].digest != client_digest and statuses[i].files is not None:
+        if statuses[i].digest != client_digest and i in files:
             groups.setdefault(statuses[i].digest, []).append(i)
     final: dict[int, str] = {}  # each host's digest after its last batch
     for base, group in groups.items():
-        changes = _changes(scan.manifest, statuses[group[0]].files)
+        changes = _changes(scan.manifest, files[group[0]])
         report.files, report.deleted = (
             max(report.files, len(changes.changed)),
             max(report.deleted, len(changes.deleted)),
@@ -200,7 +208,7 @@ def sync_workspace(
     return report
 
 
-def _changes(manifest: dict[str, Any], host_files: dict[str, Any]) -> Any:
+def _changes(manifest: Manifest, host_files: HostFiles) -> Changes:
     from ..runtime.workspace import diff
 
     return diff(manifest, host_files)

@@ -31,7 +31,7 @@ import pickle
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -427,7 +427,7 @@ class Changes(NamedTuple):
     deleted: list[str]
 
 
-def diff(client: Manifest, host: dict[str, tuple[Entry, str]]) -> Changes:
+def diff(client: Manifest, host: Mapping[str, tuple[Entry, str | None]]) -> Changes:
     changed = []
     for path, entry in client.items():
         had = host.get(path)

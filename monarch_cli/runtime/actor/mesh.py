@@ -6,7 +6,9 @@ to actors in messages, and they route through whichever process's mailbox unpick
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 import queue
@@ -14,7 +16,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ...config import settings
 from .. import protocol
@@ -133,7 +135,11 @@ class HostMesh(_Mesh):
                 mb.track_proc(proc_id, host.agent, host.host, mesh, ctx._key)
                 specs.append((proc_id, cid))
             body = wire.dumps((specs, dataclasses.asdict(settings()), _import_context()))
-            acks.append(mb.request(host.agent, lambda cid, r=host.relay: protocol.SpawnProcs(cid, mb.address, r), body))
+            acks.append(
+                mb.request(
+                    host.agent, functools.partial(protocol.SpawnProcs, reply_to=mb.address, relay=host.relay), body
+                )
+            )
         timeout = settings().spawn_timeout
         for fut in acks:
             fut.get(timeout=timeout)
@@ -181,7 +187,7 @@ class ProcMesh(_Mesh):
             futs.append(
                 mb.request(
                     proc.inbox,
-                    lambda cid, p=point: protocol.Spawn(cid, mb.address, key, name, p),
+                    functools.partial(protocol.Spawn, reply_to=mb.address, key=key, name=name, point=point),
                     body,
                     proc_id=proc.proc_id,
                     actor=name,
@@ -219,7 +225,10 @@ class ProcMesh(_Mesh):
         for p in self._members:
             by_agent.setdefault(p.agent, []).append(p.proc_id)
         futs = [
-            mb.request(agent, lambda cid, ids=ids: protocol.StopProcs(cid, mb.address, ids, settings().stop_grace))
+            mb.request(
+                agent,
+                functools.partial(protocol.StopProcs, reply_to=mb.address, proc_ids=ids, grace=settings().stop_grace),
+            )
             for agent, ids in by_agent.items()
         ]
         gather(futs).get(timeout=settings().stop_grace + 10)
@@ -265,7 +274,9 @@ class ActorMesh(_Mesh):
         mb = Mailbox.get()
         futs = [
             mb.request(
-                a.proc.inbox, lambda cid, a=a: protocol.StopActor(cid, mb.address, a.key), proc_id=a.proc.proc_id
+                a.proc.inbox,
+                functools.partial(protocol.StopActor, reply_to=mb.address, key=a.key),
+                proc_id=a.proc.proc_id,
             )
             for a in self._members
         ]
@@ -349,8 +360,13 @@ class EndpointRef:
         body = wire.dumps((args, kwargs))
         futs = [self._send(ref, body, mb) for ref in self._mesh._members]
         done: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
+
+        def _put(f: concurrent.futures.Future[Any]) -> None:
+            # a done callback is given the future it was added to (here one of ours): typeshed types it as the base class
+            done.put(cast(Future[Any], f))
+
         for f in futs:
-            f.add_done_callback(done.put)
+            f.add_done_callback(_put)
 
         def _iter() -> Iterator[Future[Any]]:
             for _ in futs:

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 import zmq
@@ -60,7 +60,7 @@ class ProcServer:
 
     def run(self) -> int:
         asyncio.set_event_loop(self.loop)
-        self.loop.add_reader(self.inbox.getsockopt(zmq.FD), self._drain)
+        self.loop.add_reader(self.inbox.fileno(), self._drain)
         self.mb.reply(self.boot["owner"], self.boot["ready_call_id"], True, (self.inbox_addr, os.getpid()))
         self.loop.call_soon(self._drain)
         self.loop.run_forever()
@@ -72,7 +72,8 @@ class ProcServer:
     def _drain(self) -> None:
         inbox = self.inbox
         for _ in range(_DRAIN_BATCH):
-            if not inbox.getsockopt(EVENTS) & POLLIN:  # cheaper than ending on zmq.Again
+            # cheaper than ending on zmq.Again; pyzmq types every option's value as int | bytes: EVENTS is an int
+            if not cast(int, inbox.getsockopt(EVENTS)) & POLLIN:
                 return
             frames = wire.recv_frames(inbox)
             try:
@@ -133,11 +134,11 @@ class ProcServer:
 
         return this_proc()
 
-    def spawn_local(self, key: str, name: str, point: Point, cls: type, args: Any, kwargs: Any) -> None:
+    def spawn_local(self, key: str, name: str, point: Point, cls: type[object], args: Any, kwargs: Any) -> None:
         ctx = Context(actor=None, actor_name=name, point=point, proc_id=self.boot["proc_id"], _key=key)
         token = _enter(ctx)
         try:
-            instance = cls.__new__(cls)
+            instance: Any = cls.__new__(cls)  # an actor of any class, made in two steps: its context comes first
             ctx.actor = instance
             instance.__init__(*args, **kwargs)
         finally:
@@ -188,8 +189,8 @@ class ProcServer:
         slot.busy = False
         if task.cancelled():
             self._endpoint_failed(slot, cid, reply_to, method, asyncio.CancelledError())
-        elif task.exception() is not None:
-            self._endpoint_failed(slot, cid, reply_to, method, task.exception())
+        elif (exc := task.exception()) is not None:
+            self._endpoint_failed(slot, cid, reply_to, method, exc)
         elif cid is not None:
             self.mb.reply(reply_to, cid, True, task.result())
         while slot.queue and not slot.busy:

@@ -9,16 +9,24 @@ page alone. What one handler asks of another goes through the small interfaces b
 from __future__ import annotations
 
 import socket
-from typing import Any, Protocol
+import subprocess
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..transport.keys import Keys
 from ..transport.sockets import Transport
+
+if TYPE_CHECKING:
+    from ..protocol import ProcBoot, RankSpec
 
 
 class ForkServer(Protocol):
     """A fork server (zygote): forks a proc or a rank on request."""
 
-    def fork(self, req_id: int, boot: dict[str, Any], fds: list[int] = ..., kind: str = ...) -> None: ...
+    @property
+    def process(self) -> subprocess.Popen[bytes]: ...
+
+    def fork(self, req_id: int, boot: RankSpec | ProcBoot, fds: Sequence[int] = ..., kind: str = ...) -> None: ...
 
 
 class DebugSessions(Protocol):
@@ -43,9 +51,11 @@ class WarmForks(Protocol):
     @property
     def learning(self) -> bool: ...
 
-    def for_run(self) -> tuple[Any, list[str]]: ...
+    def for_run(self, keep: bool = False) -> tuple[ForkServer, list[str]]: ...
 
-    def fork_asked(self, zygote: Any) -> None: ...
+    def fork_asked(self, zygote: ForkServer) -> None: ...
+
+    def rank_kept(self, zygote_pid: int) -> None: ...
 
     def keep_spares(self, count: int, busy: set[int]) -> None: ...
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ...config import PRELOAD_ENV
@@ -47,7 +48,9 @@ class ForkServerHandle:
         # zygote's replies).
         self._queued: collections.deque[tuple[bytes, list[int]]] = collections.deque()
 
-    def fork(self, req_id: int, boot: dict[str, Any], fds: list[int] = (), kind: str = "proc") -> None:  # type: ignore[assignment]
+    def fork(
+        self, req_id: int, boot: protocol.RankSpec | protocol.ProcBoot, fds: Sequence[int] = (), kind: str = "proc"
+    ) -> None:
         """Ask for a fork; the caller may close ``fds`` on return (a queued request holds duplicates)."""
         self._ask(protocol.Fork(req_id, kind, boot), list(fds))
 

@@ -112,7 +112,7 @@ class HostAgent:
             running_since=lambda: self.ranks.running_since(),
         )
         self.procs = ProcHost(self)
-        self.ranks = RankHost(self)
+        self.ranks: RankHost = RankHost(self)  # annotated: the lambda above reads it before it is set
         self.debug = DebugHost(self)
         self.telemetry = TelemetryHost(self)
         self.peers = PeerProbes(self)
@@ -133,9 +133,10 @@ class HostAgent:
             sync.handlers(self),
         ):
             for cls, handler in part.items():
-                if cls.KIND in self.handlers:
-                    raise RuntimeError(f"two agent handlers for {cls.KIND!r}")
-                self.handlers[cls.KIND] = handler
+                kind = protocol.kind_of(cls)
+                if kind in self.handlers:
+                    raise RuntimeError(f"two agent handlers for {kind!r}")
+                self.handlers[kind] = handler
         self.clients: dict[str, _Client] = {}
         self._signal_r: socket.socket | None = None
         self._socks: dict[str, zmq.Socket] = {}
@@ -237,9 +238,10 @@ class HostAgent:
         signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
         self.poller.register(self._signal_r.fileno(), zmq.POLLIN)
 
-    def _drain_signals(self) -> None:
+    @staticmethod
+    def _drain_signals(signal_r: socket.socket) -> None:
         try:
-            while self._signal_r.recv(512):
+            while signal_r.recv(512):
                 pass
         except (BlockingIOError, InterruptedError, OSError):
             pass
@@ -259,7 +261,7 @@ class HostAgent:
             wait_ms = 200 if due is None else max(0, min(200, int((due - time.monotonic()) * 1000) + 1))
             events = dict(poller.poll(wait_ms))
             if self._signal_r is not None and self._signal_r.fileno() in events:
-                self._drain_signals()
+                self._drain_signals(self._signal_r)
             if self.transport.zap in events:
                 self.transport.serve_zap()
             for fd in [fd for fd in self._zygotes if fd in events]:

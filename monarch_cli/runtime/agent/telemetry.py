@@ -140,13 +140,15 @@ class TelemetryHost:
         import psutil
 
         gpu = self._gpu_sample()
-        rows = []
+        rows: list[Sample] = []
         now = time.time()
         for r in ranks:
-            proc = self._procs.get(r.pid)
+            pid = r.pid
+            assert pid is not None, "only running ranks are sampled"
+            proc = self._procs.get(pid)
             try:
                 if proc is None:
-                    proc = self._procs[r.pid] = psutil.Process(r.pid)
+                    proc = self._procs[pid] = psutil.Process(pid)
                 with proc.oneshot():
                     state = proc.status()
                     cpu = proc.cpu_percent(None)
@@ -154,8 +156,8 @@ class TelemetryHost:
                     threads = proc.num_threads()
             except (psutil.Error, OSError):
                 continue
-            g = gpu.get(r.pid, (None, None, None, None, None))
-            rows.append((r.run_id, r.rank, self.agent.host, now, r.pid, state, cpu, round(rss, 1), threads, *g))
+            g = gpu.get(pid, (None, None, None, None, None))
+            rows.append((r.run_id, r.rank, self.agent.host, now, pid, state, cpu, round(rss, 1), threads, *g))
         return rows
 
     def _gpu_sample(self) -> dict[int, tuple[Any, ...]]:
@@ -193,7 +195,7 @@ class TelemetryHost:
         times = [t for (t,) in STEP_TIME.iter_unpack(data[: len(data) - len(data) % STEP_TIME.size])]
         if done:
             prev, times = times[0], times[1:]
-        rows = []
+        rows: list[Step] = []
         for t in times:
             if t < prev or t <= 0.0:  # not stored yet (a weakly ordered CPU): read it next time
                 break

@@ -26,13 +26,16 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ... import config
 from ...sysutil import ready_fds, signal_if_alive
 from .. import protocol
 from ..rank import preload
 from .zygote_child import _child, _spare, die_with_parent
+
+if TYPE_CHECKING:
+    from ..protocol import RankSpec
 
 PRELOAD_ENV = config.PRELOAD_ENV
 
@@ -271,7 +274,7 @@ class _Server:
     def _fork(self, req_id: int, kind: str, boot: dict[str, Any], fds: list[int]) -> None:
         pid = None
         if self.tainted and kind in ("rank", "cold"):  # what it learned last makes it unsafe to fork
-            pid = _start_cold(boot, fds)
+            pid = _start_cold(cast("RankSpec", boot), fds)  # (these kinds' boot is a rank spec)
             self.children.add(pid)
         if kind == "rank" and pid is None and self.spares.idle:
             pid = self.spares.hand_over(pickle.dumps(protocol.header(protocol.Fork(req_id, kind, boot))), fds, boot)
@@ -315,7 +318,7 @@ def _send_replies(sock: socket.socket, replies: collections.deque[bytes]) -> Non
         replies.popleft()
 
 
-def _start_cold(boot: dict[str, Any], fds: list[int]) -> int:
+def _start_cold(boot: RankSpec, fds: list[int]) -> int:
     """A cold rank started without ``os.fork()``: a zygote that learned a module refusing forks
     (its ``register_at_fork`` hook, a thread pool that hangs in the child) must not run Python's
     fork hooks. ``subprocess`` forks and execs in C and runs none; the rank is a fresh

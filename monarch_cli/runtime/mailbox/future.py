@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from ...config import settings
@@ -61,7 +61,7 @@ class Future(concurrent.futures.Future, Generic[T]):
             if not self.done():
                 self._condition.wait(seconds)
 
-    def __await__(self):  # type: ignore[override]
+    def __await__(self) -> Generator[Any, None, T]:
         import asyncio
 
         return asyncio.wrap_future(self).__await__()

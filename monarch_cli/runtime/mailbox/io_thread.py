@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -257,9 +257,10 @@ class MailboxIO:
                 timeout = self._backoff_until - now
             else:
                 poller = watching
-            events = dict(poller.poll(max(0.0, timeout) * 1000))
-            if self.transport.zap in events:
-                while self.transport.zap.poll(0):
+            events = dict(poller.poll(int(max(0.0, timeout) * 1000)))  # what poll does to a float
+            zap = self.transport.zap
+            if zap is not None and zap in events:
+                while zap.poll(0):
                     self.transport.serve_zap()
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
@@ -326,7 +327,8 @@ def _drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], one: boo
     """Handle what is queued on ``sock``, at most a batch (``one``: read at least one, even if
     the socket does not say so yet); True when more may be queued."""
     handled = 0
-    while one or sock.getsockopt(EVENTS) & POLLIN:  # ints: cheaper than zmq.Again, or enum flags
+    # ints: cheaper than zmq.Again, or enum flags; pyzmq types every option's value as int | bytes: EVENTS is an int
+    while one or cast(int, sock.getsockopt(EVENTS)) & POLLIN:
         if handled >= _DRAIN_BATCH:
             return True
         one = False

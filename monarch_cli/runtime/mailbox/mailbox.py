@@ -66,9 +66,9 @@ class Mailbox(MailboxIO):
         #: Set inside procs: called (from the I/O thread) to run an owner's ``__supervise__``.
         self.supervisor: Callable[[Failure, str], None] | None = None
         self._own_events: dict[str, Callable[[Any], None]] = {
-            protocol.ProcExited.KIND: self._on_proc_exit,
-            protocol.Unhandled.KIND: self._on_unhandled,
-            protocol.EndpointError.KIND: self._on_endpoint_error,
+            protocol.kind_of(protocol.ProcExited): self._on_proc_exit,
+            protocol.kind_of(protocol.Unhandled): self._on_unhandled,
+            protocol.kind_of(protocol.EndpointError): self._on_endpoint_error,
         }
         super().__init__(keys)
 

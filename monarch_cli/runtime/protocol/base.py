@@ -35,6 +35,7 @@ __all__ = [
     "MESSAGES",
     "ROUTES",
     "header",
+    "kind_of",
     "decode",
     "answer_to",
     "not_understood",
@@ -69,6 +70,13 @@ def _message(kind: str, route: str) -> Callable[[M], M]:
         return cls
 
     return register
+
+
+def kind_of(cls: type[Any]) -> str:
+    """A message class's ``KIND``: :func:`_message` sets it, where a type checker cannot see it (a
+    NamedTuple's class body declares only its fields)."""
+    kind: str = cls.KIND
+    return kind
 
 
 def header(msg: Any) -> tuple[Any, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from .base import AGENT_ZYGOTE, ZYGOTE_AGENT, _message
@@ -16,7 +17,9 @@ class Fork(NamedTuple):
 
     req_id: int
     kind: str
-    boot: dict[str, Any]
+    #: A RankSpec (kinds rank and cold) or a ProcBoot (proc), as the agent sends it; the zygote
+    #: completes it and sends it on to a spare as the plain dict it received.
+    boot: Mapping[str, Any]
 
 
 @_message("spares", AGENT_ZYGOTE)

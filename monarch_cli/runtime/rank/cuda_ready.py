@@ -24,15 +24,18 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...config import EnvSettings, env
+
+if TYPE_CHECKING:
+    from ..protocol import RankSpec
 
 ENV = EnvSettings.cuda_ready.var
 _MARK = b"CUDA_VISIBLE_DEVICES"
 
 
-def _script_sets_devices(spec: dict[str, Any]) -> bool:
+def _script_sets_devices(spec: RankSpec) -> bool:
     """Whether the rank's script (its entry file) mentions ``CUDA_VISIBLE_DEVICES``; a module run
     with ``-m`` is not read, and counts as one that might."""
     if spec.get("mode") != "script":
@@ -44,7 +47,7 @@ def _script_sets_devices(spec: dict[str, Any]) -> bool:
         return True
 
 
-def device_for(spec: dict[str, Any]) -> int | None:
+def device_for(spec: RankSpec) -> int | None:
     """The device index to make ready for this rank, or None to leave CUDA alone."""
     torch = sys.modules.get("torch")
     if torch is None or not env.cuda_ready:
@@ -70,7 +73,7 @@ def _make_context(torch: Any, device: int) -> None:
         pass
 
 
-def start(spec: dict[str, Any]) -> threading.Thread | None:
+def start(spec: RankSpec) -> threading.Thread | None:
     """Begin making the rank's CUDA context on a thread of its own; the thread, or None."""
     device = device_for(spec)
     if device is None:

@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 from types import FrameType, TracebackType
-from typing import Any
+from typing import IO, Any, cast
 
 _chan: socket.socket | None = None
 _send_lock = threading.Lock()
@@ -79,7 +79,8 @@ class _Output:
 
 class RemotePdb(pdb.Pdb):
     def __init__(self, reason: str = "breakpoint") -> None:
-        super().__init__(stdin=_Input(), stdout=_Output(), nosigint=True, readrc=False)
+        # pdb (cmd.Cmd) only reads lines from stdin and writes and flushes stdout; typeshed asks for a full IO[str]
+        super().__init__(stdin=cast(IO[str], _Input()), stdout=cast(IO[str], _Output()), nosigint=True, readrc=False)
         self.use_rawinput = False
         self.reason = reason
         self._handoff = False
@@ -144,6 +145,7 @@ class RemotePdb(pdb.Pdb):
 
     def do_interact(self, arg: str) -> None:
         """Like pdb's ``interact``, but over the remote session."""
+        assert self.curframe is not None, "pdb runs a command while stopped in a frame"
         ns = {**self.curframe.f_globals, **self.curframe_locals}
         console = code.InteractiveConsole(ns)
 
@@ -154,9 +156,12 @@ class RemotePdb(pdb.Pdb):
                 raise EOFError
             return line.rstrip("\n")
 
+        def write(data: str) -> None:
+            self.stdout.write(data)
+
         console.raw_input = raw_input  # type: ignore[method-assign]
-        console.write = self.stdout.write  # type: ignore[method-assign]
-        with contextlib.redirect_stdout(self.stdout), contextlib.redirect_stderr(self.stdout):  # type: ignore[type-var]
+        console.write = write  # type: ignore[method-assign]
+        with contextlib.redirect_stdout(self.stdout), contextlib.redirect_stderr(self.stdout):
             console.interact("*interactive*", exitmsg="")
 
     def _hand_over_to_dap(self) -> None:
@@ -304,5 +309,5 @@ def install(fd: int) -> None:
     _chan = socket.socket(fileno=fd)
     os.set_inheritable(fd, False)  # the user's subprocesses must not hold the session open
     sys.breakpointhook = _breakpointhook
-    pdb.set_trace = _set_trace  # type: ignore[assignment]
+    pdb.set_trace = _set_trace
     threading.Thread(target=_service, name="monarch-debug", daemon=True).start()

@@ -32,15 +32,18 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import preload
+
+if TYPE_CHECKING:
+    from ..protocol import RankSpec
 
 
 class KeptRun:
     """What a kept rank remembers of the process before a run, to put it back after."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: RankSpec) -> None:
         self.workspace = preload.workspace_roots(spec)
         self.threads = set(threading.enumerate())
         self.path = list(sys.path[1:])

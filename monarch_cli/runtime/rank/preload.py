@@ -27,12 +27,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 from ... import config
 from .import_watch import ImportWatch
 
-REPORT_KEY = "module_report"  # a rank spec's entry: the file it writes its imports to
+if TYPE_CHECKING:
+    from ..protocol import RankSpec
+
+REPORT_KEY: Final = "module_report"  # a rank spec's entry: the file it writes its imports to
 LEARNED_ENV = config.LEARNED_PRELOAD_ENV  # a zygote's: the JSON list of modules to import
 READY_ENV = config.WARM_READY_ENV  # a zygote's: where it writes what it loaded
 _NEVER = {"__main__", "__mp_main__", "this", "antigravity"}  # antigravity opens a browser
@@ -80,7 +83,7 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def workspace_roots(spec: dict[str, Any]) -> list[str]:
+def workspace_roots(spec: RankSpec) -> list[str]:
     """The user's own code: the run's cwd, the script's directory, PYTHONPATH entries inside them."""
     cwd = _norm(spec["cwd"])
     roots = [cwd]
@@ -129,7 +132,7 @@ def module_file(module: Any) -> str | None:
     return file if os.path.isfile(file) else None
 
 
-def candidates(modules: dict[str, Any], spec: dict[str, Any], skip: Iterable[str] = ()) -> list[tuple[str, str]]:
+def candidates(modules: dict[str, Any], spec: RankSpec, skip: Iterable[str] = ()) -> list[tuple[str, str]]:
     """The (name, file) pairs among ``modules`` that a warm process may import for this run."""
     skip = set(skip)
     workspace = workspace_roots(spec)
@@ -144,7 +147,7 @@ def candidates(modules: dict[str, Any], spec: dict[str, Any], skip: Iterable[str
     return found
 
 
-def report_imports(spec: dict[str, Any]) -> None:
+def report_imports(spec: RankSpec) -> None:
     """At a rank's exit: write the installed modules it imported for its agent to learn."""
     path = spec.get(REPORT_KEY)
     if not path:

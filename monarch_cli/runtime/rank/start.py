@@ -69,9 +69,11 @@ def _reset_stdio(unbuffered: bool, env: dict[str, str]) -> None:
             buf, encoding=encoding, errors=errors, newline="\n", line_buffering=line_buffering, write_through=unbuffered
         )
 
-    sys.stdin = sys.__stdin__ = make(0, "<stdin>", errors)
-    sys.stdout = sys.__stdout__ = make(1, "<stdout>", errors)
-    sys.stderr = sys.__stderr__ = make(2, "<stderr>", "backslashreplace")
+    # typeshed declares sys.__stdin__ and the others Final (the streams the interpreter started
+    # with); this stands in for that start-up in a forked child, so it sets them as start-up does
+    sys.stdin = sys.__stdin__ = make(0, "<stdin>", errors)  # type: ignore[misc]
+    sys.stdout = sys.__stdout__ = make(1, "<stdout>", errors)  # type: ignore[misc]
+    sys.stderr = sys.__stderr__ = make(2, "<stderr>", "backslashreplace")  # type: ignore[misc]
 
 
 def _host_store(listen_fd: int, env: dict[str, str]) -> None:
@@ -371,7 +373,7 @@ def _settle_gloo_teardown() -> None:
     dist.destroy_process_group = destroy_process_group  # type: ignore[union-attr]
 
 
-def _install_telemetry(spec: dict[str, Any]) -> None:
+def _install_telemetry(spec: RankSpec) -> None:
     if spec.get("telemetry"):
         from . import telemetry as rank_telemetry
 
@@ -417,7 +419,7 @@ def exec_cold(spec: RankSpec, extra: dict[str, int]) -> None:
     os.execve(sys.executable, cold_command(spec), env)
 
 
-def _exec(spec: dict[str, Any], extra: dict[str, int]) -> None:
+def _exec(spec: RankSpec, extra: dict[str, int]) -> None:
     for fd in extra.values():
         os.close(fd)
     program = spec["program"]

@@ -24,7 +24,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..protocol import RankSpec
 
 STACK_SIGNAL = signal.SIGRTMIN + 7
 #: The step file, all little-endian 8-byte fields: the number of steps stored (int64); the unix
@@ -43,7 +46,7 @@ def paths(directory: str, run_id: str, rank: int) -> dict[str, str]:
     return {"steps": base + ".steps", "stack": base + ".stack"}
 
 
-def install(spec: dict[str, Any]) -> None:
+def install(spec: RankSpec) -> None:
     """Called by the launcher in the rank process; never lets a failure reach the user's run."""
     info = spec.get("telemetry")
     if not info:

@@ -132,7 +132,7 @@ class Transport:
             import uuid  # the ipc transport only: a tcp client (every run-spmd) does without it
 
             sock.bind(f"ipc://{_ipc_dir()}/{uuid.uuid4().hex[:16]}")
-            return sock, sock.last_endpoint.decode()
+            return sock, sock.get_string(zmq.LAST_ENDPOINT)
         host = listen_host()
         candidates = [port] if port is not None else bind_port_candidates()
         for i, candidate in enumerate(candidates):
@@ -143,7 +143,7 @@ class Transport:
                 if e.errno != zmq.EADDRINUSE or i == len(candidates) - 1:
                     sock.close(0)
                     raise OSError(e.errno, f"cannot listen on {host}:{candidate or '*'}: {e}") from None
-        endpoint = sock.last_endpoint.decode()
+        endpoint = sock.get_string(zmq.LAST_ENDPOINT)
         if host != advertised_host():  # listening on a wildcard ($MONARCH_LISTEN_HOST): peers use the advertised one
             endpoint = f"tcp://{advertised_host()}:{endpoint.rpartition(':')[2]}"
         return sock, endpoint

@@ -115,13 +115,13 @@ def _merge(base: Any, ours: Any) -> Any:
     if isinstance(base, list) and isinstance(ours, list):
         if all(isinstance(x, dict) and "name" in x for x in base + ours):
             names = {x["name"]: i for i, x in enumerate(base)}
-            out = list(base)
+            merged = list(base)
             for item in ours:
                 if item["name"] in names:
-                    out[names[item["name"]]] = _merge(base[names[item["name"]]], item)
+                    merged[names[item["name"]]] = _merge(base[names[item["name"]]], item)
                 else:
-                    out.append(item)
-            return out
+                    merged.append(item)
+            return merged
         return base + [x for x in ours if x not in base]
     return ours
 

@@ -72,7 +72,9 @@ def connect(access: SshAccess, timeout: float = 10.0) -> Any:
     except (OSError, EOFError) as e:
         raise SchedulerError(f"{where} is unreachable: {e or type(e).__name__}") from None
     if not access.host_key:
-        key = client.get_transport().get_remote_server_key()
+        transport = client.get_transport()
+        assert transport is not None, "connect() returned, so its transport is up"
+        key = transport.get_remote_server_key()
         access.host_key = f"{key.get_name()} {key.get_base64()}"
     return client
 

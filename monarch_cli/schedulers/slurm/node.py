@@ -22,10 +22,11 @@ from ...sysutil import source_address_towards
 
 def node_address(node: str) -> str:
     """The address other nodes reach this one at: the node name's, else any non-loopback one."""
-    candidates = []
+    candidates: list[str] = []
     for name in (node, socket.gethostname()):
         try:
-            candidates += [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET)]
+            # an AF_INET sockaddr is (host, port): the host is always a str
+            candidates += [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET) if isinstance(a[4][0], str)]
         except OSError:
             pass
     for addr in candidates:

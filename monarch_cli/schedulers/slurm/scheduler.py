@@ -177,15 +177,10 @@ class SlurmScheduler(Scheduler):
         except BaseException:
             _forget_keys(job_dir)
             raise
-        data = {
-            "mode": "batch",
-            "job_id": job_id,
-            "dir": str(job_dir),
-            "options": plan.options,
-            "output": str(job_dir / f"slurm-{job_id}.out"),
-        }
+        output = str(job_dir / f"slurm-{job_id}.out")
+        data = {"mode": "batch", "job_id": job_id, "dir": str(job_dir), "options": plan.options, "output": output}
         try:
-            hosts = _wait_for_agents(job_id, None, job_dir, plan.hosts, progress, data["output"])
+            hosts = _wait_for_agents(job_id, None, job_dir, plan.hosts, progress, output)
         except BaseException:
             run(["scancel", job_id], check=False)
             _forget_keys(job_dir)

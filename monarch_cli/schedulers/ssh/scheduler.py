@@ -46,6 +46,8 @@ from ..base import (
 )
 
 if TYPE_CHECKING:
+    import paramiko
+
     from ...runtime.transport.keys import Keys
 
 #: How long an agent may take to listen (it imports torch to warm up).
@@ -163,24 +165,26 @@ def _connection_lost(target: SshTarget, client: Any, e: BaseException) -> Schedu
     return _host_error(target, f"the SSH connection was lost during serve ({why}): is sshd still running there?")
 
 
-class _KeyPolicy:
-    """Unknown key: refuse, or record it (accept-new). A changed key paramiko refuses itself."""
+def _key_policy(target: SshTarget, accept_new: bool) -> paramiko.MissingHostKeyPolicy:
+    """Unknown key: refuse, or record it (accept-new). A changed key paramiko refuses itself.
+    (Made here, not at import: the module imports paramiko only when it connects.)"""
+    import paramiko
 
-    def __init__(self, target: SshTarget, accept_new: bool) -> None:
-        self.target, self.accept_new = target, accept_new
+    class KeyPolicy(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+            if not accept_new:
+                raise _host_error(
+                    target,
+                    f"unknown host key ({key.get_name()} {key.get_fingerprint().hex()}); "
+                    "check it and pass --accept-new-host-keys to record it",
+                )
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            known = Path(target.known_hosts)
+            known.parent.mkdir(parents=True, exist_ok=True)
+            with open(known, "a") as f:
+                f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
 
-    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
-        if not self.accept_new:
-            raise _host_error(
-                self.target,
-                f"unknown host key ({key.get_name()} {key.get_fingerprint().hex()}); "
-                "check it and pass --accept-new-host-keys to record it",
-            )
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        known = Path(self.target.known_hosts)
-        known.parent.mkdir(parents=True, exist_ok=True)
-        with open(known, "a") as f:
-            f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+    return KeyPolicy()
 
 
 def _paramiko_to_log_file() -> None:
@@ -225,14 +229,15 @@ def connect(target: SshTarget, accept_new: bool, timeout: float = 15.0) -> Any:
     client = paramiko.SSHClient()
     if os.path.exists(target.known_hosts):
         client.load_host_keys(target.known_hosts)
-    client.set_missing_host_key_policy(_KeyPolicy(target, accept_new or target.strict in ("accept-new", "no")))
+    client.set_missing_host_key_policy(_key_policy(target, accept_new or target.strict in ("accept-new", "no")))
     known_name = target.hostname if target.port == 22 else f"[{target.hostname}]:{target.port}"
     try:
         client.connect(
             target.hostname,
             port=target.port,
             username=target.user,
-            key_filename=target.identities or None,
+            # paramiko takes a filename or a list of them; types-paramiko allows only the str
+            key_filename=target.identities or None,  # type: ignore[arg-type]
             allow_agent=True,
             look_for_keys=not target.identities,
             timeout=timeout,
