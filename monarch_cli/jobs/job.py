@@ -55,23 +55,30 @@ class Job(SpmdRuns):
         """Connect to the reservation's agents. Every one must answer unless not ``require_all`` (then a host
         that does not has None for its info); a reservation its scheduler says is gone is a StaleReservation.
         ``questions_only``: the caller only asks every host questions (``HostSet.ask_all``), which
-        thousands of hosts answer through relays (:mod:`.fanout`)."""
-        probe = self.scheduler.probe(self.state) if require_all else None
-        if probe is not None and probe.gone:
-            raise StaleReservation(
-                f"reservation {self.state.reservation_id} is gone ({probe.reason}); "
-                "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
-            )
+        thousands of hosts answer through relays (:mod:`.fanout`).
+
+        The agents are asked first, and the scheduler only when one does not answer: a healthy
+        re-run makes no SSH connection and no API call (the scheduler's probe is the slow part of
+        asking, and it only tells a gone reservation from an unreachable one)."""
         hosts = self._reachable_hosts()
         dead = [] if require_all else self.scheduler.dead_hosts(self.state)
-        return HostSet(
-            hosts,
-            self.keys,
-            require_all=require_all,
-            known_dead=dead,
-            peers_reachable=self._peers_reachable(hosts),
-            questions_only=questions_only,
-        )
+        try:
+            return HostSet(
+                hosts,
+                self.keys,
+                require_all=require_all,
+                known_dead=dead,
+                peers_reachable=self._peers_reachable(hosts),
+                questions_only=questions_only,
+            )
+        except StaleReservation:
+            probe = self.scheduler.probe(self.state)
+            if probe.gone:
+                raise StaleReservation(
+                    f"reservation {self.state.reservation_id} is gone ({probe.reason}); "
+                    "run `monarch serve --replace` for a new one, or `monarch stop` to clear it"
+                ) from None
+            raise
 
     def _peers_reachable(self, hosts: Sequence[HostRecord]) -> bool:
         """Agents reached at their own addresses reach each other there: they can probe each other

@@ -155,6 +155,72 @@ def test_serve_keys_sync_and_a_two_host_gloo_run(
     assert all(h.address in text for h in ssh_hosts.hosts), text
 
 
+class _SshConnections:
+    """Counts new TCP connections to the hosts' sshd (port 22), with an iptables rule in this
+    namespace's OUTPUT chain: what the client really opens, not what the code says it does."""
+
+    def __init__(self, hosts: SshHosts) -> None:
+        self.rules = [
+            [
+                "OUTPUT",
+                "-p",
+                "tcp",
+                "-d",
+                h.address,
+                "--dport",
+                "22",
+                "--syn",
+                "-m",
+                "comment",
+                "--comment",
+                "mssh-count",
+            ]
+            for h in hosts.hosts
+        ]
+
+    def __enter__(self) -> _SshConnections:
+        for rule in self.rules:
+            subprocess.run(["iptables", "-I", *rule, "-j", "ACCEPT"], check=True)
+        return self
+
+    def count(self) -> int:
+        listing = subprocess.run(
+            ["iptables", "-L", "OUTPUT", "-v", "-x", "-n"], capture_output=True, text=True, check=True
+        )
+        return sum(int(line.split()[0]) for line in listing.stdout.splitlines() if "mssh-count" in line)
+
+    def __exit__(self, *_: object) -> None:
+        for rule in self.rules:
+            subprocess.run(["iptables", "-D", *rule, "-j", "ACCEPT"], check=False)
+
+
+def test_a_warm_re_run_opens_no_ssh_connection(ssh_job: tuple[Job, Path, Path], ssh_hosts: SshHosts) -> None:
+    """A re-run asks the agents first; the hosts' sshd is asked only when an agent does not answer
+    (before, every run probed every host over a new SSH connection)."""
+    job, ws, _ = ssh_job
+    (ws / "hello.py").write_text("print('hello', flush=True)\n")
+    run = [
+        sys.executable,
+        "-m",
+        "monarch_cli",
+        "run-spmd",
+        "--state",
+        str(job.path),
+        "--",
+        "torchrun",
+        "--nproc-per-node=1",
+        "hello.py",
+    ]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    first = subprocess.run(run, cwd=ws, capture_output=True, text=True, timeout=180, env=env)
+    assert first.returncode == 0, first.stderr
+    with _SshConnections(ssh_hosts) as ssh:
+        again = subprocess.run(run, cwd=ws, capture_output=True, text=True, timeout=180, env=env)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.count("hello") == 2, again.stdout
+        assert ssh.count() == 0, f"a healthy re-run opened {ssh.count()} SSH connection(s)"
+
+
 def _monarch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "monarch_cli", *args],
