@@ -79,7 +79,7 @@ class Hostile(Actor):
         raise ValueError("bad shape")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def hostile(agents):
     procs = HostMesh.connect(agents[:1]).spawn_procs(per_host={"n": 1})
     yield procs.spawn("hostile", Hostile)
