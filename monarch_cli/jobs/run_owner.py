@@ -10,6 +10,11 @@ forever in the MCP server, the dashboard and ``monarch sql``. :func:`settle` is 
 reader calls first: a "running" run whose runner is gone is rewritten as "lost" (here and in the
 telemetry store), once, atomically, with a one-line reason.
 
+A reader on another host (a Slurm login node and a compute node sharing the state directory)
+cannot look up the runner's pid. The runner therefore renews a lease while it runs: it touches
+``runner.json`` every :data:`RENEW_S` seconds, and a reader elsewhere takes a record untouched
+for :data:`LEASE_S` as a runner gone (the hosts' clocks must agree within a minute).
+
 Standard library only: ``monarch sql`` and ``monarch logs`` call it and must start fast.
 """
 
@@ -18,16 +23,20 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ..sysutil import atomic_write
-from ..telemetry_store import StoreError, db_path, end_lost_run
+from ..telemetry import StoreError, db_path, end_lost_run
 
 RUNNER_FILE = "runner.json"
 RESULT_FILE = "result.json"
 RUNNING, LOST, FAILED = "running", "lost", "failed"
+#: How often a runner touches its record, and how stale a record a reader on another host trusts.
+RENEW_S = 20.0
+LEASE_S = 120.0
 
 
 def process_start(pid: int) -> str | None:
@@ -59,10 +68,22 @@ def _portable_start(pid: int) -> str | None:
 
 
 def claim(log_dir: Path) -> None:
-    """This process drives the run logged in ``log_dir`` (written before any rank starts)."""
+    """This process drives the run logged in ``log_dir`` (written before any rank starts); it
+    renews the record's lease until the run has its result or this process ends."""
     pid = os.getpid()
     record = {"pid": pid, "start": process_start(pid), "host": socket.gethostname(), "state": RUNNING}
     atomic_write(log_dir / RUNNER_FILE, json.dumps(record))
+    threading.Thread(target=_renew, args=(log_dir,), name="monarch-run-lease", daemon=True).start()
+
+
+def _renew(log_dir: Path) -> None:
+    path, result = log_dir / RUNNER_FILE, log_dir / RESULT_FILE
+    while not result.exists():
+        time.sleep(RENEW_S)  # a lease's clock: nothing waits on this thread
+        try:
+            os.utime(path)
+        except OSError:
+            return  # the run's directory went (stop, pruned)
 
 
 def failed(log_dir: Path, error: str) -> None:
@@ -82,12 +103,18 @@ def read(log_dir: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def runner_gone(record: dict[str, Any]) -> bool:
-    """Whether the record's runner has ended (only a runner on this host can be judged)."""
+def runner_gone(record: dict[str, Any], log_dir: Path | None = None) -> bool:
+    """Whether the record's runner has ended: on this host, by its pid; on another, by its lease
+    (the age of ``log_dir``'s record, when given)."""
     pid, start = record.get("pid"), record.get("start")
-    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0 or start is None:
+    if not isinstance(pid, int) or pid <= 0 or start is None:
         return False
-    return process_start(pid) != start
+    if record.get("host") == socket.gethostname():
+        return process_start(pid) != start
+    try:
+        return log_dir is not None and time.time() - (log_dir / RUNNER_FILE).stat().st_mtime > LEASE_S
+    except OSError:
+        return False
 
 
 def settle(log_dir: Path, state_dir: Path | None = None) -> dict[str, Any] | None:
@@ -97,12 +124,17 @@ def settle(log_dir: Path, state_dir: Path | None = None) -> dict[str, Any] | Non
     record = read(log_dir)
     if record is None or (log_dir / RESULT_FILE).exists():
         return None
-    if record.get("state") != RUNNING or not runner_gone(record):
+    if record.get("state") != RUNNING or not runner_gone(record, log_dir):
         return record
     if (log_dir / RESULT_FILE).exists():  # it ended between our two looks
         return None
     now = time.time()
-    why = f"its client (pid {record['pid']}) ended without a result (killed?)"
+    where = (
+        ""
+        if record.get("host") == socket.gethostname()
+        else f" on {record.get('host')}, silent for over {LEASE_S:.0f} s,"
+    )
+    why = f"its client (pid {record['pid']}){where} ended without a result (killed?)"
     lost = {**record, "state": LOST, "error": f"run {log_dir.name}: {why}", "ended_at": now}
     if state_dir is not None and db_path(state_dir).exists():
         try:
@@ -136,7 +168,7 @@ def settle_open(state_dir: Path, logs_root: Path | None = None) -> list[str]:
 
 def _open_in_store(state_dir: Path) -> list[Path]:
     """The log directories of the runs the store has no end for."""
-    from ..telemetry_store import query
+    from ..telemetry import query
 
     if not db_path(state_dir).exists():
         return []

@@ -13,11 +13,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import anyio
 import pytest
+
+from monarch_cli.jobs import run_owner
 
 from ..conftest import REPO, write_script
 from .test_mcp import connected
@@ -113,3 +116,41 @@ def test_a_client_killed_with_sigkill_leaves_no_run_running(tmp_path: Path) -> N
     finally:
         stopped = _monarch(project, "stop")
         assert stopped.returncode == 0, stopped.stderr
+
+
+def _other_hosts_run(state: Path) -> Path:
+    """A run's log directory as a client on another host writes it (a shared state directory)."""
+    log = state / "logs" / "20261128-000000000-abcd"
+    log.mkdir(parents=True)
+    record = {"pid": 4242, "start": "boot:1", "host": "node-7", "state": run_owner.RUNNING}
+    (log / run_owner.RUNNER_FILE).write_text(json.dumps(record))
+    return log
+
+
+def test_a_run_whose_client_on_another_host_stopped_renewing_is_lost_here(tmp_path: Path) -> None:
+    """A reader on the login node cannot look up a compute node's pid: the record's lease decides."""
+    log = _other_hosts_run(tmp_path / ".monarch")
+    assert run_owner.settle(log, tmp_path / ".monarch")["state"] == run_owner.RUNNING  # renewed just now
+    stale = time.time() - run_owner.LEASE_S - 5
+    os.utime(log / run_owner.RUNNER_FILE, (stale, stale))
+    lost = run_owner.settle(log, tmp_path / ".monarch")
+    assert lost is not None and lost["state"] == run_owner.LOST and "on node-7" in lost["error"], lost
+    assert json.loads((log / run_owner.RUNNER_FILE).read_text())["state"] == run_owner.LOST  # for every later reader
+
+
+def test_a_running_client_renews_its_lease_until_the_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_owner, "RENEW_S", 0.05)
+    log = tmp_path / "run"
+    log.mkdir()
+    run_owner.claim(log)
+    record = log / run_owner.RUNNER_FILE
+    first = record.stat().st_mtime_ns
+    deadline = time.monotonic() + 30
+    while record.stat().st_mtime_ns == first:
+        assert time.monotonic() < deadline, "the runner never renewed its lease"
+        time.sleep(0.01)
+    (log / run_owner.RESULT_FILE).write_text("{}")
+    renewers = [t for t in threading.enumerate() if t.name == "monarch-run-lease"]
+    for t in renewers:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in renewers), "the lease outlived the run's result"
