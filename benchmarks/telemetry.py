@@ -229,7 +229,7 @@ def mean_diff(off: Sequence[float], on: Sequence[float], draws: int = 4000) -> t
 
 
 def agent_pids(state: Path) -> list[int]:
-    from monarch_cli.telemetry_store import db_path, query
+    from monarch_cli.telemetry import db_path, query
 
     _, rows = query(db_path(state.parent), "SELECT DISTINCT agent_pid FROM hosts WHERE agent_pid IS NOT NULL")
     return [r[0] for r in rows]

@@ -29,9 +29,8 @@ LAYERS = {
     "sysutil": 0,
     "shutdown": 0,
     "templates": 0,
-    "telemetry_store": 0,
+    "telemetry": 0,
     "version": 0,
-    "telemetry_queries": 0,
     "dashboard": 4,
 }
 #: The top-level modules of the package itself (``monarch_cli/__init__.py`` re-exports the runtime lazily).

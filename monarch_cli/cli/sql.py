@@ -1,6 +1,6 @@
 """``monarch sql``: a read-only query of the reservation's telemetry store.
 
-This module imports only the standard library and :mod:`monarch_cli.telemetry_store`, so
+This module imports only the standard library and :mod:`monarch_cli.telemetry`, so
 ``monarch sql`` answers without loading Typer, rich or the runtime (see :func:`fast_main`,
 which ``monarch_cli.cli.main`` calls directly). The Typer command in
 :mod:`.telemetry` renders through the same functions, for ``--help`` and in-process use.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import env
-from ..telemetry_store import (
+from ..telemetry import (
     DEFAULT_MAX_ROWS,
     DEFAULT_TIMEOUT,
     StoreError,

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..telemetry_store import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT
+from ..telemetry import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT
 from .common import JsonOpt, StateOpt, app, emit_json, err, friendly, out, parse_ranks
 from .results import top_json
 from .sql import run_sql

@@ -1,7 +1,7 @@
 """``monarch dashboard``: the reservation's runs, ranks, output, plots, stacks and diagnosis in a browser tab.
 
 A view over the same telemetry store and the same queries as ``monarch sql``/``top``/``stack``/``diagnose``
-(:mod:`monarch_cli.telemetry_queries`). Needs the ``dashboard`` extra (FastAPI, uvicorn); nothing else in
+(:mod:`monarch_cli.telemetry.queries`). Needs the ``dashboard`` extra (FastAPI, uvicorn); nothing else in
 monarch imports it. Listens on the loopback address only; every request needs the URL's random token.
 """
 

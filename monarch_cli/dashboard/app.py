@@ -236,7 +236,7 @@ def create_app(views: Views, token: str, hosts: set[str] | None = None) -> ASGIA
         summary="The SQL behind each view (run it yourself with `monarch sql`)",
     )
     def queries_api() -> dict[str, dict[str, str]]:
-        from ..telemetry_queries import QUERIES
+        from ..telemetry import QUERIES
 
         return {name: {"description": what, "sql": sql} for name, (what, sql) in QUERIES.items()}
 

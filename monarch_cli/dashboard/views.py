@@ -1,7 +1,7 @@
 """What each dashboard page shows, as plain data: the store's named queries plus what the agents say now.
 
 No web framework here (the app in :mod:`.app` only routes and serialises), so a script can call the
-same functions. Every read of the store goes through :mod:`monarch_cli.telemetry_queries`, the queries
+same functions. Every read of the store goes through :mod:`monarch_cli.telemetry.queries`, the queries
 ``monarch top``/``stack``/``diagnose`` run too.
 """
 
@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..jobs.run_owner import settle_open
 from ..jobs.state import NoReservation, StateError, state_path
-from ..telemetry_queries import numbers, rows
-from ..telemetry_store import StoreError, db_path
+from ..telemetry import StoreError, db_path, numbers, rows
 
 if TYPE_CHECKING:
     from ..jobs import Job

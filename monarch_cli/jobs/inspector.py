@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..runtime import protocol
-from ..telemetry_queries import sql as named_sql
-from ..telemetry_store import StoreError, _connect_rw, db_path, query
+from ..telemetry import StoreError, _connect_rw, db_path, query
+from ..telemetry import sql as named_sql
 from .rank_rows import RankRow, suspicions
 from .ranks import rank_ranges as compress  # (its name here, for the CLI, the dashboard and tests)
 from .telemetry import TelemetryError

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import env
 from ..runtime import protocol
-from ..telemetry_store import TelemetryWriter, db_path
+from ..telemetry import TelemetryWriter, db_path
 from .errors import JobError
 
 if TYPE_CHECKING:

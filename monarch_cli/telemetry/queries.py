@@ -1,7 +1,7 @@
 """The SQL behind every view of the telemetry store, in one place.
 
 ``monarch top``, ``stack``, ``diagnose`` and ``monarch dashboard`` (its pages and its REST API) all run
-these statements through :func:`monarch_cli.telemetry_store.query`, so what a page shows is exactly what
+these statements through :func:`monarch_cli.telemetry.query`, so what a page shows is exactly what
 ``monarch sql`` gives for the same statement (``GET /api/queries`` lists them, with their parameters).
 Standard library only, like the store.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .telemetry_store import query
+from .reader import query
 
 #: name -> (what it answers, statement). Parameters are positional (``?``), in the order the text names them.
 QUERIES: dict[str, tuple[str, str]] = {
@@ -111,7 +111,7 @@ QUERIES: dict[str, tuple[str, str]] = {
 
 
 def rows(db: Path, name: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-    """The named statement's rows as dicts; errors are :class:`~monarch_cli.telemetry_store.StoreError`."""
+    """The named statement's rows as dicts; errors are :class:`~monarch_cli.errors.StoreError`."""
     cols, found = query(db, QUERIES[name][1], params)
     return [dict(zip(cols, r)) for r in found]
 

@@ -5,7 +5,7 @@ Two ranks print 200 MB each, in 4 KB lines, as fast as Python can, and the reser
 to an OTLP collector that accepts connections and never answers. The console is /dev/null
 (the fastest reader), so what limits the client is what it does with the lines: the run log on
 disk, the telemetry store and the OTLP exporter. Every buffer between them is bounded in bytes
-(``output.MAX_LOG_QUEUED``, ``telemetry_store.MAX_QUEUED_BYTES``, ``otlp.MAX_QUEUED_BYTES``);
+(``output.MAX_LOG_QUEUED``, ``telemetry.writer.MAX_QUEUED_BYTES``, ``otlp.MAX_QUEUED_BYTES``);
 before they were, the OTLP queue was bounded in items (200,000 lines of any length) and the
 client grew with the flood.
 """

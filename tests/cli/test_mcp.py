@@ -426,7 +426,7 @@ def test_cancel_run_signals_only_its_own_runner(tmp_path: Path) -> None:
 def test_sql_clips_big_cells_as_it_reads_and_counts_past_a_trailing_comment(tmp_path: Path) -> None:
     """200 rows of 4 MB cells make a 1 MB answer (cells clipped to 2,000 characters), and the
     server never holds the 800 MB whole; a query ending in a `--` comment still gets its row count."""
-    from monarch_cli.telemetry_store import TelemetryWriter, db_path
+    from monarch_cli.telemetry import TelemetryWriter, db_path
 
     project = tmp_path / "project"
     (project / ".monarch").mkdir(parents=True, mode=0o700)

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from monarch_cli.telemetry_store import TelemetryWriter, db_path
+from monarch_cli.telemetry import TelemetryWriter, db_path
 
 ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c)"
 

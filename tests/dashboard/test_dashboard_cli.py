@@ -105,7 +105,7 @@ def test_serve_otlp_then_dashboard_prints_its_url_once_and_refuses_requests_with
 def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
     import socket
 
-    from monarch_cli.telemetry_store import _connect_rw, db_path
+    from monarch_cli.telemetry import _connect_rw, db_path
 
     _connect_rw(db_path(tmp_path / ".monarch")).close()  # a store with history, no reservation
     held = socket.socket()
@@ -142,7 +142,7 @@ def _argv_of_every_process() -> str:
 def test_open_keeps_the_token_off_the_browsers_command_line(tmp_path: Path, browser) -> None:  # type: ignore[no-untyped-def]
     """--open goes through Python's webbrowser, which runs $BROWSER with a URL: that URL holds no token
     (every local user sees it in `ps`), yet opening it, in a real chromium, lands on the dashboard."""
-    from monarch_cli.telemetry_store import _connect_rw, db_path
+    from monarch_cli.telemetry import _connect_rw, db_path
 
     _connect_rw(db_path(tmp_path / ".monarch")).close()
     argv_file, runtime = tmp_path / "argv.json", tmp_path / "run"

@@ -18,7 +18,7 @@ import pytest
 
 from monarch_cli.dashboard.app import MAX_STREAMS
 from monarch_cli.dashboard.views import MAX_NUMBER_POINTS, MAX_SERIES_ROWS
-from monarch_cli.telemetry_store import TelemetryWriter, db_path
+from monarch_cli.telemetry import TelemetryWriter, db_path
 
 from .conftest import Served, wait_for
 

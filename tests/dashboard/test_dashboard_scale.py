@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from monarch_cli.dashboard.views import MAX_SERIES_ROWS
-from monarch_cli.telemetry_store import TelemetryWriter, db_path
+from monarch_cli.telemetry import TelemetryWriter, db_path
 
 from .conftest import Served, wait_for
 

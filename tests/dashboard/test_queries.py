@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_cli.telemetry_queries import QUERIES, numbers, rows
-from monarch_cli.telemetry_store import TelemetryWriter, db_path
+from monarch_cli.telemetry import QUERIES, TelemetryWriter, db_path, numbers, rows
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from monarch_cli.runtime.workspace import Mirror, Scanner, WorkspaceError, load_scanner, save_scanner
-from monarch_cli.telemetry_store import StoreError, TelemetryWriter, connect_readonly
+from monarch_cli.telemetry import StoreError, TelemetryWriter, connect_readonly
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 

@@ -25,7 +25,7 @@ from monarch_cli.jobs import Job, serve
 from monarch_cli.jobs.inspector import compress
 from monarch_cli.jobs.rank_rows import RankRow, suspicions
 from monarch_cli.runtime.agent.telemetry import py_spy_path
-from monarch_cli.telemetry_store import TelemetryWriter, db_path, query, schema_json, schema_text
+from monarch_cli.telemetry import TelemetryWriter, db_path, query, schema_json, schema_text
 
 from ..conftest import one_line_error
 from .conftest import Run, spmd
@@ -666,9 +666,9 @@ def test_a_flood_of_output_is_committed_as_it_comes_and_bounded_in_memory(
     rest still waits (a round once ran until the queue was empty, which under a flood it never
     was: nothing was committed), and what waits stays under the writer's byte bound (the rest
     is counted, in the rank logs only)."""
-    from monarch_cli import telemetry_store
+    from monarch_cli.telemetry import writer as writer_module
 
-    monkeypatch.setattr(telemetry_store, "MAX_QUEUED_BYTES", 8 << 20)
+    monkeypatch.setattr(writer_module, "MAX_QUEUED_BYTES", 8 << 20)
     writer = TelemetryWriter(db_path(tmp_path), "run-flood", start=False)
     chunk = b"step ok\n" * 4
     for _ in range(300_000):  # ~10 MB: past the bound, and many transactions' worth of items

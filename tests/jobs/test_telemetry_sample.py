@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from monarch_cli.jobs import Job
-from monarch_cli.telemetry_store import db_path
+from monarch_cli.telemetry import db_path
 
 from ..conftest import write_script
 from .conftest import spmd

@@ -243,7 +243,7 @@ SQL_TIMEOUT = 20.0
 
 
 def sql(s: Session, a: dict[str, Any]) -> Reply:
-    from ...telemetry_store import StoreError, query_bounded, schema_json, schema_text
+    from ...telemetry import StoreError, query_bounded, schema_json, schema_text
     from ..sql import render, settle_runs, store_path
 
     if a.get("schema"):

@@ -21,7 +21,7 @@ from ...errors import UserError
 from ...jobs import run_owner
 from ...jobs.run_log import rank_log, rank_logs
 from ...jobs.state import state_path
-from ...telemetry_store import StoreError, db_path, query
+from ...telemetry import StoreError, db_path, query
 from ..results import logs_root, run_logs
 from .bounds import MAX_RANKS, clip_line, tail_lines
 from .detached import read_record, record_path, write_record
