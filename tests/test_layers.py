@@ -32,6 +32,7 @@ LAYERS = {
     "telemetry": 0,
     "version": 0,
     "dashboard": 4,
+    "mcp": 4,
 }
 #: The top-level modules of the package itself (``monarch_cli/__init__.py`` re-exports the runtime lazily).
 ROOT = {"__init__": 1, "__main__": 4}
@@ -271,9 +272,9 @@ OWNED = {
     },
     "sky": {"monarch_cli/schedulers/skypilot/sdk.py"},
     # the `mcp` extra (and what only it brings): `monarch mcp`'s server, nothing else
-    "mcp": {"monarch_cli/cli/mcp_server/server.py"},
-    "anyio": {"monarch_cli/cli/mcp_server/server.py"},
-    "jsonschema": {"monarch_cli/cli/mcp_server/server.py"},
+    "mcp": {"monarch_cli/mcp/server.py"},
+    "anyio": {"monarch_cli/mcp/server.py"},
+    "jsonschema": {"monarch_cli/mcp/server.py"},
     "fastapi": {"monarch_cli/dashboard/__init__.py", "monarch_cli/dashboard/app.py"},
     "uvicorn": {"monarch_cli/dashboard/__init__.py"},
     "starlette": {"monarch_cli/dashboard/app.py"},

@@ -70,11 +70,11 @@ COMMAND_MODULES = {
     "debug": "debug",
     "sbatch": "slurm",
     "version": "version",
-    "mcp": "mcp_server",
+    "mcp": "mcp",
     **dict.fromkeys(["sql", "stack", "diagnose", "top"], "telemetry"),
     "dashboard": "dashboard",
 }
-_ALL = ("dashboard", "debug", "jobs", "mcp_server", "slurm", "telemetry", "version")
+_ALL = ("dashboard", "debug", "jobs", "mcp", "slurm", "telemetry", "version")
 
 
 def _only_module(argv: "list[str]") -> "str | None":

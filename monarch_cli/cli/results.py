@@ -1,4 +1,4 @@
-"""The objects ``--json`` prints, built once for the CLI and the MCP server (``cli/mcp_server``).
+"""The objects ``--json`` prints, built once for the CLI and the MCP server (``monarch_cli/mcp``).
 
 A command that had built its JSON inline calls these instead, so an agent driving the MCP
 server gets exactly what ``monarch CMD --json`` prints. Standard library only at import time:

@@ -1,4 +1,4 @@
-"""What keeps an agent's context small (cli/mcp_server/bounds.py): clipped lines, tails read from the
+"""What keeps an agent's context small (mcp/bounds.py): clipped lines, tails read from the
 end of big logs, greps that count what they left out, capped lists that say so."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from monarch_cli.cli.mcp_server.bounds import MAX_LINE, cap, clip_line, scan, tail_lines
+from monarch_cli.mcp.bounds import MAX_LINE, cap, clip_line, scan, tail_lines
 
 
 def test_a_tail_is_read_from_the_end_and_long_lines_are_clipped(tmp_path: Path) -> None:
@@ -47,7 +47,7 @@ def test_a_capped_list_says_how_many_were_left_out_and_where_they_are() -> None:
 def test_a_log_line_of_tens_of_megabytes_without_a_newline_is_read_once(tmp_path: Path) -> None:
     """A tqdm bar redrawn with \\r and never ended is one line of many MB: the tail shows its
     last lines clipped, a grep counts every line right and matches long lines on their head."""
-    from monarch_cli.cli.mcp_server.bounds import MAX_TAIL_BYTES
+    from monarch_cli.mcp.bounds import MAX_TAIL_BYTES
 
     log = tmp_path / "rank0.log"
     log.write_bytes(b"start\n" + b"step 1\n" + b"y" * (MAX_TAIL_BYTES + (1 << 20)) + b"\nend of run\n")

@@ -15,7 +15,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from ...errors import UserError
+from ..errors import UserError
 
 #: One line of output, at most (the rest is counted).
 MAX_LINE = 400

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import UserError
-from .. import results
+from ..cli import results
+from ..errors import UserError
 from .bounds import (
     MAX_FRAMES,
     MAX_GROUPS,
@@ -51,7 +51,7 @@ class Session:
         return Runs(self.state)
 
     def job(self) -> Any:
-        from ...jobs import job_load
+        from ..jobs import job_load
 
         return job_load(self.state)
 
@@ -84,14 +84,14 @@ def _option_pairs(options: dict[str, Any]) -> list[str]:
 def _backend_options(scheduler: str, options: dict[str, Any], kind: str = "options") -> dict[str, Any]:
     if not options:
         return {}
-    from ...schedulers import parse_option_pairs, scheduler_class
+    from ..schedulers import parse_option_pairs, scheduler_class
 
     return parse_option_pairs(_option_pairs(options), getattr(scheduler_class(scheduler), kind), scheduler)
 
 
 # ------------------------------------------------------------------- reservations
 def serve(s: Session, a: dict[str, Any]) -> Reply:
-    from ...jobs import dryrun, serve
+    from ..jobs import dryrun, serve
 
     scheduler = a.get("scheduler", "local")
     hosts = a.get("hosts")
@@ -119,7 +119,7 @@ def serve(s: Session, a: dict[str, Any]) -> Reply:
 
 
 def status(s: Session, a: dict[str, Any]) -> Reply:
-    from ...jobs.state import NoReservation
+    from ..jobs.state import NoReservation
 
     try:
         job = s.job()
@@ -161,8 +161,8 @@ def warm(s: Session, a: dict[str, Any]) -> Reply:
 
 
 def stop(s: Session, a: dict[str, Any]) -> Reply:
-    from ...jobs import clear_unreadable
-    from ...jobs.state import NoReservation, StateError
+    from ..jobs import clear_unreadable
+    from ..jobs.state import NoReservation, StateError
 
     try:
         job = s.job()
@@ -243,8 +243,8 @@ SQL_TIMEOUT = 20.0
 
 
 def sql(s: Session, a: dict[str, Any]) -> Reply:
-    from ...telemetry import StoreError, query_bounded, schema_json, schema_text
-    from ..sql import render, settle_runs, store_path
+    from ..cli.sql import render, settle_runs, store_path
+    from ..telemetry import StoreError, query_bounded, schema_json, schema_text
 
     if a.get("schema"):
         return Reply(schema_json(), schema_text())
@@ -274,7 +274,7 @@ def sql(s: Session, a: dict[str, Any]) -> Reply:
 
 
 def stack(s: Session, a: dict[str, Any]) -> Reply:
-    from ..runs import parse_ranks
+    from ..cli.runs import parse_ranks
 
     report = s.job().stacks(parse_ranks(a.get("ranks")), bool(a.get("native")))
     data = report.to_json()
@@ -317,7 +317,7 @@ def diagnose(s: Session, a: dict[str, Any]) -> Reply:
 
 # ------------------------------------------------------------------------ debugger
 def _debugger(s: Session, a: dict[str, Any]) -> Any:
-    from ...jobs.debug import DebugClient
+    from ..jobs.debug import DebugClient
 
     return DebugClient(s.job().hostset(), a.get("run_id"))
 
@@ -337,7 +337,7 @@ def debug_list(s: Session, a: dict[str, Any]) -> Reply:
 
 
 def debug_cast(s: Session, a: dict[str, Any]) -> Reply:
-    from ...jobs.debug import select_ranks
+    from ..jobs.debug import select_ranks
 
     client = _debugger(s, a)
     try:

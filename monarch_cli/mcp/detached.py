@@ -1,6 +1,6 @@
 """A run the MCP server starts, in a process of its own that outlives the server.
 
-``python -m monarch_cli.cli.mcp_server.detached`` reads the run's spec (JSON) on stdin, forks
+``python -m monarch_cli.mcp.detached`` reads the run's spec (JSON) on stdin, forks
 once more so that the server's process tree no longer holds it, prints the runner's pid,
 and the runner then drives the run exactly as ``monarch run-spmd`` does (``Job.run_spmd``,
 in its main thread, so SIGTERM ends the run as torchrun would and SIGINT as Ctrl-C does).
@@ -40,7 +40,7 @@ def record_path(state_dir: Path, run_id: str) -> Path:
     from .tools import RUN_ID_PATTERN
 
     if not re.fullmatch(RUN_ID_PATTERN, run_id):
-        from ...errors import UserError
+        from ..errors import UserError
 
         raise UserError(f"{run_id!r} is not a run id (they look like 20261127-233922471-49a9)")
     return record_dir(state_dir) / f"{run_id}.json"
@@ -73,7 +73,7 @@ def main() -> int:
     path = record_path(state_dir, spec["run_id"])
     out = os.open(path.with_suffix(".out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     null = os.open(os.devnull, os.O_RDWR)
-    from ...jobs.run_owner import process_start  # (standard library only)
+    from ..jobs.run_owner import process_start  # (standard library only)
 
     record = {
         "run_id": spec["run_id"],
@@ -102,7 +102,7 @@ def main() -> int:
 
 
 def _run(spec: dict[str, Any], path: Path, record: dict[str, Any]) -> dict[str, Any]:
-    from ...jobs import job_load
+    from ..jobs import job_load
 
     def say(message: str) -> None:
         sys.stderr.write(f"monarch: {message}\n")
@@ -132,7 +132,7 @@ def _cancelled(sig: int, frame: Any) -> None:
 
 
 def _failure(e: BaseException) -> dict[str, Any]:
-    from ..console import describe_error, internal_message
+    from ..cli.console import describe_error, internal_message
 
     known = describe_error(e)
     if isinstance(e, KeyboardInterrupt):

@@ -1,10 +1,8 @@
 """``monarch mcp``: the whole tool as a Model Context Protocol server, for coding agents.
 
-This module only registers the command: the MCP SDK (the ``mcp`` extra) is imported when the
-command runs, by ``server.py``, and by nothing else in the package (tests/test_layers.py).
-The tools (``tools.py``) call the same job API and build the same objects as the CLI's
-``--json`` (``cli/results.py``); a run started by an agent runs in a process of its own
-(``detached.py``) that outlives the server.
+This module only registers the command; the server is :mod:`monarch_cli.mcp`, a front end beside
+the dashboard. The MCP SDK (the ``mcp`` extra) is imported when the command runs, by
+``mcp/server.py``, and by nothing else in the package (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -16,8 +14,8 @@ from pathlib import Path
 
 import typer
 
-from ...errors import UserError
-from ..common import StateOpt, app, friendly
+from ..errors import UserError
+from .common import StateOpt, app, friendly
 
 
 @app.command("mcp")
@@ -36,8 +34,8 @@ def mcp_cmd(
 
     if importlib.util.find_spec("mcp") is None:  # the optional extra: say how to get it, in one line
         raise UserError("monarch mcp needs the MCP Python SDK: pip install 'mcp>=2.3,<3'")
-    from ...jobs.state import state_path
-    from .server import main
+    from ..jobs.state import state_path
+    from ..mcp import main
 
     handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s monarch mcp %(levelname)s %(message)s"))

@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...errors import UserError
-from ...jobs import run_owner
-from ...jobs.run_log import rank_log, rank_logs
-from ...jobs.state import state_path
-from ...telemetry import StoreError, db_path, query
-from ..results import logs_root, run_logs
+from ..cli.results import logs_root, run_logs
+from ..errors import UserError
+from ..jobs import run_owner
+from ..jobs.run_log import rank_log, rank_logs
+from ..jobs.state import state_path
+from ..telemetry import StoreError, db_path, query
 from .bounds import MAX_RANKS, clip_line, tail_lines
 from .detached import read_record, record_path, write_record
 
@@ -44,7 +44,7 @@ class Runs:
     # ------------------------------------------------------------------ start
     def start(self, command: list[str] | None, options: dict[str, Any]) -> str:
         """Start a detached runner for the reservation; returns the run id at once."""
-        from ...jobs import job_load, new_run_id
+        from ..jobs import job_load, new_run_id
 
         job = job_load(self.state)  # no reservation, or an unreadable one: one line now, not in the runner
         if command is None and not job.state.default_command:
@@ -60,7 +60,7 @@ class Runs:
         record_path(self.state_dir, run_id).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._prune()
         runner = subprocess.Popen(
-            [sys.executable, "-m", "monarch_cli.cli.mcp_server.detached"],
+            [sys.executable, "-m", "monarch_cli.mcp.detached"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -88,7 +88,7 @@ class Runs:
     # --------------------------------------------------------------- looking
     def latest(self) -> str:
         """The newest SPMD run's id (``exec`` runs are not runs here)."""
-        from ...jobs.output import list_runs
+        from ..jobs.output import list_runs
 
         runs = [p.name for p in list_runs(self.logs) if not p.name.startswith("exec-")]
         starting = [p.stem for p in _records(self.state_dir)]
@@ -228,7 +228,7 @@ class Runs:
 
 def groups(ranks: list[tuple[int, int | None, str]]) -> list[dict[str, Any]]:
     """Ranks with the same ending, together: ``[{"ranks": "0-2,5", "count": 4, "status": 0, "how": "exit 0"}]``."""
-    from ...jobs.lifecycle import rank_list
+    from ..jobs.lifecycle import rank_list
 
     by: dict[tuple[int | None, str], list[int]] = {}
     for rank, status, how in ranks:
@@ -294,7 +294,10 @@ def _is_runner(pid: object) -> bool:
         owner = os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return False
-    return owner == os.getuid() and b"monarch_cli.cli.mcp_server.detached" in argv
+    # (a runner started before the server moved out of cli/ still runs as monarch_cli.cli.mcp_server.detached)
+    return owner == os.getuid() and bool(
+        {b"monarch_cli.mcp.detached", b"monarch_cli.cli.mcp_server.detached"} & set(argv)
+    )
 
 
 def _signal(pid: int, sig: int) -> None:

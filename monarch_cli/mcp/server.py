@@ -27,8 +27,8 @@ from anyio.from_thread import run as from_thread_run
 from mcp.server import Server, ServerRequestContext
 from mcp.server.stdio import stdio_server
 
-from ... import __version__
-from ..console import describe_error, internal_message
+from .. import __version__
+from ..cli.console import describe_error, internal_message
 from . import handlers, runs
 from .bounds import clip_text
 from .handlers import Reply, Session
@@ -250,7 +250,7 @@ def _error_reply(e: BaseException) -> Reply:
 
 def _key_strings(state: Path | None) -> list[str]:
     try:
-        from ...jobs import job_load
+        from ..jobs import job_load
 
         keys = job_load(state).keys
         return [keys.secret.decode(), keys.public.decode()]
