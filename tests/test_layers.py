@@ -265,7 +265,7 @@ def test_the_cycle_check_catches_a_planted_cycle(tmp_path: Path) -> None:
 
 OWNED = {
     "paramiko": {"monarch_cli/schedulers/ssh/scheduler.py", "monarch_cli/schedulers/skypilot/ssh_access.py"},
-    "pathspec": {"monarch_cli/runtime/workspace.py"},
+    "pathspec": {"monarch_cli/runtime/workspace/scan.py"},
     "torchx": {"monarch_cli/schedulers/torchx/appdef.py", "monarch_cli/schedulers/torchx/scheduler.py"},
     "kubernetes": {
         f"monarch_cli/schedulers/kubernetes/{name}.py" for name in ("api", "pods", "port_forward", "scheduler")
