@@ -339,7 +339,8 @@ class Mailbox(MailboxIO):
         try:
             head, body = wire.parse(frames, plain=self.plain_only)
         except pickle.UnpicklingError as e:  # not plain data (or torn): refused, said once per kind
-            self._refused(e)
+            why = f"refused a message: {e}"  # (rare: made at once)
+            self._dropped("not plain data", lambda: why)
             return
         if head and head[0] == "batch":  # an agent's events of one round: each as if sent alone
             try:
@@ -359,10 +360,7 @@ class Mailbox(MailboxIO):
         try:
             msg = protocol.decode(head)
         except (KeyError, TypeError):  # from a newer agent or proc: say so once per kind, go on
-            kind = str(head[0]) if head else "?"
-            if kind not in self.events.dropped:
-                print(f"monarch: {protocol.not_understood(head, 'this client')}", file=sys.stderr, flush=True)
-            self.events.dropped[kind] = self.events.dropped.get(kind, 0) + 1
+            self._dropped(str(head[0]) if head else "?", lambda: protocol.not_understood(head, "this client"))
             return
         if msg.KIND == "result":
             self._on_result(msg, body)
@@ -396,10 +394,10 @@ class Mailbox(MailboxIO):
         else:
             fut.set_exception(remote_error(value))
 
-    def _refused(self, error: Exception) -> None:
-        kind = "not plain data"
+    def _dropped(self, kind: str, why: Callable[[], str]) -> None:
+        """Count a message not handled; say why the first time its kind is dropped."""
         if kind not in self.events.dropped:
-            print(f"monarch: refused a message: {error}", file=sys.stderr, flush=True)
+            print(f"monarch: {why()}", file=sys.stderr, flush=True)
         self.events.dropped[kind] = self.events.dropped.get(kind, 0) + 1
 
     def _on_proc_exit(self, msg: protocol.ProcExited) -> None:

@@ -102,7 +102,15 @@ def resolve(module: str, name: str) -> Any:
     return _user_value_class(module, name)
 
 
-class _PlainUnpickler(pickle.Unpickler):
+class LiftedBytesUnpickler(pickle.Unpickler):
+    """Reads what :func:`.wire.dumps` lifted out of band: big ``bytes``/``bytearray`` as persistent ids."""
+
+    def persistent_load(self, pid: Any) -> Any:
+        is_bytearray, buf = pid
+        return bytearray(buf) if is_bytearray else bytes(buf)
+
+
+class _PlainUnpickler(LiftedBytesUnpickler):
     lenient = False
 
     def find_class(self, module: str, name: str) -> Any:
@@ -112,10 +120,6 @@ class _PlainUnpickler(pickle.Unpickler):
         if self.lenient:
             return Withheld
         raise NotPlainData(f"{module}.{name} is not plain data")
-
-    def persistent_load(self, pid: Any) -> Any:  # bytes lifted out of band by wire.dumps
-        is_bytearray, buf = pid
-        return bytearray(buf) if is_bytearray else bytes(buf)
 
 
 class _LenientUnpickler(_PlainUnpickler):

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .plain import loads_plain
+from .plain import LiftedBytesUnpickler, loads_plain
 
 # Below this size an out-of-band frame costs more than it saves.
 _OOB_MIN = 4096
@@ -111,12 +111,6 @@ def _pickler_classes() -> tuple[type, type]:
     return _picklers
 
 
-class _Unpickler(pickle.Unpickler):
-    def persistent_load(self, pid: Any) -> Any:
-        is_bytearray, buf = pid
-        return bytearray(buf) if is_bytearray else bytes(buf)
-
-
 def _dump(pickler: type, obj: Any) -> tuple[list[Any], Any]:
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
@@ -158,7 +152,7 @@ def loads(frames: Sequence[Any], plain: bool = False, lenient: bool = False) -> 
         data, buffers = memoryview(frames[0])[1:], frames[1:]
         if plain:
             return loads_plain(data, buffers, lenient)
-        return _Unpickler(io.BytesIO(data), buffers=buffers).load()
+        return LiftedBytesUnpickler(io.BytesIO(data), buffers=buffers).load()
     if plain:
         return loads_plain(frames[0], frames[1:], lenient)
     return pickle.loads(frames[0], buffers=frames[1:])
