@@ -27,14 +27,7 @@ from monarch_cli.runtime.mailbox.mailbox import Mailbox
 from monarch_cli.runtime.transport import wire
 
 from ..conftest import wait_until
-
-
-class _Evil:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.path}",))
+from .test_security import _Evil
 
 
 class _EvilError(Exception):

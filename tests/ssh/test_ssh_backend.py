@@ -199,35 +199,24 @@ def test_a_warm_re_run_opens_no_ssh_connection(ssh_job: tuple[Job, Path, Path], 
     (before, every run probed every host over a new SSH connection)."""
     job, ws, _ = ssh_job
     (ws / "hello.py").write_text("print('hello', flush=True)\n")
-    run = [
-        sys.executable,
-        "-m",
-        "monarch_cli",
-        "run-spmd",
-        "--state",
-        str(job.path),
-        "--",
-        "torchrun",
-        "--nproc-per-node=1",
-        "hello.py",
-    ]
-    env = {**os.environ, "PYTHONPATH": REPO}
-    first = subprocess.run(run, cwd=ws, capture_output=True, text=True, timeout=180, env=env)
+    run = ["run-spmd", "--state", str(job.path), "--", "torchrun", "--nproc-per-node=1", "hello.py"]
+    first = _monarch(*run, cwd=ws)
     assert first.returncode == 0, first.stderr
     with _SshConnections(ssh_hosts) as ssh:
-        again = subprocess.run(run, cwd=ws, capture_output=True, text=True, timeout=180, env=env)
+        again = _monarch(*run, cwd=ws)
         assert again.returncode == 0, again.stderr
         assert again.stdout.count("hello") == 2, again.stdout
         assert ssh.count() == 0, f"a healthy re-run opened {ssh.count()} SSH connection(s)"
 
 
-def _monarch(*args: str) -> subprocess.CompletedProcess:
+def _monarch(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "monarch_cli", *args],
         capture_output=True,
         text=True,
         timeout=180,
         env={**os.environ, "PYTHONPATH": REPO},
+        cwd=cwd,
     )
 
 

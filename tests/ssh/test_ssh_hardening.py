@@ -27,7 +27,7 @@ from monarch_cli.runtime.launch import bundle
 
 from ..conftest import wait_until
 from .conftest import SshHosts
-from .test_ssh_backend import PYTHON, REPO, _on_host, _ssh_config
+from .test_ssh_backend import PYTHON, REPO, _netns_processes, _on_host, _ssh_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.ssh]
 OTHER = "monarch-planter"  # a second real user (as tests/jobs/test_planted_files.py makes it)
@@ -152,16 +152,7 @@ WRAPPER = "/root/lease-python"
 
 def _agents_of(hosts: SshHosts, rid: str) -> list[str]:
     """Processes of reservation ``rid`` in the hosts' network namespaces (their titles name it)."""
-    found = []
-    for h in hosts.hosts:
-        for pid in subprocess.run(["ip", "netns", "pids", h.name], capture_output=True, text=True).stdout.split():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if f" {rid} " in f" {cmd} " and "sshd" not in cmd:
-                found.append(f"{h.name} {pid}: {cmd}")
-    return found
+    return [line for line in _netns_processes(hosts) if f" {rid} " in f" {line.partition(': ')[2]} "]
 
 
 @pytest.fixture
